@@ -1,0 +1,572 @@
+"""Checks for specs/api: HTTP exchanges with an OpenAI-compatible server (httpx, no SDK).
+
+With `--base-url URL` (the server's root, e.g. http://127.0.0.1:8000; a trailing /v1 is
+dropped) they test that server; without it, our own server on the default model
+(conformance/api/own_server.py, started on first use). The case vocabulary (request, expect,
+fields, ...) is documented in specs/api/README.md. The checks that need a server set up for
+them (overload, health_while_loading) start one of ours (own_server.extra_server); their cases
+are infer_only, since a server given with --base-url cannot be restarted with other settings.
+"""
+
+import contextlib
+import functools
+import json
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from conformance.api.own_server import DEFAULT_MODEL, extra_server, own_server_url, wait_healthy
+
+TYPES = {"str": str, "int": int, "number": (int, float), "bool": bool, "list": list, "object": dict}
+
+
+def exchange(case: dict, impl, options) -> None:
+    client, model = _connect(case, options)
+    response = _send(client, case["request"], model)
+    expect = _materialize(case.get("expect", {}), model)
+    problems = _check_response(response, expect, _materialize(case["request"], model).get("json"))
+    if expect.get("then_healthy"):
+        # The refusal must not have hurt the server: a small request still succeeds.
+        follow_up = client.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 1})
+        if follow_up.status_code != 200:
+            problems.append(f"after the refusal a 1-token completion answered {follow_up.status_code}")
+    assert not problems, _report(case, response, problems)
+
+
+def repeatable(case: dict, impl, options) -> None:
+    client, model = _connect(case, options)
+    first, second = (_send(client, case["request"], model) for _ in range(2))
+    assert first.status_code == second.status_code == 200, _report(
+        case, first, [f"status {first.status_code}"]
+    )
+    assert _texts(first.json()) == _texts(second.json()), f"{_texts(first.json())} != {_texts(second.json())}"
+
+
+def same_answer(case: dict, impl, options) -> None:
+    client, model = _connect(case, options)
+    responses = [_send(client, request, model) for request in case["requests"]]
+    for response in responses:
+        assert response.status_code == 200, _report(case, response, [f"status {response.status_code}"])
+    answers = [_texts(r.json()) for r in responses]
+    assert all(a == answers[0] for a in answers), f"the requests gave different answers: {answers}"
+
+
+def listed_models_are_served(case: dict, impl, options) -> None:
+    client, _ = _connect(case, options)
+    for entry in client.get("/v1/models").json()["data"]:
+        response = client.post(
+            "/v1/completions", json={"model": entry["id"], "prompt": "Hi", "max_tokens": 1}
+        )
+        assert response.status_code == 200, (
+            f"model {entry['id']!r} is listed but answers {response.status_code}"
+        )
+
+
+def metrics_format(case: dict, impl, options) -> None:
+    client, _ = _connect(case, options)
+    response = client.get("/metrics")
+    assert response.status_code == 200, f"/metrics answered {response.status_code}"
+    assert response.headers.get("content-type", "").startswith("text/plain"), response.headers.get(
+        "content-type"
+    )
+    sample = re.compile(
+        r"^[a-zA-Z_:][a-zA-Z0-9_:]*(\{.*\})? [-+]?(\d+\.?\d*([eE][-+]?\d+)?|NaN|[-+]?Inf)( \d+)?$"
+    )
+    bad = [
+        line
+        for line in response.text.splitlines()
+        if line and not line.startswith("#") and not sample.match(line)
+    ]
+    assert not bad, f"lines that are not Prometheus samples: {bad[:5]}"
+
+
+def metrics_names(case: dict, impl, options) -> None:
+    client, _ = _connect(case, options)
+    text = client.get("/metrics").text
+    kinds = {"gauges": "gauge", "counters": "counter", "histograms": "histogram"}
+    missing = [
+        f"{name} ({kind})"
+        for key, kind in kinds.items()
+        for name in case.get(key, [])
+        if f"# TYPE {name.removesuffix('_total')} {kind}" not in text and f"# TYPE {name} {kind}" not in text
+    ]
+    assert not missing, f"/metrics lacks {missing}"
+
+
+def metrics_count_usage(case: dict, impl, options) -> None:
+    client, model = _connect(case, options)
+    counters = case["counters"]
+    before = _scrape(client)
+    response = _send(client, case["request"], model)
+    assert response.status_code == 200, _report(case, response, [f"status {response.status_code}"])
+    after = _scrape(client)
+    usage = response.json()["usage"]
+    for usage_key, name in (
+        ("prompt_tokens", counters["prompt"]),
+        ("completion_tokens", counters["generated"]),
+    ):
+        moved = after.get(name, 0.0) - before.get(name, 0.0)
+        assert moved == usage[usage_key], f"{name} moved by {moved}, usage.{usage_key} is {usage[usage_key]}"
+
+
+def disconnect_aborts(case: dict, impl, options) -> None:
+    client, model = _connect(case, options)
+    gauge = "infer_requests_running"
+    running_before = _scrape(client).get(gauge)
+    if running_before is None:
+        pytest.skip(f"the server exposes no {gauge} gauge to watch")
+    request = _materialize(_stream_request(case), model)
+    with client.stream("POST", request["path"], json=request["json"]) as response:
+        assert response.status_code == 200, f"status {response.status_code}"
+        data_lines = (line for line in response.iter_lines() if line.startswith("data:"))
+        for _ in range(case["disconnect_after_chunks"]):
+            next(data_lines)
+        assert _scrape(client)[gauge] > running_before, f"{gauge} did not rise while the stream ran"
+    # Leaving the block closed the connection mid-stream. Within a step (generously: 10 s on a
+    # CPU) the request must be gone from the running batch.
+    deadline = time.monotonic() + 10.0
+    while _scrape(client)[gauge] > running_before:
+        assert time.monotonic() < deadline, f"{gauge} still above {running_before} 10 s after the disconnect"
+        time.sleep(0.05)
+
+
+def overload(case: dict, impl, options) -> None:
+    """On a server started with the case's server_args: max_batch_size streamed requests running
+    and max_queue_len more waiting; then the case's request must be refused with 503, an error
+    object and Retry-After, and every admitted stream must still end (one finish_reason, [DONE])."""
+    _skip_if_targeted(case, options)
+    args = case["server_args"]
+    request = _materialize(case["request"], DEFAULT_MODEL)
+    streamed = {**request["json"], "stream": True}
+    with extra_server(args) as base_url, contextlib.ExitStack() as streams:
+        client = streams.enter_context(httpx.Client(base_url=base_url, timeout=httpx.Timeout(120.0)))
+        admitted = []
+        for position in range(args["max_batch_size"] + args["max_queue_len"]):
+            response = streams.enter_context(client.stream("POST", request["path"], json=streamed))
+            assert response.status_code == 200, f"admitted request {position} answered {response.status_code}"
+            lines = response.iter_lines()
+            seen = []
+            if position < args["max_batch_size"]:
+                # Its first event means it runs; only then may the next one wait in the queue.
+                seen.append(next(line for line in lines if line.startswith("data:")))
+            admitted.append((seen, lines))
+        refused = client.request(request["method"], request["path"], json=request["json"])
+        problems = _check_response(refused, {"status": 503, "error": True}, request["json"])
+        if not refused.headers.get("retry-after", "").isdigit():
+            problems.append(
+                f"the 503 has no Retry-After of whole seconds: {refused.headers.get('retry-after')!r}"
+            )
+        for position, (seen, lines) in enumerate(admitted):
+            events = [line[len("data:") :].strip() for line in seen + list(lines) if line.startswith("data:")]
+            finishes = [
+                choice["finish_reason"]
+                for chunk in _chunks(events)
+                for choice in chunk.get("choices", [])
+                if choice.get("finish_reason") is not None
+            ]
+            if events[-1:] != ["[DONE]"] or finishes not in (["stop"], ["length"]):
+                problems.append(
+                    f"admitted request {position} ended with {events[-2:]}, finish_reasons {finishes}"
+                )
+    assert not problems, _report(case, refused, problems)
+
+
+def health_while_loading(case: dict, impl, options) -> None:
+    """On a server whose model load is held back: /health and every request of the case answer
+    503 within answer_within_s (generation with an error object and Retry-After); once the load
+    is let go, /health turns 200 and the first request succeeds."""
+    _skip_if_targeted(case, options)
+    loading = threading.Event()
+    problems = []
+    with extra_server({}, hold_loading=loading) as base_url:
+        with httpx.Client(base_url=base_url, timeout=httpx.Timeout(case["answer_within_s"])) as client:
+            try:
+                health = client.get("/health")
+                if health.status_code != 503:
+                    problems.append(f"/health answered {health.status_code} while loading")
+                for request in case["requests"]:
+                    response = _send(client, request, DEFAULT_MODEL)
+                    problems += [
+                        f"{request['path']}: {p}"
+                        for p in _check_response(response, {"status": 503, "error": True}, None)
+                    ]
+                    if "retry-after" not in response.headers:
+                        problems.append(f"{request['path']}: the 503 has no Retry-After header")
+            except httpx.TimeoutException as error:
+                problems.append(f"no answer within {case['answer_within_s']} s while loading: {error!r}")
+        loading.set()
+        wait_healthy(base_url)
+        with httpx.Client(base_url=base_url, timeout=httpx.Timeout(120.0)) as client:
+            after = _send(client, case["requests"][0], DEFAULT_MODEL)
+            if after.status_code != 200:
+                problems.append(f"after loading {case['requests'][0]['path']} answered {after.status_code}")
+    assert not problems, "\n".join(problems)
+
+
+def _scrape(client: httpx.Client) -> dict[str, float]:
+    """The unlabelled samples of /metrics, by name."""
+    samples = {}
+    for line in client.get("/metrics").text.splitlines():
+        parts = line.split()
+        if line and not line.startswith("#") and "{" not in parts[0] and len(parts) >= 2:
+            samples[parts[0]] = float(parts[1])
+    return samples
+
+
+# Streaming: every SSE clause reads the same kind of case ({endpoint, extra}) over one stream.
+
+
+def sse_framing(case: dict, impl, options) -> None:
+    response, events, problems = _stream(case, options)
+    assert response.headers.get("content-type", "").startswith("text/event-stream"), response.headers
+    assert events, "no events"
+    for payload in events[:-1]:
+        try:
+            chunk = json.loads(payload)
+        except json.JSONDecodeError:
+            problems.append(f"payload is not JSON: {payload[:80]!r}")
+            continue
+        if not isinstance(chunk, dict):
+            problems.append(f"payload is not a JSON object: {payload[:80]!r}")
+    assert not problems, "\n".join(problems)
+
+
+def sse_done_last(case: dict, impl, options) -> None:
+    _, events, problems = _stream(case, options)
+    assert events and events[-1] == "[DONE]", f"last event {events[-1:]!r}, expected [DONE]"
+    assert events.count("[DONE]") == 1, f"[DONE] sent {events.count('[DONE]')} times"
+    assert not problems, "\n".join(problems)
+
+
+def sse_one_terminal_event(case: dict, impl, options) -> None:
+    _, events, _ = _stream(case, options)
+    finished: dict[int, int] = {}
+    problems = []
+    for chunk in _chunks(events):
+        for choice in chunk.get("choices", []):
+            index = choice["index"]
+            if index in finished and _piece(choice):
+                problems.append(f"choice {index} got text after its finish_reason")
+            if choice.get("finish_reason") is not None:
+                if choice["finish_reason"] not in ("stop", "length"):
+                    problems.append(f"choice {index} finish_reason {choice['finish_reason']!r}")
+                finished[index] = finished.get(index, 0) + 1
+    n = case.get("extra", {}).get("n", 1)
+    if finished != dict.fromkeys(range(n), 1):
+        problems.append(f"terminal chunks per choice index {finished}, expected one for each of 0..{n - 1}")
+    assert not problems, "\n".join(problems)
+
+
+def sse_chunk_consistency(case: dict, impl, options) -> None:
+    _, events, _ = _stream(case, options)
+    chunks = _chunks(events)
+    expected_object = "chat.completion.chunk" if case["endpoint"] == "chat" else "text_completion"
+    problems = [f"object {c.get('object')!r}" for c in chunks if c.get("object") != expected_object]
+    for key in ("id", "created", "model"):
+        values = {json.dumps(c.get(key)) for c in chunks}
+        if len(values) != 1:
+            problems.append(f"chunks disagree on {key}: {sorted(values)}")
+    if case["endpoint"] == "chat":
+        seen: set[int] = set()
+        for chunk in chunks:
+            for choice in chunk.get("choices", []):
+                role = choice.get("delta", {}).get("role")
+                if choice["index"] not in seen and role != "assistant":
+                    problems.append(f"first delta of choice {choice['index']} has role {role!r}")
+                elif choice["index"] in seen and role is not None:
+                    problems.append(f"a later delta of choice {choice['index']} repeats role {role!r}")
+                seen.add(choice["index"])
+    assert not problems, "\n".join(problems)
+
+
+def sse_usage(case: dict, impl, options) -> None:
+    _, events, _ = _stream(case, options)
+    chunks = _chunks(events)
+    with_usage = [i for i, c in enumerate(chunks) if c.get("usage")]
+    wanted = case.get("extra", {}).get("stream_options", {}).get("include_usage", False)
+    if not wanted:
+        assert not with_usage, f"usage sent without stream_options.include_usage in chunks {with_usage}"
+        return
+    assert with_usage == [len(chunks) - 1], (
+        f"usage in chunks {with_usage} of {len(chunks)}, expected only the last"
+    )
+    last = chunks[-1]
+    assert last.get("choices") == [], f"the usage chunk has choices {last.get('choices')}"
+    usage = last["usage"]
+    request = _stream_request(case)["json"]
+    limit = request.get("n", 1) * request["max_tokens"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], usage
+    assert 0 < usage["completion_tokens"] <= limit, (
+        f"completion_tokens {usage['completion_tokens']} > {limit}"
+    )
+
+
+def stream_equals_non_stream(case: dict, impl, options) -> None:
+    client, model = _connect(case, options)
+    request = _stream_request(case)
+    _, events, _ = _stream(case, options)
+    chunks = _chunks(events)
+    streamed = "".join(_piece(choice) for chunk in chunks for choice in chunk.get("choices", []))
+    finish = [
+        c["finish_reason"] for chunk in chunks for c in chunk.get("choices", []) if c.get("finish_reason")
+    ]
+    plain_json = {k: v for k, v in request["json"].items() if k not in ("stream", "stream_options")}
+    plain = _send(client, {**request, "json": plain_json}, model).json()
+    assert streamed == _texts(plain)[0], f"streamed {streamed!r} != non-streamed {_texts(plain)[0]!r}"
+    assert finish == [plain["choices"][0]["finish_reason"]], f"finish_reason {finish} vs {plain['choices']}"
+    assert chunks[-1].get("usage") == plain["usage"], f"usage {chunks[-1].get('usage')} vs {plain['usage']}"
+
+
+def sse_tool_calls(case: dict, impl, options) -> None:
+    """A streamed answer with tools: tool-call deltas assemble (by index) into calls with an id,
+    type function, a name and arguments that join to a JSON object; one finish_reason, tool_calls
+    exactly when a call was sent; [DONE] once, last; the same calls and content as the body."""
+    client, model = _connect(case, options)
+    request = _materialize(case["request"], model)
+    response = client.post(request["path"], json=request["json"])
+    assert response.status_code == 200, f"status {response.status_code}: {response.text[:300]}"
+    events = [line[len("data:") :].strip() for line in response.text.splitlines() if line.startswith("data:")]
+    assert events and events[-1] == "[DONE]" and events.count("[DONE]") == 1, f"events end {events[-2:]}"
+    problems = []
+    calls: dict[int, dict] = {}
+    content, finishes = "", []
+    for chunk in _chunks(events):
+        for choice in chunk.get("choices", []):
+            delta = choice.get("delta") or {}
+            content += delta.get("content") or ""
+            for piece in delta.get("tool_calls") or []:
+                if not isinstance(piece.get("index"), int):
+                    problems.append(f"tool call delta without an integer index: {piece}")
+                    continue
+                call = calls.setdefault(
+                    piece["index"], {"id": None, "type": None, "name": None, "arguments": ""}
+                )
+                function = piece.get("function") or {}
+                for key, value in (
+                    ("id", piece.get("id")),
+                    ("type", piece.get("type")),
+                    ("name", function.get("name")),
+                ):
+                    if value is not None:
+                        call[key] = value
+                call["arguments"] += function.get("arguments") or ""
+            if choice.get("finish_reason") is not None:
+                finishes.append(choice["finish_reason"])
+    if len(finishes) != 1:
+        problems.append(f"finish_reason sent {len(finishes)} times: {finishes}")
+    elif (finishes[0] == "tool_calls") != bool(calls):
+        problems.append(f"finish_reason {finishes[0]!r} with {len(calls)} tool calls")
+    if sorted(calls) != list(range(len(calls))):
+        problems.append(f"tool call indexes {sorted(calls)} are not 0..{len(calls) - 1}")
+    for index, call in sorted(calls.items()):
+        if not isinstance(call["id"], str) or call["type"] != "function" or not isinstance(call["name"], str):
+            problems.append(f"tool call {index} lacks an id, type function or a name: {call}")
+        try:
+            if not isinstance(json.loads(call["arguments"]), dict):
+                problems.append(f"tool call {index} arguments are JSON but not an object")
+        except ValueError:
+            problems.append(f"tool call {index} arguments are not JSON: {call['arguments']!r}")
+    plain_json = {k: v for k, v in request["json"].items() if k not in ("stream", "stream_options")}
+    whole = _send(client, {**request, "json": plain_json}, model).json()["choices"][0]
+    whole_calls = [
+        (call["function"]["name"], json.loads(call["function"]["arguments"]))
+        for call in whole["message"].get("tool_calls") or []
+    ]
+    streamed_calls = [
+        (call["name"], json.loads(call["arguments"] or "null")) for _, call in sorted(calls.items())
+    ]
+    if not problems and streamed_calls != whole_calls:
+        problems.append(f"streamed calls {streamed_calls} != non-streamed {whole_calls}")
+    if content != (whole["message"].get("content") or ""):
+        problems.append(f"streamed content {content!r} != non-streamed {whole['message'].get('content')!r}")
+    assert not problems, "\n".join(problems)
+
+
+# Plumbing.
+
+
+def _skip_if_targeted(case: dict, options) -> None:
+    if options.base_url and case.get("infer_only"):
+        pytest.skip("infer-specific behaviour; not checked against a server given with --base-url")
+
+
+def _connect(case: dict, options) -> tuple[httpx.Client, str]:
+    _skip_if_targeted(case, options)
+    base_url = options.base_url or own_server_url()
+    client = _client(base_url.rstrip("/").removesuffix("/v1"), options.api_key)
+    return client, options.model or _first_model(client)
+
+
+@functools.cache
+def _client(base_url: str, api_key: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(base_url=base_url, headers=headers, timeout=httpx.Timeout(120.0))
+
+
+@functools.cache
+def _first_model(client: httpx.Client) -> str:
+    return client.get("/v1/models").json()["data"][0]["id"]
+
+
+def _materialize(value, model: str):
+    """Replaces "$MODEL" and expands {"$repeat": text, "times": n} anywhere in a case value."""
+    if value == "$MODEL":
+        return model
+    if isinstance(value, dict):
+        if "$repeat" in value:
+            return value["$repeat"] * value["times"]
+        return {k: _materialize(v, model) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_materialize(v, model) for v in value]
+    return value
+
+
+def _send(client: httpx.Client, request: dict, model: str) -> httpx.Response:
+    request = _materialize(request, model)
+    kwargs = {"headers": request.get("headers", {})}
+    if "json" in request:
+        kwargs["json"] = request["json"]
+    elif "body_text" in request:
+        kwargs["content"] = request["body_text"]
+    return client.request(request["method"], request["path"], **kwargs)
+
+
+def _check_response(response: httpx.Response, expect: dict, request_json) -> list[str]:
+    problems = []
+    allowed = expect.get("status", 200)
+    allowed = allowed if isinstance(allowed, list) else [allowed]
+    if response.status_code not in allowed:
+        return [f"status {response.status_code}, expected {allowed}"]
+    try:
+        body = response.json()
+    except ValueError:
+        return [] if not (expect.get("error") or expect.get("fields")) else ["body is not JSON"]
+    if expect.get("error"):
+        error = body.get("error") if isinstance(body, dict) else None
+        if not (isinstance(error, dict) and isinstance(error.get("message"), str) and "type" in error):
+            problems.append(f"not an OpenAI error object: {body}")
+        elif "names_param" in expect:
+            param = expect["names_param"]
+            if error.get("param") != param and param not in error["message"]:
+                problems.append(f"error names neither param nor message {param!r}: {error}")
+        if "message_contains" in expect and expect["message_contains"] not in json.dumps(body).lower():
+            problems.append(f"error message lacks {expect['message_contains']!r}: {body}")
+    for path, expected in expect.get("fields", {}).items():
+        problems += _match(_get(body, path), expected, path)
+    if expect.get("usage"):
+        problems += _usage_problems(body, request_json)
+    for stop in expect.get("text_excludes", []):
+        problems += [f"text {t!r} contains stop {stop!r}" for t in _texts(body) if stop in t]
+    for path in expect.get("json_strings", []):
+        try:
+            if not isinstance(json.loads(_get(body, path)), dict):
+                problems.append(f"{path} is JSON but not an object")
+        except (TypeError, ValueError):
+            problems.append(f"{path} is not a JSON string: {_get(body, path)!r}")
+    return problems
+
+
+_MISSING = object()
+
+
+def _get(body, dotted: str):
+    value = body
+    for part in dotted.split("."):
+        if isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        elif isinstance(value, dict) and part in value:
+            value = value[part]
+        else:
+            return _MISSING
+    return value
+
+
+def _match(value, expected, path: str) -> list[str]:
+    if value is _MISSING:
+        return [f"{path} is missing"]
+    if not isinstance(expected, dict):
+        return [] if value == expected else [f"{path} = {value!r}, expected {expected!r}"]
+    problems = []
+    if "type" in expected and (
+        not isinstance(value, TYPES[expected["type"]])
+        or isinstance(value, bool)
+        and expected["type"] != "bool"
+    ):
+        problems.append(f"{path} = {value!r} is not {expected['type']}")
+    if "in" in expected and value not in expected["in"]:
+        problems.append(f"{path} = {value!r}, expected one of {expected['in']}")
+    if "prefix" in expected and not str(value).startswith(expected["prefix"]):
+        problems.append(f"{path} = {value!r} does not start with {expected['prefix']!r}")
+    if "min" in expected and not value >= expected["min"]:
+        problems.append(f"{path} = {value!r} < {expected['min']}")
+    if "max" in expected and not value <= expected["max"]:
+        problems.append(f"{path} = {value!r} > {expected['max']}")
+    if "len" in expected and len(value) != expected["len"]:
+        problems.append(f"{path} has {len(value)} items, expected {expected['len']}")
+    if "min_len" in expected and len(value) < expected["min_len"]:
+        problems.append(f"{path} has {len(value)} items, expected at least {expected['min_len']}")
+    return problems
+
+
+def _usage_problems(body: dict, request: dict) -> list[str]:
+    usage = body.get("usage") or {}
+    prompt, completion, total = (usage.get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens"))
+    if not all(isinstance(v, int) for v in (prompt, completion, total)):
+        return [f"usage is not three integers: {usage}"]
+    problems = [] if total == prompt + completion else [f"total_tokens {total} != {prompt} + {completion}"]
+    max_tokens = request.get("max_completion_tokens", request.get("max_tokens"))
+    choices = body.get("choices", [])
+    if max_tokens is not None and completion > max_tokens * len(choices):
+        problems.append(f"completion_tokens {completion} > max_tokens {max_tokens} x {len(choices)} choices")
+    all_at_length = bool(choices) and all(c.get("finish_reason") == "length" for c in choices)
+    if max_tokens is not None and all_at_length and completion != max_tokens * len(choices):
+        problems.append(
+            f"every choice stopped at length but completion_tokens {completion} != {max_tokens} each"
+        )
+    return problems
+
+
+def _texts(body: dict) -> list[str]:
+    return [c.get("text", (c.get("message") or {}).get("content")) for c in body.get("choices", [])]
+
+
+def _piece(choice: dict) -> str:
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+def _stream_request(case: dict) -> dict:
+    request = case["requests"][case["endpoint"]]
+    return {**request, "json": {**request["json"], **case.get("extra", {})}}
+
+
+def _stream(case: dict, options) -> tuple[httpx.Response, list[str], list[str]]:
+    """(response, event payloads in order, framing problems) of one streamed request."""
+    client, model = _connect(case, options)
+    request = _materialize(_stream_request(case), model)
+    response = client.post(request["path"], json=request["json"])
+    assert response.status_code == 200, f"status {response.status_code}: {response.text[:300]}"
+    events, problems = [], []
+    for block in response.text.replace("\r\n", "\n").split("\n\n"):
+        if not block.strip():
+            continue
+        data = [line[len("data:") :].strip() for line in block.split("\n") if line.startswith("data:")]
+        others = [line for line in block.split("\n") if line and not line.startswith(("data:", ":"))]
+        if len(data) != 1 or others:
+            problems.append(f"event is not one data line: {block[:120]!r}")
+        events += data
+    return response, events, problems
+
+
+def _chunks(events: list[str]) -> list[dict]:
+    return [json.loads(e) for e in events if e != "[DONE]"]
+
+
+def _report(case: dict, response: httpx.Response, problems: list[str]) -> str:
+    return (
+        f"case {case['id']}: "
+        + "; ".join(problems)
+        + f"\nresponse {response.status_code}: {response.text[:500]}"
+    )

@@ -1,0 +1,150 @@
+"""Checks for specs/parity: our model against transformers on the same checkpoint.
+
+The oracle is transformers itself, loaded with eager attention in the case's dtype and device.
+A case names a real checkpoint (`model`: an alias for fetch_model) or a random one (`preset`:
+written once per session into a temporary folder). Bounds: tolerances.yaml by dtype, overridden
+by any bound the case names.
+"""
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from infer.models.forward_batch import ForwardBatch
+from infer.models.load import load_causal_lm
+from infer.models.loader.fetch import fetch_model
+from infer.models.random_checkpoint import make_random_checkpoint
+
+TOLERANCES_FILE = Path(__file__).resolve().parents[2] / "specs" / "parity" / "tolerances.yaml"
+BOUND_KEYS = ("max_abs", "mean_abs", "top1_agreement", "greedy_steps", "greedy_tie")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def tolerance_table(case: dict, impl: str | None) -> None:
+    table = _tolerance_table()
+    for dtype in DTYPES:
+        assert set(table.get(dtype, {})) == set(BOUND_KEYS), f"{dtype} must set exactly {BOUND_KEYS}"
+    for dtype in ("float16", "bfloat16"):
+        looser = table[dtype]
+        assert looser["max_abs"] >= table["float32"]["max_abs"], f"{dtype} max_abs tighter than fp32"
+        assert looser["mean_abs"] >= table["float32"]["mean_abs"], f"{dtype} mean_abs tighter than fp32"
+        assert looser["top1_agreement"] <= table["float32"]["top1_agreement"], (
+            f"{dtype} top1 stricter than fp32"
+        )
+        assert looser["greedy_tie"] >= table["float32"]["greedy_tie"], f"{dtype} greedy_tie tighter than fp32"
+
+
+def full_logits(case: dict, impl: str | None) -> None:
+    """Every prompt's logits at every position: max/mean |difference| and top-1 agreement."""
+    bounds = _bounds(case)
+    ours, reference, tokenizer = _pair(_checkpoint(case), case["dtype"], _device(case))
+    max_abs, abs_sum, count, agree, positions = 0.0, 0.0, 0, 0, 0
+    with torch.no_grad():
+        for prompt in case["prompts"]:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids.to(_device(case))
+            expected = reference(ids).logits.float()
+            got = ours.compute_logits(ours(ForwardBatch.from_tokens(ids.tolist(), device=ids.device)))
+            delta = (got - expected).abs()
+            max_abs = max(max_abs, delta.max().item())
+            abs_sum, count = abs_sum + delta.sum().item(), count + delta.numel()
+            agree += (got.argmax(-1) == expected.argmax(-1)).sum().item()
+            positions += ids.shape[1]
+    mean_abs, top1 = abs_sum / count, agree / positions
+    summary = f"max_abs {max_abs:.3g}, mean_abs {mean_abs:.3g}, top-1 {top1:.3f} over {positions} positions"
+    assert max_abs <= bounds["max_abs"], f"{summary}: max_abs above {bounds['max_abs']}"
+    assert mean_abs <= bounds["mean_abs"], f"{summary}: mean_abs above {bounds['mean_abs']}"
+    assert top1 >= bounds["top1_agreement"], f"{summary}: top-1 agreement below {bounds['top1_agreement']}"
+
+
+def greedy_prefix(case: dict, impl: str | None) -> None:
+    """Our plain (cache-free) greedy loop equals transformers' generate on the first greedy_steps
+    tokens, both stopping after the first EOS of the checkpoint's generation config.
+
+    Where the two first differ, transformers' own logits of the two chosen tokens must be within
+    greedy_tie of each other (a tie that rounding may break either way); the comparison ends
+    there, since the sequences legitimately diverge after a tie."""
+    bounds = _bounds(case)
+    ours, reference, tokenizer = _pair(_checkpoint(case), case["dtype"], _device(case))
+    steps = min(bounds["greedy_steps"], case["max_new_tokens"])
+    eos = reference.generation_config.eos_token_id
+    eos_ids = set(eos) if isinstance(eos, list) else {eos}
+    for prompt in case["prompts"]:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(_device(case))
+        with torch.no_grad():
+            generated = reference.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=steps,
+                pad_token_id=reference.generation_config.pad_token_id,
+            )[0, ids.shape[1] :].tolist()  # fmt: skip
+            tokens = ids[0].tolist()
+            for _ in range(steps):
+                hidden = ours(ForwardBatch.from_tokens([tokens], device=ids.device))
+                tokens.append(int(ours.compute_logits(hidden[:, -1]).argmax(-1)))
+                if tokens[-1] in eos_ids:
+                    break
+        expected = generated[: next((i + 1 for i, t in enumerate(generated) if t in eos_ids), len(generated))]
+        got = tokens[ids.shape[1] :]
+        if got == expected:
+            continue
+        first = next(
+            (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b),
+            min(len(got), len(expected)),
+        )
+        assert first < min(len(got), len(expected)), (
+            f"prompt {prompt!r}: ours {got} vs transformers {expected}: one stopped early"
+        )
+        prefix = torch.tensor([ids[0].tolist() + expected[:first]], device=ids.device)
+        with torch.no_grad():
+            logits = reference(prefix).logits[0, -1].float()
+        gap = (logits[expected[first]] - logits[got[first]]).item()
+        assert gap <= bounds["greedy_tie"], (
+            f"prompt {prompt!r}: ours {got} vs transformers {expected} ({steps} greedy steps): at step "
+            f"{first} transformers' logits of the two tokens differ by {gap:.3f}, more than the "
+            f"greedy_tie bound {bounds['greedy_tie']}"
+        )
+
+
+@functools.cache
+def _tolerance_table() -> dict:
+    return yaml.safe_load(TOLERANCES_FILE.read_text())["defaults"]["tolerances"]
+
+
+def _bounds(case: dict) -> dict:
+    return {**_tolerance_table()[case["dtype"]], **{k: case[k] for k in BOUND_KEYS if k in case}}
+
+
+def _device(case: dict) -> str:
+    if case["device"] == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return case["device"]
+
+
+def _checkpoint(case: dict) -> Path:
+    if "preset" in case:
+        # Random weights are stored in the dtype under test, as a released checkpoint would be.
+        return _random_checkpoint(case["preset"], case["dtype"])
+    return fetch_model(case["model"])
+
+
+@functools.cache
+def _random_checkpoint(preset: str, dtype: str) -> Path:
+    folder = Path(tempfile.mkdtemp(prefix=f"parity-{preset}-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return make_random_checkpoint(preset, folder, dtype=getattr(torch, dtype))
+
+
+# Two pairs at most in memory: each clause walks its cases model by model.
+@functools.lru_cache(maxsize=2)
+def _pair(folder: Path, dtype: str, device: str):
+    """(ours, transformers' model, transformers' tokenizer) for one checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = getattr(torch, dtype)
+    ours = load_causal_lm(folder, dtype=torch_dtype, device=device)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="eager")
+    return ours, reference.to(device).eval(), AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,1 @@
+"""Checks of the scheduler contract (specs/scheduler); see checks.py."""

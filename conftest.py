@@ -1,0 +1,32 @@
+"""Repository-wide pytest setup: `gpu` tests are skipped where CUDA is absent."""
+
+import os
+
+import pytest
+import torch
+
+# Without a GPU, Triton kernels can only run through Triton's interpreter, and Triton reads
+# TRITON_INTERPRET once per @triton.jit function when it is defined - its own library functions
+# (tl.sigmoid, tl.sum) at `import triton`. It must be set before anything imports triton, hence
+# here; it changes nothing else on a CPU machine (infer-kernels' tests use it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    from hypothesis import settings
+except ImportError:  # an environment without the test requirements
+    pass
+else:
+    # CI (.ci/run) draws the same examples every run, so a landing is never refused for an
+    # example that no earlier run drew; a developer's runs keep exploring new ones.
+    settings.register_profile("ci", derandomize=True)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,89 @@
+"""Every way to build, test, benchmark and run `infer`, for developers and CI alike.
+
+nox -s tests          every CPU test of every package, plus the conformance suites
+nox -s conformance    the spec-generated suites alone, with their clause table
+nox -s lint           ruff
+nox -s kernels-bench  kernel benchmarks (meaningful on a CUDA GPU)
+nox -s gpu            tests marked `gpu`, in the current (CUDA) Python environment
+nox -s serve          the OpenAI-compatible server on the default model
+"""
+
+import os
+import sys
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["lint", "tests"]
+
+PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+# Install order matters: the lower packages first, so pip never looks for an infer-* on PyPI.
+PACKAGES = ["infer-kernels", "infer-cache", "infer-models", "infer-engine", "infer-server"]
+# The CPU build of torch lies on the machines' disk; any other spec pulls GBs of CUDA wheels.
+TORCH = "torch==2.13.0"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def install_infer(session: nox.Session, *, test_requirements: bool = True) -> None:
+    session.install(TORCH)
+    args = ["-c", "constraints.txt"]
+    for package in PACKAGES:
+        args += ["-e", f"packages/{package}"]
+    if test_requirements:
+        args += ["-r", "requirements-test.txt"]
+    session.install(*args)
+
+
+def test_env(session: nox.Session) -> dict[str, str]:
+    # Tests share the model cache with the user unless INFER_HOME says otherwise.
+    return {"INFER_HOME": os.environ.get("INFER_HOME", os.path.expanduser("~/.cache/infer"))}
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Every CPU test and the conformance suites; fetches the real models on first use."""
+    install_infer(session)
+    env = test_env(session)
+    for alias in ("smollm2-135m-instruct", "gemma-3-270m"):
+        session.run("infer", "models", "fetch", alias, env=env)
+    session.run("pytest", "-m", "not gpu", *session.posargs, env=env)
+
+
+@nox.session(python=PYTHON)
+def conformance(session: nox.Session) -> None:
+    """The suites generated from specs/, with a clause table at the end."""
+    install_infer(session)
+    session.run("pytest", "conformance", *session.posargs, env=test_env(session))
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    session.install("-c", "constraints.txt", "ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(name="kernels-bench", python=PYTHON)
+def kernels_bench(session: nox.Session) -> None:
+    """pytest-benchmark comparisons per op (Triton vs eager vs torch.compile)."""
+    install_infer(session)
+    session.run("pytest", "kernels-bench", "--benchmark-only", "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """Tests marked `gpu`, run in the current Python, which must have CUDA torch.
+
+    No virtualenv: on the GPU machine torch is preinstalled with CUDA and must not be replaced.
+    """
+    src = os.pathsep.join(f"packages/{p}/src" for p in PACKAGES)
+    env = {"PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    session.run(sys.executable, "-m", "pytest", "-m", "gpu", *session.posargs, env=env)
+
+
+@nox.session(python=PYTHON)
+def serve(session: nox.Session) -> None:
+    """The OpenAI-compatible server on the default model; `nox -s serve -- --port 9000` passes flags."""
+    install_infer(session, test_requirements=False)
+    session.run("infer", "serve", "--model", DEFAULT_MODEL, *session.posargs, env=test_env(session))

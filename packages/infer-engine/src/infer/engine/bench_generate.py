@@ -1,0 +1,323 @@
+"""`infer bench generate`: workload W1, one request of a seeded random 256-token prompt and 256
+greedy tokens with EOS ignored. Reports prefill and decode tokens/s and the peak memory split,
+with `--compare-hf` also transformers' eager `generate` on the same prompt in the same run.
+
+Timing: prefill is the wall time to the first token (one forward over the prompt plus one
+sample); decode is the time for the remaining tokens. Each step reads its token back to the
+host, which synchronises the device, so wall time is device time.
+
+Memory: on CUDA, weights and KV are tensor sizes and `other` is torch.cuda.max_memory_allocated
+during the timed runs minus both. On CPU, `other` is the growth of the peak resident set (VmHWM,
+reset before the runs) over the resident set at their start, when weights and KV are already
+resident: activations, logits and allocator slack.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from infer.engine.cli import load_generator, resolve_device_and_dtype
+from infer.engine.generate import SingleRequestGenerator
+from infer.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationTiming:
+    prefill_s: float
+    decode_s: float
+    num_prompt_tokens: int
+    num_generated: int
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.num_prompt_tokens / self.prefill_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        # The first token comes out of the prefill; decode produced the rest.
+        return (self.num_generated - 1) / self.decode_s if self.num_generated > 1 else float("nan")
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    def as_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "total_s": self.total_s,
+        }
+
+
+def run_bench_generate(args: argparse.Namespace) -> int:
+    device, dtype = resolve_device_and_dtype(args)
+    runtime_rss = resident_bytes()
+    loaded, generator = load_generator(args)
+    prompt_ids = random_prompt(loaded, args.prompt_tokens, seed=args.seed)
+    params = SamplingParams(temperature=0, max_new_tokens=args.gen_tokens, ignore_eos=True)
+
+    # Warm-up: first-call costs (allocator, kernel selection) and the full-length KV cache.
+    generator.generate(prompt_ids[:16], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    generator.forward.reserve(len(prompt_ids) + args.gen_tokens)
+    if getattr(generator.forward, "decode_graphs", None) is not None:
+        generator.forward.decode_graphs.capture_all()
+    probe = PeakMemoryProbe(device)
+    runs, token_ids = [], []
+    for _ in range(args.repeats):
+        timing, token_ids = time_generation(generator, prompt_ids, params)
+        runs.append(timing)
+    memory = memory_split(loaded.model, generator, probe.finish(), device)
+    ours = median_timing(runs)
+
+    report = {
+        "workload": "W1: one request, seeded random prompt, greedy, ignore_eos",
+        "environment": environment(device),
+        "model": {"path": str(loaded.path), "revision": model_revision(loaded.path), "dtype": str(dtype)},
+        "flags": {key: value for key, value in vars(args).items() if key != "run"},
+        "infer": {
+            **ours.as_dict(),
+            "kv_cache": generator.use_kv_cache,
+            "cuda_graph": args.cuda_graph,
+            "runs": [r.as_dict() for r in runs],
+        },
+        "memory": {**memory, "runtime_rss_bytes_before_load": runtime_rss if device.type == "cpu" else None},
+    }
+    if args.compare_hf:
+        del generator
+        hf_timing, hf_token_ids = time_hf_generate(
+            loaded.path, prompt_ids, args.gen_tokens, device, dtype, args.repeats
+        )
+        report["transformers"] = {**hf_timing.as_dict(), "attn_implementation": "eager"}
+        report["ratio_infer_over_transformers"] = {
+            "prefill_tokens_per_s": ours.prefill_tokens_per_s / hf_timing.prefill_tokens_per_s,
+            "decode_tokens_per_s": ours.decode_tokens_per_s / hf_timing.decode_tokens_per_s,
+            "total_speedup": hf_timing.total_s / ours.total_s,
+        }
+        report["greedy_tokens_match_transformers"] = first_mismatch(token_ids, hf_token_ids)
+    print(markdown_report(report))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {args.json_path}", file=sys.stderr)
+    return 0
+
+
+def random_prompt(loaded, num_tokens: int, *, seed: int) -> list[int]:
+    """Seeded uniform token ids below the tokenizer's vocabulary (so every id decodes)."""
+    vocab_size = min(loaded.config.vocab_size, loaded.tokenizer.vocab_size)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (num_tokens,), generator=generator).tolist()
+
+
+def time_generation(
+    generator: SingleRequestGenerator, prompt_ids: list[int], params: SamplingParams
+) -> tuple[GenerationTiming, list[int]]:
+    _synchronize(generator.device)
+    start = time.perf_counter()
+    stream = generator.stream(prompt_ids, params)
+    token_ids = [next(stream).token_id]
+    first_token_at = time.perf_counter()
+    token_ids += [chunk.token_id for chunk in stream]
+    end = time.perf_counter()
+    return GenerationTiming(
+        first_token_at - start, end - first_token_at, len(prompt_ids), len(token_ids)
+    ), token_ids
+
+
+def time_hf_generate(
+    folder: Path, prompt_ids: list[int], num_new: int, device: torch.device, dtype: torch.dtype, repeats: int
+) -> tuple[GenerationTiming, list[int]]:
+    """transformers' eager greedy generate: time to 1 new token (prefill), then to `num_new` tokens."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = (
+        AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
+        .to(device)
+        .eval()
+    )
+    input_ids = torch.tensor([prompt_ids], device=device)
+
+    def generate(ids: torch.Tensor, n: int) -> tuple[float, torch.Tensor]:
+        config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        _synchronize(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        _synchronize(device)
+        return time.perf_counter() - start, out[0, ids.shape[1] :]
+
+    generate(input_ids[:, :16], 4)
+    runs, new_ids = [], None
+    for _ in range(repeats):
+        prefill_s, _ = generate(input_ids, 1)
+        total_s, new_ids = generate(input_ids, num_new)
+        runs.append(GenerationTiming(prefill_s, total_s - prefill_s, len(prompt_ids), num_new))
+    return median_timing(runs), new_ids.tolist()
+
+
+def median_timing(runs: list[GenerationTiming]) -> GenerationTiming:
+    """The run with the median total time (the lower middle one for an even count)."""
+    ordered = sorted(runs, key=lambda run: run.total_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def first_mismatch(ours: list[int], theirs: list[int]) -> dict:
+    length = min(len(ours), len(theirs))
+    mismatch = next((i for i in range(length) if ours[i] != theirs[i]), None)
+    return {"match": mismatch is None and len(ours) == len(theirs), "first_mismatch_index": mismatch}
+
+
+class PeakMemoryProbe:
+    """Peak memory from now on: CUDA allocator peak, or the process's peak resident set (VmHWM)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.start_bytes = torch.cuda.memory_allocated(device)
+        else:
+            _reset_peak_rss()
+            self.start_bytes = resident_bytes()
+
+    def finish(self) -> dict:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = peak_resident_bytes()
+        return {"start_bytes": self.start_bytes, "peak_bytes": peak}
+
+
+def memory_split(model: torch.nn.Module, generator: SingleRequestGenerator, probe: dict, device) -> dict:
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    weights = sum(t.numel() * t.element_size() for t in tensors.values())
+    cache = getattr(generator.forward, "cache", None)
+    kv = cache.kv_bytes if cache is not None else 0
+    if device.type == "cuda":
+        method = "torch.cuda.max_memory_allocated; other = peak - weights - KV"
+        other = probe["peak_bytes"] - weights - kv
+    else:
+        method = "VmHWM reset before the timed runs; other = peak RSS - RSS at their start"
+        other = probe["peak_bytes"] - probe["start_bytes"]
+    return {"weights_bytes": weights, "kv_bytes": kv, "other_bytes": other, **probe, "method": method}
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    return {
+        "device": f"{device.type}: {name}",
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def model_revision(folder: Path) -> str | None:
+    """Where `infer models fetch` got the folder from (package and GGUF sha256), if it did."""
+    from infer.models.loader.manifest import read_manifest
+
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return None
+    source = manifest.get("source", {})
+    packages = ", ".join(source.get("packages", []))
+    return f"{packages} {source.get('gguf_file', '')} sha256:{source.get('gguf_sha256', '?')[:16]}".strip()
+
+
+def markdown_report(report: dict) -> str:
+    env, model, mem = report["environment"], report["model"], report["memory"]
+    flags = " ".join(f"{key}={value}" for key, value in report["flags"].items())
+    lines = [
+        f"W1 on {env['device']} ({env['torch_threads']} threads), torch {env['torch']}, "
+        f"transformers {env['transformers']}",
+        f"model {model['path']} (revision {model['revision']}), {model['dtype']}",
+        f"flags: {flags}",
+        "",
+        "| engine | KV cache | prompt | generated | prefill s | prefill tok/s | decode tok/s | total s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+        _timing_row(
+            "infer, CUDA graph" if report["infer"]["cuda_graph"] else "infer",
+            "yes" if report["infer"]["kv_cache"] else "no (recompute)",
+            report["infer"],
+        ),
+    ]
+    if "transformers" in report:
+        lines.append(_timing_row("transformers eager generate", "yes (DynamicCache)", report["transformers"]))
+        ratio = report["ratio_infer_over_transformers"]
+        match = report["greedy_tokens_match_transformers"]
+        lines += [
+            "",
+            f"infer / transformers: prefill {ratio['prefill_tokens_per_s']:.2f}x, decode "
+            f"{ratio['decode_tokens_per_s']:.2f}x, end to end {ratio['total_speedup']:.2f}x faster; "
+            f"greedy tokens identical: {match['match']} (first mismatch at {match['first_mismatch_index']})",
+        ]
+    mib = 1024 * 1024
+    peak_kind = "allocated" if "cuda" in mem["method"] else "process RSS"
+    lines += [
+        "",
+        "| memory | MiB |",
+        "|---|---:|",
+        f"| weights | {mem['weights_bytes'] / mib:.1f} |",
+        f"| KV cache | {mem['kv_bytes'] / mib:.1f} |",
+        f"| other (peak) | {mem['other_bytes'] / mib:.1f} |",
+        f"| peak ({peak_kind}) | {mem['peak_bytes'] / mib:.1f} |",
+        "",
+        f"memory method: {mem['method']}",
+    ]
+    return "\n".join(lines)
+
+
+def _timing_row(engine: str, kv: str, timing: dict) -> str:
+    return (
+        f"| {engine} | {kv} | {timing['num_prompt_tokens']} | {timing['num_generated']} | "
+        f"{timing['prefill_s']:.3f} | {timing['prefill_tokens_per_s']:.1f} | "
+        f"{timing['decode_tokens_per_s']:.1f} | {timing['total_s']:.2f} |"
+    )

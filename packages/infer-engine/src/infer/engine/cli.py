@@ -1,0 +1,179 @@
+"""`infer generate`, `infer profile` and `infer bench generate` (argv[0] names the subcommand).
+
+infer generate [--model M] [--chat] [sampling flags] PROMPT...   stream text, tokens/s on stderr
+infer profile [--model M] [--out DIR]                            torch.profiler trace + top ops
+infer bench generate [--model M] [--compare-hf] [--json OUT]     W1: one request, 256 + 256 tokens
+"""
+
+import argparse
+import logging
+import sys
+import time
+
+import torch
+
+from infer.engine.sampling_params import SamplingParams
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    return args.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infer", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate text for one prompt, streamed as it comes")
+    add_model_arguments(generate)
+    add_sampling_arguments(generate)
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate.add_argument("prompt", nargs="+", help="the prompt (several words are joined with spaces)")
+    generate.set_defaults(run=run_generate)
+
+    profile = commands.add_parser("profile", help="a short generation under torch.profiler")
+    add_model_arguments(profile)
+    profile.add_argument(
+        "--out", default="profile-out", help="folder for the Chrome trace (default %(default)s)"
+    )
+    profile.add_argument("--prompt-tokens", type=int, default=64)
+    profile.add_argument("--gen-tokens", type=int, default=32)
+    profile.add_argument("--row-limit", type=int, default=20, help="rows of the top-ops table")
+    profile.set_defaults(run=_run_profile)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    bench_generate = bench_commands.add_parser(
+        "generate", help="W1: one request, prefill and decode tokens/s"
+    )
+    add_model_arguments(bench_generate)
+    bench_generate.add_argument("--prompt-tokens", type=int, default=256)
+    bench_generate.add_argument("--gen-tokens", type=int, default=256)
+    bench_generate.add_argument("--repeats", type=int, default=1, help="timed runs; the median is reported")
+    bench_generate.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    bench_generate.add_argument("--compare-hf", action="store_true", help="also time transformers' generate")
+    bench_generate.add_argument("--json", dest="json_path", help="write the results as JSON here")
+    bench_generate.set_defaults(run=_run_bench_generate)
+    return parser
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="alias or checkpoint folder (default %(default)s)"
+    )
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument(
+        "--dtype", choices=["auto", *_DTYPES], default="auto", help="auto: bfloat16 on CUDA, float32 on CPU"
+    )
+    parser.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
+    parser.add_argument(
+        "--cuda-graph", action="store_true", help="decode by replaying a CUDA graph (CUDA only)"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (EOS ids, loading)")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def resolve_device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, _DTYPES[args.dtype]
+
+
+def load_generator(args: argparse.Namespace):
+    """(LoadedModel, SingleRequestGenerator) for the model, device, dtype and cache flags in `args`."""
+    from infer.engine.generate import SingleRequestGenerator
+    from infer.models.load import load_model
+
+    device, dtype = resolve_device_and_dtype(args)
+    loaded = load_model(args.model, dtype=dtype, device=device)
+    return loaded, SingleRequestGenerator.from_loaded(
+        loaded, use_kv_cache=not args.no_kv_cache, cuda_graph=args.cuda_graph
+    )
+
+
+def encode_prompt(loaded, text: str, *, chat: bool) -> list[int]:
+    """Token ids of `text`, or of a one-message chat rendered by the model's template."""
+    if chat:
+        rendered = loaded.chat_template.render(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+        # The rendered template already holds the BOS token where the model wants one.
+        return loaded.tokenizer.encode(rendered, add_special_tokens=False)
+    return loaded.tokenizer.encode(text, add_special_tokens=True)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    try:
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            max_new_tokens=args.max_tokens,
+            stop=args.stop,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
+    except ValueError as err:
+        print(f"infer generate: {err}", file=sys.stderr)
+        return 2
+    loaded, generator = load_generator(args)
+    prompt_ids = encode_prompt(loaded, " ".join(args.prompt), chat=args.chat)
+    start = time.perf_counter()
+    first_token_at = None
+    num_tokens, finish_reason = 0, None
+    for chunk in generator.stream(prompt_ids, params):
+        if first_token_at is None:
+            first_token_at = time.perf_counter()
+        num_tokens += 1
+        finish_reason = chunk.finish_reason
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    prefill_s, decode_s = first_token_at - start, end - first_token_at
+    decode_rate = f"{(num_tokens - 1) / decode_s:.1f} tokens/s" if num_tokens > 1 and decode_s > 0 else "n/a"
+    print(
+        f"[{num_tokens} tokens, finish {finish_reason}; prompt {len(prompt_ids)} tokens in {prefill_s:.3f} s "
+        f"({len(prompt_ids) / prefill_s:.0f} tokens/s); decode {decode_rate}; "
+        f"{'KV cache' if generator.use_kv_cache else 'no KV cache'}, {generator.device}, "
+        f"{next(loaded.model.parameters()).dtype}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from infer.engine.profile import run_profile
+
+    return run_profile(args)
+
+
+def _run_bench_generate(args: argparse.Namespace) -> int:
+    from infer.engine.bench_generate import run_bench_generate
+
+    return run_bench_generate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

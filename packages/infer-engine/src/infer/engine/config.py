@@ -1,0 +1,202 @@
+"""EngineConfig: every engine flag in one frozen, validated place.
+
+Built in code (`EngineConfig(batching_mode="static")`), from a dict, a JSON or TOML file
+(`EngineConfig.from_file`), or from command-line flags (`add_cli_arguments` + `from_cli_args`,
+where flags override a `--engine-config FILE`). Every route ends in `__post_init__`, so a bad
+combination is rejected the same way wherever it came from, with the rule that it breaks.
+"""
+
+import argparse
+import dataclasses
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_BACKENDS = ("contiguous", "slotted")
+# Accepted names that are not built yet: rejected with a pointer to what works today.
+RESERVED_KV_CACHE_BACKENDS = ("paged",)
+BATCHING_MODES = ("static", "continuous")
+SCHEDULER_POLICIES = ("fcfs", "prefill_first", "decode_round_robin")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class EngineConfigError(ValueError):
+    """A config value or combination that the engine cannot run; the message names the rule."""
+
+
+def _flag(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = _flag("smollm2-135m-instruct", "model alias or Hugging Face checkpoint folder")
+    dtype: str = _flag(
+        "auto", "weights and KV dtype; auto: float32 on CPU, the checkpoint's on CUDA", choices=DTYPES
+    )
+    device: str = _flag("auto", "cpu, cuda or cuda:N; auto: cuda when available")
+    # None: the model's max_position_embeddings, capped at 4096 so the default KV pool stays small.
+    max_seq_len: int | None = _flag(None, "longest prompt + generation one request may have")
+    seed: int = _flag(0, "seeds every request that brings no seed of its own (deterministic steps)")
+    max_batch_size: int = _flag(8, "requests running at once (= KV slots)")
+    max_num_batched_tokens: int = _flag(2048, "tokens per step: prefill chunks + one per decoding request")
+    kv_cache_backend: str = _flag(
+        "slotted",
+        "contiguous (static batches only) or slotted",
+        choices=KV_CACHE_BACKENDS + RESERVED_KV_CACHE_BACKENDS,
+    )
+    batching_mode: str = _flag(
+        "continuous",
+        "static: fixed batches run to completion; continuous: join and leave every step",
+        choices=BATCHING_MODES,
+    )
+    scheduler_policy: str = _flag("fcfs", "order of a step's work", choices=SCHEDULER_POLICIES)
+    decode_service_interval: int = _flag(4, "a decoding request gets a token at least once every N steps")
+    max_queue_len: int = _flag(1024, "waiting requests beyond which add_request raises QueueFullError")
+    cuda_graphs: bool = _flag(
+        False, "decode through CUDA graphs captured per batch and context size (CUDA only): true or false"
+    )
+
+    def __post_init__(self):
+        _check_str(self, "model")
+        _check_choice(self, "dtype", DTYPES)
+        _check_str(self, "device")
+        if not _DEVICE.match(self.device):
+            raise EngineConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.max_seq_len is not None:
+            _check_int(self, "max_seq_len", minimum=2)
+        _check_int(self, "seed", minimum=0)
+        _check_int(self, "max_batch_size", minimum=1)
+        _check_int(self, "max_num_batched_tokens", minimum=1)
+        _check_int(self, "decode_service_interval", minimum=1)
+        _check_int(self, "max_queue_len", minimum=1)
+        if not isinstance(self.cuda_graphs, bool):
+            raise EngineConfigError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and self.device == "cpu":
+            raise EngineConfigError(
+                "cuda_graphs=True needs a CUDA device, got device='cpu'; set device='cuda'"
+            )
+        if self.kv_cache_backend in RESERVED_KV_CACHE_BACKENDS:
+            raise EngineConfigError(
+                f"kv_cache_backend={self.kv_cache_backend!r} is reserved and not implemented yet; "
+                "use 'slotted' (or 'contiguous' with batching_mode='static')"
+            )
+        _check_choice(self, "kv_cache_backend", KV_CACHE_BACKENDS)
+        _check_choice(self, "batching_mode", BATCHING_MODES)
+        _check_choice(self, "scheduler_policy", SCHEDULER_POLICIES)
+        if self.batching_mode == "continuous" and self.kv_cache_backend != "slotted":
+            raise EngineConfigError(
+                "batching_mode='continuous' requires kv_cache_backend='slotted', "
+                f"got {self.kv_cache_backend!r}: "
+                "a contiguous cache cannot lend slots to requests that join and leave; "
+                "set kv_cache_backend='slotted' or batching_mode='static'"
+            )
+        if self.max_num_batched_tokens < self.max_batch_size:
+            # Otherwise the running requests could not all decode in one step, and the
+            # decode_service_interval bound could not be kept when they all fall due together.
+            raise EngineConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_batch_size "
+                f"({self.max_batch_size}) so that every running request can decode in one step"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, source: str = "the config") -> "EngineConfig":
+        """From a mapping of field names; unknown keys are rejected by name."""
+        if not isinstance(values, dict):
+            raise EngineConfigError(
+                f"{source} must be a mapping of engine settings, got {type(values).__name__}"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise EngineConfigError(f"unknown keys {unknown} in {source}; known keys: {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "EngineConfig":
+        """From a .json or .toml file holding the fields at its top level."""
+        path = Path(path)
+        if path.suffix == ".json":
+            values = json.loads(path.read_text())
+        elif path.suffix == ".toml":
+            values = tomllib.loads(path.read_text())
+        else:
+            raise EngineConfigError(f"engine config file must end in .json or .toml, got {str(path)!r}")
+        return cls.from_dict(values, source=str(path))
+
+    def replace(self, **changes) -> "EngineConfig":
+        """A copy with `changes` applied and validated again."""
+        return self.from_dict({**dataclasses.asdict(self), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """One `--flag-name` per EngineConfig field, plus `--engine-config FILE`.
+
+    Flags default to None so that `from_cli_args` can tell a flag given on the command line
+    (which overrides the file) from one left out (the file's value, else the field default).
+    """
+    group = parser.add_argument_group("engine", "engine settings (see infer.engine.config.EngineConfig)")
+    group.add_argument(
+        "--engine-config", type=Path, default=None, help="a .json or .toml file of engine settings"
+    )
+    for config_field in dataclasses.fields(EngineConfig):
+        kind = _parse_bool if config_field.type in (bool, "bool") else int
+        kind = str if config_field.name in _STRING_FIELDS else kind
+        default = config_field.default
+        group.add_argument(
+            "--" + config_field.name.replace("_", "-"),
+            dest=config_field.name,
+            type=kind,
+            default=None,
+            choices=config_field.metadata.get("choices"),
+            help=f"{config_field.metadata['help']} (default: {default})",
+        )
+
+
+def from_cli_args(namespace: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig that the parsed flags (and their --engine-config file) describe."""
+    path = getattr(namespace, "engine_config", None)
+    base = EngineConfig.from_file(path).to_dict() if path is not None else {}
+    given = {
+        f.name: getattr(namespace, f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if getattr(namespace, f.name, None) is not None
+    }
+    return EngineConfig.from_dict({**base, **given}, source="the command line")
+
+
+_STRING_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.type in (str, "str")}
+
+
+def _parse_bool(text: str) -> bool:
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    if text.lower() not in words:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return words[text.lower()]
+
+
+def _check_str(config: EngineConfig, name: str) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, str) or not value:
+        raise EngineConfigError(f"{name} must be a non-empty string, got {value!r}")
+
+
+def _check_int(config: EngineConfig, name: str, *, minimum: int) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise EngineConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise EngineConfigError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_choice(config: EngineConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value not in choices:
+        raise EngineConfigError(f"{name} must be one of {list(choices)}, got {value!r}")

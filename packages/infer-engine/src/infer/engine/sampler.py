@@ -1,0 +1,122 @@
+"""Choosing the next token of every row of a batch of logits, each row with its own SamplingParams.
+
+Pipeline, in this order (the order of transformers' logits processors, so that `generate` with
+the same settings is a valid oracle):
+
+    repetition penalty -> temperature (0: greedy argmax) -> top-k -> top-p -> min-p -> draw
+
+Each transform takes float32 logits [B, V] and one value per row, and returns new logits in
+which removed tokens are -inf; a row whose value means "off" comes back unchanged. A transform
+that no row uses is skipped, so a batch of plain greedy rows costs one argmax.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+from infer.engine.sampling_params import SamplingParams
+
+Tokens = torch.Tensor | Sequence[int]
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A per-request RNG on `device`; None (the process-wide RNG) when there is no seed."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def sample_next_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    token_ids: Sequence[Tokens],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """logits [B, V]; per row: its params, its prompt + generated ids, its generator. Returns [B] int64.
+
+    `token_ids` is read only by rows with a repetition penalty.
+    """
+    if not len(params) == len(token_ids) == len(generators) == logits.shape[0]:
+        raise ValueError(
+            f"one params, token list and generator per logits row: got {len(params)}, {len(token_ids)}, "
+            f"{len(generators)} for {logits.shape[0]} rows"
+        )
+    logits = logits.float()
+    device = logits.device
+    if any(p.repetition_penalty != 1.0 for p in params):
+        penalties = torch.tensor([p.repetition_penalty for p in params], device=device)
+        logits = apply_repetition_penalty(logits, token_ids, penalties)
+    greedy_tokens = logits.argmax(dim=-1)
+    sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
+    if not sampled_rows:
+        return greedy_tokens
+
+    rows = torch.tensor(sampled_rows, device=device)
+    row_params = [params[row] for row in sampled_rows]
+    logits = logits[rows]
+    logits = apply_temperature(logits, torch.tensor([p.temperature for p in row_params], device=device))
+    if any(p.uses_top_k for p in row_params):
+        logits = apply_top_k(logits, torch.tensor([p.top_k for p in row_params], device=device))
+    if any(p.top_p < 1.0 for p in row_params):
+        logits = apply_top_p(logits, torch.tensor([p.top_p for p in row_params], device=device))
+    if any(p.min_p > 0.0 for p in row_params):
+        logits = apply_min_p(logits, torch.tensor([p.min_p for p in row_params], device=device))
+    probs = logits.softmax(dim=-1)
+    # One draw per row from that row's own generator, so a seeded request gets the same tokens
+    # whatever else shares its batch.
+    drawn = torch.cat(
+        [torch.multinomial(probs[i], 1, generator=generators[row]) for i, row in enumerate(sampled_rows)]
+    )
+    return greedy_tokens.index_copy(0, rows, drawn)
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, token_ids: Sequence[Tokens], penalties: torch.Tensor
+) -> torch.Tensor:
+    """Every token id seen in the row: positive logit / penalty, negative logit * penalty (once per id)."""
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    for row, ids in enumerate(token_ids):
+        seen[row, torch.as_tensor(ids, dtype=torch.long, device=logits.device)] = True
+    penalties = penalties[:, None].to(logits.dtype)
+    penalized = torch.where(logits < 0, logits * penalties, logits / penalties)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Divide by the temperature; rows at 0 (greedy, chosen by argmax elsewhere) are left as they are."""
+    divisors = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
+    return logits / divisors[:, None].to(logits.dtype)
+
+
+def apply_top_k(logits: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
+    """Keep the k largest logits of each row (and any tied with the k-th); k <= 0 is off."""
+    vocab_size = logits.shape[-1]
+    active = top_ks > 0
+    k = torch.where(active, top_ks.clamp(max=vocab_size), torch.ones_like(top_ks))
+    largest = logits.topk(int(k.max()), dim=-1).values
+    kth_largest = largest.gather(1, (k - 1)[:, None])
+    threshold = torch.where(active[:, None], kth_largest, torch.full_like(kth_largest, -torch.inf))
+    return logits.masked_fill(logits < threshold, -torch.inf)
+
+
+def apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most probable tokens whose probabilities add up to at least top_p.
+
+    As in transformers: sort ascending, drop tokens while the cumulative probability stays
+    <= 1 - top_p, always keep the most probable token. top_p = 1 is off.
+    """
+    ascending, order = logits.sort(dim=-1)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = (cumulative <= (1 - top_ps[:, None])) & (top_ps[:, None] < 1)
+    remove_sorted[:, -1] = False
+    remove = remove_sorted.scatter(1, order, remove_sorted)
+    return logits.masked_fill(remove, -torch.inf)
+
+
+def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most probable token's; 0 is off."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_ps[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, -torch.inf)

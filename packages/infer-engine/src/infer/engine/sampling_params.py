@@ -1,0 +1,87 @@
+"""How one request wants its tokens chosen and when it wants to stop."""
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping settings, checked when built.
+
+    The transforms run in this order (see `infer.engine.sampler`): repetition penalty,
+    temperature (0 means greedy argmax), top-k, top-p, min-p, then a draw from a generator
+    seeded with `seed` (None: the process-wide torch RNG).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0 or -1: off.
+    top_k: int = 0
+    min_p: float = 0.0
+    # 1.0: off. HF semantics over prompt + generated ids: positive logits divided, negative multiplied.
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 256
+    # Text that ends the request; the stop string itself is not part of the output.
+    stop: list[str] = field(default_factory=list)
+    # Token ids that end the request besides the model's EOS set (honoured even with ignore_eos).
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    # Keep generating through EOS tokens until max_new_tokens (benchmarks use this).
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        _require(_is_number(self.temperature), "temperature must be a number", self.temperature)
+        _require(self.temperature >= 0, "temperature must be >= 0", self.temperature)
+        _require(_is_number(self.top_p), "top_p must be a number", self.top_p)
+        _require(0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p)
+        _require(_is_int(self.top_k), "top_k must be an integer", self.top_k)
+        _require(self.top_k >= -1, "top_k must be >= 1, or 0 or -1 for off", self.top_k)
+        _require(_is_number(self.min_p), "min_p must be a number", self.min_p)
+        _require(0 <= self.min_p <= 1, "min_p must be in [0, 1]", self.min_p)
+        _require(
+            _is_number(self.repetition_penalty),
+            "repetition_penalty must be a number",
+            self.repetition_penalty,
+        )
+        _require(
+            self.repetition_penalty > 0,
+            "repetition_penalty must be > 0 (1.0 is off)",
+            self.repetition_penalty,
+        )
+        _require(_is_int(self.max_new_tokens), "max_new_tokens must be an integer", self.max_new_tokens)
+        _require(self.max_new_tokens >= 1, "max_new_tokens must be >= 1", self.max_new_tokens)
+        _require(
+            not isinstance(self.stop, str),
+            f"stop must be a list of strings; wrap a single one: stop=[{self.stop!r}]",
+            self.stop,
+        )
+        self.stop = list(self.stop)
+        for text in self.stop:
+            _require(isinstance(text, str) and text != "", "every stop string must be a non-empty str", text)
+        self.stop_token_ids = list(self.stop_token_ids)
+        for token_id in self.stop_token_ids:
+            _require(
+                _is_int(token_id) and token_id >= 0, "every stop_token_id must be an integer >= 0", token_id
+            )
+        _require(self.seed is None or _is_int(self.seed), "seed must be an integer or None", self.seed)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0
+
+
+def _require(condition: bool, rule: str, value) -> None:
+    if not condition:
+        raise ValueError(f"{rule}, got {value!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,72 @@
+"""Models shared by the engine tests, loaded once per session (loading dominates CPU test time)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from infer.engine import SingleRequestGenerator
+from infer.models.load import load_model
+from infer.models.random_checkpoint import make_random_checkpoint
+
+TINY_PRESETS = ["llama-tiny", "qwen3-tiny", "gemma3-tiny"]
+
+
+class ModelUnderTest:
+    """Our loaded model with a cached and a recompute generator, and transformers' model on demand."""
+
+    def __init__(self, path_or_alias):
+        self.loaded = load_model(path_or_alias, dtype=torch.float32)
+        self.cached = SingleRequestGenerator.from_loaded(self.loaded)
+        self.recompute = SingleRequestGenerator.from_loaded(self.loaded, use_kv_cache=False)
+        self._reference = None
+
+    @property
+    def reference(self):
+        """transformers' eager model on the same folder: the independent oracle."""
+        if self._reference is None:
+            self._reference = AutoModelForCausalLM.from_pretrained(
+                self.loaded.path, dtype=torch.float32, attn_implementation="eager"
+            ).eval()
+        return self._reference
+
+    def chat_ids(self, question: str) -> list[int]:
+        prompt = self.loaded.chat_template.render([{"role": "user", "content": question}])
+        return self.loaded.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def transformers_greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """transformers' greedy tokens, stopping at our EOS set (its own stops at a subset)."""
+        eos = sorted(self.cached.eos_token_ids)
+        input_ids = torch.tensor([prompt_ids])
+        with torch.inference_mode():
+            output = self.reference.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+            )
+        return output[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> ModelUnderTest:
+    return ModelUnderTest("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> ModelUnderTest:
+    return ModelUnderTest("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        preset: make_random_checkpoint(preset, root / preset, dtype=torch.float32) for preset in TINY_PRESETS
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_checkpoints) -> dict[str, ModelUnderTest]:
+    return {preset: ModelUnderTest(folder) for preset, folder in tiny_checkpoints.items()}

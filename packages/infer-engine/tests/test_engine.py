@@ -1,0 +1,227 @@
+"""The Engine end to end on CPU. The oracle for batched generation is the same request generated
+alone by SingleRequestGenerator (no padding, no slots, no scheduler)."""
+
+import random
+from collections import defaultdict
+
+import pytest
+
+from infer.engine.config import EngineConfig, EngineConfigError
+from infer.engine.engine import Engine
+from infer.engine.request import QueueFullError, RequestState, RequestTooLongError
+from infer.engine.sampling_params import SamplingParams
+
+MODES = {
+    "continuous": dict(batching_mode="continuous", kv_cache_backend="slotted"),
+    "static-contiguous": dict(batching_mode="static", kv_cache_backend="contiguous"),
+    "static-slotted": dict(batching_mode="static", kv_cache_backend="slotted"),
+}
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
+
+
+def run_to_completion(engine: Engine, max_steps: int = 1000) -> dict[str, list]:
+    outputs = defaultdict(list)
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return outputs
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+    raise AssertionError(f"engine still has work after {max_steps} steps")
+
+
+def token_ids(outputs) -> list[int]:
+    return [output.token_id for output in outputs if output.token_id is not None]
+
+
+def random_prompts(lengths, vocab_size, seed=0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def make_engine(model, **settings) -> Engine:
+    base = dict(max_batch_size=3, max_num_batched_tokens=16, max_seq_len=128)
+    return Engine(EngineConfig(**{**base, **settings}), loaded_model=model.loaded)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny", "gemma3-tiny"])
+def test_mixed_prompt_lengths_batched_give_each_request_its_tokens_alone(tiny_models, preset, mode):
+    tiny = tiny_models[preset]
+    # Four requests for three slots: a later one joins (continuous) or waits for a second batch
+    # (static); 30 tokens with a 16-token budget is prefilled in chunks.
+    prompts = random_prompts([3, 30, 9, 17], tiny.loaded.config.vocab_size)
+    engine = make_engine(tiny, **MODES[mode])
+    ids = [engine.add_request(prompt, GREEDY) for prompt in prompts]
+    outputs = run_to_completion(engine)
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        alone = tiny.cached.generate(prompt, GREEDY)
+        assert token_ids(outputs[request_id]) == alone.token_ids, (
+            f"{request_id} ({len(prompt)} prompt tokens)"
+        )
+        assert "".join(o.text_delta for o in outputs[request_id]) == alone.text
+        assert outputs[request_id][-1].finish_reason == alone.finish_reason
+    assert engine.kv_pool.num_free == engine.kv_pool.capacity
+
+
+SMOLLM2_PARAMS = SamplingParams(temperature=0.0, max_new_tokens=5)
+
+
+@pytest.fixture(scope="module")
+def smollm2_alone(smollm2) -> dict[tuple[int, ...], list[int]]:
+    """Each chat prompt's greedy tokens generated alone, computed once for both batching modes."""
+    prompts = [smollm2.chat_ids(question) for question in ["What is the capital of France?", "Say hi."]]
+    return {tuple(prompt): smollm2.cached.generate(prompt, SMOLLM2_PARAMS).token_ids for prompt in prompts}
+
+
+@pytest.mark.parametrize("mode", ["continuous", "static-contiguous"])
+def test_smollm2_batched_chat_equals_each_request_alone(smollm2, smollm2_alone, mode):
+    # A 16-token budget prefills the two prompts (of different lengths) over several steps.
+    engine = Engine(
+        EngineConfig(max_batch_size=2, max_num_batched_tokens=16, max_seq_len=128, **MODES[mode]),
+        loaded_model=smollm2.loaded,
+    )
+    ids = {engine.add_request(list(prompt), SMOLLM2_PARAMS): prompt for prompt in smollm2_alone}
+    outputs = run_to_completion(engine)
+    for request_id, prompt in ids.items():
+        assert token_ids(outputs[request_id]) == smollm2_alone[prompt]
+
+
+@pytest.mark.parametrize("mode", ["continuous", "static-contiguous"])
+def test_a_request_stopping_mid_batch_does_not_disturb_the_others(tiny_models, mode):
+    # llama-tiny: its untied head gives varied greedy tokens (the tied tiny models repeat one).
+    tiny = tiny_models["llama-tiny"]
+    prompts = random_prompts([5, 12, 8], tiny.loaded.config.vocab_size, seed=2)
+    long_params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    alone = [tiny.cached.generate(prompt, long_params).token_ids for prompt in prompts]
+    # Request 0 stops at the first token its greedy run repeats no earlier (a stop id acts as EOS).
+    stop_index = next(i for i in range(2, 10) if alone[0][i] not in alone[0][:i])
+    stopping = SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=[alone[0][stop_index]])
+    engine = make_engine(tiny, **MODES[mode])
+    ids = [engine.add_request(prompts[0], stopping)] + [
+        engine.add_request(p, long_params) for p in prompts[1:]
+    ]
+    outputs = run_to_completion(engine)
+    assert token_ids(outputs[ids[0]]) == alone[0][: stop_index + 1]
+    assert outputs[ids[0]][-1].finish_reason == "stop"
+    for request_id, expected in zip(ids[1:], alone[1:], strict=True):
+        assert token_ids(outputs[request_id]) == expected
+
+
+def test_abort_mid_decode_frees_the_slot_by_the_end_of_the_next_step(tiny_models):
+    tiny = tiny_models["llama-tiny"]
+    prompts = random_prompts([6, 10], tiny.loaded.config.vocab_size, seed=2)
+    params = SamplingParams(temperature=0.0, max_new_tokens=20)
+    engine = make_engine(tiny)
+    victim, survivor = (engine.add_request(prompt, params) for prompt in prompts)
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.get(victim).state is RequestState.DECODE
+    assert engine.kv_cache.num_free == engine.kv_cache.capacity - 2
+    assert engine.abort(victim)
+    outputs = engine.step()
+    final = [o for o in outputs if o.request_id == victim]
+    assert (
+        len(final) == 1
+        and final[0].finished
+        and final[0].finish_reason == "abort"
+        and final[0].token_id is None
+    )
+    assert engine.kv_cache.num_free == engine.kv_cache.capacity - 1
+    assert engine.kv_cache.audit([survivor]) == []
+    assert not engine.abort(victim)  # already gone
+    rest = run_to_completion(engine)
+    assert victim not in rest
+    survivor_tokens = [o.token_id for o in outputs if o.request_id == survivor] + token_ids(rest[survivor])
+    assert len(survivor_tokens) == 20 - 3
+    assert engine.kv_cache.num_free == engine.kv_cache.capacity
+    assert engine.stats().num_aborted == 1
+
+
+def test_abort_of_a_queued_request_answers_abort_and_never_runs_it(tiny_models):
+    tiny = tiny_models["llama-tiny"]
+    engine = make_engine(tiny, max_batch_size=1, max_num_batched_tokens=16)
+    engine.add_request([1, 2, 3], GREEDY, request_id="running")
+    engine.add_request([4, 5, 6], GREEDY, request_id="queued")
+    first = engine.step()
+    assert engine.abort("queued")
+    outputs = run_to_completion(engine)
+    assert [(o.token_id, o.finish_reason) for o in outputs["queued"]] == [(None, "abort")]
+    assert token_ids(first + outputs["running"]) == tiny.cached.generate([1, 2, 3], GREEDY).token_ids
+
+
+def _sampled_run(tiny, seed: int) -> list:
+    engine = make_engine(tiny, seed=seed)
+    params = SamplingParams(temperature=1.0, top_k=50, max_new_tokens=8)
+    for prompt in random_prompts([4, 11, 7], tiny.loaded.config.vocab_size, seed=3):
+        engine.add_request(prompt, params)
+    outputs = []
+    while engine.has_work():
+        outputs.append(engine.step())
+    return outputs
+
+
+def test_same_seed_and_queue_give_identical_steps_and_another_seed_differs(tiny_models):
+    tiny = tiny_models["llama-tiny"]
+    first, again, other = _sampled_run(tiny, 0), _sampled_run(tiny, 0), _sampled_run(tiny, 1)
+    assert first == again
+    assert [o.token_id for step in first for o in step] != [o.token_id for step in other for o in step]
+
+
+def test_a_failing_forward_fails_its_batch_frees_slots_and_the_engine_goes_on(tiny_models):
+    tiny = tiny_models["llama-tiny"]
+    engine = make_engine(tiny)
+    ids = [engine.add_request(prompt, GREEDY) for prompt in random_prompts([4, 6], 384, seed=4)]
+    engine.step()  # both prefilled; the next step decodes them together
+    real_decode = engine.runner.decode
+
+    def decode_that_raises(requests):
+        engine.runner.decode = real_decode
+        raise RuntimeError("CUDA error: simulated")
+
+    engine.runner.decode = decode_that_raises
+    outputs = engine.step()
+    assert sorted(o.request_id for o in outputs) == sorted(ids)
+    assert all(o.finished and o.finish_reason is None and "simulated" in o.error for o in outputs)
+    assert all(engine.scheduler.get(i) is None for i in ids)
+    assert engine.kv_cache.num_free == engine.kv_cache.capacity
+    assert engine.stats().num_failed == 2
+    later = engine.add_request([7, 8, 9], GREEDY)
+    assert token_ids(run_to_completion(engine)[later]) == tiny.cached.generate([7, 8, 9], GREEDY).token_ids
+
+
+def test_too_long_requests_and_a_full_queue_are_refused_at_add_request(tiny_models):
+    tiny = tiny_models["qwen3-tiny"]
+    engine = make_engine(tiny, max_seq_len=32, max_queue_len=2)
+    with pytest.raises(RequestTooLongError, match="max_seq_len \\(32\\)"):
+        engine.add_request(list(range(1, 30)), SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.add_request([1, 10**6], GREEDY)
+    engine.add_request([1, 2], GREEDY)
+    engine.add_request([1, 2], GREEDY)
+    with pytest.raises(QueueFullError, match="max_queue_len is 2"):
+        engine.add_request([1, 2], GREEDY)
+    assert engine.stats().num_waiting == 2
+
+
+def test_max_seq_len_beyond_the_model_is_refused(tiny_models):
+    tiny = tiny_models["qwen3-tiny"]
+    with pytest.raises(EngineConfigError, match="exceeds the model's max_position_embeddings"):
+        make_engine(tiny, max_seq_len=tiny.loaded.config.max_position_embeddings + 1)
+
+
+def test_text_prompts_and_stats(tiny_models):
+    tiny = tiny_models["llama-tiny"]
+    engine = make_engine(tiny)
+    request_id = engine.add_request("hello world", GREEDY)
+    first = engine.step()
+    running = engine.stats()
+    assert (running.num_running, running.kv_usage_ratio) == (1, 1 / 3)
+    assert running.kv_bytes_used * 3 == running.kv_bytes_total
+    outputs = run_to_completion(engine)
+    prompt_ids = tiny.loaded.tokenizer.encode("hello world", add_special_tokens=True)
+    assert token_ids(first + outputs[request_id]) == tiny.cached.generate(prompt_ids, GREEDY).token_ids
+    done = engine.stats()
+    assert (done.num_running, done.kv_usage_ratio, done.num_finished) == (0, 0.0, 1)
+    assert done.num_generation_tokens_total == GREEDY.max_new_tokens
+    assert done.num_prompt_tokens_total == len(prompt_ids)
+    assert done.generation_tokens_per_s > 0

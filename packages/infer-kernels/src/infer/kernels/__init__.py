@@ -1,0 +1,33 @@
+"""Fused kernels for LLM inference: Triton on CUDA, PyTorch references on the CPU.
+
+Each op has one public function that checks its inputs and dispatches, and a `*_ref` twin in
+plain PyTorch that is both the test oracle and the CPU path.
+"""
+
+from infer.kernels._version import INTERFACE_VERSION, __version__
+from infer.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
+from infer.kernels.decode_attention import decode_attention, decode_attention_ref
+from infer.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
+from infer.kernels.rope import rope, rope_ref, rope_tables
+from infer.kernels.tolerance import TOLERANCES, Tolerance, assert_close
+
+__all__ = [
+    "INTERFACE_VERSION",
+    "TOLERANCES",
+    "Tolerance",
+    "__version__",
+    "add_rms_norm",
+    "add_rms_norm_ref",
+    "assert_close",
+    "decode_attention",
+    "decode_attention_ref",
+    "gelu_tanh_and_mul",
+    "gelu_tanh_and_mul_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "rope",
+    "rope_ref",
+    "rope_tables",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+]

@@ -1,0 +1,152 @@
+"""RMSNorm, and residual-add + RMSNorm fused in one pass.
+
+`offset` supports Gemma's `(1 + w)` weight form: the scale applied is `offset + weight`.
+Accumulation is in fp32 whatever the input dtype.
+
+The Triton kernel gives each row to one program and holds the whole row in registers (one read,
+one write: the op is memory bound, so the number of passes over HBM is what sets its speed).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+
+# One program holds a whole row; beyond this many elements its registers would spill.
+MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    x_row_stride,
+    residual_ptr,
+    residual_row_stride,
+    weight_ptr,
+    out_ptr,
+    out_row_stride,
+    num_cols,
+    eps,
+    offset,
+    ADD_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # int64 row index: rows * stride overflows int32 beyond 2^31 elements.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        residual_row = residual_ptr + row * residual_row_stride + cols
+        summed = x.to(tl.float32) + tl.load(residual_row, mask=mask, other=0.0).to(tl.float32)
+        # Round the sum to the residual's dtype before normalising, as the unfused model does.
+        x = summed.to(residual_ptr.dtype.element_ty)
+        tl.store(residual_row, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = xf * inv_rms * (offset + weight)
+    tl.store(out_ptr + row * out_row_stride + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_settings(num_cols: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(num_cols)
+    # Enough warps that each thread holds at most ~16 elements of the row (no register spills).
+    num_warps = min(max(block // 512, 4), 32)
+    return block, num_warps
+
+
+def _rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` as a 2D [rows, hidden] view with a unit column stride, or a ValueError naming `t`."""
+    try:
+        rows = t.view(-1, t.shape[-1])
+    except RuntimeError:  # the leading dims cannot be flattened without a copy
+        rows = None
+    if rows is None or (rows.stride(-1) != 1 and rows.shape[-1] > 1):
+        raise ValueError(
+            f"{name} must have a contiguous last dim and rows one stride apart (it is updated in "
+            f"place, so it cannot be copied), got shape {list(t.shape)} strides {list(t.stride())}; "
+            f"pass a .contiguous() tensor"
+        )
+    return rows
+
+
+def _launch(x, residual, weight, eps, offset):
+    num_cols = x.shape[-1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()  # read only: a copy changes nothing the caller sees
+    x_rows = x.reshape(-1, num_cols)
+    residual_rows = _rows_view("residual", residual) if residual is not None else x_rows
+    out = torch.empty(x_rows.shape, dtype=x.dtype, device=x.device)
+    if x_rows.shape[0] > 0:
+        block, num_warps = _launch_settings(num_cols)
+        _rms_norm_kernel[(x_rows.shape[0],)](
+            x_rows,
+            x_rows.stride(0),
+            residual_rows,
+            residual_rows.stride(0),
+            weight.contiguous(),
+            out,
+            out.stride(0),
+            num_cols,
+            float(eps),
+            float(offset),
+            ADD_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=num_warps,
+        )
+    return out.view(x.shape)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0) -> torch.Tensor:
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (offset + weight.float())).to(x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # The sum is rounded to the residual's dtype before normalising, as an unfused model does.
+    residual.copy_(x + residual)
+    return rms_norm_ref(residual, weight, eps, offset=offset), residual
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_dtype("x", x)
+    check_dtype("weight", weight)
+    check_same_device(x=x, weight=weight)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dim (the hidden dim), got a scalar")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"weight must have shape [{x.shape[-1]}] to match x's last dim, got {list(weight.shape)}"
+        )
+    if x.shape[-1] > MAX_HIDDEN:
+        raise ValueError(f"x's last dim must be <= {MAX_HIDDEN} (one row per program), got {x.shape[-1]}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm over the last dim of `x`: `x / rms(x) * (offset + weight)`, in x's dtype."""
+    _check(x, weight)
+    if use_triton(x):
+        return _launch(x, None, weight, eps, offset)
+    return rms_norm_ref(x, weight, eps, offset=offset)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual += x` in place, then RMSNorm of the new residual. Returns (normed, residual)."""
+    _check(x, weight)
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(
+            f"x and residual must match in shape and dtype, got {list(x.shape)} {x.dtype} "
+            f"and {list(residual.shape)} {residual.dtype}"
+        )
+    check_same_device(x=x, residual=residual)
+    if use_triton(x):
+        _rows_view("residual", residual)  # fail before any write
+        return _launch(x, residual, weight, eps, offset), residual
+    return add_rms_norm_ref(x, residual, weight, eps, offset=offset)

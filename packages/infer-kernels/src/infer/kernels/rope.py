@@ -1,0 +1,274 @@
+"""Rotary position embedding, applied in place to q and k (GPT-NeoX "rotate half" layout).
+
+Tables: `cos` and `sin` hold one row per position and `head_dim // 2` columns (the distinct
+frequencies); Llama 3 frequency scaling and Gemma 3's local/global bases are decided when the
+tables are built (`rope_tables`), never inside the kernel.
+
+Shapes: q is `[..., num_q_heads, head_dim]`, k is `[..., num_kv_heads, head_dim]` with the same
+leading (token) dims. Either the tables are 2D `[max_pos, head_dim // 2]` and `positions` (shape
+= the leading dims) picks a row per token, or they are already per token with shape
+`[*leading, head_dim // 2]` and `positions` is None. Each token carries its own position, so
+prefill rows and decode rows of different sequences mix freely in one call.
+
+Layout: q and k may be `[T, H, D]` or `[B, T, H, D]` with any strides except the last, which
+must be 1: the views `qkv[..., :q_size].view(B, T, Hq, D)` of a fused qkv projection are rotated
+in place without a copy.
+
+The Triton kernel gives each token to one program, which reads its cos/sin row once and rotates
+all q and k heads with it. A position outside the table cannot be checked without a device sync,
+so instead of reading out of bounds the kernel writes NaN into that token's q and k (loud, never
+a silent wrong rotation); the PyTorch path raises IndexError.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+
+# Most elements of one head-block tile (heads x head_dim // 2) a program holds at once; more heads
+# are walked in a loop, so any head count fits without register spills.
+_MAX_TILE = 4096
+
+
+def rope_tables(
+    head_dim: int,
+    max_positions: int,
+    base: float,
+    *,
+    scaling: dict | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin tables `[max_positions, head_dim // 2]`.
+
+    `scaling` is a Hugging Face `rope_scaling` dict; `rope_type` "llama3" (Llama 3.1+ frequency
+    smoothing), "linear" (positions divided by `factor`) and "default"/None are supported.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, scaling)
+    elif rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type not in ("default", None):
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3)")
+    positions = torch.arange(max_positions, dtype=torch.float64, device=device)
+    angles = torch.outer(positions, inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    # Llama 3.1 long-context recipe: keep high frequencies, divide low ones by `factor`,
+    # interpolate smoothly between the two wavelength thresholds.
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_context = float(scaling.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,
+    q_stride_batch,
+    q_stride_token,
+    q_stride_head,
+    k_ptr,
+    k_stride_batch,
+    k_stride_token,
+    k_stride_head,
+    cos_ptr,
+    sin_ptr,
+    table_row_stride,
+    positions_ptr,
+    num_positions,
+    seq_len,
+    num_q_heads,
+    num_kv_heads,
+    half_dim,
+    poison,
+    HAS_POSITIONS: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    batch = token // seq_len
+    step = token % seq_len
+    if HAS_POSITIONS:  # noqa: SIM108 (a constexpr branch reads clearer to Triton readers than a ternary)
+        position = tl.load(positions_ptr + token).to(tl.int64)
+    else:
+        position = token  # per-token tables: row i belongs to token i
+    in_table = (position >= 0) & (position < num_positions)
+    row = tl.where(in_table, position, 0)
+    dims = tl.arange(0, BLOCK_HALF)
+    dim_mask = dims < half_dim
+    cos = tl.load(cos_ptr + row * table_row_stride + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + row * table_row_stride + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    cos = tl.where(in_table, cos, poison)
+    sin = tl.where(in_table, sin, poison)
+    _rotate_heads(
+        q_ptr + batch * q_stride_batch + step * q_stride_token,
+        q_stride_head,
+        num_q_heads,
+        half_dim,
+        cos,
+        sin,
+        dims,
+        dim_mask,
+        BLOCK_HQ,
+    )
+    _rotate_heads(
+        k_ptr + batch * k_stride_batch + step * k_stride_token,
+        k_stride_head,
+        num_kv_heads,
+        half_dim,
+        cos,
+        sin,
+        dims,
+        dim_mask,
+        BLOCK_HK,
+    )
+
+
+@triton.jit
+def _rotate_heads(
+    token_ptr, stride_head, num_heads, half_dim, cos, sin, dims, dim_mask, BLOCK_H: tl.constexpr
+):
+    for first_head in range(0, num_heads, BLOCK_H):
+        heads = first_head + tl.arange(0, BLOCK_H)
+        mask = (heads < num_heads)[:, None] & dim_mask[None, :]
+        first_half = token_ptr + heads[:, None] * stride_head + dims[None, :]
+        x1 = tl.load(first_half, mask=mask, other=0.0)
+        x2 = tl.load(first_half + half_dim, mask=mask, other=0.0)
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        tl.store(
+            first_half, (x1f * cos[None, :] - x2f * sin[None, :]).to(token_ptr.dtype.element_ty), mask=mask
+        )
+        tl.store(
+            first_half + half_dim,
+            (x2f * cos[None, :] + x1f * sin[None, :]).to(token_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+
+def _batch_token_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, token, head) strides of a [T, H, D] or [B, T, H, D] tensor."""
+    if t.dim() == 3:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _launch(q, k, cos, sin, positions):
+    half_dim = q.shape[-1] // 2
+    seq_len = q.shape[-3]
+    num_tokens = q.shape[:-2].numel()
+    if num_tokens == 0:
+        return q, k
+    cos = cos.reshape(-1, half_dim).contiguous()
+    sin = sin.reshape(-1, half_dim).contiguous()
+    if positions is not None:
+        positions = positions.reshape(-1).contiguous()
+    block_half = triton.next_power_of_2(half_dim)
+    max_heads_per_tile = max(1, _MAX_TILE // block_half)
+    block_hq = min(triton.next_power_of_2(q.shape[-2]), max_heads_per_tile)
+    block_hk = min(triton.next_power_of_2(k.shape[-2]), max_heads_per_tile)
+    _rope_kernel[(num_tokens,)](
+        q,
+        *_batch_token_strides(q),
+        k,
+        *_batch_token_strides(k),
+        cos,
+        sin,
+        cos.stride(0),
+        positions if positions is not None else cos,  # unused without positions
+        cos.shape[0],
+        seq_len,
+        q.shape[-2],
+        k.shape[-2],
+        half_dim,
+        float("nan"),
+        HAS_POSITIONS=positions is not None,
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk,
+        BLOCK_HALF=block_half,
+        num_warps=8 if block_hq * block_half >= 2048 else 4,
+    )
+    return q, k
+
+
+def rope_ref(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
+    cos = cos.float().unsqueeze(-2)
+    sin = sin.float().unsqueeze(-2)
+    for t in (q, k):
+        half = t.shape[-1] // 2
+        x1, x2 = t[..., :half].float(), t[..., half:].float()
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        t.copy_(rotated.to(t.dtype))
+    return q, k
+
+
+def _check(q, k, cos, sin, positions) -> None:
+    check_dtype("q", q)
+    check_dtype("k", k)
+    check_dtype("cos", cos)
+    check_dtype("sin", sin)
+    check_same_device(q=q, k=k, cos=cos, sin=sin)
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() not in (3, 4):
+            raise ValueError(f"{name} must be [T, H, D] or [B, T, H, D], got shape {list(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must have a contiguous head dim (stride 1; it is rotated in place, so it "
+                f"cannot be copied), got strides {list(t.stride())}; pass a view whose last dim is contiguous"
+            )
+    if q.shape[-1] != k.shape[-1] or q.shape[-1] % 2:
+        raise ValueError(f"q and k must share an even head_dim, got {q.shape[-1]} and {k.shape[-1]}")
+    if q.shape[:-2] != k.shape[:-2]:
+        raise ValueError(f"q and k must share leading (token) dims, got {list(q.shape)} and {list(k.shape)}")
+    if cos.shape != sin.shape or cos.shape[-1] != q.shape[-1] // 2:
+        raise ValueError(
+            f"cos and sin must share a shape ending in head_dim // 2 = {q.shape[-1] // 2}, "
+            f"got {list(cos.shape)} and {list(sin.shape)}"
+        )
+    if positions is None:
+        if cos.shape[:-1] != q.shape[:-2]:
+            raise ValueError(
+                f"per-token cos/sin must have shape {list(q.shape[:-2]) + [q.shape[-1] // 2]} "
+                f"when positions is None, got {list(cos.shape)}"
+            )
+    else:
+        if cos.dim() != 2:
+            raise ValueError(
+                f"cos/sin must be 2D [max_pos, head_dim // 2] with positions, got {list(cos.shape)}"
+            )
+        if positions.shape != q.shape[:-2] or positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"positions must be int32/int64 with shape {list(q.shape[:-2])}, "
+                f"got {positions.dtype} {list(positions.shape)}"
+            )
+        check_same_device(q=q, positions=positions)
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k in place by their positions; returns (q, k)."""
+    _check(q, k, cos, sin, positions)
+    if use_triton(q):
+        return _launch(q, k, cos, sin, positions)
+    return rope_ref(q, k, cos, sin, positions)

@@ -1,0 +1,86 @@
+"""Loading Hugging Face checkpoints into our own Llama 3, Qwen 3 and Gemma 3 code.
+
+loaded = load_model("smollm2-135m-instruct")         # alias or folder
+batch = ForwardBatch.from_tokens([loaded.tokenizer.encode("Hi", add_special_tokens=True)])
+logits = loaded.model.compute_logits(loaded.model(batch))
+"""
+
+from infer.models._version import INTERFACE_VERSION, __version__
+from infer.models.activation_diff import LayerDiff, activation_diffs, first_departure
+from infer.models.attention import attention
+from infer.models.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    chat_template_families,
+    chat_template_for,
+    detect_family,
+    read_tokenizer_config,
+)
+from infer.models.common import CausalLM
+from infer.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
+from infer.models.forward_batch import ForwardBatch
+from infer.models.gemma3 import Gemma3ForCausalLM
+from infer.models.llama import LlamaForCausalLM
+from infer.models.load import LoadedModel, load_causal_lm, load_model
+from infer.models.loader.fetch import (
+    DEFAULT_MODEL,
+    KNOWN_MODELS,
+    CachedModel,
+    fetch_model,
+    infer_home,
+    list_cached_models,
+    models_dir,
+)
+from infer.models.loader.manifest import ModelFolderError, verify_model_folder
+from infer.models.loader.tokenizer import IncrementalDetokenizer, Tokenizer
+from infer.models.loader.weights import CheckpointError, load_weights, read_safetensors_header
+from infer.models.qwen3 import Qwen3ForCausalLM
+from infer.models.random_checkpoint import PRESETS, make_random_checkpoint
+from infer.models.registry import ARCHITECTURES, Architecture, architecture_for, registered_model_types
+
+__all__ = [
+    "ARCHITECTURES",
+    "DEFAULT_MODEL",
+    "FULL_ATTENTION",
+    "INTERFACE_VERSION",
+    "KNOWN_MODELS",
+    "PRESETS",
+    "SLIDING_ATTENTION",
+    "Architecture",
+    "CachedModel",
+    "CausalLM",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "CheckpointError",
+    "ForwardBatch",
+    "Gemma3ForCausalLM",
+    "IncrementalDetokenizer",
+    "LayerDiff",
+    "LlamaForCausalLM",
+    "LoadedModel",
+    "ModelConfig",
+    "ModelFolderError",
+    "Qwen3ForCausalLM",
+    "RopeConfig",
+    "Tokenizer",
+    "__version__",
+    "activation_diffs",
+    "architecture_for",
+    "attention",
+    "chat_template_families",
+    "chat_template_for",
+    "detect_family",
+    "fetch_model",
+    "first_departure",
+    "infer_home",
+    "list_cached_models",
+    "load_causal_lm",
+    "load_model",
+    "load_weights",
+    "make_random_checkpoint",
+    "models_dir",
+    "read_safetensors_header",
+    "read_tokenizer_config",
+    "registered_model_types",
+    "verify_model_folder",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from infer.models.cli import main
+
+sys.exit(main())

@@ -1,0 +1,208 @@
+"""Building blocks shared by the architectures: RMSNorm, rotary tables, GQA attention, gated MLP,
+and the decoder-only language model around a stack of blocks.
+
+Residual stream: blocks pass `(hidden, residual)` and the next norm adds the two in one fused
+`add_rms_norm`, so a block's output in Hugging Face terms is `hidden + residual`. Norms update
+`residual` in place; a block called with `residual=None` takes its input as the residual and
+updates that tensor.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.kernels import add_rms_norm, gelu_tanh_and_mul, rms_norm, rope, rope_tables, silu_and_mul
+from infer.models.attention import attention
+from infer.models.config import ModelConfig, RopeConfig
+from infer.models.forward_batch import ForwardBatch
+
+
+class Linear(nn.Module):
+    """`x @ weight.T + bias` with uninitialised parameters: every weight comes from a checkpoint,
+    and skipping nn.Linear's random init keeps building a model on the meta device instant."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """`x / rms(x) * (offset + weight)`; Gemma stores `weight` so that the scale is `1 + weight`."""
+
+    def __init__(self, dim: int, eps: float, *, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without residual: norm(x). With residual: `residual += x` in place, returns (norm, residual)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps, offset=self.offset)
+        return add_rms_norm(x, residual, self.weight, self.eps, offset=self.offset)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for one RoPE base, built on the device of first use (not module state, so
+    building a model on the meta device and loading weights never has to materialise them)."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.rope = rope
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None or self._tables[0].device != device:
+            self._tables = rope_tables(
+                self.head_dim, self.max_positions, self.rope.theta, scaling=self.rope.scaling, device=device
+            )
+        return self._tables
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> None:
+        cos, sin = self.tables(q.device)
+        rope(q, k, cos, sin, positions)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with one fused q/k/v projection and optional per-head QK norm."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, *, qk_norm_offset=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.attention_scale
+        self.sliding_window = config.sliding_window_for_layer(layer_idx)
+        if config.attn_logit_softcapping is not None:
+            raise NotImplementedError(
+                "attn_logit_softcapping is not supported (no Gemma 3 checkpoint sets it)"
+            )
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias)
+        # qk_norm_offset None: no QK norm (Llama); 0.0: Qwen 3; 1.0: Gemma 3's (1 + w).
+        if qk_norm_offset is not None:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=qk_norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=qk_norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        num_rows, num_tokens = x.shape[:2]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.reshape(num_rows, num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_rows, num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_rows, num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        else:
+            # rope rotates in place; the split views share one buffer, so give q and k their own.
+            q, k = q.contiguous(), k.contiguous()
+        self.rotary(q, k, batch.positions)
+        out = attention(q, k, v, batch, self.layer_idx, scale=self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(num_rows, num_tokens, -1))
+
+
+_GATED_ACTIVATIONS = {
+    "silu": silu_and_mul,
+    "gelu_pytorch_tanh": gelu_tanh_and_mul,
+    "gelu_tanh": gelu_tanh_and_mul,
+}
+
+
+class GatedMLP(nn.Module):
+    """`down(act(gate(x)) * up(x))` with gate and up fused into one `[2 * intermediate, hidden]` matmul."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.hidden_activation not in _GATED_ACTIVATIONS:
+            raise ValueError(
+                f"hidden activation {config.hidden_activation!r} is not supported; "
+                f"supported: {', '.join(_GATED_ACTIVATIONS)}"
+            )
+        self.activation = _GATED_ACTIVATIONS[config.hidden_activation]
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activation(self.gate_up_proj(x)))
+
+
+def rotary_per_layer(config: ModelConfig) -> list[RotaryEmbedding]:
+    """One RotaryEmbedding per layer, shared between layers with the same RoPE settings."""
+    shared: dict[tuple, RotaryEmbedding] = {}
+    rotaries = []
+    for layer_idx in range(config.num_layers):
+        rope_config = config.rope_for_layer(layer_idx)
+        key = (rope_config.theta, repr(rope_config.scaling))
+        if key not in shared:
+            shared[key] = RotaryEmbedding(config.head_dim, config.max_position_embeddings, rope_config)
+        rotaries.append(shared[key])
+    return rotaries
+
+
+class CausalLM(nn.Module):
+    """Embedding, a stack of decoder blocks, the final norm and the LM head.
+
+    Subclasses set `make_layer` (block constructor), `norm_offset` (1.0 for Gemma's 1 + w) and
+    `scale_embeddings` (Gemma multiplies embeddings by sqrt(hidden_size)).
+    """
+
+    norm_offset = 0.0
+    scale_embeddings = False
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        rotaries = rotary_per_layer(config)
+        self.layers = nn.ModuleList(self.make_layer(config, i, rotaries[i]) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=self.norm_offset)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def make_layer(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module:
+        raise NotImplementedError
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.scale_embeddings:
+            # As Hugging Face does: the scale is rounded to the model dtype before multiplying.
+            hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
+        return hidden
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states after the final norm, `[B, T, hidden_size]`."""
+        hidden, residual = self.embed(batch.input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits `[..., vocab_size]`, soft-capped where the config says so."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,1 @@
+"""Reading checkpoints: fetching, weights, tokenizer."""

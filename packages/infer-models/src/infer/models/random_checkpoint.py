@@ -1,0 +1,325 @@
+"""Hugging Face checkpoints with random weights: real shapes for GPU tests and benchmarks without
+downloading, and tiny shapes for fast CPU tests.
+
+A checkpoint is what transformers itself loads: config.json (written by transformers' own config
+class), safetensors (one file, or shards with an index), generation_config.json, and a byte-level
+tokenizer whose vocabulary size equals the model's, with the family's special tokens at their
+real ids. Tensors are streamed to disk one at a time, so an 8B preset needs ~1 tensor of memory.
+"""
+
+import argparse
+import itertools
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    arch: str  # "llama", "qwen3" or "gemma3"
+    # Keyword arguments of the transformers config class.
+    config: dict = field(default_factory=dict)
+
+
+def _llama(**shape) -> Preset:
+    base = dict(rope_parameters=_LLAMA3_ROPE, max_position_embeddings=131072, rms_norm_eps=1e-5)
+    return Preset("llama", {**base, **shape})
+
+
+def _qwen3(**shape) -> Preset:
+    base = dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=40960)
+    return Preset("qwen3", {**base, "rms_norm_eps": 1e-6, **shape})
+
+
+def _gemma3(**shape) -> Preset:
+    rope = {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    return Preset("gemma3", {"rope_parameters": rope, "rms_norm_eps": 1e-6, **shape})
+
+
+def _gemma_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+
+
+PRESETS: dict[str, Preset] = {
+    # Shapes of the published checkpoints' config.json.
+    "llama-3.2-1b": _llama(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+    ),
+    "llama-3.2-3b": _llama(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+        num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+    ),
+    "qwen3-1.7b": _qwen3(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+    ),
+    "qwen3-4b": _qwen3(
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+    ),
+    "qwen3-8b": _qwen3(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    ),
+    "gemma-3-1b": _gemma3(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=512, layer_types=_gemma_layer_types(26), max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    ),
+    # Tiny shapes for CPU tests; each exercises what its family does unusually.
+    "llama-tiny": _llama(  # untied head, Llama 3 rope scaling that bites at short range, GQA 4:2
+        rope_parameters={**_LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 64},
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        max_position_embeddings=256,
+    ),
+    "qwen3-tiny": _qwen3(  # head_dim larger than hidden / heads, as Qwen 3 has
+        vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+        max_position_embeddings=256,
+    ),
+    "gemma3-tiny": _gemma3(  # window 4 bites on short prompts; both layer types; soft-capped logits
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        final_logit_softcapping=30.0, max_position_embeddings=256, tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+
+_TORCH_TO_SAFETENSORS = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def make_random_checkpoint(
+    arch_preset: str,
+    out_dir: str | Path,
+    *,
+    shards: int = 1,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Writes a random checkpoint of preset `arch_preset` (a key of PRESETS) into `out_dir`."""
+    if arch_preset not in PRESETS:
+        raise ValueError(f"unknown preset {arch_preset!r}; presets: {', '.join(PRESETS)}")
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    if dtype not in _TORCH_TO_SAFETENSORS:
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    preset = PRESETS[arch_preset]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Weights of an earlier run would sit beside (and, for transformers, shadow) the new ones.
+    for stale in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
+        stale.unlink()
+    specials = _special_tokens(preset.arch, preset.config["vocab_size"])
+    hf_config = _hf_config(preset, specials, dtype)
+    hf_config.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps(_generation_config(hf_config), indent=2) + "\n")
+    _write_tokenizer(out, preset.arch, preset.config["vocab_size"], specials)
+    _write_weights(out, _tensor_shapes(hf_config), preset.arch, shards=shards, seed=seed, dtype=dtype)
+    return out
+
+
+def _hf_config(preset: Preset, specials: "_Specials", dtype: torch.dtype):
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+
+    config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gemma3": Gemma3TextConfig}[preset.arch]
+    return config_class(
+        **preset.config,
+        bos_token_id=specials.bos_id,
+        eos_token_id=specials.eos_ids if len(specials.eos_ids) > 1 else specials.eos_ids[0],
+        pad_token_id=specials.pad_id,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+
+
+def _generation_config(hf_config) -> dict:
+    return {
+        "bos_token_id": hf_config.bos_token_id,
+        "eos_token_id": hf_config.eos_token_id,
+        "pad_token_id": hf_config.pad_token_id,
+    }
+
+
+def _tensor_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    """Every tensor the transformers model stores, from an allocation-free meta instance."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    seen, shapes = set(), {}
+    for name, tensor in model.state_dict().items():
+        # Tied weights appear under both names; checkpoints store the first (the embedding).
+        if id(tensor) in seen or (hf_config.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        seen.add(id(tensor))
+        shapes[name] = tuple(tensor.shape)
+    return shapes
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], arch: str, generator: torch.Generator) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        # Gemma scales by (1 + w): store w near 0. Others scale by w: store w near 1.
+        noise = 0.1 * torch.randn(shape, generator=generator)
+        return noise if arch == "gemma3" else 1.0 + noise
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        # std 4 / sqrt(hidden): logits of std ~4 at every size, peaked like a trained model's
+        # (no near-ties for greedy decoding), and one absolute tolerance fits every preset.
+        return torch.randn(shape, generator=generator) * 4 * shape[-1] ** -0.5
+    # fan_in**-0.5 keeps activations O(1) through the stack, so logits are peaked, not near-ties.
+    return torch.randn(shape, generator=generator) * shape[-1] ** -0.5
+
+
+def _write_weights(
+    out: Path, shapes: dict[str, tuple[int, ...]], arch: str, *, shards: int, seed: int, dtype: torch.dtype
+) -> None:
+    names = list(shapes)
+    per_shard = -(-len(names) // shards)
+    groups = [names[i : i + per_shard] for i in range(0, len(names), per_shard)]
+    generator = torch.Generator().manual_seed(seed)
+    weight_map = {}
+    for index, group in enumerate(groups):
+        file_name = (
+            "model.safetensors" if shards == 1 else f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
+        )
+        _stream_safetensors(
+            out / file_name, {n: shapes[n] for n in group}, dtype,
+            lambda n: _random_tensor(n, shapes[n], arch, generator),
+        )  # fmt: skip
+        weight_map.update(dict.fromkeys(group, file_name))
+    if shards > 1:
+        total_bytes = sum(torch.Size(s).numel() * dtype.itemsize for s in shapes.values())
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _stream_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, make) -> None:
+    """Writes the safetensors format by hand (8-byte header length, JSON header, raw data) so
+    that each tensor is made, written and freed in turn."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in shapes.items():
+        num_bytes = torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {
+            "dtype": _TORCH_TO_SAFETENSORS[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + num_bytes],
+        }
+        offset += num_bytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # the data starts 8-byte aligned
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        for name in shapes:
+            f.write(make(name).to(dtype).contiguous().view(torch.uint8).numpy().tobytes())
+
+
+@dataclass(frozen=True)
+class _Specials:
+    ids: dict[str, int]  # special token -> id
+    bos_id: int | None
+    eos_ids: list[int]
+    pad_id: int | None
+    add_bos: bool
+
+
+def _special_tokens(arch: str, vocab_size: int) -> _Specials:
+    """The family's special tokens at the ids the real tokenizers give them (relative to the end of
+    the vocabulary for Llama and Qwen, whose special tokens follow the merges)."""
+    if arch == "llama":
+        base = vocab_size - 256  # 128000 in Llama 3
+        ids = {
+            "<|begin_of_text|>": base, "<|end_of_text|>": base + 1, "<|start_header_id|>": base + 6,
+            "<|end_header_id|>": base + 7, "<|eom_id|>": base + 8, "<|eot_id|>": base + 9,
+        }  # fmt: skip
+        return _Specials(ids, base, [base + 1, base + 8, base + 9], base + 1, add_bos=True)
+    if arch == "qwen3":
+        base = vocab_size - 293  # 151643 in Qwen 3
+        ids = {"<|endoftext|>": base, "<|im_start|>": base + 1, "<|im_end|>": base + 2,
+               "<think>": base + 24, "</think>": base + 25}  # fmt: skip
+        return _Specials(ids, None, [base + 2, base], base, add_bos=False)
+    ids = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<start_of_turn>": 105, "<end_of_turn>": 106}
+    return _Specials(ids, 2, [1, 106], 0, add_bos=True)
+
+
+def _write_tokenizer(out: Path, arch: str, vocab_size: int, specials: _Specials) -> None:
+    """A byte-level BPE without merges (one token per byte), padded with filler tokens to exactly
+    `vocab_size`, so any text round-trips and every model id decodes."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
+    taken = set(specials.ids.values())
+    free_ids = (i for i in range(vocab_size) if i not in taken)
+    vocab = {token: token_id for token, token_id in specials.ids.items()}
+    for char in sorted(byte_chars):
+        vocab[char] = next(free_ids)
+    # Fillers are 2- and 3-character strings of the byte alphabet, so the byte-level decoder
+    # handles them (65,536 + 16.7M of them: enough for any vocabulary).
+    alphabet = sorted(byte_chars)
+    fillers = ("".join(chars) for length in (2, 3) for chars in itertools.product(alphabet, repeat=length))
+    for token_id in free_ids:
+        vocab[next(fillers)] = token_id
+    if len(vocab) != vocab_size:
+        raise AssertionError(f"built {len(vocab)} tokens for vocab_size {vocab_size}")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials.ids])
+    bos = next((t for t, i in specials.ids.items() if i == specials.bos_id), None)
+    if specials.add_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, specials.bos_id)]
+        )
+    tokenizer.save(str(out / "tokenizer.json"))
+    by_id = {i: t for t, i in specials.ids.items()}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": by_id[specials.eos_ids[0]],
+        "pad_token": by_id.get(specials.pad_id),
+        "add_bos_token": specials.add_bos,
+        "model_max_length": 131072,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    """Adds `random ARCH --preset P --out DIR [--shards N] [--seed S] [--dtype D]`."""
+    parser = subparsers.add_parser("random", help="write a random-weight checkpoint with real or tiny shapes")
+    parser.add_argument("arch", choices=sorted({p.arch for p in PRESETS.values()}))
+    parser.add_argument("--preset", required=True, help=f"one of {', '.join(PRESETS)} (or 'tiny')")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--shards", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.set_defaults(func=_run_cli)
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+    name = args.preset if args.preset in PRESETS else f"{args.arch}-{args.preset}"
+    if name not in PRESETS or PRESETS[name].arch != args.arch:
+        names = [n for n, p in PRESETS.items() if p.arch == args.arch]
+        raise SystemExit(
+            f"preset {args.preset!r} is not a {args.arch} preset; choose from {', '.join(names)}"
+        )
+    out = make_random_checkpoint(
+        name, args.out, shards=args.shards, seed=args.seed, dtype=getattr(torch, args.dtype)
+    )
+    print(f"wrote {name} with random weights to {out}")
+    return 0

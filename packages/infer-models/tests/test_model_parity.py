@@ -1,0 +1,57 @@
+"""Batched forwards follow the ForwardBatch padding rule: each right-padded row's logits equal
+transformers' logits for that prompt alone (fp32, CPU, tiny random checkpoints).
+
+Single-prompt full-model parity, real checkpoints included, is the parity conformance suite
+(specs/parity/cases.yaml, PAR-010); this file covers what a single prompt cannot: rows of
+different lengths and start positions sharing one forward.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from infer.models.forward_batch import ForwardBatch
+from infer.models.load import load_causal_lm
+from infer.models.random_checkpoint import make_random_checkpoint
+
+ATOL = RTOL = 2e-5
+# Lengths around the tiny Gemma's window of 4: shorter, equal, and longer.
+PROMPT_LENGTHS = (3, 4, 11)
+
+
+@pytest.fixture(scope="module", params=["llama-tiny", "qwen3-tiny", "gemma3-tiny"])
+def pair(request, tmp_path_factory):
+    folder = make_random_checkpoint(
+        request.param, tmp_path_factory.mktemp(request.param), dtype=torch.float32
+    )
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    return load_causal_lm(folder, dtype=torch.float32), reference.eval()
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+@torch.no_grad()
+def test_right_padded_rows_match_each_prompt_alone(pair):
+    ours, reference = pair
+    prompts = _prompts(ours.config.vocab_size)
+    logits = ours.compute_logits(ours(ForwardBatch.from_tokens(prompts)))
+    for row, prompt in enumerate(prompts):
+        expected = reference(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(logits[row, : len(prompt)], expected, atol=ATOL, rtol=RTOL)
+
+
+@torch.no_grad()
+def test_rows_starting_mid_sequence_see_only_their_own_tokens(pair):
+    """Without a cache, a row that starts at position p attends to its own tokens only, rotated
+    as positions p, p+1, ...: transformers given the same position_ids agrees."""
+    ours, reference = pair
+    prompts = _prompts(ours.config.vocab_size)
+    starts = [0, 7, 2]
+    logits = ours.compute_logits(ours(ForwardBatch.from_tokens(prompts, start_positions=starts)))
+    for row, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
+        position_ids = torch.arange(start, start + len(prompt))[None]
+        expected = reference(torch.tensor([prompt]), position_ids=position_ids).logits[0]
+        torch.testing.assert_close(logits[row, : len(prompt)], expected, atol=ATOL, rtol=RTOL)

@@ -1,0 +1,104 @@
+"""Random checkpoints: transformers loads them as its own, the tokenizer fits the model, and the
+real-shape presets have the published parameter counts."""
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from infer.models.config import ModelConfig
+from infer.models.random_checkpoint import (
+    PRESETS,
+    _hf_config,
+    _special_tokens,
+    _tensor_shapes,
+    make_random_checkpoint,
+    register_cli,
+)
+
+# Parameter counts of the released checkpoints (their model cards / safetensors metadata).
+PUBLISHED_PARAMETERS = {
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
+    "qwen3-4b": 4_022_468_096,
+    "qwen3-8b": 8_190_735_360,
+    "gemma-3-1b": 999_885_952,
+}
+# The families' real special-token ids, which chat templates and stop tokens rely on.
+REAL_SPECIAL_IDS = {
+    "llama-3.2-1b": {"<|begin_of_text|>": 128000, "<|eot_id|>": 128009},
+    "qwen3-8b": {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645},
+    "gemma-3-1b": {"<bos>": 2, "<eos>": 1, "<start_of_turn>": 105, "<end_of_turn>": 106},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMETERS))
+def test_real_shape_presets_have_the_published_parameter_count(preset):
+    spec = PRESETS[preset]
+    hf_config = _hf_config(spec, _special_tokens(spec.arch, spec.config["vocab_size"]), torch.bfloat16)
+    assert (
+        sum(math.prod(shape) for shape in _tensor_shapes(hf_config).values()) == PUBLISHED_PARAMETERS[preset]
+    )
+
+
+@pytest.mark.parametrize("preset", sorted(REAL_SPECIAL_IDS))
+def test_special_tokens_sit_at_the_real_ids(preset):
+    spec = PRESETS[preset]
+    specials = _special_tokens(spec.arch, spec.config["vocab_size"])
+    assert {token: specials.ids[token] for token in REAL_SPECIAL_IDS[preset]} == REAL_SPECIAL_IDS[preset]
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny", "gemma3-tiny"])
+def test_tiny_checkpoint_is_a_complete_transformers_checkpoint(preset, tmp_path):
+    folder = make_random_checkpoint(preset, tmp_path, dtype=torch.float32)
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    config = ModelConfig.from_file(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert len(tokenizer) == config.vocab_size == model.config.vocab_size
+    text = "Paris, ça va? 東京 🙂"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    # Every id the model can emit decodes.
+    tokenizer.decode(list(range(config.vocab_size)))
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert generation["bos_token_id"] == config.bos_token_id
+    if config.bos_token_id is not None:
+        assert tokenizer.encode("hi")[0] == config.bos_token_id  # BOS added, as the real tokenizers do
+
+
+def test_bf16_preset_stores_bf16(tmp_path):
+    folder = make_random_checkpoint("gemma3-tiny", tmp_path)
+    assert ModelConfig.from_file(folder).dtype == torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
+    a = make_random_checkpoint("llama-tiny", tmp_path / "a", seed=1)
+    b = make_random_checkpoint("llama-tiny", tmp_path / "b", seed=1)
+    c = make_random_checkpoint("llama-tiny", tmp_path / "c", seed=2)
+    data = {p.name: (p / "model.safetensors").read_bytes() for p in (a, b, c)}
+    assert data["a"] == data["b"] != data["c"]
+
+
+def test_cli_writes_a_sharded_tiny_checkpoint(tmp_path):
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers())
+    args = parser.parse_args(
+        ["random", "gemma3", "--preset", "tiny", "--out", str(tmp_path), "--shards", "2"]
+    )
+    assert args.func(args) == 0
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2
+    assert ModelConfig.from_file(tmp_path).model_type == "gemma3_text"
+
+
+def test_cli_rejects_a_preset_of_another_architecture(tmp_path):
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers())
+    args = parser.parse_args(["random", "llama", "--preset", "qwen3-8b", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="not a llama preset; choose from llama-3.2-1b"):
+        args.func(args)

@@ -1,0 +1,98 @@
+"""The FastAPI application: `create_app(engine_or_factory)` wires the routes, the error bodies,
+the metrics and the engine's lifecycle. `infer.server.serve` runs it on uvicorn.
+
+Every error leaves as OpenAI's error object: an ApiError with its status, FastAPI's own HTTP
+errors (unknown path, wrong method) in the same shape, and anything unexpected as a 500
+`internal_error` (logged with its traceback).
+"""
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from infer.server import errors
+from infer.server.errors import ApiError
+from infer.server.metrics import ServerMetrics
+from infer.server.routes_chat import router as chat_router
+from infer.server.routes_completions import router as completions_router
+from infer.server.routes_service import router as service_router
+from infer.server.server_state import RETRY_AFTER_S, ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(
+    engine_or_factory, *, served_model_name: str | None = None, metrics: ServerMetrics | None = None
+) -> FastAPI:
+    """The OpenAI-compatible app over one engine.
+
+    `engine_or_factory`: an `infer.engine.Engine`, or a no-argument callable returning one, which
+    then runs on a worker thread at startup (GET /health answers 503 until it returns).
+    `served_model_name`: the `model` that requests must name (default: the engine's config.model).
+    The ServerState is `app.state.server`; `await app.state.server.drain(timeout_s)` drains.
+    """
+    server = ServerState(
+        engine_or_factory, served_model_name=served_model_name, metrics=metrics or ServerMetrics()
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await server.start()
+        try:
+            yield
+        finally:
+            await server.stop()
+
+    app = FastAPI(title="infer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.include_router(completions_router)
+    app.include_router(chat_router)
+    app.include_router(service_router)
+    app.add_exception_handler(ApiError, _api_error_response)
+    app.add_exception_handler(HTTPException, _http_error_response)
+    app.add_exception_handler(Exception, _unexpected_error_response)
+    app.add_middleware(_CountStatuses, metrics=server.metrics)
+    return app
+
+
+async def _api_error_response(request: Request, error: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def _http_error_response(request: Request, error: HTTPException) -> JSONResponse:
+    code = "not_found" if error.status_code == 404 else "http_error"
+    body = ApiError(
+        error.status_code, f"{request.method} {request.url.path}: {error.detail}", code=code
+    ).body()
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
+
+async def _unexpected_error_response(request: Request, error: Exception) -> JSONResponse:
+    logger.exception("unexpected error in %s %s", request.method, request.url.path, exc_info=error)
+    api_error = errors.internal_error(f"{type(error).__name__}: {error}")
+    return JSONResponse(api_error.body(), status_code=500)
+
+
+class _CountStatuses:
+    """Counts every response by status in infer_requests_by_status_total (pure ASGI, so streams
+    pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests_by_status_total.inc(status=str(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,217 @@
+"""`infer bench serve | matrix | hf-baseline` (argv[0] names the subcommand).
+
+infer bench serve --base-url URL [--model NAME] --workload W2 --concurrency 16 --seed 0
+                  [--json OUT] [--md OUT]
+infer bench matrix --model M [--device cuda --dtype bfloat16] --workloads W2,W3 --out DIR
+infer bench hf-baseline --model PATH --workload W2 --concurrency 64 [--json OUT]
+"""
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from infer.server.bench.workloads import DEFAULT_VOCAB_SIZE, SHAPES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infer bench", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="benchmark a running OpenAI-compatible server")
+    serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (without /v1)")
+    serve.add_argument(
+        "--model", default=None, help="the model name to send; default: the first of /v1/models"
+    )
+    _add_workload_arguments(serve)
+    serve.add_argument(
+        "--engine-config", type=Path, default=None, help="EngineConfig file the server runs, to record"
+    )
+    serve.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
+    serve.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
+    serve.add_argument("--no-records", action="store_true", help="leave per-request records out of the JSON")
+    serve.add_argument("--json", dest="json_path", type=Path, help="write the full report here")
+    serve.add_argument("--md", dest="md_path", type=Path, help="write the markdown table here")
+    serve.set_defaults(run=_run_serve)
+
+    matrix = commands.add_parser("matrix", help="start our server per config row and compare against static")
+    matrix.add_argument(
+        "--model", required=True, help="model alias or checkpoint folder (EngineConfig.model)"
+    )
+    matrix.add_argument("--device", default=None, help="EngineConfig.device (default: the config's)")
+    matrix.add_argument("--dtype", default=None, help="EngineConfig.dtype (default: the config's)")
+    matrix.add_argument("--workloads", default="W2,W3", help="comma-separated, e.g. W2,W3")
+    matrix.add_argument(
+        "--concurrency", default=None, help="comma-separated levels for every workload (default: 16,64)"
+    )
+    matrix.add_argument("--max-batch-size", type=int, default=None, help="default: the largest concurrency")
+    matrix.add_argument(
+        "--max-seq-len", type=int, default=2048, help="EngineConfig.max_seq_len for every row"
+    )
+    matrix.add_argument("--num-requests", type=int, default=None, help="default: 2 x concurrency")
+    matrix.add_argument("--seed", type=int, default=0)
+    matrix.add_argument(
+        "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="prompt token ids are below this"
+    )
+    matrix.add_argument(
+        "--server-command", default=None, help="what starts the server (default: infer serve)"
+    )
+    matrix.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra server argument, repeatable: --server-arg=--flag --server-arg=value",
+    )
+    matrix.add_argument("--health-timeout-s", type=float, default=600.0)
+    matrix.add_argument(
+        "--rows", default=None, help="comma-separated row names (default: every row; see bench/matrix.py)"
+    )
+    matrix.add_argument(
+        "--out", type=Path, required=True, help="folder for matrix.md, matrix.json, per-run JSON"
+    )
+    matrix.set_defaults(run=_run_matrix)
+
+    hf = commands.add_parser("hf-baseline", help="transformers' continuous batching on the same prompts")
+    hf.add_argument(
+        "--model", required=True, help="Hugging Face checkpoint folder (or alias for fetch_model)"
+    )
+    _add_workload_arguments(hf)
+    hf.add_argument("--device", default="cuda")
+    hf.add_argument("--dtype", default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"))
+    hf.add_argument(
+        "--attn-implementation", default="sdpa", help='"sdpa", "paged|eager" or a flash implementation'
+    )
+    hf.add_argument("--json", dest="json_path", type=Path)
+    hf.add_argument("--md", dest="md_path", type=Path)
+    hf.set_defaults(run=_run_hf_baseline)
+    return parser
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", default="W2", choices=sorted(SHAPES))
+    parser.add_argument(
+        "--concurrency", type=int, default=None, help="clients in the closed loop (W2/W3: 16)"
+    )
+    parser.add_argument("--num-requests", type=int, default=None, help="default: 2 x concurrency (W1: 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="prompt token ids are below this"
+    )
+
+
+def _workload(args):
+    from infer.server.bench.workloads import make_workload
+
+    return make_workload(
+        args.workload,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        num_requests=args.num_requests,
+        vocab_size=args.vocab_size,
+    )
+
+
+def _run_serve(args) -> int:
+    from infer.server.bench.report import serve_markdown, write_json
+    from infer.server.bench.runner import benchmark_server
+
+    report = asyncio.run(
+        benchmark_server(
+            _workload(args),
+            base_url=args.base_url,
+            model=args.model,
+            engine_config_file=args.engine_config,
+            timeout_s=args.timeout_s,
+            ignore_eos=not args.no_ignore_eos,
+            include_records=not args.no_records,
+        )
+    )
+    markdown = serve_markdown(report)
+    print(markdown)
+    _write(report, markdown, args, write_json)
+    return 1 if report["stats"]["num_errors"] else 0
+
+
+def _run_matrix(args) -> int:
+    from infer.server.bench.matrix import DEFAULT_SERVER_COMMAND, run_matrix, select_rows
+
+    try:
+        rows = select_rows(args.rows)
+    except ValueError as error:
+        print(f"infer bench matrix: {error}", file=sys.stderr)
+        return 2
+    workloads = [name.strip() for name in args.workloads.split(",") if name.strip()]
+    unknown = [name for name in workloads if name not in SHAPES]
+    if unknown:
+        print(f"infer bench matrix: unknown workloads {unknown}; known: {sorted(SHAPES)}", file=sys.stderr)
+        return 2
+    levels = None
+    if args.concurrency:
+        chosen = tuple(int(level) for level in args.concurrency.split(","))
+        levels = {name: chosen for name in workloads}
+    settings = {"max_seq_len": args.max_seq_len}
+    for key in ("device", "dtype", "max_batch_size"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    summary = run_matrix(
+        model=args.model,
+        out_dir=args.out,
+        workloads=workloads,
+        concurrency_levels=levels,
+        rows=rows,
+        base_settings=settings,
+        server_command=args.server_command or DEFAULT_SERVER_COMMAND,
+        extra_server_args=args.server_arg,
+        seed=args.seed,
+        num_requests=args.num_requests,
+        vocab_size=args.vocab_size,
+        health_timeout_s=args.health_timeout_s,
+    )
+    print((args.out / "matrix.md").read_text())
+    return 1 if any(run["stats"]["num_errors"] for run in summary["runs"]) else 0
+
+
+def _run_hf_baseline(args) -> int:
+    from infer.server.bench.hf_baseline import hf_markdown, run_hf_baseline
+    from infer.server.bench.report import write_json
+
+    model_path = args.model
+    if not Path(model_path).is_dir():
+        from infer.models import fetch_model
+
+        model_path = str(fetch_model(model_path))
+    report = run_hf_baseline(
+        model_path,
+        _workload(args),
+        device=args.device,
+        dtype=args.dtype,
+        attn_implementation=args.attn_implementation,
+    )
+    markdown = hf_markdown(report)
+    print(markdown)
+    _write(report, markdown, args, write_json)
+    return 1 if report["stats"]["num_errors"] else 0
+
+
+def _write(report: dict, markdown: str, args, write_json) -> None:
+    if args.json_path:
+        write_json(report, args.json_path)
+        print(f"wrote {args.json_path}", file=sys.stderr)
+    if args.md_path:
+        args.md_path.write_text(markdown)
+        print(f"wrote {args.md_path}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for `infer bench serve|matrix|hf-baseline`; argv starts at the subcommand."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return args.run(args)
+    except (ValueError, RuntimeError, TimeoutError, json.JSONDecodeError) as error:
+        print(f"infer bench {args.command}: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

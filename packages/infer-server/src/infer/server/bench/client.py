@@ -1,0 +1,264 @@
+"""Runs a Workload against any OpenAI-compatible server over streamed HTTP and times every chunk.
+
+Each request is a streamed POST (`stream: true`, `stream_options.include_usage: true`,
+`temperature: 0`, `ignore_eos: true`). Per request the client records, on one monotonic clock
+(`time.perf_counter`, seconds): when it was sent, when each chunk carrying output text arrived,
+when the stream ended, the output token count (the final usage chunk's `completion_tokens`, else
+the number of text chunks) and any error.
+
+Before the timed run, two untimed requests go out alone:
+  warm-up  a short request, so first-call costs (allocator, kernel selection) stay out of the
+           numbers. If the server answers 422 naming `ignore_eos`, the run goes on without the
+           field and notes it (outputs may then end early at EOS).
+  probe    the workload's median-length prompt with max_tokens=1 on the idle server: its time to
+           first token is the unloaded prefill time that the queue-wait estimate subtracts
+           (see stats.py).
+
+Concurrency is a closed loop: `workload.concurrency` workers take requests in index order from
+one queue, each sending its next request when its previous one has finished.
+"""
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from infer.server.bench.workloads import BenchRequest, Workload
+
+WARMUP_MAX_TOKENS = 4
+
+
+@dataclass
+class RequestRecord:
+    """What one request did; all times are `time.perf_counter()` seconds."""
+
+    index: int
+    endpoint: str
+    max_tokens: int
+    send_time: float
+    num_prompt_tokens: int | None = None  # the request's own count, else the server's usage
+    first_token_time: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk with output text
+    end_time: float | None = None
+    num_output_tokens: int = 0
+    output_tokens_from: str = "chunks"  # "usage" when the final chunk reported completion_tokens
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.first_token_time is not None and self.end_time is not None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.send_time
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.end_time is None else self.end_time - self.send_time
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Gaps between consecutive text chunks (one per token on a server that streams per token)."""
+        return [
+            later - earlier for earlier, later in zip(self.chunk_times, self.chunk_times[1:], strict=False)
+        ]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (end - first token) / (tokens - 1)."""
+        if not self.ok or self.num_output_tokens < 2:
+            return None
+        return (self.end_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ttft_s": self.ttft_s, "e2e_s": self.e2e_s, "tpot_s": self.tpot_s}
+
+
+@dataclass
+class RunResult:
+    """One workload run: its records, the wall-clock window, and the untimed probe."""
+
+    workload: Workload
+    start_time: float
+    end_time: float
+    records: list[RequestRecord]
+    ignore_eos_sent: bool
+    probe: RequestRecord | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def wall_s(self) -> float:
+        return self.end_time - self.start_time
+
+
+def request_body(
+    request: BenchRequest, model: str, *, ignore_eos: bool, max_tokens: int | None = None
+) -> dict:
+    body = {
+        "model": model,
+        "max_tokens": request.max_tokens if max_tokens is None else max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if request.messages is not None:
+        body["messages"] = request.messages
+    else:
+        body["prompt"] = request.prompt_token_ids
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+async def stream_request(
+    client: httpx.AsyncClient, request: BenchRequest, body: dict
+) -> tuple[RequestRecord, int | None]:
+    """Sends one streamed request; returns its record and the HTTP status (None if none came)."""
+    record = RequestRecord(
+        index=request.index,
+        endpoint=request.endpoint,
+        max_tokens=body["max_tokens"],
+        send_time=time.perf_counter(),
+        num_prompt_tokens=request.num_prompt_tokens,
+    )
+    status = None
+    try:
+        async with client.stream("POST", request.endpoint, json=body) as response:
+            status = response.status_code
+            if status != 200:
+                text = (await response.aread()).decode(errors="replace")
+                record.error = f"HTTP {status}: {text[:500]}"
+                record.end_time = time.perf_counter()
+                return record, status
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, `event:` lines
+                payload = line[len("data:") :].strip()
+                if payload == "[DONE]":
+                    break
+                _read_chunk(record, json.loads(payload), now)
+                if record.error is not None:
+                    break
+    except (httpx.HTTPError, json.JSONDecodeError) as error:
+        record.error = f"{type(error).__name__}: {error}"
+    record.end_time = time.perf_counter()
+    if record.output_tokens_from == "chunks":
+        record.num_output_tokens = len(record.chunk_times)
+    return record, status
+
+
+def _read_chunk(record: RequestRecord, chunk: dict, now: float) -> None:
+    if "error" in chunk:
+        record.error = f"stream error: {json.dumps(chunk['error'])[:500]}"
+        return
+    usage = chunk.get("usage")
+    if usage:
+        if usage.get("completion_tokens") is not None:
+            record.num_output_tokens = usage["completion_tokens"]
+            record.output_tokens_from = "usage"
+        if record.num_prompt_tokens is None and usage.get("prompt_tokens") is not None:
+            record.num_prompt_tokens = usage["prompt_tokens"]
+    for choice in chunk.get("choices") or []:
+        text = choice.get("text")
+        if text is None:
+            text = (choice.get("delta") or {}).get("content")
+        if text:
+            if record.first_token_time is None:
+                record.first_token_time = now
+            record.chunk_times.append(now)
+        if choice.get("finish_reason"):
+            record.finish_reason = choice["finish_reason"]
+
+
+def _names_ignore_eos(record: RequestRecord) -> bool:
+    return record.error is not None and "ignore_eos" in record.error
+
+
+async def run_workload(
+    workload: Workload,
+    *,
+    base_url: str,
+    model: str,
+    ignore_eos: bool = True,
+    timeout_s: float = 600.0,
+    warmup: bool = True,
+    api_key: str | None = None,
+    before_timed_run: Callable[[], Awaitable[None]] | None = None,
+) -> RunResult:
+    """Runs `workload` against the server at `base_url` (e.g. http://127.0.0.1:8000).
+
+    `before_timed_run` is awaited after the warm-up and probe, just before the timed requests
+    (the runner scrapes /metrics there, so server-side counters cover the timed requests only).
+    """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(
+        max_connections=workload.concurrency + 1, max_keepalive_connections=workload.concurrency + 1
+    )
+    notes: list[str] = []
+    async with httpx.AsyncClient(
+        base_url=base_url.rstrip("/"), headers=headers, limits=limits, timeout=httpx.Timeout(timeout_s)
+    ) as client:
+        probe = None
+        if warmup:
+            ignore_eos = await _warm_up(client, workload, model, ignore_eos, notes)
+            probe = await _prefill_probe(client, workload, model, ignore_eos)
+        queue: asyncio.Queue[BenchRequest] = asyncio.Queue()
+        for request in workload.requests:
+            queue.put_nowait(request)
+        records: list[RequestRecord] = []
+
+        async def client_loop() -> None:
+            while True:
+                try:
+                    request = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                record, _ = await stream_request(
+                    client, request, request_body(request, model, ignore_eos=ignore_eos)
+                )
+                records.append(record)
+
+        if before_timed_run is not None:
+            await before_timed_run()
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop() for _ in range(workload.concurrency)))
+        end = time.perf_counter()
+    records.sort(key=lambda record: record.index)
+    return RunResult(workload, start, end, records, ignore_eos_sent=ignore_eos, probe=probe, notes=notes)
+
+
+async def _warm_up(
+    client: httpx.AsyncClient, workload: Workload, model: str, ignore_eos: bool, notes: list
+) -> bool:
+    """Sends one short request; returns whether `ignore_eos` is accepted (False if it was never sent)."""
+    request = workload.requests[0]
+    body = request_body(request, model, ignore_eos=ignore_eos, max_tokens=WARMUP_MAX_TOKENS)
+    record, status = await stream_request(client, request, body)
+    if ignore_eos and status == 422 and _names_ignore_eos(record):
+        notes.append(f"the server rejected ignore_eos (422), so it was not sent: {record.error[:200]}")
+        ignore_eos = False
+        body = request_body(request, model, ignore_eos=False, max_tokens=WARMUP_MAX_TOKENS)
+        record, status = await stream_request(client, request, body)
+    if record.error is not None:
+        raise RuntimeError(
+            f"warm-up request to {client.base_url}{request.endpoint} failed: {record.error}; "
+            "check --base-url and --model (GET /v1/models lists the served names)"
+        )
+    return ignore_eos
+
+
+async def _prefill_probe(
+    client: httpx.AsyncClient, workload: Workload, model: str, ignore_eos: bool
+) -> RequestRecord:
+    # The median-length prompt (chat prompts: the first; they share the long system prompt).
+    by_length = sorted(workload.requests, key=lambda request: request.num_prompt_tokens or 0)
+    request = by_length[(len(by_length) - 1) // 2]
+    record, _ = await stream_request(
+        client, request, request_body(request, model, ignore_eos=ignore_eos, max_tokens=1)
+    )
+    return record

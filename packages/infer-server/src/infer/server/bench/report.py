@@ -1,0 +1,73 @@
+"""The benchmark report: JSON (everything) and markdown tables (the numbers a reader compares).
+
+JSON layout of one `infer bench serve` run (runner.benchmark_server):
+  kind, created_unix_s, base_url, model
+  workload   name, kind, concurrency, num_requests, seed, length ranges
+  client     host, platform, python and package versions
+  server     /v1/models as served, /health status, endpoints that were missing, engine_config
+             (from --engine-config FILE, else /v1/models), memory gauges and raw /metrics after the run
+  ignore_eos_sent, notes
+  stats      see stats.py (each latency: count, mean, p50, p95, p99, in seconds)
+  probe      the idle-server prefill probe
+  records    one per request: send/first-token/chunk/end times, tokens, finish reason, error
+"""
+
+import json
+from pathlib import Path
+
+LATENCY_COLUMNS = (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
+
+
+def write_json(report: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _ms(summary: dict | None, key: str) -> str:
+    return "-" if not summary or key not in summary else f"{summary[key] * 1000:.1f}"
+
+
+def stats_header() -> list[str]:
+    latencies = [f"{label} {p} (ms)" for _, label in LATENCY_COLUMNS for p in ("mean", "p50", "p99")]
+    return ["out tok/s", "req/s", *latencies, "queue wait mean (ms)", "errors"]
+
+
+def stats_cells(stats: dict) -> list[str]:
+    cells = [f"{stats['output_tokens_per_s']:.1f}", f"{stats['requests_per_s']:.2f}"]
+    for key, _ in LATENCY_COLUMNS:
+        cells += [_ms(stats[key], "mean"), _ms(stats[key], "p50"), _ms(stats[key], "p99")]
+    cells += [_ms(stats["queue_wait_s"], "mean"), str(stats["num_errors"])]
+    return cells
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def serve_markdown(report: dict) -> str:
+    """One run: what ran where, then one table row."""
+    workload = report["workload"]
+    config = report["server"]["engine_config"]
+    lines = [
+        f"## {workload['name']}, {workload['num_requests']} requests, concurrency {workload['concurrency']}",
+        "",
+        f"- server: {report['base_url']}, model `{report['model']}`",
+        f"- engine config: {json.dumps(config) if config else 'not reported (pass --engine-config FILE)'}",
+        f"- client: {report['client']['platform']}, Python {report['client']['python']}",
+        f"- ignore_eos sent: {report['ignore_eos_sent']}; seed {workload['seed']}",
+        *[f"- note: {note}" for note in report["notes"]],
+        "",
+        markdown_table(
+            ["workload", "conc", *stats_header()],
+            [[workload["name"], str(workload["concurrency"]), *stats_cells(report["stats"])]],
+        ),
+    ]
+    memory = report["server"]["memory_after_run"]
+    if memory:
+        lines += [
+            "",
+            "Server memory gauges after the run (bytes): "
+            + ", ".join(f"`{k}` {v:.0f}" for k, v in memory.items()),
+        ]
+    return "\n".join(lines) + "\n"

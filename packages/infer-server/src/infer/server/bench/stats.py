@@ -1,0 +1,106 @@
+"""Summary statistics of a RunResult: throughput, TTFT, ITL, TPOT, end-to-end latency, queue wait.
+
+Percentiles use linear interpolation between closest ranks (Hyndman & Fan type 7; numpy's
+default `method="linear"`, `statistics.quantiles(method="inclusive")`): for n sorted values and
+q in [0, 100], h = (n - 1) q / 100 and P_q = x[floor h] + (h - floor h)(x[floor h + 1] - x[floor h]).
+
+Definitions (all from the client's clock):
+  output_tokens_per_s  sum of output tokens of successful requests / wall time of the run
+                       (first request sent to last stream ended)
+  ttft_s               first text chunk - send
+  itl_s                gaps between consecutive text chunks, pooled over all requests
+  tpot_s               per request (end - first token) / (output tokens - 1)
+  e2e_s                stream end - send
+  queue_wait_s         from the server's queue-time histogram when /metrics has one (mean only);
+                       else estimated per request as max(0, TTFT - unloaded prefill), where the
+                       unloaded prefill time is the idle-server probe's TTFT scaled linearly by
+                       prompt length (an estimate: batched prefill is slower than alone)
+"""
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+
+from infer.server.bench.client import RequestRecord, RunResult
+
+PERCENTILES = (50, 95, 99)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0 <= q <= 100) of `values` by linear interpolation (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of no values is undefined; pass at least one value")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be within [0, 100], got {q}")
+    ordered = sorted(values)
+    h = (len(ordered) - 1) * q / 100
+    low = math.floor(h)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (h - low) * (ordered[high] - ordered[low])
+
+
+@dataclass(frozen=True)
+class Summary:
+    count: int
+    mean: float
+    p50: float
+    p95: float
+    p99: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(values: list[float]) -> Summary | None:
+    """Mean and P50/P95/P99; None for no values."""
+    if not values:
+        return None
+    return Summary(len(values), statistics.fmean(values), *(percentile(values, q) for q in PERCENTILES))
+
+
+def estimated_queue_waits(records: list[RequestRecord], probe: RequestRecord | None) -> list[float]:
+    """max(0, TTFT - probe TTFT x prompt tokens / probe prompt tokens) per request that has both."""
+    if probe is None or probe.ttft_s is None or not probe.num_prompt_tokens:
+        return []
+    seconds_per_prompt_token = probe.ttft_s / probe.num_prompt_tokens
+    return [
+        max(0.0, record.ttft_s - seconds_per_prompt_token * record.num_prompt_tokens)
+        for record in records
+        if record.ok and record.num_prompt_tokens
+    ]
+
+
+def run_stats(run: RunResult, *, server_queue_time: tuple[float, int] | None = None) -> dict:
+    """Every statistic of one run as plain data (Summary fields inline), for the JSON report."""
+    ok = [record for record in run.records if record.ok]
+    output_tokens = sum(record.num_output_tokens for record in ok)
+    prompt_tokens = sum(record.num_prompt_tokens or 0 for record in ok)
+    if server_queue_time is not None:
+        mean_s, count = server_queue_time
+        queue_wait = {"source": "server /metrics histogram", "count": count, "mean": mean_s}
+    else:
+        summary = summarize(estimated_queue_waits(ok, run.probe))
+        queue_wait = {
+            "source": "estimate: TTFT - idle-server probe TTFT scaled by prompt length",
+            **(summary.as_dict() if summary else {}),
+        }
+    ttft = summarize([record.ttft_s for record in ok])
+    itl = summarize([gap for record in ok for gap in record.itl_s])
+    tpot = summarize([record.tpot_s for record in ok if record.tpot_s is not None])
+    e2e = summarize([record.e2e_s for record in ok])
+    return {
+        "num_requests": len(run.records),
+        "num_ok": len(ok),
+        "num_errors": len(run.records) - len(ok),
+        "wall_s": run.wall_s,
+        "output_tokens": output_tokens,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens_per_s": output_tokens / run.wall_s if run.wall_s > 0 else math.nan,
+        "requests_per_s": len(ok) / run.wall_s if run.wall_s > 0 else math.nan,
+        "output_tokens_short_of_max_tokens": sum(max(0, r.max_tokens - r.num_output_tokens) for r in ok),
+        "ttft_s": ttft.as_dict() if ttft else None,
+        "itl_s": itl.as_dict() if itl else None,
+        "tpot_s": tpot.as_dict() if tpot else None,
+        "e2e_s": e2e.as_dict() if e2e else None,
+        "queue_wait_s": queue_wait,
+    }

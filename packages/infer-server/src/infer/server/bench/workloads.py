@@ -1,0 +1,176 @@
+"""The benchmark workloads W1-W3: seeded request lists that any OpenAI-compatible server can run.
+
+W1  one request: a 256-token prompt, 256 output tokens (latency of one stream).
+W2  mixed lengths: prompts of 32-1024 tokens and outputs of 64-256, uniform in each range.
+W3  chat sharing one long system prompt (~768 words) with a short user turn each (8-64 words),
+    outputs of 64-256 tokens: what a prefix cache is for.
+
+Completion prompts are token id lists (the server takes a list of ints as `prompt`), so their
+lengths are exact. The ids are uniform in [0, vocab_size); every supported family has at least
+49152 ids, so the default 32000 is valid everywhere. They may include special tokens, which is
+harmless: the model just runs them and `ignore_eos` keeps the output length fixed. Chat prompts
+are text (words from a fixed list), so their token counts depend on the tokenizer; the client
+reads them back from the server's `usage`.
+
+Concurrency: a workload of `num_requests` requests is run by `concurrency` clients, each sending
+its next request when its previous one has finished (a closed loop), so at most `concurrency`
+requests are in flight. `num_requests` defaults to 2 x concurrency; with `num_requests ==
+concurrency` every request is sent at once ("N concurrent"). W1 is always 1 client, 1 request.
+
+Everything is drawn from `random.Random(seed)`: the same (name, concurrency, num_requests, seed)
+gives the same requests on every machine and Python version.
+"""
+
+import random
+from dataclasses import dataclass, field
+
+DEFAULT_VOCAB_SIZE = 32000
+REQUESTS_PER_CLIENT = 2
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    """The length ranges of a workload; all ranges are inclusive (low, high)."""
+
+    kind: str  # "completion": token-id prompts; "chat": messages
+    prompt_tokens: tuple[int, int] = (0, 0)  # completion prompts
+    output_tokens: tuple[int, int] = (1, 1)
+    system_prompt_words: int = 0  # chat: one system prompt shared by every request
+    user_words: tuple[int, int] = (0, 0)  # chat: each request's own user turn
+
+
+SHAPES: dict[str, WorkloadShape] = {
+    "W1": WorkloadShape("completion", prompt_tokens=(256, 256), output_tokens=(256, 256)),
+    "W2": WorkloadShape("completion", prompt_tokens=(32, 1024), output_tokens=(64, 256)),
+    "W3": WorkloadShape("chat", output_tokens=(64, 256), system_prompt_words=768, user_words=(8, 64)),
+}
+# The concurrency levels the matrix runs for each workload.
+CONCURRENCY_LEVELS: dict[str, tuple[int, ...]] = {"W1": (1,), "W2": (16, 64), "W3": (16, 64)}
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request: token ids for /v1/completions or messages for /v1/chat/completions."""
+
+    index: int
+    max_tokens: int
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return "/v1/chat/completions" if self.messages is not None else "/v1/completions"
+
+    @property
+    def num_prompt_tokens(self) -> int | None:
+        """Exact for token-id prompts; None for chat (the server's usage says)."""
+        return len(self.prompt_token_ids) if self.prompt_token_ids is not None else None
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    concurrency: int
+    seed: int
+    requests: list[BenchRequest] = field(repr=False)
+    shape: WorkloadShape = field(repr=False)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.shape.kind,
+            "concurrency": self.concurrency,
+            "num_requests": self.num_requests,
+            "seed": self.seed,
+            "prompt_tokens_range": list(self.shape.prompt_tokens),
+            "output_tokens_range": list(self.shape.output_tokens),
+            "system_prompt_words": self.shape.system_prompt_words,
+            "user_words_range": list(self.shape.user_words),
+            "total_max_tokens": sum(r.max_tokens for r in self.requests),
+        }
+
+
+def make_workload(
+    name: str,
+    *,
+    concurrency: int | None = None,
+    seed: int = 0,
+    num_requests: int | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    shape: WorkloadShape | None = None,
+) -> Workload:
+    """The requests of workload `name` (a key of SHAPES, or any name with an explicit `shape`).
+
+    `concurrency` defaults to the workload's first level; `num_requests` to 2 x concurrency (W1: 1).
+    """
+    if shape is None:
+        if name not in SHAPES:
+            raise ValueError(f"unknown workload {name!r}; known workloads: {', '.join(SHAPES)}")
+        shape = SHAPES[name]
+    if name == "W1" and (concurrency or 1) != 1:
+        raise ValueError(
+            f"W1 is one request on its own; got concurrency {concurrency}, use 1 or leave it out"
+        )
+    concurrency = concurrency if concurrency is not None else CONCURRENCY_LEVELS.get(name, (1,))[0]
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if num_requests is None:
+        num_requests = 1 if name == "W1" else REQUESTS_PER_CLIENT * concurrency
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    _check_range("output_tokens", shape.output_tokens, minimum=1)
+    rng = random.Random(f"{name}:{seed}")
+    if shape.kind == "completion":
+        _check_range("prompt_tokens", shape.prompt_tokens, minimum=1)
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        requests = [
+            BenchRequest(
+                index=i,
+                prompt_token_ids=[
+                    rng.randrange(vocab_size) for _ in range(rng.randint(*shape.prompt_tokens))
+                ],
+                max_tokens=rng.randint(*shape.output_tokens),
+            )
+            for i in range(num_requests)
+        ]
+    elif shape.kind == "chat":
+        _check_range("user_words", shape.user_words, minimum=1)
+        system_prompt = _words(rng, shape.system_prompt_words)
+        requests = []
+        for i in range(num_requests):
+            user = f"Request {i}: " + _words(rng, rng.randint(*shape.user_words))
+            messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": user}]
+            requests.append(
+                BenchRequest(index=i, messages=messages, max_tokens=rng.randint(*shape.output_tokens))
+            )
+    else:
+        raise ValueError(f"workload kind must be 'completion' or 'chat', got {shape.kind!r}")
+    return Workload(name=name, concurrency=concurrency, seed=seed, requests=requests, shape=shape)
+
+
+def _check_range(name: str, bounds: tuple[int, int], *, minimum: int) -> None:
+    low, high = bounds
+    if not minimum <= low <= high:
+        raise ValueError(f"{name} range must satisfy {minimum} <= low <= high, got {bounds}")
+
+
+# Common short English words: most tokenizers give each (with its leading space) one token.
+_WORD_TEXT = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which but "
+    "have an they you were her she there been one all we their has would when if so no more can said "
+    "what out up them into time only new some could these two may first then do any like my now over "
+    "such our man me even most made after also did many before must through back years where much "
+    "your way well down should because each just those people how too little state good very make "
+    "world still own see men work long get here between both life being under never day same another "
+    "know while last might us great old year off come since against go came right used take three"
+)
+_WORDS = _WORD_TEXT.split()
+
+
+def _words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(count))

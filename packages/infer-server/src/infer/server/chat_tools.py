@@ -1,0 +1,101 @@
+"""What a chat request's `tools` and `tool_choice` mean for its answer, checked against each other.
+
+The schema (infer.server.schemas) checks each field's shape; the rules that relate fields, or
+that OpenAI answers with 400, are here, each error naming its field:
+- a function's `parameters` must be a JSON Schema object (`{"type": "object", ...}`), as OpenAI
+  requires; left out, the function takes no arguments;
+- function names are unique;
+- `tool_choice` naming a function needs that function in `tools`; "required" or a named choice
+  needs tools at all.
+
+`tool_choice` "none" means the tools are neither shown to the model nor looked for in its answer.
+A named or "required" choice starts the answer with the opening of the family's call format (see
+infer.server.tool_parsers.ToolCallFormat), so the model writes the call rather than prose; without
+constrained decoding that is the strongest push we have, and a malformed answer stays content.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from infer.server import errors
+from infer.server.errors import ApiError
+from infer.server.schemas import ChatCompletionRequest
+from infer.server.tool_parsers import ToolCallFormat
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """The tools in play for one request."""
+
+    template_tools: list[dict[str, Any]]  # as the chat template takes them
+    tool_names: frozenset[str]
+    forced_name: str | None = None  # tool_choice {"type": "function", "function": {"name": ...}}
+    required: bool = False  # tool_choice "required": some call, the model picks which
+
+    def call_prefix(self, tool_format: ToolCallFormat) -> str:
+        """The start of the answer written for the model ("" when the model may answer freely)."""
+        if self.forced_name is not None:
+            return tool_format.named_call_prefix(self.forced_name)
+        return tool_format.any_call_prefix if self.required else ""
+
+    def stop(self, tool_format: ToolCallFormat) -> list[str]:
+        """Stop strings for the answer: a forced call ends at its closing marker (one call, and no
+        prose after it for the parser to mistake for part of the answer)."""
+        forced = self.forced_name is not None or self.required
+        return [tool_format.call_end] if forced and tool_format.call_end else []
+
+
+def tool_use(body: ChatCompletionRequest) -> ToolUse | None:
+    """The request's tools, checked (ApiError 400 naming the field); None when no tools are in
+    play (none given, or tool_choice "none")."""
+    tools = body.tools or []
+    choice = body.tool_choice
+    forced_name = choice.function.name if choice is not None and not isinstance(choice, str) else None
+    if not tools:
+        if forced_name is not None or choice == "required":
+            raise _bad(
+                "tool_choice",
+                "tool_choice that asks for a tool call needs tools; send tools or leave tool_choice out",
+            )
+        return None
+    names = []
+    for index, tool in enumerate(tools):
+        _check_parameters(tool.function.parameters, f"tools.{index}.function.parameters")
+        if tool.function.name in names:
+            raise _bad(
+                f"tools.{index}.function.name",
+                f"function name {tool.function.name!r} appears twice in tools; names must be unique",
+            )
+        names.append(tool.function.name)
+    if forced_name is not None and forced_name not in names:
+        raise _bad(
+            "tool_choice.function.name",
+            f"tool_choice names function {forced_name!r}, which is not in tools ({', '.join(names)}); "
+            "name one of those",
+        )
+    if choice == "none":
+        return None
+    return ToolUse(
+        template_tools=[tool.model_dump(exclude_none=True) for tool in tools],
+        tool_names=frozenset(names),
+        forced_name=forced_name,
+        required=choice == "required",
+    )
+
+
+def _check_parameters(parameters: Any, field: str) -> None:
+    if parameters is None:
+        return
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        shown = parameters.get("type") if isinstance(parameters, dict) else type(parameters).__name__
+        raise _bad(
+            field,
+            f'parameters must be a JSON Schema object ({{"type": "object", "properties": ...}}), '
+            f"got {shown!r}",
+        )
+    if not isinstance(parameters.get("properties", {}), dict):
+        raise _bad(f"{field}.properties", "properties of a JSON Schema object must be an object")
+
+
+def _bad(field: str, message: str) -> ApiError:
+    return ApiError(400, f"{field}: {message}", errors.INVALID_REQUEST, field, "invalid_value")

@@ -1,0 +1,99 @@
+"""The `infer` command: one entry point whose subcommands live in the package that owns them.
+
+infer models {fetch,list,random,diff} ...   -> infer.models.cli
+infer generate | profile | bench generate   -> infer.engine.cli
+infer serve [--host H] [--port P] [engine flags]  -> infer.server (the HTTP server)
+infer bench serve | matrix | hf-baseline    -> infer.server.bench.cli
+"""
+
+import argparse
+import logging
+import sys
+
+# `infer bench NAME` for these goes to the serving benchmark; any other NAME to infer.engine.cli.
+SERVER_BENCHMARKS = ("serve", "matrix", "hf-baseline")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "models":
+        from infer.models.cli import main as models_main
+
+        return models_main(rest)
+    if command == "bench" and rest and rest[0] in SERVER_BENCHMARKS:
+        from infer.server.bench.cli import main as bench_main
+
+        return bench_main(rest)
+    if command in ("generate", "profile", "bench"):
+        from infer.engine.cli import main as engine_main
+
+        return engine_main(argv)
+    if command == "serve":
+        return serve_main(rest)
+    print(f"infer: unknown command {command!r}; run `infer --help`", file=sys.stderr)
+    return 2
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """`infer serve` and the `infer-server` script: the OpenAI-compatible server on one model."""
+    from infer.engine.config import EngineConfigError, from_cli_args
+
+    args = build_serve_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = from_cli_args(args)
+    except EngineConfigError as error:
+        print(f"infer serve: {error}", file=sys.stderr)
+        return 2
+    from infer.engine.engine import Engine
+    from infer.server.serve import build_server
+
+    server = build_server(
+        lambda: Engine(config),
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name or config.model,
+        drain_timeout_s=args.drain_timeout_s,
+        log_level=args.log_level,
+    )
+    server.run()
+    return 0
+
+
+def build_serve_parser() -> argparse.ArgumentParser:
+    from infer.engine.config import add_cli_arguments
+    from infer.server.serve import DEFAULT_DRAIN_TIMEOUT_S
+
+    parser = argparse.ArgumentParser(
+        prog="infer serve",
+        description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
+    parser.add_argument(
+        "--served-model-name", default=None, help="the `model` requests must name (default: --model as given)"
+    )
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="on SIGTERM, how long requests in flight may run before they are aborted (default %(default)s)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="(default %(default)s)",
+    )
+    add_cli_arguments(parser)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

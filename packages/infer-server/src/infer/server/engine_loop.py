@@ -1,0 +1,172 @@
+"""The one thread that drives the engine, and the channel from it to each request's HTTP handler.
+
+The engine is synchronous: `Engine.step()` runs one scheduler iteration and returns a StepOutput
+per new token. `EngineLoop` calls it in a loop on a dedicated thread, so a forward never blocks
+the asyncio event loop. Requests and aborts go in through the engine's own inbox
+(`Engine.add_request` / `Engine.abort` only validate and append under a lock; the next `step()`,
+on this thread, takes them in), so the scheduler, the KV pool and the requests are touched by
+this thread alone. Outputs come back once per step through `loop.call_soon_threadsafe`, and
+`_dispatch` (on the event loop) puts each into its request's `RequestHandle`.
+
+The metrics of a request (time to first token, inter-token latency, finish reason, token counts)
+are recorded in `_dispatch` from the step's own timestamp; the gauges (running, waiting, KV use)
+from `engine.stats()` after every step.
+"""
+
+import asyncio
+import logging
+import threading
+import time
+
+from infer.engine.request import StepOutput
+from infer.engine.sampling_params import SamplingParams
+from infer.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+# How long the idle thread sleeps between checks; `submit` and `abort` wake it at once, so this
+# only bounds how late a stop request is noticed.
+IDLE_WAIT_S = 0.5
+# Reported as the finish reason of a request whose batch failed in the engine.
+FINISH_ERROR = "error"
+
+
+class RequestHandle:
+    """One request's outputs, in generation order, as the event loop receives them."""
+
+    def __init__(self, request_id: str, arrival_s: float):
+        self.request_id = request_id
+        self.arrival_s = arrival_s
+        self.outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
+        # Resolved with the final StepOutput (finished, aborted or failed).
+        self.done: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
+        self.last_token_s: float | None = None
+        self.client_gone = False
+
+    @property
+    def finished(self) -> bool:
+        return self.done.done()
+
+
+class EngineLoop:
+    """Owns the engine thread; every public method is called from the event loop."""
+
+    def __init__(self, engine, metrics: ServerMetrics, loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.metrics = metrics
+        self._loop = loop
+        self._handles: dict[str, RequestHandle] = {}
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="infer-engine-loop", daemon=True)
+        # Set (on the event loop) when step() itself raised: the engine's state is unknown, so
+        # the server stops serving and /health reports it.
+        self.failure: str | None = None
+
+    def start(self) -> None:
+        self._update_gauges()
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def num_live(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self._handles)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestHandle:
+        """Queues a request in the engine. Raises what `Engine.add_request` raises (QueueFullError,
+        RequestTooLongError, ValueError) and then has queued nothing."""
+        handle = RequestHandle(request_id, time.monotonic())
+        self.engine.add_request(prompt_ids, params, request_id=request_id)
+        self._handles[request_id] = handle
+        self.metrics.queue_depth.set(len(self._handles))
+        self._wake.set()
+        return handle
+
+    def abort(self, handle: RequestHandle, *, client_gone: bool) -> None:
+        """Stops a request that has not finished; its slot is freed in the next step, which also
+        sends its final output (finish_reason "abort"). `client_gone`: count it as a disconnect."""
+        if handle.finished or handle.client_gone:
+            return
+        if client_gone:
+            handle.client_gone = True
+            self.metrics.client_disconnects_total.inc()
+        self.engine.abort(handle.request_id)
+        self._wake.set()
+
+    def abort_all(self) -> int:
+        """Aborts every live request (the end of a drain); returns how many."""
+        handles = [handle for handle in self._handles.values() if not handle.finished]
+        for handle in handles:
+            self.abort(handle, client_gone=False)
+        return len(handles)
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            # Cleared before asking for work: a submit between the two calls sets it again.
+            self._wake.clear()
+            if not self.engine.has_work():
+                self._wake.wait(IDLE_WAIT_S)
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # noqa: BLE001 - reported to every waiting request, then stop
+                logger.exception("engine step failed; the server stops serving")
+                self._call_soon(self._fail_all, f"{type(error).__name__}: {error}")
+                return
+            step_done_s = time.monotonic()
+            self._update_gauges()
+            if outputs:
+                self._call_soon(self._dispatch, outputs, step_done_s)
+
+    def _call_soon(self, callback, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop closed during shutdown: nobody is waiting any more
+            self._stopping.set()
+
+    def _update_gauges(self) -> None:
+        stats = self.engine.stats()
+        metrics = self.metrics
+        metrics.requests_running.set(stats.num_running)
+        metrics.requests_waiting.set(stats.num_waiting)
+        metrics.kv_cache_usage_ratio.set(stats.kv_usage_ratio)
+        metrics.kv_cache_used_bytes.set(stats.kv_bytes_used)
+        metrics.kv_cache_total_bytes.set(stats.kv_bytes_total)
+        metrics.prefill_tokens_per_second.set(stats.prompt_tokens_per_s)
+        metrics.decode_tokens_per_second.set(stats.generation_tokens_per_s)
+
+    # -- the event loop ---------------------------------------------------------------------
+
+    def _dispatch(self, outputs: list[StepOutput], step_done_s: float) -> None:
+        metrics = self.metrics
+        for output in outputs:
+            handle = self._handles.get(output.request_id)
+            if handle is None:
+                continue
+            if output.token_id is not None:
+                if handle.last_token_s is None:
+                    metrics.time_to_first_token_seconds.observe(step_done_s - handle.arrival_s)
+                else:
+                    metrics.inter_token_latency_seconds.observe(step_done_s - handle.last_token_s)
+                handle.last_token_s = step_done_s
+            handle.outputs.put_nowait(output)
+            if output.finished:
+                del self._handles[output.request_id]
+                handle.done.set_result(output)
+                metrics.request_latency_seconds.observe(step_done_s - handle.arrival_s)
+                metrics.requests_total.inc(finish_reason=output.finish_reason or FINISH_ERROR)
+                metrics.prompt_tokens_total.inc(output.prompt_tokens)
+                metrics.generation_tokens_total.inc(output.completion_tokens)
+        metrics.queue_depth.set(len(self._handles))
+
+    def _fail_all(self, message: str) -> None:
+        self.failure = message
+        finals = [StepOutput(request_id, None, "", True, None, message, 0, 0) for request_id in self._handles]
+        self._dispatch(finals, time.monotonic())

@@ -1,0 +1,295 @@
+"""Prometheus metrics in the text exposition format (0.0.4), with no dependency.
+
+Three kinds, each a family with a name, a help line and optional labels:
+  Counter    only goes up (`inc`); names end in `_total`.
+  Gauge      a value that is set (`set`, `inc`, `dec`).
+  Histogram  observations counted into cumulative buckets, plus `_sum` and `_count` (no labels).
+`MetricRegistry.render()` writes them all; `ServerMetrics` is the server's set, by name.
+
+Updates take a per-metric lock, so the engine thread and the HTTP loop may both update.
+"""
+
+import bisect
+import math
+import re
+import threading
+from collections.abc import Iterable, Sequence
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def format_value(value: float) -> str:
+    """A sample value as Prometheus parses it (Go's ParseFloat): +Inf, -Inf, NaN or a Python float."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+def escape_label_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def escape_help(text: str) -> str:
+    # HELP text escapes only backslash and newline (quotes stay as they are).
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+class _Metric:
+    kind: str
+
+    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()):
+        if not _METRIC_NAME.fullmatch(name):
+            raise ValueError(f"metric name {name!r} must match {_METRIC_NAME.pattern}")
+        for label in labelnames:
+            if not _LABEL_NAME.fullmatch(label) or label.startswith("__"):
+                raise ValueError(
+                    f"label name {label!r} of {name} must match {_LABEL_NAME.pattern}, no leading __"
+                )
+        self.name, self.help, self.labelnames = name, help, tuple(labelnames)
+        self._lock = threading.Lock()
+        # label values (in labelnames order) -> value; the unlabelled metric exists from the start.
+        self._values: dict[tuple[str, ...], float] = {} if labelnames else {(): 0.0}
+
+    def _key(self, labels: dict[str, str]) -> tuple[str, ...]:
+        if set(labels) != set(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {list(self.labelnames)}, got {sorted(labels)}")
+        return tuple(str(labels[name]) for name in self.labelnames)
+
+    def value(self, **labels: str) -> float:
+        """The current value (0 for label values never seen)."""
+        return self._values.get(self._key(labels), 0.0)
+
+    def _add(self, amount: float, labels: dict[str, str]) -> None:
+        key = self._key(labels)
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + amount
+
+    def samples(self) -> Iterable[tuple[str, tuple[tuple[str, str], ...], float]]:
+        with self._lock:
+            items = list(self._values.items())
+        for key, value in items:
+            yield self.name, tuple(zip(self.labelnames, key, strict=True)), value
+
+
+class Counter(_Metric):
+    kind = "counter"
+
+    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()):
+        if not name.endswith("_total"):
+            raise ValueError(f"counter name {name!r} must end in _total (Prometheus convention)")
+        super().__init__(name, help, labelnames)
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        if amount < 0:
+            raise ValueError(f"{self.name}: a counter only goes up; inc got {amount}")
+        self._add(amount, labels)
+
+    def touch(self, **labels: str) -> None:
+        """Show these label values at 0 before the first `inc`, so rates start from a sample."""
+        key = self._key(labels)
+        with self._lock:
+            self._values.setdefault(key, 0.0)
+
+
+class Gauge(_Metric):
+    kind = "gauge"
+
+    def set(self, value: float, **labels: str) -> None:
+        key = self._key(labels)
+        with self._lock:
+            self._values[key] = float(value)
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        self._add(amount, labels)
+
+    def dec(self, amount: float = 1.0, **labels: str) -> None:
+        self._add(-amount, labels)
+
+
+class Histogram(_Metric):
+    kind = "histogram"
+
+    def __init__(self, name: str, help: str, buckets: Sequence[float]):
+        super().__init__(name, help)
+        bounds = [float(b) for b in buckets if not math.isinf(b)]
+        if not bounds or bounds != sorted(set(bounds)):
+            raise ValueError(
+                f"{name}: buckets must be a non-empty strictly increasing list, got {list(buckets)}"
+            )
+        self.upper_bounds = bounds  # +Inf is implicit
+        self._bucket_counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; last is +Inf
+        self._sum = 0.0
+        self._count = 0
+
+    def observe(self, value: float) -> None:
+        # `le` is inclusive: a value equal to a bound lands in that bound's bucket.
+        index = bisect.bisect_left(self.upper_bounds, value)
+        with self._lock:
+            self._bucket_counts[index] += 1
+            self._sum += value
+            self._count += 1
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def sum(self) -> float:
+        return self._sum
+
+    def samples(self) -> Iterable[tuple[str, tuple[tuple[str, str], ...], float]]:
+        with self._lock:
+            counts, total, count = list(self._bucket_counts), self._sum, self._count
+        cumulative = 0
+        for bound, bucket_count in zip([*self.upper_bounds, math.inf], counts, strict=True):
+            cumulative += bucket_count
+            yield f"{self.name}_bucket", (("le", format_value(bound)),), cumulative
+        yield f"{self.name}_sum", (), total
+        yield f"{self.name}_count", (), count
+
+
+class MetricRegistry:
+    def __init__(self):
+        self._metrics: dict[str, _Metric] = {}
+
+    def register(self, metric: _Metric) -> _Metric:
+        if metric.name in self._metrics:
+            raise ValueError(f"metric {metric.name} is already registered")
+        self._metrics[metric.name] = metric
+        return metric
+
+    def counter(self, name: str, help: str, labelnames: Sequence[str] = ()) -> Counter:
+        return self.register(Counter(name, help, labelnames))
+
+    def gauge(self, name: str, help: str, labelnames: Sequence[str] = ()) -> Gauge:
+        return self.register(Gauge(name, help, labelnames))
+
+    def histogram(self, name: str, help: str, buckets: Sequence[float]) -> Histogram:
+        return self.register(Histogram(name, help, buckets))
+
+    def render(self) -> str:
+        """Every metric in the text exposition format: HELP, TYPE, then its samples."""
+        lines = []
+        for metric in self._metrics.values():
+            lines.append(f"# HELP {metric.name} {escape_help(metric.help)}")
+            lines.append(f"# TYPE {metric.name} {metric.kind}")
+            for sample_name, labels, value in metric.samples():
+                if labels:
+                    pairs = ",".join(f'{key}="{escape_label_value(val)}"' for key, val in labels)
+                    lines.append(f"{sample_name}{{{pairs}}} {format_value(value)}")
+                else:
+                    lines.append(f"{sample_name} {format_value(value)}")
+        return "\n".join(lines) + "\n"
+
+
+# Time to first token spans queueing plus prefill: milliseconds for a short prompt on an idle
+# GPU, tens of seconds for a long prompt behind a full queue.
+TTFT_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+# Inter-token latency: ~2-5 ms for a small model decoding alone, ~50 ms or more in a large batch.
+ITL_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+# Request latency, arrival to last token: from one short answer to a long one behind a queue.
+REQUEST_LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ServerMetrics:
+    """The metrics GET /metrics serves; the server updates the attributes, `render()` writes them."""
+
+    def __init__(self):
+        self.registry = registry = MetricRegistry()
+        self.requests_running = registry.gauge("infer_requests_running", "Requests in the running batch.")
+        self.requests_waiting = registry.gauge("infer_requests_waiting", "Requests waiting to be scheduled.")
+        self.queue_depth = registry.gauge(
+            "infer_queue_depth", "Requests accepted by the HTTP server and not yet finished."
+        )
+        self.kv_cache_usage_ratio = registry.gauge(
+            "infer_kv_cache_usage_ratio", "Fraction of the KV cache in use (0 to 1)."
+        )
+        self.kv_cache_used_bytes = registry.gauge("infer_kv_cache_used_bytes", "KV cache bytes in use.")
+        self.kv_cache_total_bytes = registry.gauge("infer_kv_cache_total_bytes", "KV cache bytes allocated.")
+        self.prefill_tokens_per_second = registry.gauge(
+            "infer_prefill_tokens_per_second",
+            "Prompt tokens processed per second, over the last engine steps.",
+        )
+        self.decode_tokens_per_second = registry.gauge(
+            "infer_decode_tokens_per_second", "Tokens generated per second, over the last engine steps."
+        )
+        self.requests_total = registry.counter(
+            "infer_requests_total", "Finished requests, by finish reason.", ["finish_reason"]
+        )
+        for reason in FINISH_REASONS:
+            self.requests_total.touch(finish_reason=reason)
+        self.requests_by_status_total = registry.counter(
+            "infer_requests_by_status_total", "HTTP responses, by status code.", ["status"]
+        )
+        self.client_disconnects_total = registry.counter(
+            "infer_client_disconnects_total", "Requests aborted because the client went away."
+        )
+        self.prompt_tokens_total = registry.counter(
+            "infer_prompt_tokens_total", "Prompt tokens of all requests."
+        )
+        self.generation_tokens_total = registry.counter(
+            "infer_generation_tokens_total", "Tokens generated for all requests."
+        )
+        self.prompt_tokens_cached_total = registry.counter(
+            "infer_prompt_tokens_cached_total",
+            "Prompt tokens served from the prefix cache (0 until it exists).",
+        )
+        self.time_to_first_token_seconds = registry.histogram(
+            "infer_time_to_first_token_seconds",
+            "Seconds from request arrival to its first token.",
+            TTFT_BUCKETS_S,
+        )
+        self.inter_token_latency_seconds = registry.histogram(
+            "infer_inter_token_latency_seconds",
+            "Seconds between consecutive tokens of a request.",
+            ITL_BUCKETS_S,
+        )
+        self.request_latency_seconds = registry.histogram(
+            "infer_request_latency_seconds",
+            "Seconds from request arrival to its last token (finished requests).",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+
+    def render(self) -> str:
+        return self.registry.render()

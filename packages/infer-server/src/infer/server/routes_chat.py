@@ -1,0 +1,144 @@
+"""POST /v1/chat/completions: messages (and tools) rendered by the model's chat template (ours,
+never transformers' apply_chat_template), tokenized once; the answer streamed or in one body.
+
+The prompt tokens of `usage` are exactly the tokens fed to the model (with a forced tool call,
+the call's opening written for the model included). Generation ends at the template's
+end-of-turn token, which is in the engine's EOS set (infer.engine.eos).
+
+With tools in play (infer.server.chat_tools) the answer is read for the family's tool calls
+(infer.server.tool_parsers); for Qwen 3 with thinking on, `<think>` text becomes
+`reasoning_content` (infer.server.reasoning). Otherwise the text is the content, untouched.
+"""
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from infer.models.chat_template import ChatTemplateError
+from infer.server import chat_tools, errors, responses
+from infer.server.chat_output import ChatAnswer, ChatOutputParser, finish_reason
+from infer.server.errors import ApiError, parse_request
+from infer.server.generation import (
+    EventStreamResponse,
+    collect,
+    parsed_chat_events,
+    sampling_params,
+    stream_events,
+    submit,
+)
+from infer.server.reasoning import prompt_opens_reasoning
+from infer.server.routes_completions import CLIENT_CLOSED_REQUEST
+from infer.server.schemas import ChatCompletionRequest
+from infer.server.server_state import ServerState
+from infer.server.sse import ChatStream
+from infer.server.tool_parsers import ToolCallFormat, tool_call_format
+
+router = APIRouter()
+
+# Names the template's render() takes itself; chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    body = parse_request(ChatCompletionRequest, await request.body())
+    server: ServerState = request.app.state.server
+    engine_loop = server.require_ready()
+    server.check_model(body.model)
+    tools = chat_tools.tool_use(body)
+    family = server.engine.loaded.chat_template.family
+    tool_format = tool_call_format(family) if tools is not None else None
+    call_prefix = tools.call_prefix(tool_format) if tools is not None else ""
+    prompt = await run_in_threadpool(_render, server, body, tools)
+    prompt_ids = await run_in_threadpool(_encode, server, prompt + call_prefix)
+    params = sampling_params(
+        body,
+        len(prompt_ids),
+        server.max_model_len,
+        prompt_field="messages",
+        extra_stop=tools.stop(tool_format) if tools is not None else (),
+    )
+    chat_output = _output_parser(family, body, prompt, tools, tool_format, call_prefix)
+    request_id, created = responses.new_request_id("chatcmpl"), int(time.time())
+    handle = submit(engine_loop, prompt_ids, params, request_id, prompt_field="messages")
+    if body.stream:
+        stream = ChatStream(request_id, created, body.model, include_usage=body.include_usage)
+        if chat_output is None:
+            events = stream_events(handle, stream, include_usage=body.include_usage)
+        else:
+            events = parsed_chat_events(handle, stream, chat_output, include_usage=body.include_usage)
+        return EventStreamResponse(events, engine_loop, handle)
+    collected = await collect(request, engine_loop, handle)
+    if collected is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    final = collected.final
+    usage = responses.usage(final.prompt_tokens, final.completion_tokens)
+    answer = chat_output.parse(collected.text) if chat_output else ChatAnswer(collected.text, None)
+    tool_calls = [
+        responses.tool_call(responses.new_tool_call_id(), call.name, call.arguments)
+        for call in answer.tool_calls
+    ]
+    return JSONResponse(
+        responses.chat_completion(
+            request_id,
+            created,
+            body.model,
+            answer.content,
+            finish_reason(final.finish_reason, len(tool_calls)),
+            usage,
+            tool_calls=tool_calls,
+            token_ids=collected.token_ids,
+            reasoning_content=answer.reasoning_content,
+        )
+    )
+
+
+def _output_parser(
+    family: str,
+    body: ChatCompletionRequest,
+    prompt: str,
+    tools: chat_tools.ToolUse | None,
+    tool_format: ToolCallFormat | None,
+    call_prefix: str,
+) -> ChatOutputParser | None:
+    """How to read this answer; None when its text is all content (no tools, no thinking split)."""
+    # Qwen 3 thinks unless told not to, as its template and model card have it.
+    thinking = family == "qwen3" and body.chat_template_kwargs.get("enable_thinking", True) is not False
+    if tools is None and not thinking:
+        return None
+    return ChatOutputParser(
+        thinking=thinking,
+        starts_in_reasoning=thinking and prompt_opens_reasoning(prompt),
+        tool_format=tool_format,
+        tool_names=tools.tool_names if tools is not None else (),
+        call_prefix=call_prefix,
+    )
+
+
+def _render(server: ServerState, body: ChatCompletionRequest, tools: chat_tools.ToolUse | None) -> str:
+    reserved = [name for name in _RESERVED_TEMPLATE_KWARGS if name in body.chat_template_kwargs]
+    if reserved:
+        raise ApiError(
+            422,
+            f"chat_template_kwargs may not set {reserved}: the server passes them; remove them",
+            errors.INVALID_REQUEST,
+            "chat_template_kwargs",
+            "invalid_value",
+        )
+    template = server.engine.loaded.chat_template
+    try:
+        return template.render(
+            body.template_messages(),
+            add_generation_prompt=True,
+            tools=tools.template_tools if tools is not None else None,
+            **body.chat_template_kwargs,
+        )
+    except ChatTemplateError as error:  # the template refused these messages (e.g. a role order)
+        raise ApiError(422, str(error), errors.INVALID_REQUEST, "messages", "invalid_value") from None
+
+
+def _encode(server: ServerState, prompt: str) -> list[int]:
+    # The rendered text already holds the BOS the template wants: no special tokens added here.
+    return server.engine.tokenizer.encode(prompt, add_special_tokens=False)

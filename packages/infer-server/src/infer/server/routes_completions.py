@@ -1,0 +1,52 @@
+"""POST /v1/completions: one prompt (text or token ids), one choice, streamed or in one body."""
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from infer.server import responses
+from infer.server.errors import parse_request
+from infer.server.generation import EventStreamResponse, collect, sampling_params, stream_events, submit
+from infer.server.schemas import CompletionRequest
+from infer.server.server_state import ServerState
+from infer.server.sse import CompletionStream
+
+router = APIRouter()
+
+# Status of a response nobody receives (nginx's "client closed request"); only the logs see it.
+CLIENT_CLOSED_REQUEST = 499
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    body = parse_request(CompletionRequest, await request.body())
+    server: ServerState = request.app.state.server
+    engine_loop = server.require_ready()
+    server.check_model(body.model)
+    if isinstance(body.prompt, str):
+        # A plain-text prompt gets the tokenizer's special tokens (BOS), as the engine's own
+        # add_request and `infer generate` do; token-id prompts are taken as they are.
+        prompt_ids = await run_in_threadpool(
+            server.engine.tokenizer.encode, body.prompt, add_special_tokens=True
+        )
+    else:
+        prompt_ids = list(body.prompt)
+    params = sampling_params(body, len(prompt_ids), server.max_model_len, prompt_field="prompt")
+    request_id, created = responses.new_request_id("cmpl"), int(time.time())
+    handle = submit(engine_loop, prompt_ids, params, request_id, prompt_field="prompt")
+    if body.stream:
+        stream = CompletionStream(request_id, created, body.model, include_usage=body.include_usage)
+        events = stream_events(handle, stream, include_usage=body.include_usage)
+        return EventStreamResponse(events, engine_loop, handle)
+    collected = await collect(request, engine_loop, handle)
+    if collected is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    final = collected.final
+    usage = responses.usage(final.prompt_tokens, final.completion_tokens)
+    return JSONResponse(
+        responses.completion(
+            request_id, created, body.model, collected.text, final.finish_reason, usage, collected.token_ids
+        )
+    )

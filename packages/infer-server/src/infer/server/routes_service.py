@@ -1,0 +1,36 @@
+"""GET /health, GET /v1/models and GET /metrics: the endpoints around generation."""
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from infer.server import responses
+from infer.server.metrics import CONTENT_TYPE
+from infer.server.server_state import RETRY_AFTER_S, ServerState
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 {"status": "ok"} when generation requests are taken; 503 {"status": "loading" |
+    "draining" | "failed"} otherwise, so a load balancer routes around this server."""
+    server: ServerState = request.app.state.server
+    status, body = server.health()
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    server: ServerState = request.app.state.server
+    if server.engine is None:  # the context length is known once the engine exists
+        server.require_ready()
+    return JSONResponse(
+        responses.model_list([(server.served_model_name, server.max_model_len)], server.created)
+    )
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    server: ServerState = request.app.state.server
+    return Response(server.metrics.render(), media_type=CONTENT_TYPE)

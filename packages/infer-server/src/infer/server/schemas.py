@@ -1,0 +1,394 @@
+"""Request bodies of the OpenAI-compatible API, validated by pydantic, and their sampling settings.
+
+What is checked here is everything that can be judged from the body alone: shapes, ranges, and the
+OpenAI fields this server does not implement. Anything that needs the model (does the prompt fit
+the context, is `model` served here) is the server's job once it has tokenized.
+
+Rules every request model follows (each error names its field; `infer.server.errors` turns the
+pydantic error into an OpenAI error body and picks the HTTP status):
+
+- An unknown field is rejected (422), never silently ignored: a typo such as `max_token` would
+  otherwise quietly change the output.
+- An OpenAI field we do not implement (`n`, `echo`, `logprobs`, `best_of`, `suffix`,
+  `presence_penalty`, `frequency_penalty`, `logit_bias`, `top_logprobs`) is accepted only at its
+  neutral value, because common clients send `n=1` or `presence_penalty=0` on every call; any
+  other value is rejected (422) naming the field.
+- A required field that is missing, or an empty `messages` list or empty token-id `prompt`, is
+  a 400 (there is nothing to run), like OpenAI; wrong values are 422.
+- `top_k` follows vLLM: an integer >= 1 keeps the k most likely tokens; 0 or -1 turns it off.
+- `seed` must lie in [0, 2**63 - 1] (what `torch.Generator.manual_seed` takes without wrapping).
+"""
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+# Custom pydantic error types; `infer.server.errors` maps them to statuses and OpenAI codes.
+EMPTY_INPUT = "empty_input"  # an empty `messages` or token-id `prompt`: 400, nothing to run
+UNSUPPORTED_VALUE = "unsupported_value"  # a valid OpenAI value this server does not implement: 422
+INVALID_VALUE = "invalid_value"  # a value the API does not allow: 422
+
+MAX_STOP_STRINGS = 4
+MAX_SEED = 2**63 - 1
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _unsupported(message: str) -> PydanticCustomError:
+    return PydanticCustomError(UNSUPPORTED_VALUE, message)
+
+
+class _Strict(BaseModel):
+    # allow_inf_nan=False: pydantic's JSON parser reads Infinity and NaN, which would pass
+    # one-sided bounds such as `repetition_penalty > 0` and then fail inside the engine.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    # Adds a last chunk with `usage` (and `"usage": null` on every other chunk), as OpenAI does.
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """The fields that /v1/completions and /v1/chat/completions share."""
+
+    # OpenAI fields we accept only at their neutral values: field -> the values that mean "off".
+    NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "n": (1, None),
+        "presence_penalty": (0, None),
+        "frequency_penalty": (0, None),
+        "logit_bias": (None, {}),
+    }
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    # vLLM extension: token ids that end the request besides the model's end-of-sequence ids.
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    # vLLM extension: generate through end-of-sequence tokens until the token limit (benchmarks).
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted and ignored (OpenAI uses it for abuse monitoring).
+    user: str | None = None
+    n: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        # OpenAI allows one string or a list of strings; null means none.
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_non_empty(cls, value: list[str]) -> list[str]:
+        if any(text == "" for text in value):
+            raise PydanticCustomError(INVALID_VALUE, "every stop string must be non-empty")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids_non_negative(cls, value: list[int]) -> list[int]:
+        if any(token_id < 0 for token_id in value):
+            raise PydanticCustomError(INVALID_VALUE, "every stop token id must be >= 0")
+        return value
+
+    @field_validator(
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "echo",
+        "logprobs",
+        "best_of",
+        "suffix",
+        "top_logprobs",
+        check_fields=False,  # the last five exist only on one of the two endpoints
+    )
+    @classmethod
+    def _neutral_values_only(cls, value: Any, info) -> Any:
+        neutral = cls.NEUTRAL_VALUES[info.field_name]
+        # `True == 1` and `False == 0` in Python: a bool matches only a bool (echo=false, not n=true).
+        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
+            shown = " or ".join("null" if v is None else repr(v) for v in neutral)
+            raise _unsupported(f"{value!r} is not supported; leave {info.field_name} out or send {shown}")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info) -> StreamOptions | None:
+        # A field validator (not a model one) so the error names the field; `stream` comes first.
+        if value is not None and not info.data.get("stream", False):
+            raise PydanticCustomError(INVALID_VALUE, "stream_options is only allowed when stream is true")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def _max_new_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def to_sampling_kwargs(self, *, max_new_tokens_default: int | None = None) -> dict[str, Any]:
+        """Keyword arguments for `infer.engine.SamplingParams`.
+
+        `max_new_tokens_default` is used when the client set no token limit (chat, or an explicit
+        null); the server passes the room left in the context. If both are missing the key is
+        left out and SamplingParams' own default applies.
+        """
+        kwargs: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            # vLLM treats 0 and -1 alike (off); SamplingParams takes both, we send one spelling.
+            "top_k": max(self.top_k, 0),
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "stop": list(self.stop),
+            "stop_token_ids": list(self.stop_token_ids),
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+        }
+        max_new_tokens = self._max_new_tokens()
+        if max_new_tokens is None:
+            max_new_tokens = max_new_tokens_default
+        if max_new_tokens is not None:
+            kwargs["max_new_tokens"] = max_new_tokens
+        return kwargs
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions. `prompt` is kept as given: a string, or token ids."""
+
+    NEUTRAL_VALUES = {
+        **_SamplingRequest.NEUTRAL_VALUES,
+        "echo": (False, None),
+        "logprobs": (None,),
+        "best_of": (1, None),
+        "suffix": (None, ""),
+    }
+
+    prompt: str | list[int]
+    # OpenAI's default for the legacy completions endpoint; null means "as many as fit".
+    max_tokens: int | None = Field(16, ge=1)
+    echo: Any = None
+    logprobs: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        # OpenAI takes a string, token ids, or a batch of either; a batch of one is just its prompt.
+        if isinstance(value, list) and value and all(isinstance(item, str | list) for item in value):
+            if len(value) > 1:
+                raise _unsupported(
+                    f"only one prompt per request is supported, got a batch of {len(value)}; "
+                    "send one request per prompt"
+                )
+            value = value[0]
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not all(_is_token_id(item) for item in value):
+            raise PydanticCustomError(
+                INVALID_VALUE, "prompt must be a string or a list of token ids (integers >= 0)"
+            )
+        if not value:
+            raise PydanticCustomError(EMPTY_INPUT, "prompt must not be empty")
+        return value
+
+    def _max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+class ToolCallFunction(_Strict):
+    name: str
+    # A JSON-encoded string, as OpenAI sends it.
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Strict):
+    """One message. `content` is normalized to one string: text parts are joined by newlines
+    (what vLLM does), so chat templates only ever see strings."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_to_string(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for index, part in enumerate(value):
+            part_type = part.get("type") if isinstance(part, dict) else None
+            if part_type != "text":
+                raise _unsupported(
+                    f"content part {index} has type {part_type!r}; only "
+                    '{"type": "text", "text": ...} parts are supported'
+                )
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise PydanticCustomError(
+                    INVALID_VALUE,
+                    f'content part {index} must be exactly {{"type": "text", "text": <string>}}',
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+    @model_validator(mode="after")
+    def _role_rules(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError(
+                INVALID_VALUE, f"a {self.role} message needs content (only assistant tool calls may omit it)"
+            )
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError(
+                INVALID_VALUE, f"only assistant messages carry tool_calls, not {self.role} messages"
+            )
+        if self.role == "tool" and not self.tool_call_id:
+            raise PydanticCustomError(INVALID_VALUE, "a tool message needs the tool_call_id it answers")
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    # A JSON Schema object, passed to the chat template as is. Any JSON here: that it is a schema
+    # object is checked with the other tool rules (infer.server.chat_tools, a 400 like OpenAI's).
+    parameters: Any = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """tool_choice {"type": "function", "function": {"name": ...}}: call this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormat(_Strict):
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    NEUTRAL_VALUES = {
+        **_SamplingRequest.NEUTRAL_VALUES,
+        "logprobs": (False, None),
+        "top_logprobs": (None, 0),
+    }
+
+    messages: list[ChatMessage]
+    # `max_completion_tokens` is OpenAI's newer name for `max_tokens`; either may be sent.
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    # "auto" (the default with tools), "none", "required" or a NamedToolChoice; checked against
+    # `tools` in infer.server.chat_tools.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # Accepted and ignored: the model emits at most what its chat template allows.
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # Passed to the chat template, e.g. {"enable_thinking": false} for Qwen 3.
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    logprobs: Any = None
+    top_logprobs: Any = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_non_empty(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise PydanticCustomError(EMPTY_INPUT, "messages must hold at least one message")
+        return value
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _null_kwargs_as_empty(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, value: Any) -> Any:
+        # One message for every wrong shape, rather than pydantic's error per union member.
+        if value in (None, "none", "auto", "required"):
+            return value
+        function = value.get("function") if isinstance(value, dict) else None
+        if (
+            isinstance(value, dict)
+            and set(value) == {"type", "function"}
+            and value["type"] == "function"
+            and isinstance(function, dict)
+            and set(function) == {"name"}
+            and isinstance(function["name"], str)
+        ):
+            return value
+        raise PydanticCustomError(
+            INVALID_VALUE,
+            'tool_choice must be "none", "auto", "required" '
+            'or {"type": "function", "function": {"name": ...}}',
+        )
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, value: ResponseFormat | None) -> ResponseFormat | None:
+        if value is not None and value.type != "text":
+            raise _unsupported(
+                f"response_format {value.type!r} is not supported until structured output exists; "
+                'leave it out or send {"type": "text"}'
+            )
+        return value
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_token_limit(cls, value: int | None, info) -> int | None:
+        max_tokens = info.data.get("max_tokens")
+        if value is not None and max_tokens is not None and value != max_tokens:
+            raise PydanticCustomError(
+                INVALID_VALUE,
+                "disagrees with max_tokens ({a} vs {b}); send only max_completion_tokens",
+                {"a": value, "b": max_tokens},
+            )
+        return value
+
+    def _max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as plain dicts for a chat template (unset fields left out)."""
+        return [message.model_dump(exclude_none=True) for message in self.messages]

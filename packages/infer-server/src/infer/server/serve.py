@@ -1,0 +1,129 @@
+"""Running the app on uvicorn, with a SIGTERM that drains instead of cutting requests off.
+
+SIGTERM (what Kubernetes and systemd send): the server keeps its socket open and answers new
+generation requests with 503 (a load balancer moves on), lets the requests in flight finish for
+up to `drain_timeout_s`, aborts what is left (its clients still get a terminal event), then shuts
+uvicorn down and returns, so the process exits 0. SIGINT (Ctrl-C) keeps uvicorn's behaviour: a
+graceful stop, and a second Ctrl-C forces it.
+"""
+
+import asyncio
+import logging
+import signal
+
+import uvicorn
+
+from infer.server.app import create_app
+from infer.server.server_state import ServerState
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# After the drain, uvicorn's own wait for connections to close: only idle keep-alive ones remain.
+_GRACEFUL_SHUTDOWN_S = 5
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose SIGTERM drains the app's ServerState first (see the module doc)."""
+
+    def __init__(self, config: uvicorn.Config, infer_state: ServerState, drain_timeout_s: float):
+        super().__init__(config)
+        self.infer_state = infer_state
+        self.drain_timeout_s = drain_timeout_s
+        self._drain_requested = False
+        self._drain_task: asyncio.Task | None = None
+
+    def request_drain(self) -> None:
+        """Starts the drain at the next tick (safe from a signal handler or another thread)."""
+        self._drain_requested = True
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGTERM and not self.should_exit:
+            # Not passed to uvicorn: it would record the signal and re-raise it after shutdown,
+            # and the process would die of SIGTERM instead of exiting 0.
+            self.request_drain()
+        else:
+            super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        # uvicorn calls this every 0.1 s on the event loop: the place to start and watch the drain.
+        if self._drain_requested and self._drain_task is None:
+            logger.info("SIGTERM: draining for up to %.1f s", self.drain_timeout_s)
+            self._drain_task = asyncio.create_task(self.infer_state.drain(self.drain_timeout_s))
+        if self._drain_task is not None and self._drain_task.done():
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def build_server(
+    engine_or_factory,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    log_level: str = "info",
+) -> DrainingServer:
+    """The server, not started: `.run()` blocks until it exits, `.request_drain()` drains it."""
+    app = create_app(engine_or_factory, served_model_name=served_model_name)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+        # The server's own keep-alive; clients such as openai reuse connections between requests.
+        timeout_keep_alive=30,
+    )
+    return DrainingServer(config, app.state.server, drain_timeout_s)
+
+
+class BackgroundServer:
+    """The server on a daemon thread, listening on a free port of `host` (tests, conformance,
+    notebooks): started and healthy when the constructor returns; `stop()` ends it."""
+
+    def __init__(
+        self, engine_or_factory, *, host: str = "127.0.0.1", health_timeout_s: float = 600.0, **options
+    ):
+        """`options`: build_server's keyword arguments (served_model_name, drain_timeout_s, ...)."""
+        import socket
+        import threading
+
+        # Bound here and handed to uvicorn, so no other process can take the port meanwhile.
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, 0))
+        self.port = self._socket.getsockname()[1]
+        self.base_url = f"http://{host}:{self.port}"
+        self.server = build_server(engine_or_factory, host=host, port=self.port, **options)
+        self.state = self.server.infer_state
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._socket]}, name="infer-server", daemon=True
+        )
+        self._thread.start()
+        self._wait_healthy(health_timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the server on {self.base_url} stopped during startup; see its log")
+            if self.state.phase == "failed":
+                raise RuntimeError(f"the server on {self.base_url} failed: {self.state.failure}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"the server on {self.base_url} did not become healthy in {timeout_s} s")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self.server.should_exit = True
+            self._thread.join(timeout_s)
+        self._socket.close()

@@ -1,0 +1,203 @@
+"""Tools and thinking on /v1/chat/completions, on a real server through the real `openai` client.
+
+Oracles: our chat template rendered and tokenized by hand (usage.prompt_tokens counts exactly
+those tokens), and the OpenAI wire format (SSE events read raw with httpx). SmolLM2 (ChatML, the
+Hermes tool format) serves the tool tests; a random tiny Qwen 3 checkpoint the thinking test.
+"""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _prompt_tokens(loaded, messages, **render_kwargs) -> int:
+    prompt = loaded.chat_template.render(messages, add_generation_prompt=True, **render_kwargs)
+    return len(loaded.tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def _assert_call_or_content(choice) -> None:
+    if choice.finish_reason == "tool_calls":
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name == "get_weather"
+        assert isinstance(json.loads(call.function.arguments), dict)
+    else:
+        assert choice.message.tool_calls is None and isinstance(choice.message.content, str)
+
+
+def test_named_tool_choice_answers_with_a_call_to_that_function_or_content(server):
+    answer = server.openai_client().chat.completions.create(
+        model=server.model, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice=NAMED, temperature=0
+    )
+    _assert_call_or_content(answer.choices[0])
+
+
+def test_required_tool_choice_answers_with_a_call_or_content(server):
+    answer = server.openai_client().chat.completions.create(
+        model=server.model,
+        messages=QUESTION,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=64,
+    )
+    choice = answer.choices[0]
+    if choice.finish_reason == "tool_calls":
+        assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments), dict)
+
+
+def test_forced_call_prompt_is_the_rendering_plus_the_calls_opening(server, smollm2_loaded):
+    answer = server.openai_client().chat.completions.create(
+        model=server.model, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice=NAMED, max_tokens=1
+    )
+    prompt = smollm2_loaded.chat_template.render(QUESTION, tools=[WEATHER_TOOL])
+    opening = '<tool_call>\n{"name": "get_weather", "arguments": '
+    expected = smollm2_loaded.tokenizer.encode(prompt + opening, add_special_tokens=False)
+    assert answer.usage.prompt_tokens == len(expected)
+
+
+def test_a_tool_result_conversation_is_answered_and_counted_as_our_rendering(server, smollm2_loaded):
+    messages = [
+        *QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
+    answer = server.openai_client().chat.completions.create(
+        model=server.model, messages=messages, tools=[WEATHER_TOOL], max_tokens=16, temperature=0
+    )
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.usage.prompt_tokens == _prompt_tokens(smollm2_loaded, messages, tools=[WEATHER_TOOL])
+
+
+def test_tool_choice_none_renders_no_tools(server, smollm2_loaded):
+    answer = server.openai_client().chat.completions.create(
+        model=server.model, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=1
+    )
+    assert answer.usage.prompt_tokens == _prompt_tokens(smollm2_loaded, QUESTION)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": NAMED}, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools.0.function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": ["city"]}}]},
+            "tools.0.function.parameters",
+        ),
+        ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools.1.function.name"),
+    ],
+    ids=[
+        "unknown-function",
+        "named-without-tools",
+        "parameters-string-schema",
+        "parameters-list",
+        "duplicate",
+    ],
+)
+def test_inconsistent_tools_are_a_400_naming_the_field(server, extra, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.openai_client().chat.completions.create(model=server.model, messages=QUESTION, **extra)
+    assert caught.value.status_code == 400
+    assert caught.value.body["param"].startswith(param)
+    assert caught.value.body["type"] == "invalid_request_error"
+
+
+def _stream_events(server, body: dict) -> list[str]:
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/chat/completions", json={"model": server.model, **body}, timeout=120.0
+    ) as response:
+        assert response.status_code == 200
+        return [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_streaming_with_tools_ends_with_one_finish_chunk_then_done_and_matches_the_body(server):
+    body = {"messages": QUESTION, "tools": [WEATHER_TOOL], "tool_choice": NAMED, "temperature": 0}
+    events = _stream_events(server, {**body, "stream": True})
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(payload) for payload in events[:-1]]
+    finishes = [chunk["choices"][0]["finish_reason"] for chunk in chunks]
+    assert [reason for reason in finishes if reason is not None] == [finishes[-1]]
+    streamed_calls = [call for chunk in chunks for call in chunk["choices"][0]["delta"].get("tool_calls", [])]
+    streamed_content = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks)
+
+    whole = httpx.post(
+        f"{server.base_url}/v1/chat/completions", json={"model": server.model, **body}, timeout=120.0
+    ).json()["choices"][0]
+    assert finishes[-1] == whole["finish_reason"]
+    assert streamed_content == (whole["message"]["content"] or "")
+    whole_calls = whole["message"].get("tool_calls", [])
+    assert [call["function"] for call in streamed_calls] == [call["function"] for call in whole_calls]
+    assert [call["index"] for call in streamed_calls] == list(range(len(whole_calls)))
+
+
+# -- thinking, on a random tiny Qwen 3 ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(tmp_path_factory):
+    import torch
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+    from infer.models.load import load_model
+    from infer.models.random_checkpoint import make_random_checkpoint
+    from infer.server.serve import BackgroundServer
+
+    folder = make_random_checkpoint("qwen3-tiny", tmp_path_factory.mktemp("qwen3"), dtype=torch.float32)
+    loaded = load_model(folder, dtype=torch.float32, device="cpu")
+    engine = Engine(EngineConfig(model=str(folder), max_seq_len=256), loaded_model=loaded)
+    background = BackgroundServer(engine, served_model_name="qwen3-tiny", log_level="warning")
+    yield background, loaded
+    background.stop()
+
+
+def test_thinking_off_adds_the_empty_think_block_to_the_prompt(qwen3_server):
+    background, loaded = qwen3_server
+    client = openai.OpenAI(api_key="unused", base_url=f"{background.base_url}/v1", max_retries=0)
+    usage = {}
+    for thinking in (True, False):
+        answer = client.chat.completions.create(
+            model="qwen3-tiny",
+            messages=QUESTION,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"chat_template_kwargs": {"enable_thinking": thinking}},
+        )
+        usage[thinking] = answer.usage.prompt_tokens
+        message = answer.choices[0].message
+        reasoning = message.model_extra.get("reasoning_content")
+        assert reasoning is None or thinking, "reasoning is split only while thinking is on"
+    empty_block = loaded.tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+    assert usage[False] - usage[True] == len(empty_block)
+    assert usage[True] == _prompt_tokens(loaded, QUESTION)

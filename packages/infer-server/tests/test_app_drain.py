@@ -1,0 +1,93 @@
+"""Draining: after SIGTERM (or `request_drain()`) new generation requests get 503, requests in
+flight finish, and what is still running at the deadline is aborted with a terminal event.
+The SIGTERM test runs the real `infer serve` command in a subprocess and wants exit status 0."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+
+def data_events(response: httpx.Response):
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            yield line.removeprefix("data: ")
+
+
+def wait_for_health(base_url: str, status: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base_url + "/health", timeout=1.0).status_code == status:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"/health did not answer {status} in {timeout_s} s")
+
+
+def test_drain_deadline_aborts_what_is_left_with_a_terminal_event(start_server):
+    server = start_server(max_batch_size=2, drain_timeout_s=0.5)
+    body = {"model": server.model, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(base_url=server.base_url, timeout=60.0) as client,
+        client.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        events = data_events(response)
+        next(events)
+        server.server.request_drain()
+        wait_for_health(server.base_url, 503, timeout_s=5)
+        refused = httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_draining"
+        rest = list(events)
+    assert rest[-1] == "[DONE]"
+    finish_reasons = [json.loads(event)["choices"][0]["finish_reason"] for event in rest[:-1]]
+    assert finish_reasons[-1] == "abort" and finish_reasons.count("abort") == 1
+    server.stop()
+    assert server.engine.kv_pool.num_free == server.engine.kv_pool.capacity
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_infer_serve_drains_on_sigterm_and_exits_zero():
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "infer.server.cli", "serve", "--port", str(port), "--max-seq-len", "256"]
+    command += ["--max-batch-size", "2", "--drain-timeout-s", "60", "--log-level", "warning"]
+    process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_for_health(base_url, 200, timeout_s=120)
+        models = httpx.get(base_url + "/v1/models").json()["data"]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [("smollm2-135m-instruct", 256)]
+        body = {"model": "smollm2-135m-instruct", "prompt": "Count:", "max_tokens": 12, "ignore_eos": True}
+        with (
+            httpx.Client(base_url=base_url, timeout=60.0) as client,
+            client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response,
+        ):
+            events = data_events(response)
+            next(events)
+            process.send_signal(signal.SIGTERM)
+            wait_for_health(base_url, 503, timeout_s=5)
+            refused = httpx.post(base_url + "/v1/completions", json=body)
+            assert refused.status_code == 503
+            rest = list(events)
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length", (
+            "the request in flight finished"
+        )
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

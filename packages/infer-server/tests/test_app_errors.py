@@ -1,0 +1,221 @@
+"""Every error a client can provoke before generation starts, on a real server: the status the
+rules of `infer.server.errors` give it, OpenAI's error body, and the server still serving after.
+The `openai` client must map each status to its own exception class."""
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from infer.server.serve import build_server
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def post(server, path: str, **kwargs) -> httpx.Response:
+    return httpx.post(server.base_url + path, timeout=60.0, **kwargs)
+
+
+def refusal(path: str, body, status: int, code: str, param: str | None):
+    """One case: `body` (a dict; "$MODEL" stands for the served model, or raw bytes) sent to
+    `path` must be refused with `status`, and error.code and error.param as given."""
+    return pytest.param(path, body, status, code, param, id=f"{status}-{code}-{param}")
+
+
+LONG_TEXT = "hello " * 2000  # ~2000 tokens: beyond the test server's 512-token context
+CASES = [
+    refusal(COMPLETIONS, b"{not json", 400, "invalid_json", None),
+    refusal(COMPLETIONS, b"[1, 2]", 400, "invalid_body", None),
+    refusal(COMPLETIONS, {"model": "$MODEL"}, 400, "missing_required_parameter", "prompt"),
+    refusal(CHAT, {"model": "$MODEL", "messages": []}, 400, "empty_input", "messages"),
+    refusal(
+        COMPLETIONS,
+        {"model": "$MODEL", "prompt": "Hi", "max_token": 3},
+        422,
+        "unknown_parameter",
+        "max_token",
+    ),
+    refusal(
+        COMPLETIONS,
+        {"model": "$MODEL", "prompt": "Hi", "temperature": 2.5},
+        422,
+        "invalid_value",
+        "temperature",
+    ),
+    refusal(CHAT, {"model": "$MODEL", "messages": HI, "top_p": 0}, 422, "invalid_value", "top_p"),
+    refusal(COMPLETIONS, {"model": "$MODEL", "prompt": "Hi", "n": 2}, 422, "unsupported_value", "n"),
+    refusal(
+        CHAT,
+        {"model": "$MODEL", "messages": HI, "response_format": {"type": "json_object"}},
+        422,
+        "unsupported_value",
+        "response_format",
+    ),
+    refusal(
+        CHAT,
+        {
+            "model": "$MODEL",
+            "messages": HI,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+        },
+        400,
+        "invalid_value",
+        "tools.0.function.parameters",
+    ),
+    refusal(
+        CHAT,
+        {"model": "$MODEL", "messages": HI, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        400,
+        "invalid_value",
+        "tool_choice",
+    ),
+    refusal(COMPLETIONS, {"model": "no-such-model", "prompt": "Hi"}, 404, "model_not_found", "model"),
+    refusal(
+        CHAT, {"model": "no-such-model", "messages": HI, "stream": True}, 404, "model_not_found", "model"
+    ),
+    refusal(
+        COMPLETIONS,
+        {"model": "$MODEL", "prompt": "Hi", "max_tokens": 100_000},
+        400,
+        "context_length_exceeded",
+        "prompt",
+    ),
+    refusal(
+        COMPLETIONS,
+        {"model": "$MODEL", "prompt": LONG_TEXT, "max_tokens": 1},
+        400,
+        "context_length_exceeded",
+        "prompt",
+    ),
+    refusal(
+        CHAT,
+        {"model": "$MODEL", "messages": [{"role": "user", "content": LONG_TEXT}]},
+        400,
+        "context_length_exceeded",
+        "messages",
+    ),
+    refusal(
+        COMPLETIONS, {"model": "$MODEL", "prompt": [10**9], "max_tokens": 1}, 422, "invalid_value", "prompt"
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "code", "param"), CASES)
+def test_refused_before_generation_with_an_openai_error_body(server, path, body, status, code, param):
+    if isinstance(body, dict):
+        body = {key: server.model if value == "$MODEL" else value for key, value in body.items()}
+        response = post(server, path, json=body)
+    else:
+        response = post(server, path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json"), (
+        "an error is never an event stream"
+    )
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == (code, param)
+    assert isinstance(error["message"], str) and error["type"]
+
+
+def test_openai_client_maps_the_statuses_to_its_exceptions(server):
+    client = server.openai_client()
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=server.model, prompt="Hi", max_tokens=100_000)
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.completions.create(model=server.model, prompt="Hi", temperature=3)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=HI)
+    # ...and the server still serves.
+    assert (
+        client.completions.create(model=server.model, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+    )
+
+
+def test_unknown_path_is_an_openai_404(server):
+    response = httpx.get(server.base_url + "/v1/nothing-here")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "not_found"
+
+
+@pytest.fixture(scope="module")
+def one_slot_server(start_server):
+    """One KV slot and a waiting queue of one: the third concurrent request must get 503."""
+    running = start_server(max_batch_size=1, max_queue_len=1)
+    yield running
+    running.stop()
+
+
+def test_full_queue_answers_503_with_retry_after_and_admitted_requests_complete(one_slot_server):
+    server = one_slot_server
+    long_request = {
+        "model": server.model,
+        "prompt": "Count:",
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(base_url=server.base_url, timeout=60.0) as running_client,
+        running_client.stream("POST", "/v1/completions", json=long_request) as running,
+    ):
+        first_events = running.iter_lines()
+        next(line for line in first_events if line.startswith("data:"))  # running: it holds the slot
+        # The headers of a stream are sent once the request is queued, so this one now waits.
+        with (
+            httpx.Client(base_url=server.base_url, timeout=60.0) as waiting_client,
+            waiting_client.stream("POST", "/v1/completions", json=long_request) as waiting,
+        ):
+            assert waiting.status_code == 200
+            refused = post(server, "/v1/completions", json={**long_request, "stream": False})
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "queue_full"
+            waiting_lines = [line for line in waiting.iter_lines() if line.startswith("data:")]
+        running_lines = [line for line in first_events if line.startswith("data:")]
+    for lines in (running_lines, waiting_lines):
+        assert lines[-1] == "data: [DONE]"
+        assert sum('"finish_reason":"length"' in line for line in lines) == 1
+
+
+def test_health_and_generation_answer_503_while_the_model_loads(make_engine):
+    release = threading.Event()
+
+    def slow_factory():
+        release.wait(60)
+        return make_engine(max_batch_size=1)
+
+    model = "loading-test-model"
+    server = build_server(slow_factory, port=0, served_model_name=model, log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        base_url = _wait_for_listening(server)
+        health = httpx.get(base_url + "/health")
+        assert (health.status_code, health.json()["status"]) == (503, "loading")
+        refused = httpx.post(base_url + "/v1/completions", json={"model": model, "prompt": "Hi"})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "server_loading"
+        release.set()
+        for _ in range(600):
+            if httpx.get(base_url + "/health").status_code == 200:
+                break
+            threading.Event().wait(0.05)
+        answer = httpx.post(
+            base_url + "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 1}
+        )
+        assert answer.status_code == 200
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(30)
+
+
+def _wait_for_listening(server) -> str:
+    for _ in range(600):
+        if server.started:
+            port = server.servers[0].sockets[0].getsockname()[1]
+            return f"http://127.0.0.1:{port}"
+        threading.Event().wait(0.05)
+    raise TimeoutError("uvicorn did not start listening")

@@ -1,0 +1,198 @@
+"""The streaming client and `infer bench serve` against a real HTTP server (bench_peer.py: uvicorn
++ FastAPI streaming OpenAI SSE), checked against what the server itself saw."""
+
+import asyncio
+import importlib.util
+import json
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from infer.server.bench.cli import main as bench_main
+from infer.server.bench.client import run_workload
+from infer.server.bench.runner import benchmark_server
+from infer.server.bench.workloads import WorkloadShape, make_workload
+
+_spec = importlib.util.spec_from_file_location("bench_peer", Path(__file__).with_name("bench_peer.py"))
+bench_peer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_peer)
+
+FIRST_TOKEN_DELAY_S = 0.03
+TOKEN_DELAY_S = 0.005
+TINY_COMPLETIONS = WorkloadShape("completion", prompt_tokens=(4, 16), output_tokens=(3, 6))
+TINY_CHAT = WorkloadShape("chat", output_tokens=(2, 4), system_prompt_words=40, user_words=(2, 5))
+
+
+class ThreadedServer:
+    """A uvicorn server on a free port in a background thread."""
+
+    def __init__(self, app):
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the test server did not start in 10 s"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def _peer(**options):
+    app = bench_peer.create_peer_app(
+        first_token_delay_s=FIRST_TOKEN_DELAY_S, token_delay_s=TOKEN_DELAY_S, **options
+    )
+    return app, ThreadedServer(app)
+
+
+def test_records_match_what_the_server_sent_and_received():
+    workload = make_workload("tiny", shape=TINY_COMPLETIONS, concurrency=3, num_requests=7, vocab_size=100)
+    app, server = _peer()
+    with server:
+        run = asyncio.run(run_workload(workload, base_url=server.base_url, model="peer-model"))
+    peer = app.state.peer
+    # The peer saw warm-up, probe, then every request once with its exact token ids.
+    timed = peer["received"][2:]
+    assert sorted(body["prompt"] for body in timed) == sorted(r.prompt_token_ids for r in workload.requests)
+    assert all(body["ignore_eos"] is True and body["stream"] is True for body in timed)
+    assert run.ignore_eos_sent and not run.notes
+    for record, request in zip(run.records, workload.requests, strict=True):
+        assert record.ok, record.error
+        assert record.num_output_tokens == request.max_tokens == len(record.chunk_times)
+        assert record.output_tokens_from == "usage"
+        assert record.num_prompt_tokens == len(request.prompt_token_ids)
+        assert record.finish_reason == "length"
+        assert record.ttft_s >= FIRST_TOKEN_DELAY_S
+        assert len(record.itl_s) == request.max_tokens - 1
+        # The server cannot finish sooner than its sleeps add up to.
+        assert record.e2e_s >= FIRST_TOKEN_DELAY_S + (request.max_tokens - 1) * TOKEN_DELAY_S
+        assert record.send_time < record.first_token_time <= record.chunk_times[-1] <= record.end_time
+        assert run.start_time <= record.send_time and record.end_time <= run.end_time
+    # The closed loop keeps exactly `concurrency` requests in flight while enough remain.
+    assert peer["max_in_flight"] == workload.concurrency
+    assert run.probe is not None and run.probe.num_output_tokens == 1
+    # Single gaps jitter either way with scheduling; their median cannot sit below the sleep.
+    assert statistics.median(gap for r in run.records for gap in r.itl_s) >= TOKEN_DELAY_S * 0.8
+
+
+def test_one_request_per_client_sends_all_at_once():
+    workload = make_workload("tiny", shape=TINY_COMPLETIONS, concurrency=5, num_requests=5, vocab_size=100)
+    app, server = _peer()
+    with server:
+        run = asyncio.run(run_workload(workload, base_url=server.base_url, model="peer-model", warmup=False))
+    assert app.state.peer["max_in_flight"] == 5
+    assert max(r.send_time for r in run.records) - min(r.send_time for r in run.records) < FIRST_TOKEN_DELAY_S
+
+
+def test_ignore_eos_rejected_with_422_is_dropped_and_noted():
+    workload = make_workload("tiny", shape=TINY_COMPLETIONS, concurrency=2, num_requests=3, vocab_size=100)
+    app, server = _peer(reject_ignore_eos=True)
+    with server:
+        run = asyncio.run(run_workload(workload, base_url=server.base_url, model="peer-model"))
+    assert not run.ignore_eos_sent
+    assert "rejected ignore_eos" in run.notes[0]
+    assert all(record.ok for record in run.records)
+    assert all("ignore_eos" not in body for body in app.state.peer["received"])
+
+
+def test_chat_requests_skip_the_role_chunk_and_take_prompt_tokens_from_usage():
+    workload = make_workload("tinychat", shape=TINY_CHAT, concurrency=2, num_requests=4)
+    app, server = _peer()
+    with server:
+        run = asyncio.run(run_workload(workload, base_url=server.base_url, model="peer-model"))
+    for record, request in zip(run.records, workload.requests, strict=True):
+        assert record.ok, record.error
+        assert record.endpoint == "/v1/chat/completions"
+        assert len(record.chunk_times) == request.max_tokens  # the role-only chunk carries no text
+        assert record.num_prompt_tokens == sum(len(m["content"].split()) for m in request.messages)
+        assert record.ttft_s >= FIRST_TOKEN_DELAY_S
+
+
+def test_wrong_model_fails_the_warm_up_with_a_pointer_to_v1_models():
+    workload = make_workload("tiny", shape=TINY_COMPLETIONS, concurrency=1, num_requests=1, vocab_size=100)
+    _, server = _peer()
+    with server, pytest.raises(RuntimeError, match="v1/models"):
+        asyncio.run(run_workload(workload, base_url=server.base_url, model="not-served"))
+
+
+def test_report_records_server_info_engine_config_and_server_queue_time(tmp_path):
+    config_path = tmp_path / "engine.json"
+    config_path.write_text(json.dumps({"model": "peer-model", "batching_mode": "static"}))
+    workload = make_workload("tiny", shape=TINY_COMPLETIONS, concurrency=2, num_requests=4, vocab_size=100)
+    _, server = _peer()
+    with server:
+        report = asyncio.run(
+            benchmark_server(workload, base_url=server.base_url, engine_config_file=config_path)
+        )
+    json.dumps(report)  # everything is plain data
+    assert report["model"] == "peer-model"  # the first of /v1/models
+    assert report["server"]["engine_config"]["batching_mode"] == "static"
+    assert report["server"]["engine_config"]["max_batch_size"] == 8  # defaults filled in by EngineConfig
+    assert report["server"]["memory_after_run"]["infer_kv_cache_total_bytes"] == 65536
+    # The peer's queue histogram gained the 4 timed requests (the warm-up and probe came before).
+    assert report["stats"]["queue_wait_s"]["count"] == 4
+    assert report["stats"]["queue_wait_s"]["mean"] == pytest.approx(FIRST_TOKEN_DELAY_S)
+    assert len(report["records"]) == 4
+
+
+def test_cli_serve_writes_json_and_markdown(tmp_path):
+    _, server = _peer()
+    json_path, md_path = tmp_path / "run.json", tmp_path / "run.md"
+    with server:
+        status = bench_main([
+            "serve", "--base-url", server.base_url, "--model", "peer-model", "--workload", "W2",
+            "--concurrency", "2", "--num-requests", "2", "--vocab-size", "50",
+            "--json", str(json_path), "--md", str(md_path),
+        ])  # fmt: skip
+    assert status == 0
+    report = json.loads(json_path.read_text())
+    assert report["workload"]["name"] == "W2" and report["stats"]["num_ok"] == 2
+    assert report["stats"]["output_tokens"] == sum(r["max_tokens"] for r in report["records"])
+    assert f"{report['stats']['output_tokens_per_s']:.1f}" in md_path.read_text()
+
+
+def test_against_our_server_token_counts_agree_with_its_metrics(tmp_path):
+    import torch
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+    from infer.models.random_checkpoint import PRESETS, make_random_checkpoint
+    from infer.server.app import create_app
+    from infer.server.bench.server_info import parse_prometheus_text
+
+    checkpoint = make_random_checkpoint("llama-tiny", tmp_path / "llama-tiny", dtype=torch.float32)
+    config = EngineConfig(model=str(checkpoint), device="cpu", max_batch_size=2, max_seq_len=64)
+    vocab = PRESETS["llama-tiny"].config["vocab_size"]
+    workload = make_workload("tiny", shape=TINY_COMPLETIONS, concurrency=2, num_requests=3, vocab_size=vocab)
+    with ThreadedServer(create_app(lambda: Engine(config))) as server:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{server.base_url}/health").status_code != 200:  # 503 while the model loads
+            assert time.monotonic() < deadline, "our server did not become healthy in 60 s"
+            time.sleep(0.1)
+        generated_total = ("infer_generation_tokens_total", ())
+        before = parse_prometheus_text(httpx.get(f"{server.base_url}/metrics").text)[generated_total]
+        run = asyncio.run(
+            run_workload(workload, base_url=server.base_url, model=str(checkpoint), warmup=False)
+        )
+        after = parse_prometheus_text(httpx.get(f"{server.base_url}/metrics").text)[generated_total]
+    assert run.ignore_eos_sent
+    for record, request in zip(run.records, workload.requests, strict=True):
+        assert record.ok, record.error
+        assert record.output_tokens_from == "usage"
+        assert record.num_output_tokens == request.max_tokens  # ignore_eos: always the full length
+    # The server's own count of generated tokens over the run equals what the client counted.
+    assert after - before == sum(record.num_output_tokens for record in run.records)

@@ -1,0 +1,105 @@
+"""`infer bench matrix` end to end against a real server process (bench_peer.py started per row)."""
+
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from infer.server.bench.matrix import MATRIX_ROWS, free_port, run_matrix, select_rows, server_process
+
+PEER = Path(__file__).with_name("bench_peer.py")
+
+
+def test_matrix_runs_each_row_on_its_own_server_and_compares_to_static(tmp_path):
+    rows = MATRIX_ROWS[:2]
+    summary = run_matrix(
+        model="peer-model",
+        out_dir=tmp_path,
+        workloads=["W2"],
+        concurrency_levels={"W2": (2,)},
+        rows=rows,
+        server_command=f"{sys.executable} {PEER}",
+        num_requests=2,
+        vocab_size=50,
+        health_timeout_s=60,
+    )
+    assert [(run["row"], run["workload"], run["concurrency"]) for run in summary["runs"]] == [
+        ("static", "W2", 2),
+        ("continuous-fcfs", "W2", 2),
+    ]
+    for row in rows:
+        config = json.loads((tmp_path / row.name / "engine_config.json").read_text())
+        assert config["batching_mode"] == row.engine_settings["batching_mode"]
+        assert config["max_batch_size"] == 2  # the largest concurrency
+        report = json.loads((tmp_path / row.name / "W2-c2.json").read_text())
+        assert report["server"]["engine_config"]["batching_mode"] == row.engine_settings["batching_mode"]
+        assert report["stats"]["num_ok"] == 2
+    table = (tmp_path / "matrix.md").read_text()
+    static, continuous = (run["stats"]["output_tokens_per_s"] for run in summary["runs"])
+    assert f"| W2 | 2 | static | {static:.1f} | 1.00 |" in table
+    assert f"| W2 | 2 | continuous-fcfs | {continuous:.1f} | {continuous / static:.2f} |" in table
+
+
+def test_a_row_whose_server_dies_is_reported_and_the_matrix_goes_on(tmp_path):
+    summary = run_matrix(
+        model="peer-model",
+        out_dir=tmp_path,
+        workloads=["W2"],
+        concurrency_levels={"W2": (2,)},
+        rows=MATRIX_ROWS[:2],
+        server_command=f"{sys.executable} -c 'import sys; sys.exit(3)'",
+        health_timeout_s=30,
+    )
+    assert [failure["row"] for failure in summary["failed_rows"]] == ["static", "continuous-fcfs"]
+    assert "static failed: the server exited with status 3" in (tmp_path / "matrix.md").read_text()
+
+
+def test_server_process_reports_an_early_exit_with_its_log(tmp_path):
+    command = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
+    with (
+        pytest.raises(RuntimeError, match="exited with status 3(.|\n)*no model here"),
+        server_process(
+            command, f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "log", health_timeout_s=30
+        ),
+    ):
+        pass
+
+
+def test_server_process_is_stopped_on_exit(tmp_path):
+    config = tmp_path / "engine.json"
+    config.write_text(json.dumps({"model": "peer-model"}))
+    port = free_port()
+    command = [sys.executable, str(PEER), "--engine-config", str(config), "--port", str(port)]
+    with server_process(
+        command, f"http://127.0.0.1:{port}", log_path=tmp_path / "log", health_timeout_s=60
+    ) as process:
+        assert process.poll() is None
+    assert process.poll() is not None
+    with pytest.raises(httpx.ConnectError):  # nothing listens any more
+        httpx.get(f"http://127.0.0.1:{port}/health")
+
+
+def test_a_row_whose_config_is_invalid_here_is_reported_without_starting_a_server(tmp_path):
+    graphs_row = select_rows("continuous-prefill_first-cuda_graphs")
+    summary = run_matrix(
+        model="peer-model",
+        out_dir=tmp_path,
+        workloads=["W2"],
+        concurrency_levels={"W2": (2,)},
+        rows=graphs_row,
+        base_settings={"device": "cpu"},
+        server_command=f"{sys.executable} -c 'raise SystemExit(\"must not start\")'",
+    )
+    assert summary["runs"] == []
+    [failure] = summary["failed_rows"]
+    assert failure["row"] == "continuous-prefill_first-cuda_graphs"
+    assert "cuda_graphs=True needs a CUDA device" in failure["error"]
+
+
+def test_rows_are_selected_by_name_and_unknown_names_are_refused():
+    assert [row.name for row in select_rows("static,continuous-fcfs")] == ["static", "continuous-fcfs"]
+    assert select_rows(None) == MATRIX_ROWS
+    with pytest.raises(ValueError, match="unknown matrix rows \\['nope'\\]"):
+        select_rows("static,nope")

@@ -1,0 +1,126 @@
+"""Statistics against independent oracles: numpy and the statistics module."""
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from infer.server.bench.client import RequestRecord, RunResult
+from infer.server.bench.server_info import histogram_mean_between, memory_gauges, parse_prometheus_text
+from infer.server.bench.stats import percentile, run_stats, summarize
+from infer.server.bench.workloads import make_workload
+from infer.server.metrics import ServerMetrics
+
+finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
+
+
+@given(st.lists(finite, min_size=1, max_size=50), st.floats(min_value=0, max_value=100))
+def test_percentile_matches_numpy_linear(values, q):
+    assert percentile(values, q) == pytest.approx(np.percentile(values, q, method="linear"), abs=1e-6)
+
+
+@given(st.lists(finite, min_size=2, max_size=50))
+def test_percentiles_match_statistics_quantiles_inclusive(values):
+    cut_points = statistics.quantiles(values, n=100, method="inclusive")
+    assert [percentile(values, q) for q in range(1, 100)] == pytest.approx(cut_points, abs=1e-6)
+
+
+def test_summary_matches_numpy():
+    values = [0.5, 0.1, 0.9, 0.3, 0.7, 0.2]
+    summary = summarize(values)
+    assert summary.count == len(values)
+    assert summary.mean == pytest.approx(np.mean(values))
+    assert [summary.p50, summary.p95, summary.p99] == pytest.approx(np.percentile(values, [50, 95, 99]))
+
+
+def test_no_values_give_no_summary_and_percentile_refuses():
+    assert summarize([]) is None
+    with pytest.raises(ValueError, match="at least one value"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match=r"within \[0, 100\]"):
+        percentile([1.0], 101)
+
+
+def _record(index, send, chunk_times, *, prompt_tokens, usage_tokens=None, error=None):
+    record = RequestRecord(index=index, endpoint="/v1/completions", max_tokens=8, send_time=send)
+    record.num_prompt_tokens = prompt_tokens
+    record.chunk_times = list(chunk_times)
+    record.first_token_time = chunk_times[0] if chunk_times else None
+    record.end_time = (chunk_times[-1] if chunk_times else send) + 0.001
+    record.num_output_tokens = usage_tokens if usage_tokens is not None else len(chunk_times)
+    record.error = error
+    return record
+
+
+def test_run_stats_from_records_match_numpy_on_the_raw_times():
+    records = [
+        _record(0, 0.0, [0.10, 0.12, 0.15, 0.16], prompt_tokens=100),
+        _record(1, 0.0, [0.30, 0.31, 0.33], prompt_tokens=300),
+        _record(2, 0.2, [0.50, 0.58, 0.60, 0.61, 0.65], prompt_tokens=50),
+        _record(3, 0.3, [], prompt_tokens=10, error="HTTP 500: boom"),
+    ]
+    probe = _record(-1, 10.0, [10.05], prompt_tokens=200)
+    run = RunResult(make_workload("W2"), 0.0, 0.7, records, ignore_eos_sent=True, probe=probe)
+    stats = run_stats(run)
+    ok = records[:3]
+    ttft = np.array([r.chunk_times[0] - r.send_time for r in ok])
+    gaps = np.concatenate([np.diff(r.chunk_times) for r in ok])
+    e2e = np.array([r.end_time - r.send_time for r in ok])
+    assert (stats["num_ok"], stats["num_errors"]) == (3, 1)
+    assert stats["output_tokens"] == 12
+    assert stats["output_tokens_per_s"] == pytest.approx(12 / 0.7)
+    assert stats["ttft_s"]["mean"] == pytest.approx(ttft.mean())
+    assert stats["ttft_s"]["p99"] == pytest.approx(np.percentile(ttft, 99))
+    assert stats["itl_s"]["count"] == len(gaps)
+    assert stats["itl_s"]["p50"] == pytest.approx(np.median(gaps))
+    assert stats["e2e_s"]["p95"] == pytest.approx(np.percentile(e2e, 95))
+    # Queue wait: TTFT minus the probe's 0.05 s per 200 prompt tokens, floored at 0.
+    prompt = np.array([100, 300, 50])
+    expected_wait = np.maximum(0, ttft - 0.05 * prompt / 200)
+    assert stats["queue_wait_s"]["mean"] == pytest.approx(expected_wait.mean())
+    assert stats["queue_wait_s"]["source"].startswith("estimate")
+
+
+def test_server_queue_time_replaces_the_estimate():
+    run = RunResult(
+        make_workload("W2"), 0.0, 1.0, [_record(0, 0.0, [0.1], prompt_tokens=4)], ignore_eos_sent=True
+    )
+    stats = run_stats(run, server_queue_time=(0.25, 7))
+    assert stats["queue_wait_s"] == {"source": "server /metrics histogram", "count": 7, "mean": 0.25}
+
+
+def test_prometheus_parser_agrees_with_prometheus_client_on_our_metrics():
+    metrics = ServerMetrics()
+    metrics.kv_cache_used_bytes.set(12345)
+    metrics.requests_total.inc(3, finish_reason="length")
+    for value in (0.003, 0.2, 7.0):
+        metrics.time_to_first_token_seconds.observe(value)
+    text = metrics.render()
+    ours = parse_prometheus_text(text)
+    theirs = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    # prometheus_client renames counter samples to <name>_total and keeps NaN; compare the overlap
+    assert set(theirs) <= set(ours)
+    for key, value in theirs.items():
+        assert ours[key] == value or (math.isnan(value) and math.isnan(ours[key]))
+
+
+def test_histogram_mean_between_two_scrapes_and_memory_gauges():
+    metrics = ServerMetrics()
+    metrics.time_to_first_token_seconds.observe(1.0)
+    before = parse_prometheus_text(metrics.render())
+    metrics.time_to_first_token_seconds.observe(0.2)
+    metrics.time_to_first_token_seconds.observe(0.4)
+    metrics.kv_cache_total_bytes.set(4096)
+    after = parse_prometheus_text(metrics.render())
+    mean, count = histogram_mean_between(before, after, "infer_time_to_first_token_seconds")
+    assert (mean, count) == (pytest.approx(0.3), 2)
+    assert histogram_mean_between(before, after, "absent_histogram") is None
+    assert memory_gauges(after)["infer_kv_cache_total_bytes"] == 4096

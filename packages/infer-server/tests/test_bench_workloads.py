@@ -1,0 +1,72 @@
+"""Workloads W1-W3: the same arguments give the same requests, and lengths stay in their ranges."""
+
+import pytest
+
+from infer.server.bench.workloads import SHAPES, make_workload
+
+
+@pytest.mark.parametrize("name", ["W1", "W2", "W3"])
+def test_same_seed_gives_the_same_requests(name):
+    assert make_workload(name, seed=3).requests == make_workload(name, seed=3).requests
+
+
+@pytest.mark.parametrize("name", ["W2", "W3"])
+def test_another_seed_gives_other_requests(name):
+    assert make_workload(name, seed=0).requests != make_workload(name, seed=1).requests
+
+
+def test_w1_is_one_request_of_256_prompt_and_256_output_tokens():
+    workload = make_workload("W1")
+    assert workload.concurrency == 1
+    assert [(r.num_prompt_tokens, r.max_tokens) for r in workload.requests] == [(256, 256)]
+
+
+@pytest.mark.parametrize("concurrency", [16, 64])
+def test_w2_lengths_lie_in_their_ranges_and_ids_in_the_vocabulary(concurrency):
+    workload = make_workload("W2", concurrency=concurrency, seed=0, vocab_size=1000)
+    shape = SHAPES["W2"]
+    assert workload.num_requests == 2 * concurrency
+    prompt_lengths = [r.num_prompt_tokens for r in workload.requests]
+    outputs = [r.max_tokens for r in workload.requests]
+    assert shape.prompt_tokens[0] <= min(prompt_lengths) and max(prompt_lengths) <= shape.prompt_tokens[1]
+    assert shape.output_tokens[0] <= min(outputs) and max(outputs) <= shape.output_tokens[1]
+    assert all(0 <= token_id < 1000 for r in workload.requests for token_id in r.prompt_token_ids)
+    assert all(r.endpoint == "/v1/completions" for r in workload.requests)
+
+
+def test_w2_spreads_over_its_ranges():
+    # Uniform draws over 256 requests reach both ends of each range to within 10 %.
+    requests = make_workload("W2", concurrency=64, num_requests=256).requests
+    low, high = SHAPES["W2"].prompt_tokens
+    assert min(r.num_prompt_tokens for r in requests) < low + (high - low) // 10
+    assert max(r.num_prompt_tokens for r in requests) > high - (high - low) // 10
+
+
+def test_w2_at_64_starts_with_the_requests_of_w2_at_16():
+    # One seeded stream per workload: a larger run extends the smaller one.
+    assert make_workload("W2", concurrency=64).requests[:32] == make_workload("W2", concurrency=16).requests
+
+
+def test_w3_requests_share_one_system_prompt_and_differ_in_the_user_turn():
+    workload = make_workload("W3", concurrency=16)
+    system_prompts = {r.messages[0]["content"] for r in workload.requests}
+    user_turns = {r.messages[1]["content"] for r in workload.requests}
+    assert len(system_prompts) == 1
+    assert len(next(iter(system_prompts)).split()) == SHAPES["W3"].system_prompt_words
+    assert len(user_turns) == workload.num_requests
+    assert [m["role"] for m in workload.requests[0].messages] == ["system", "user"]
+    assert all(r.endpoint == "/v1/chat/completions" for r in workload.requests)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"name": "W9"}, "unknown workload"),
+        ({"name": "W1", "concurrency": 4}, "W1 is one request"),
+        ({"name": "W2", "concurrency": 0}, "concurrency must be >= 1"),
+        ({"name": "W2", "num_requests": 0}, "num_requests must be >= 1"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_workload(**kwargs)

@@ -1,0 +1,27 @@
+"""`infer` hands each subcommand to the package that owns it."""
+
+import pytest
+
+from infer.server.cli import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "owner_flag"),
+    [
+        (["bench", "serve", "--help"], "--base-url"),  # infer.server.bench.cli
+        (["bench", "matrix", "--help"], "--server-command"),
+        (["bench", "hf-baseline", "--help"], "--attn-implementation"),
+        (["bench", "generate", "--help"], "--compare-hf"),  # infer.engine.cli
+        (["serve", "--help"], "--drain-timeout-s"),
+    ],
+)
+def test_subcommand_reaches_its_parser(argv, owner_flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    assert owner_flag in capsys.readouterr().out
+
+
+def test_unknown_command_exits_2_and_names_it(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "'frobnicate'" in capsys.readouterr().err

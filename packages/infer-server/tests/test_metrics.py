@@ -1,0 +1,214 @@
+"""The metrics text is valid Prometheus exposition format: checked line by line against a strict
+grammar written from the format's spec, and read back by prometheus_client's own parser."""
+
+import math
+import re
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from infer.server.metrics import Counter, Gauge, Histogram, MetricRegistry, ServerMetrics
+
+# --- the text format 0.0.4, from https://prometheus.io/docs/instrumenting/exposition_formats/
+NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+LABEL = r"[a-zA-Z_][a-zA-Z0-9_]*"
+LABEL_VALUE = r'"(?:[^"\\\n]|\\\\|\\"|\\n)*"'  # only \\, \" and \n are escapes
+VALUE = r"[+-]?(?:Inf|NaN|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)"
+HELP_LINE = re.compile(rf"# HELP (?P<name>{NAME}) (?:[^\\\n]|\\\\|\\n)*")  # HELP escapes \\ and \n
+TYPE_LINE = re.compile(rf"# TYPE (?P<name>{NAME}) (?P<kind>counter|gauge|histogram|summary|untyped)")
+SAMPLE_LINE = re.compile(
+    rf"(?P<name>{NAME})(?:\{{{LABEL}={LABEL_VALUE}(?:,{LABEL}={LABEL_VALUE})*\}})? {VALUE}"
+)
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def check_exposition(text: str) -> dict[str, str]:
+    """Fail unless `text` follows the grammar: per family HELP, TYPE, then its samples, each family
+    once; returns {family name: kind}."""
+    assert text.endswith("\n"), "the exposition must end with a newline"
+    kinds: dict[str, str] = {}
+    current = None
+    for line in text[:-1].split("\n"):
+        if help_match := HELP_LINE.fullmatch(line):
+            current = help_match["name"]
+            assert current not in kinds, f"family {current} appears twice"
+        elif type_match := TYPE_LINE.fullmatch(line):
+            assert type_match["name"] == current, f"TYPE for {type_match['name']} must follow its HELP"
+            kinds[current] = type_match["kind"]
+        else:
+            sample = SAMPLE_LINE.fullmatch(line)
+            assert sample, f"not a valid sample line: {line!r}"
+            allowed = {current} | (
+                {current + s for s in HISTOGRAM_SUFFIXES} if kinds[current] == "histogram" else set()
+            )
+            assert sample["name"] in allowed, f"sample {sample['name']} outside its family {current}"
+    return kinds
+
+
+def parse(text: str) -> dict[str, list]:
+    """Sample name -> [(labels, value)], as prometheus_client reads the text."""
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples
+
+
+def test_server_metric_set_has_the_issue_names_and_kinds():
+    metrics = ServerMetrics()
+    assert check_exposition(metrics.render()) == {
+        "infer_requests_running": "gauge",
+        "infer_requests_waiting": "gauge",
+        "infer_queue_depth": "gauge",
+        "infer_kv_cache_usage_ratio": "gauge",
+        "infer_kv_cache_used_bytes": "gauge",
+        "infer_kv_cache_total_bytes": "gauge",
+        "infer_prefill_tokens_per_second": "gauge",
+        "infer_decode_tokens_per_second": "gauge",
+        "infer_requests_total": "counter",
+        "infer_requests_by_status_total": "counter",
+        "infer_client_disconnects_total": "counter",
+        "infer_prompt_tokens_total": "counter",
+        "infer_generation_tokens_total": "counter",
+        "infer_prompt_tokens_cached_total": "counter",
+        "infer_time_to_first_token_seconds": "histogram",
+        "infer_inter_token_latency_seconds": "histogram",
+        "infer_request_latency_seconds": "histogram",
+    }
+
+
+def test_updates_read_back_through_prometheus_client():
+    metrics = ServerMetrics()
+    metrics.requests_running.set(3)
+    metrics.requests_waiting.inc(5)
+    metrics.requests_waiting.dec(2)
+    metrics.kv_cache_usage_ratio.set(0.375)
+    metrics.kv_cache_total_bytes.set(2**34)
+    metrics.requests_total.inc(finish_reason="stop")
+    metrics.requests_total.inc(2, finish_reason="length")
+    metrics.requests_by_status_total.inc(status="200")
+    metrics.requests_by_status_total.inc(status="422")
+    metrics.generation_tokens_total.inc(1234)
+    samples = parse(metrics.render())
+    assert samples["infer_requests_running"] == [({}, 3.0)]
+    assert samples["infer_requests_waiting"] == [({}, 3.0)]
+    assert samples["infer_kv_cache_usage_ratio"] == [({}, 0.375)]
+    assert samples["infer_kv_cache_total_bytes"] == [({}, float(2**34))]
+    assert dict((labels["finish_reason"], v) for labels, v in samples["infer_requests_total"]) == {
+        "stop": 1.0,
+        "length": 2.0,
+        "abort": 0.0,  # known reasons are shown from the start, so rate() has a first sample
+    }
+    assert sorted((labels["status"], v) for labels, v in samples["infer_requests_by_status_total"]) == [
+        ("200", 1.0),
+        ("422", 1.0),
+    ]
+    assert samples["infer_generation_tokens_total"] == [({}, 1234.0)]
+    assert samples["infer_prompt_tokens_cached_total"] == [({}, 0.0)]
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e4, allow_nan=False) | st.sampled_from([0.01, 0.1, 1.0])))
+def test_histogram_counts_match_brute_force(observations):
+    registry = MetricRegistry()
+    histogram = registry.histogram("latency_seconds", "Latency.", [0.01, 0.1, 1.0, 10.0])
+    for value in observations:
+        histogram.observe(value)
+    text = registry.render()
+    check_exposition(text)
+    samples = parse(text)
+    buckets = [(labels["le"], value) for labels, value in samples["latency_seconds_bucket"]]
+    # `le` means "less than or equal"; buckets are cumulative and end at +Inf.
+    expected = [
+        (le, float(sum(v <= float(le) for v in observations))) for le in ["0.01", "0.1", "1.0", "10.0"]
+    ]
+    assert buckets == [*expected, ("+Inf", float(len(observations)))]
+    assert samples["latency_seconds_count"] == [({}, float(len(observations)))]
+    assert math.isclose(
+        samples["latency_seconds_sum"][0][1], math.fsum(observations), rel_tol=1e-9, abs_tol=1e-9
+    )
+
+
+@given(st.text(alphabet=st.characters(exclude_categories=["Cs"])))
+def test_label_values_escape_and_round_trip(value):
+    registry = MetricRegistry()
+    registry.counter("events_total", "Events.", ["source"]).inc(source=value)
+    text = registry.render()
+    check_exposition(text)
+    assert parse(text)["events_total"] == [({"source": value}, 1.0)]
+
+
+def test_the_three_label_escapes():
+    registry = MetricRegistry()
+    registry.gauge("g", "G.", ["path"]).set(1, path='C:\\dir\n"x"')
+    assert 'g{path="C:\\\\dir\\n\\"x\\""} 1.0' in registry.render().splitlines()
+
+
+# prometheus_client drops whitespace around the HELP text, so the oracle can only judge text without it.
+@given(st.text(alphabet=st.characters(exclude_categories=["Cs"])).map(str.strip))
+def test_help_text_escapes_and_round_trips(help_text):
+    registry = MetricRegistry()
+    registry.gauge("g", help_text)
+    text = registry.render()
+    check_exposition(text)
+    [family] = text_string_to_metric_families(text)
+    assert family.documentation == help_text
+
+
+@pytest.mark.parametrize(("value", "written"), [(math.inf, "+Inf"), (-math.inf, "-Inf"), (1e-5, "1e-05")])
+def test_special_values(value, written):
+    registry = MetricRegistry()
+    registry.gauge("g", "G.").set(value)
+    text = registry.render()
+    check_exposition(text)
+    assert text.splitlines()[-1] == f"g {written}"
+    assert parse(text)["g"] == [({}, value)]
+
+
+def test_nan_is_written_as_NaN():
+    registry = MetricRegistry()
+    registry.gauge("g", "G.").set(math.nan)
+    text = registry.render()
+    check_exposition(text)
+    assert math.isnan(parse(text)["g"][0][1])
+
+
+def test_concurrent_increments_are_not_lost():
+    counter = Counter("hits_total", "Hits.", ["worker"])
+
+    def work():
+        for _ in range(20_000):
+            counter.inc(worker="a")
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert counter.value(worker="a") == 80_000
+
+
+@pytest.mark.parametrize(
+    ("build", "says"),
+    [
+        (lambda: Counter("hits", "Hits."), "must end in _total"),
+        (lambda: Gauge("bad-name", "x"), "metric name"),
+        (lambda: Gauge("g", "x", ["__reserved"]), "label name"),
+        (lambda: Histogram("h", "x", [1.0, 0.5]), "strictly increasing"),
+        (lambda: Counter("hits_total", "Hits.").inc(-1), "only goes up"),
+        (lambda: Counter("hits_total", "Hits.", ["worker"]).inc(), "takes labels ['worker']"),
+        (lambda: Gauge("g", "x").set(1, worker="a"), "takes labels []"),
+    ],
+)
+def test_misuse_is_refused_with_the_rule(build, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        build()
+
+
+def test_a_name_registers_once():
+    registry = MetricRegistry()
+    registry.gauge("g", "G.")
+    with pytest.raises(ValueError, match="already registered"):
+        registry.gauge("g", "Again.")
