@@ -88,10 +88,7 @@ def _decode_from_cache(
     sliding_window: int | None,
 ) -> torch.Tensor:
     k_cache, v_cache = batch.kv_layers[layer_idx]
-    _write_cache(k, v, batch, layer_idx)
-    slot_ids = batch.slot_ids
-    if slot_ids is None:
-        slot_ids = torch.arange(q.shape[0], device=q.device)
+    slot_ids = _write_cache(k, v, batch, layer_idx)
     seq_lens = batch.seq_lens
     if seq_lens is None:
         seq_lens = (batch.positions[:, 0] + 1).clamp(max=k_cache.shape[2])
@@ -101,16 +98,18 @@ def _decode_from_cache(
     return out[:, None]
 
 
-def _write_cache(k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, layer_idx: int) -> None:
+def _write_cache(k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, layer_idx: int) -> torch.Tensor:
+    """Writes this step's k and v at (slot, position); returns the [B] slot of each row."""
     k_cache, v_cache = batch.kv_layers[layer_idx]
     positions = batch.positions.clamp(max=k_cache.shape[2] - 1)
-    if batch.slot_ids is None:
-        slots = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(positions)
-    else:
-        slots = batch.slot_ids[:, None].expand_as(positions)
+    slot_ids = batch.slot_ids
+    if slot_ids is None:
+        slot_ids = torch.arange(k.shape[0], device=k.device)
+    slots = slot_ids[:, None].expand_as(positions)
     # Advanced indices around a slice: the indexed view is [B, T, Hkv, D], as k is.
     k_cache[slots, :, positions] = k
     v_cache[slots, :, positions] = v
+    return slot_ids
 
 
 def _write_and_read_cache(
