@@ -1,7 +1,7 @@
 """The pytest plugin that turns every specs/*/*.yaml clause into tests and prints a clause table.
 
 For each clause x case x implementation it yields one `ClauseItem`, named like
-`ALLOC-001[SlottedKVCache]`, `PAR-001[smollm2-fp32-cpu]` or `ALLOC-001[small-SlottedKVCache]`,
+`ALLOC-001[PagedKVPool]`, `PAR-001[smollm2-fp32-cpu]` or `ALLOC-001[one-block-PagedKVPool]`,
 that calls `check(case, impl)` from conformance/<contract>/checks.py. Planned clauses are
 collected and skipped with "planned: waits for ...", so the table shows what is still owed.
 

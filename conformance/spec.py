@@ -4,7 +4,7 @@ The format (docs/conformance.md has the prose):
 
     contract: allocator            # = the folder name; checks live in conformance/<contract>/checks.py
     summary: one paragraph
-    applies_to: [SlottedKVCache]   # optional: implementation names the checks resolve
+    applies_to: [PagedKVPool]      # optional: implementation names the checks resolve
     defaults: {}                   # optional: merged under every case
     clauses:
       - id: ALLOC-001

@@ -15,12 +15,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_activation  # noqa: E402
 import bench_add_rms_norm  # noqa: E402
+import bench_paged_attention  # noqa: E402
 import bench_rms_norm  # noqa: E402
 import bench_rope  # noqa: E402
+import bench_store_kv  # noqa: E402
 import harness  # noqa: E402
 import torch  # noqa: E402
 
-BENCH_MODULES = [bench_rms_norm, bench_add_rms_norm, bench_rope, bench_activation]
+BENCH_MODULES = [
+    bench_rms_norm,
+    bench_add_rms_norm,
+    bench_rope,
+    bench_activation,
+    bench_store_kv,
+    bench_paged_attention,
+]
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ KERNELS_THIRD_PARTY = {"torch", "triton"}
 def imported_modules(path: Path) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in the file, relative imports resolved."""
     src = next(parent for parent in path.parents if parent.name == "src")
-    # The package a relative import starts from: infer.cache for infer/cache/slotted.py.
+    # The package a relative import starts from: infer.cache for infer/cache/kv_pool.py.
     package = list(path.relative_to(src).parent.parts)
     found = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):

@@ -16,7 +16,8 @@ import pytest
 import torch
 import yaml
 
-from infer.models.forward_batch import ForwardBatch
+from infer.cache import KVCacheShape, PagedKVPool
+from infer.models.forward_batch import AttentionMetadata, ForwardBatch
 from infer.models.load import load_causal_lm
 from infer.models.loader.fetch import fetch_model
 from infer.models.random_checkpoint import make_random_checkpoint
@@ -48,7 +49,8 @@ def full_logits(case: dict, impl: str | None) -> None:
     with torch.no_grad():
         for prompt in case["prompts"]:
             ids = tokenizer(prompt, return_tensors="pt").input_ids.to(_device(case))
-            expected = reference(ids).logits.float()
+            expected = reference(ids).logits[0].float()
+            # One row of len(prompt) tokens: [T, vocab], as transformers' [1, T, vocab] batch of one.
             got = ours.compute_logits(ours(ForwardBatch.from_tokens(ids.tolist(), device=ids.device)))
             delta = (got - expected).abs()
             max_abs = max(max_abs, delta.max().item())
@@ -84,7 +86,7 @@ def greedy_prefix(case: dict, impl: str | None) -> None:
             tokens = ids[0].tolist()
             for _ in range(steps):
                 hidden = ours(ForwardBatch.from_tokens([tokens], device=ids.device))
-                tokens.append(int(ours.compute_logits(hidden[:, -1]).argmax(-1)))
+                tokens.append(int(ours.compute_logits(hidden[-1]).argmax(-1)))
                 if tokens[-1] in eos_ids:
                     break
         expected = generated[: next((i + 1 for i, t in enumerate(generated) if t in eos_ids), len(generated))]
@@ -107,6 +109,117 @@ def greedy_prefix(case: dict, impl: str | None) -> None:
             f"{first} transformers' logits of the two tokens differ by {gap:.3f}, more than the "
             f"greedy_tie bound {bounds['greedy_tie']}"
         )
+
+
+def mixed_step(case: dict, impl: str | None) -> None:
+    """One step holding a decode, a prompt chunk over a cached prefix and a fresh prompt, in one
+    forward over one paged KV pool, gives each row the logits of its sequence run alone, and
+    transformers' logits on the full sequence: max/mean |difference| and top-1 agreement.
+
+    The case's prompts, tokenized, are the sequences: the first decodes its last token over the
+    rest, the second runs its second half over its first, the third is fresh. Blocks of
+    `block_size` tokens come from the pool's allocator out of order, between blocks another owner
+    holds, and every block starts out holding garbage, so a read of a slot the row does not own
+    shows in its logits."""
+    bounds = _bounds(case)
+    device = _device(case)
+    ours, reference, tokenizer = _pair(_checkpoint(case), case["dtype"], device)
+    sequences = [tokenizer(prompt).input_ids for prompt in case["prompts"][:3]]
+    num_cached = [len(sequences[0]) - 1, len(sequences[1]) // 2, 0]
+    assert min(len(s) - c for s, c in zip(sequences, num_cached, strict=True)) >= 1 and len(sequences) == 3, (
+        f"mixed_step needs 3 prompts of 2+ tokens, got lengths {[len(s) for s in sequences]}"
+    )
+    max_abs, abs_sum, count, agree, positions = 0.0, 0.0, 0, 0, 0
+    with torch.no_grad():
+        mixed = _cached_step_logits(ours, sequences, num_cached, case["block_size"])
+        for sequence, cached, got in zip(sequences, num_cached, mixed, strict=True):
+            [alone] = _cached_step_logits(ours, [sequence], [cached], case["block_size"])
+            gap = (got - alone).abs().max().item()
+            assert gap <= bounds["max_abs"], (
+                f"sequence of {len(sequence)} tokens, {cached} cached: the mixed step's logits differ from "
+                f"the sequence's alone by {gap:.3g}, above max_abs {bounds['max_abs']}"
+            )
+            expected = reference(torch.tensor([sequence], device=device)).logits[0, cached:].float()
+            delta = (got - expected).abs()
+            max_abs = max(max_abs, delta.max().item())
+            abs_sum, count = abs_sum + delta.sum().item(), count + delta.numel()
+            agree += (got.argmax(-1) == expected.argmax(-1)).sum().item()
+            positions += got.shape[0]
+    mean_abs, top1 = abs_sum / count, agree / positions
+    summary = f"against transformers: max_abs {max_abs:.3g}, mean_abs {mean_abs:.3g}, top-1 {top1:.3f}"
+    assert max_abs <= bounds["max_abs"], f"{summary}: max_abs above {bounds['max_abs']}"
+    assert mean_abs <= bounds["mean_abs"], f"{summary}: mean_abs above {bounds['mean_abs']}"
+    assert top1 >= bounds["top1_agreement"], f"{summary}: top-1 agreement below {bounds['top1_agreement']}"
+
+
+def _cached_step_logits(model, sequences: list[list[int]], num_cached: list[int], block_size: int):
+    """Writes the first num_cached[i] tokens of each sequence into one fresh pool (one forward for
+    all prefixes), then runs the rest of every sequence in ONE step; that step's logits per row."""
+    pool = _scrambled_pool(model, block_size, max(map(len, sequences)), len(sequences))
+    block_ids: list[list[int]] = [[] for _ in sequences]
+    prefixes = [i for i, cached in enumerate(num_cached) if cached]
+    for i in prefixes:
+        block_ids[i] += pool.allocator.allocate(pool.shape.blocks_for_tokens(num_cached[i]), f"sequence {i}")
+    if prefixes:
+        model(_paged_batch(pool, [(block_ids[i], 0, sequences[i][: num_cached[i]]) for i in prefixes]))
+    for i, sequence in enumerate(sequences):
+        num_new_blocks = pool.shape.blocks_for_tokens(len(sequence)) - len(block_ids[i])
+        block_ids[i] += pool.allocator.allocate(num_new_blocks, f"sequence {i}")
+    rows = [(ids, c, s[c:]) for ids, c, s in zip(block_ids, num_cached, sequences, strict=True)]
+    batch = _paged_batch(pool, rows)
+    return batch.rows(model.compute_logits(model(batch)))
+
+
+def _scrambled_pool(model, block_size: int, num_tokens: int, num_sequences: int):
+    """A PagedKVPool whose free blocks are half of its blocks, in a random order, every block full
+    of garbage (what earlier owners left)."""
+    config, weight = model.config, model.embed_tokens.weight
+    shape = KVCacheShape(config.num_layers, config.num_kv_heads, config.head_dim, weight.dtype, block_size)
+    num_free = num_sequences * shape.blocks_for_tokens(num_tokens)
+    pool = PagedKVPool(shape, num_blocks=2 * num_free, device=weight.device)
+    generator = torch.Generator().manual_seed(block_size)
+    for k_cache, v_cache in pool.kv_layers:
+        k_cache.copy_(torch.randn(k_cache.shape, generator=generator) * 10)
+        v_cache.copy_(torch.randn(v_cache.shape, generator=generator) * 10)
+    earlier = pool.allocator.allocate(pool.num_blocks, "earlier")
+    order = torch.randperm(pool.num_blocks, generator=generator).tolist()
+    pool.allocator.free([earlier[i] for i in order[:num_free]], "earlier")
+    return pool
+
+
+def _paged_batch(pool, rows: list[tuple[list[int], int, list[int]]]) -> ForwardBatch:
+    """A ForwardBatch over `pool` for rows of (block ids, tokens already cached, this step's
+    tokens), in the order given, built from forward_batch.py's layout rules; one-token rows
+    first (the decode rows)."""
+    block_size, device = pool.block_size, pool.kv_layers[0][0].device
+    lengths = [len(new_ids) for _, _, new_ids in rows]
+    positions = [p for _, cached, new_ids in rows for p in range(cached, cached + len(new_ids))]
+    slots = [
+        ids[p // block_size] * block_size + p % block_size
+        for ids, cached, new_ids in rows
+        for p in range(cached, cached + len(new_ids))
+    ]
+    width = max(len(ids) for ids, _, _ in rows)
+    seq_lens = [cached + n for (_, cached, _), n in zip(rows, lengths, strict=True)]
+    attention = AttentionMetadata(
+        query_start_loc=torch.tensor([0, *lengths], device=device).cumsum(0, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=torch.tensor(
+            [ids + [pool.null_block] * (width - len(ids)) for ids, _, _ in rows],
+            dtype=torch.int32,
+            device=device,
+        ),
+        num_decode_rows=next((b for b, n in enumerate(lengths) if n != 1), len(lengths)),
+        max_query_len=max(lengths),
+        max_seq_len=max(seq_lens),
+    )
+    return ForwardBatch(
+        input_ids=torch.tensor([t for _, _, new_ids in rows for t in new_ids], device=device),
+        positions=torch.tensor(positions, device=device),
+        attention=attention,
+        kv_layers=pool.kv_layers,
+    )
 
 
 @functools.cache

@@ -1,11 +1,16 @@
-"""Checks for specs/scheduler: the real Scheduler driven by arrival patterns against a fake model.
+"""Checks for specs/scheduler: the real Scheduler driven by arrival patterns against a fake runner.
 
-`simulate` runs infer.engine.Scheduler step by step over a real SlotAllocator (one id = one KV
-block) with a fake model in place of the forward: every prefill chunk that ends a prompt and
-every decode yields one token, and a request finishes at max_tokens (or eos_after). The check
-functions then judge the recorded ScheduleDecisions against the clause, recomputing what they
-need from the decisions themselves (chunk sums, tokens in cache, wait times) rather than from
-the scheduler's own counters. `impl` is the scheduler policy.
+`simulate` runs infer.engine.Scheduler step by step over a real BlockAllocator seen through a
+KVCacheManager, with `FakeRunner` in place of the forward: it keeps a row per request it holds
+(built from NewRequest, dropped on finished or preempted ids), advances each scheduled row by its
+token count, and samples one token for every row whose count reaches its known tokens. The token
+sampled at position p is p, so a request recomputed after a preemption samples exactly what it
+would have. `scheduler.update` takes the runner's output; a request finishes (`scheduler.finish`)
+at max_tokens, eos_after or abort_at_step.
+
+The check functions judge the recorded decisions against the clause, recomputing what they need
+from the decisions themselves (`replay`: tokens computed, known tokens, blocks per request,
+admissions, preemptions), not from the scheduler's counters. `impl` is the scheduler policy.
 """
 
 import functools
@@ -20,10 +25,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infer.cache import SlotAllocator
+from infer.cache import BlockAllocator
+from infer.engine.decision import RunnerOutput, ScheduleDecision
+from infer.engine.kv_manager import KVCacheManager
 from infer.engine.request import Request, RequestTooLongError
 from infer.engine.sampling_params import SamplingParams
-from infer.engine.scheduler import ScheduleDecision, Scheduler
+from infer.engine.scheduler import Scheduler
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The engine's default fairness bound, used when a case does not set max_decode_gap.
@@ -41,7 +48,8 @@ class Arrival:
     abort_at_step: int | None = None
 
     @property
-    def num_tokens(self) -> int:
+    def num_output_tokens(self) -> int:
+        """Tokens it generates when it runs to its end."""
         return self.eos_after if self.eos_after is not None else self.max_tokens
 
 
@@ -50,14 +58,17 @@ class StepRecord:
     decision: ScheduleDecision
     # Requests aborted at the start of this step (before schedule()).
     aborted: list[str]
-    # Requests whose last token this step produced (retired by update() in this step).
+    # Requests whose last token this step produced (finish() called after update()).
     finished: list[str]
     waiting_after_schedule: list[str]
     running_after_schedule: list[str]
-    # Blocks each running request holds while the step runs.
-    blocks_held: dict[str, int]
-    # Owners of pool blocks once the step is over (after retire).
+    # The pool's view once schedule() returned: blocks each owner holds.
+    blocks_owned_after_schedule: dict[str, list[int]]
+    # Owners of pool blocks once the step is over (after finish()).
     owners_after_step: set[str]
+    # The scheduler's calls on its KVCacheManager during schedule(), in order: ("allocated", id)
+    # for each allocate() that succeeded, ("freed", id) for each free() (a preemption).
+    memory_calls: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -65,19 +76,67 @@ class Simulation:
     case: dict
     policy: str
     arrivals: list[Arrival]
+    allocator: BlockAllocator
     records: list[StepRecord] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
-    pool: SlotAllocator | None = None
+    # Tokens each request got from update(), in order.
+    outputs: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    # schedule() once more after the last request left: it reports the last finished ids.
+    final_decision: ScheduleDecision | None = None
 
     @property
     def decisions(self) -> list[ScheduleDecision]:
         return [record.decision for record in self.records]
 
-    def admitted_step(self) -> dict[str, int]:
-        return {rid: r.decision.step for r in self.records for rid in r.decision.admitted}
-
     def arrival(self, request_id: str) -> Arrival:
         return next(a for a in self.arrivals if a.request_id == request_id)
+
+
+class FakeRunner:
+    """The runner's side of the contract, without a model: rows built from the decisions alone."""
+
+    def __init__(self):
+        # request id -> [known tokens, computed tokens]
+        self.rows: dict[str, list[int]] = {}
+
+    def execute(self, decision: ScheduleDecision) -> RunnerOutput:
+        for request_id in sorted(decision.finished_request_ids | decision.preempted_request_ids):
+            self.rows.pop(request_id, None)
+        for new in decision.new_requests:
+            self.rows[new.request_id] = [len(new.token_ids), new.num_computed_tokens]
+        sampled = []
+        for request_id, num_tokens in decision.num_scheduled_tokens.items():
+            assert request_id in self.rows, (
+                f"step {decision.step}: {request_id} is scheduled as a running request but the runner "
+                "holds no row for it (it never came as a NewRequest, or was preempted or finished)"
+            )
+            row = self.rows[request_id]
+            row[1] += num_tokens
+            if row[1] >= row[0]:
+                sampled.append((row[0],))  # the token at position p is p
+                row[0] += 1
+            else:
+                sampled.append(())
+        return RunnerOutput(tuple(decision.num_scheduled_tokens), tuple(sampled))
+
+
+class RecordingKVCacheManager(KVCacheManager):
+    """A KVCacheManager that notes the calls the scheduler makes, so that a check can tell which
+    requests were scheduled before a preemption within one step."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int):
+        super().__init__(allocator, block_size)
+        self.calls: list[tuple[str, str]] = []
+
+    def allocate(self, request, num_new_tokens, num_lookahead_tokens=0):
+        new_block_ids = super().allocate(request, num_new_tokens, num_lookahead_tokens)
+        if new_block_ids is not None:
+            self.calls.append(("allocated", request.request_id))
+        return new_block_ids
+
+    def free(self, request):
+        self.calls.append(("freed", request.request_id))
+        super().free(request)
 
 
 def arrivals_of(case: dict) -> list[Arrival]:
@@ -108,28 +167,31 @@ def arrivals_of(case: dict) -> list[Arrival]:
 
 
 def make_scheduler(case: dict, policy: str, scheduler_class=Scheduler) -> Scheduler:
-    pool = SlotAllocator(case["kv_blocks"])
+    kv_manager = RecordingKVCacheManager(BlockAllocator(case["kv_blocks"]), case["block_size"])
     return scheduler_class(
-        kv_pool=pool,
-        kv_block_size=case["block_size"],
+        kv_manager=kv_manager,
         max_seq_len=case.get("max_seq_len", case["kv_blocks"] * case["block_size"]),
-        max_num_seqs=case["max_num_seqs"],
+        max_batch_size=case["max_batch_size"],
         max_num_batched_tokens=case["max_num_batched_tokens"],
         policy=policy,
         decode_service_interval=case.get("max_decode_gap", DEFAULT_DECODE_GAP),
+        use_chunked_prefill=case["use_chunked_prefill"],
+        prefill_chunk_size=case["prefill_chunk_size"],
+        max_prefill_chunks_per_step=case.get("max_prefill_chunks_per_step"),
     )
 
 
 def simulate(case: dict, policy: str, *, scheduler_class=Scheduler) -> Simulation:
     """Runs the case to the end; fails as a livelock if requests remain after max_steps."""
     scheduler = make_scheduler(case, policy, scheduler_class)
+    allocator = scheduler.kv_manager.allocator
     arrivals = arrivals_of(case)
-    sim = Simulation(case, policy, arrivals, pool=scheduler.kv_pool)
+    sim = Simulation(case, policy, arrivals, allocator)
+    runner = FakeRunner()
     by_step: dict[int, list[Arrival]] = defaultdict(list)
     for arrival in sorted(arrivals, key=lambda a: (a.at_step, a.index)):
         by_step[arrival.at_step].append(arrival)
     last_arrival = max(a.at_step for a in arrivals)
-    generated: dict[str, int] = defaultdict(int)
     for step in range(case["max_steps"]):
         for arrival in by_step.get(step, []):
             params = SamplingParams(temperature=0.0, max_new_tokens=arrival.max_tokens)
@@ -140,29 +202,30 @@ def simulate(case: dict, policy: str, *, scheduler_class=Scheduler) -> Simulatio
         aborted = [
             a.request_id
             for a in arrivals
-            if a.abort_at_step == step and scheduler.remove(a.request_id) is not None
+            if a.abort_at_step == step and scheduler.finish(a.request_id) is not None
         ]
+        memory_calls = getattr(scheduler.kv_manager, "calls", [])
+        memory_calls.clear()
         decision = scheduler.schedule()
-        producing = [c.request_id for c in decision.prefills if c.completes_prompt] + list(decision.decodes)
-        finished = []
-        for request_id in producing:
-            generated[request_id] += 1
-            if generated[request_id] == sim.arrival(request_id).num_tokens:
-                finished.append(request_id)
-        blocks_held = {r.request_id: len(r.kv_blocks) for r in scheduler.running}
         record = StepRecord(
             decision=decision,
             aborted=aborted,
-            finished=finished,
+            finished=[],
             waiting_after_schedule=[r.request_id for r in scheduler.waiting],
             running_after_schedule=[r.request_id for r in scheduler.running],
-            blocks_held=blocks_held,
+            blocks_owned_after_schedule=_blocks_by_owner(allocator),
             owners_after_step=set(),
+            memory_calls=list(memory_calls),
         )
-        scheduler.update(decision, finished=finished)
-        record.owners_after_step = _owners(scheduler.kv_pool)
+        for request, new_token_ids in scheduler.update(decision, runner.execute(decision)):
+            sim.outputs[request.request_id] += new_token_ids
+            if len(sim.outputs[request.request_id]) >= sim.arrival(request.request_id).num_output_tokens:
+                scheduler.finish(request.request_id)
+                record.finished.append(request.request_id)
+        record.owners_after_step = set(_blocks_by_owner(allocator))
         sim.records.append(record)
         if step >= last_arrival and not scheduler.has_work():
+            sim.final_decision = scheduler.schedule()
             return sim
     raise AssertionError(
         f"livelock: after max_steps={case['max_steps']} steps {scheduler.num_running} requests still run and "
@@ -170,8 +233,96 @@ def simulate(case: dict, policy: str, *, scheduler_class=Scheduler) -> Simulatio
     )
 
 
-def _owners(pool: SlotAllocator) -> set[str]:
-    return {owner for block in range(pool.capacity) if (owner := pool.owner_of(block)) is not None}
+def _blocks_by_owner(allocator: BlockAllocator) -> dict[str, list[int]]:
+    owners: dict[str, list[int]] = defaultdict(list)
+    for block in range(allocator.num_blocks):
+        for owner in allocator.owners_of(block):
+            owners[owner].append(block)
+    return dict(owners)
+
+
+# -- replaying the decisions ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    """One scheduled request in one step, as the decisions alone describe it."""
+
+    request_id: str
+    # Tokens computed before this step, and known (prompt + sampled) before this step.
+    num_computed: int
+    num_known: int
+    num_scheduled: int
+    # Blocks the request holds once this decision is applied.
+    block_ids: tuple[int, ...]
+    # Came as a NewRequest: a first admission, or one after a preemption.
+    admitted: bool
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed < self.num_known - 1
+
+    @property
+    def samples(self) -> bool:
+        return self.num_computed + self.num_scheduled == self.num_known
+
+
+@dataclass
+class Replay:
+    rows: list[list[Row]]  # per step, in decision order
+    # Every admission in order (a request appears again after each preemption).
+    admissions: list[tuple[int, str]]
+    # Blocks each live request holds after each step's decision.
+    live_blocks: list[dict[str, tuple[int, ...]]]
+
+
+def replay(sim: Simulation) -> Replay:
+    """What each decision schedules, tracked from the decisions and the arrivals only."""
+    known = {a.request_id: a.prompt_tokens for a in sim.arrivals}
+    computed: dict[str, int] = {}
+    blocks: dict[str, tuple[int, ...]] = {}
+    result = Replay([], [], [])
+    for decision in sim.decisions:
+        for request_id in decision.finished_request_ids | decision.preempted_request_ids:
+            computed.pop(request_id, None)
+            blocks.pop(request_id, None)
+        for new in decision.new_requests:
+            computed[new.request_id] = new.num_computed_tokens
+            blocks[new.request_id] = new.block_ids
+            result.admissions.append((decision.step, new.request_id))
+        for running in decision.running_requests:
+            blocks[running.request_id] = blocks.get(running.request_id, ()) + running.new_block_ids
+        new_ids = {new.request_id for new in decision.new_requests}
+        rows = []
+        for request_id, num_tokens in decision.num_scheduled_tokens.items():
+            row = Row(
+                request_id,
+                computed.get(request_id, 0),
+                known[request_id],
+                num_tokens,
+                blocks.get(request_id, ()),
+                request_id in new_ids,
+            )
+            rows.append(row)
+            computed[request_id] = row.num_computed + num_tokens
+            if row.samples:
+                known[request_id] += 1
+        result.rows.append(rows)
+        result.live_blocks.append(dict(blocks))
+    return result
+
+
+def assert_preempted_wait_first(waiting: list[str], preempted: set[str], order: dict[str, int]) -> None:
+    """Preempted requests wait first, in admission order, then those that never ran."""
+    kinds = ["preempted" if w in preempted else "never ran" for w in waiting]
+    assert kinds == sorted(kinds, key=lambda kind: kind != "preempted"), (
+        f"waiting queue {waiting}: preempted requests {sorted(preempted & set(waiting))} must come before "
+        "every request that never ran"
+    )
+    resumed = [w for w in waiting if w in preempted]
+    assert resumed == sorted(resumed, key=order.__getitem__), (
+        f"preempted requests wait as {resumed}, not in their admission order"
+    )
 
 
 # -- the clauses ----------------------------------------------------------------------------
@@ -182,25 +333,30 @@ def fcfs_order(case: dict, impl: str) -> None:
 
 
 def assert_fcfs_order(sim: Simulation) -> None:
-    admitted = [rid for decision in sim.decisions for rid in decision.admitted]
-    arrival_order = [
-        a.request_id
-        for a in sorted(sim.arrivals, key=lambda a: (a.at_step, a.index))
-        if a.request_id not in sim.rejected and a.request_id in admitted
-    ]
-    assert admitted == arrival_order, f"admission order {admitted} differs from arrival order {arrival_order}"
+    arrival_key = {a.request_id: (a.at_step, a.index) for a in sim.arrivals}
+    admissions_by_step: dict[int, list[str]] = defaultdict(list)
+    for step, request_id in replay(sim).admissions:
+        admissions_by_step[step].append(request_id)
+    ran: set[str] = set()
+    first_admissions: list[str] = []
     for record in sim.records:
         step = record.decision.step
-        for rid in record.decision.admitted:
-            earlier_waiting = [
+        for request_id in admissions_by_step[step]:
+            if request_id in ran:
+                continue
+            # A request that ran and waits again was preempted: it goes before any newcomer.
+            ahead = [
                 w
                 for w in record.waiting_after_schedule
-                if (sim.arrival(w).at_step, sim.arrival(w).index)
-                < (sim.arrival(rid).at_step, sim.arrival(rid).index)
+                if w in ran or arrival_key[w] < arrival_key[request_id]
             ]
-            assert not earlier_waiting, (
-                f"step {step}: {rid} admitted while earlier {earlier_waiting} still wait"
-            )
+            assert not ahead, f"step {step}: {request_id} admitted while {ahead}, ahead of it, still wait"
+            first_admissions.append(request_id)
+        ran |= set(admissions_by_step[step])
+    arrival_order = sorted(first_admissions, key=arrival_key.__getitem__)
+    assert first_admissions == arrival_order, (
+        f"admission order {first_admissions} differs from arrival order {arrival_order}"
+    )
 
 
 def decode_service(case: dict, impl: str) -> None:
@@ -208,28 +364,37 @@ def decode_service(case: dict, impl: str) -> None:
 
 
 def assert_decode_service(sim: Simulation, max_gap: int) -> None:
+    """Gaps between a request's tokens; a preemption starts a new run of them (it waits again)."""
     served: dict[str, list[int]] = defaultdict(list)
-    for record in sim.records:
-        step = record.decision.step
-        for chunk in record.decision.prefills:
-            if chunk.completes_prompt:
-                served[chunk.request_id].append(step)
-        for rid in record.decision.decodes:
-            served[rid].append(step)
-    for rid, steps in served.items():
-        gaps = [later - earlier for earlier, later in zip(steps, steps[1:], strict=False)]
-        worst = max(gaps, default=0)
-        assert worst <= max_gap, (
-            f"{rid} waited {worst} steps between decode tokens (bound {max_gap}): {steps}"
-        )
+    for decision, rows in zip(sim.decisions, replay(sim).rows, strict=True):
+        for request_id in decision.preempted_request_ids:
+            _assert_gaps(request_id, served.pop(request_id, []), max_gap)
+        for row in rows:
+            if row.samples:
+                served[row.request_id].append(decision.step)
+    for request_id, steps in served.items():
+        _assert_gaps(request_id, steps, max_gap)
+
+
+def _assert_gaps(request_id: str, steps: list[int], max_gap: int) -> None:
+    gaps = [later - earlier for earlier, later in zip(steps, steps[1:], strict=False)]
+    worst = max(gaps, default=0)
+    assert worst <= max_gap, f"{request_id} waited {worst} steps between tokens (bound {max_gap}): {steps}"
 
 
 def bounded_wait(case: dict, impl: str) -> None:
     assert_bounded_wait(simulate(case, impl), case["max_wait_steps"])
 
 
+def first_admission_steps(sim: Simulation) -> dict[str, int]:
+    admitted_at: dict[str, int] = {}
+    for step, request_id in replay(sim).admissions:
+        admitted_at.setdefault(request_id, step)
+    return admitted_at
+
+
 def assert_bounded_wait(sim: Simulation, max_wait: int) -> None:
-    admitted_at = sim.admitted_step()
+    admitted_at = first_admission_steps(sim)
     for arrival in sim.arrivals:
         assert arrival.request_id in admitted_at, f"{arrival.request_id} was never admitted"
         wait = admitted_at[arrival.request_id] - arrival.at_step
@@ -242,22 +407,26 @@ def kv_budget(case: dict, impl: str) -> None:
 
 def assert_kv_budget(sim: Simulation) -> None:
     block_size, capacity = sim.case["block_size"], sim.case["kv_blocks"]
-    in_cache: dict[str, int] = defaultdict(int)
-    for record in sim.records:
+    result = replay(sim)
+    for record, rows, live in zip(sim.records, result.rows, result.live_blocks, strict=True):
         step = record.decision.step
-        total = sum(record.blocks_held.values())
-        assert total <= capacity, (
-            f"step {step}: running requests hold {total} blocks of a {capacity}-block pool"
+        held = [block for blocks in live.values() for block in blocks]
+        assert len(held) <= capacity, (
+            f"step {step}: requests hold {len(held)} blocks of a {capacity}-block pool"
         )
-        scheduled = [(c.request_id, c.num_tokens) for c in record.decision.prefills]
-        scheduled += [(rid, 1) for rid in record.decision.decodes]
-        for rid, num_tokens in scheduled:
-            in_cache[rid] += num_tokens
-            held = record.blocks_held.get(rid, 0)
-            needed = math.ceil(in_cache[rid] / block_size)
-            assert needed <= held, (
-                f"step {step}: {rid} runs with {in_cache[rid]} tokens in cache ({needed} blocks) "
-                f"but holds {held}"
+        assert len(held) == len(set(held)), f"step {step}: a block is lent to two requests: {sorted(held)}"
+        for request_id, blocks in live.items():
+            owned = record.blocks_owned_after_schedule.get(request_id, [])
+            assert sorted(blocks) == owned, (
+                f"step {step}: the decisions give {request_id} blocks {sorted(blocks)}, "
+                f"the pool lends it {owned}"
+            )
+        for row in rows:
+            needed = math.ceil((row.num_computed + row.num_scheduled) / block_size)
+            assert len(row.block_ids) == needed, (
+                f"step {step}: {row.request_id} runs with {row.num_computed + row.num_scheduled} tokens "
+                f"({needed} blocks of {block_size}) but holds {len(row.block_ids)} blocks; blocks are taken "
+                "as tokens are scheduled, no more, no fewer"
             )
 
 
@@ -266,40 +435,42 @@ def token_budget(case: dict, impl: str) -> None:
 
 
 def assert_token_budget(sim: Simulation) -> None:
-    max_tokens, max_seqs = sim.case["max_num_batched_tokens"], sim.case["max_num_seqs"]
-    prefilled: dict[str, int] = defaultdict(int)
-    for record in sim.records:
+    max_tokens, max_seqs = sim.case["max_num_batched_tokens"], sim.case["max_batch_size"]
+    for record, rows in zip(sim.records, replay(sim).rows, strict=True):
         decision = record.decision
         step = decision.step
-        assert decision.num_scheduled_tokens <= max_tokens, (
-            f"step {step}: {decision.num_scheduled_tokens} tokens scheduled, budget {max_tokens}"
+        prefill_rows = [row for row in rows if row.is_prefill]
+        # Chunked prefill off: a prompt no budget holds runs whole in a step with no other prefill.
+        whole_long_prompt = (
+            not sim.case["use_chunked_prefill"]
+            and len(prefill_rows) == 1
+            and prefill_rows[0].num_scheduled > max_tokens
         )
-        ids = decision.scheduled_request_ids
-        assert len(ids) == len(set(ids)), f"step {step}: a request is scheduled twice: {ids}"
+        total = decision.total_num_scheduled_tokens
+        assert total <= max_tokens or whole_long_prompt, (
+            f"step {step}: {total} tokens scheduled, budget {max_tokens}"
+        )
+        assert len(rows) <= max_seqs, (
+            f"step {step}: {len(rows)} requests scheduled, max_batch_size {max_seqs}"
+        )
         assert len(record.running_after_schedule) <= max_seqs, (
-            f"step {step}: {len(record.running_after_schedule)} requests run, max_num_seqs {max_seqs}"
+            f"step {step}: {len(record.running_after_schedule)} requests run, max_batch_size {max_seqs}"
         )
-        for chunk in decision.prefills:
-            assert chunk.num_tokens >= 1, f"step {step}: empty prefill chunk {chunk}"
-            assert chunk.start == prefilled[chunk.request_id], (
-                f"step {step}: {chunk.request_id}'s chunk starts at {chunk.start}, "
-                f"but {prefilled[chunk.request_id]} prompt tokens were prefilled before"
+        for row in rows:
+            assert 1 <= row.num_scheduled <= row.num_known - row.num_computed, (
+                f"step {step}: {row.request_id} is scheduled {row.num_scheduled} tokens with "
+                f"{row.num_computed} of {row.num_known} known tokens computed"
             )
-            prefilled[chunk.request_id] += chunk.num_tokens
-            prompt = sim.arrival(chunk.request_id).prompt_tokens
-            assert chunk.completes_prompt == (prefilled[chunk.request_id] == prompt), (
-                f"step {step}: {chunk} says completes_prompt={chunk.completes_prompt} "
-                f"at {prefilled[chunk.request_id]} of {prompt} prompt tokens"
-            )
-        for rid in decision.decodes:
-            assert prefilled[rid] == sim.arrival(rid).prompt_tokens, (
-                f"step {step}: {rid} decodes before its prompt is in"
-            )
+    assert_full_token_counts(sim)
+
+
+def assert_full_token_counts(sim: Simulation) -> None:
+    """Every request that was neither rejected nor aborted got all its tokens, no more."""
     for arrival in sim.arrivals:
         if arrival.abort_at_step is None and arrival.request_id not in sim.rejected:
-            assert prefilled[arrival.request_id] == arrival.prompt_tokens, (
-                f"{arrival.request_id}'s chunks sum to {prefilled[arrival.request_id]}, its prompt has "
-                f"{arrival.prompt_tokens} tokens"
+            got = len(sim.outputs.get(arrival.request_id, []))
+            assert got == arrival.num_output_tokens, (
+                f"{arrival.request_id} finished with {got} tokens, expected {arrival.num_output_tokens}"
             )
 
 
@@ -309,15 +480,39 @@ def retire_frees_everything(case: dict, impl: str) -> None:
 
 def assert_retire_frees_everything(sim: Simulation) -> None:
     gone: set[str] = set()
-    for record in sim.records:
-        step = record.decision.step
-        leftover = (set(record.finished) | set(record.aborted)) & record.owners_after_step
+    held_by_runner: set[str] = set()
+    decisions = [*sim.decisions, sim.final_decision]
+
+    def assert_reported_once(request_id: str, index: int) -> None:
+        reported = [d.step for d in decisions if request_id in d.finished_request_ids]
+        assert reported == [decisions[index].step], (
+            f"finished_request_ids named {request_id} in steps {reported}, expected exactly step "
+            f"{decisions[index].step} (the first decision after it left)"
+        )
+
+    for index, record in enumerate(sim.records):
+        decision = record.decision
+        step = decision.step
+        # Aborts come before this step's schedule(): this decision tells the runner, if it held a row.
+        for request_id in record.aborted:
+            if request_id in held_by_runner:
+                assert_reported_once(request_id, index)
+        held_by_runner -= decision.finished_request_ids | decision.preempted_request_ids
+        held_by_runner |= {new.request_id for new in decision.new_requests}
+        # Finishes come after update(): the next decision tells the runner.
+        for request_id in record.finished:
+            assert_reported_once(request_id, index + 1)
+        retired = set(record.finished) | set(record.aborted)
+        leftover = retired & record.owners_after_step
         assert not leftover, f"step {step}: {sorted(leftover)} retired but still hold blocks"
-        reappearing = gone & (set(record.decision.scheduled_request_ids) | set(record.running_after_schedule))
+        reappearing = gone & (set(decision.scheduled_request_ids) | set(record.running_after_schedule))
         assert not reappearing, f"step {step}: retired {sorted(reappearing)} scheduled again"
-        gone |= set(record.finished) | set(record.aborted)
-    assert sim.pool.audit([]) == [], f"blocks still lent after the last retire: {sim.pool.audit([])}"
-    assert sim.pool.num_used == 0, f"pool num_used is {sim.pool.num_used} after the last retire"
+        held_by_runner -= retired
+        gone |= retired
+    assert sim.allocator.audit([]) == [], (
+        f"blocks still lent after the last retire: {sim.allocator.audit([])}"
+    )
+    assert sim.allocator.num_used == 0, f"pool num_used is {sim.allocator.num_used} after the last retire"
 
 
 def deterministic(case: dict, impl: str) -> None:
@@ -329,7 +524,18 @@ def deterministic(case: dict, impl: str) -> None:
 
 
 def decisions_digest(case: dict, policy: str) -> str:
-    decisions = simulate(case, policy).decisions
+    # Frozensets print in hash order: sorted, so that only a real difference changes the digest.
+    decisions = [
+        (
+            decision.step,
+            decision.new_requests,
+            decision.running_requests,
+            list(decision.num_scheduled_tokens.items()),
+            sorted(decision.finished_request_ids),
+            sorted(decision.preempted_request_ids),
+        )
+        for decision in simulate(case, policy).decisions
+    ]
     return hashlib.sha256(repr(decisions).encode()).hexdigest()
 
 
@@ -350,6 +556,119 @@ def _digests_in_subprocess(case_json: str) -> dict[str, str]:
         check=True,
     )
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def preemption(case: dict, impl: str) -> None:
+    assert_preemption(simulate(case, impl))
+
+
+def assert_preemption(sim: Simulation) -> None:
+    result = replay(sim)
+    num_preemptions = sum(len(decision.preempted_request_ids) for decision in sim.decisions)
+    if sim.case.get("expect_preemption"):
+        assert num_preemptions > 0, "the pool ran out during decode but no request was preempted"
+    admissions_by_step: dict[int, list[str]] = defaultdict(list)
+    for step, request_id in result.admissions:
+        admissions_by_step[step].append(request_id)
+    # Each running or preempted request's latest admission, numbered in order.
+    admission_order: dict[str, int] = {}
+    num_admissions = 0
+    waiting_preempted: set[str] = set()
+    live: set[str] = set()
+    for record, rows in zip(sim.records, result.rows, strict=True):
+        decision = record.decision
+        step = decision.step
+        scheduled = set(decision.num_scheduled_tokens)
+        preempted = set(decision.preempted_request_ids)
+        live -= decision.finished_request_ids
+        freed = [request_id for call, request_id in record.memory_calls if call == "freed"]
+        assert sorted(freed) == sorted(preempted), (
+            f"step {step}: schedule() freed the blocks of {freed}, the decision preempts {sorted(preempted)}"
+        )
+        served_so_far: set[str] = set()
+        for call, request_id in record.memory_calls:
+            if call == "allocated":
+                served_so_far.add(request_id)
+                continue
+            assert request_id in live and request_id not in scheduled, (
+                f"step {step}: {request_id} is preempted but was not running, "
+                "or is scheduled in the same step"
+            )
+            spared = [
+                other
+                for other in live - served_so_far
+                if admission_order[other] > admission_order[request_id]
+            ]
+            assert not spared, (
+                f"step {step}: {request_id} was preempted while {sorted(spared)}, admitted after it and not "
+                "yet scheduled in this step, kept running; the most recently admitted goes first"
+            )
+            live.discard(request_id)
+        for request_id in sorted(preempted):
+            still_owned = record.blocks_owned_after_schedule.get(request_id, [])
+            assert not still_owned, f"step {step}: preempted {request_id} still holds blocks {still_owned}"
+        live -= preempted
+        waiting_preempted |= preempted
+        for request_id in admissions_by_step[step]:
+            admission_order[request_id] = num_admissions
+            num_admissions += 1
+        live |= set(admissions_by_step[step])
+        waiting_preempted -= set(admissions_by_step[step])
+        live -= set(record.finished) | set(record.aborted)
+        assert_preempted_wait_first(record.waiting_after_schedule, waiting_preempted, admission_order)
+        for row in rows:
+            if row.admitted and row.num_known > sim.arrival(row.request_id).prompt_tokens:
+                new = next(n for n in decision.new_requests if n.request_id == row.request_id)
+                prompt = sim.arrival(row.request_id).prompt_tokens
+                expected = (0,) * prompt + tuple(range(prompt, row.num_known))
+                assert new.token_ids == expected, (
+                    f"step {step}: resumed {row.request_id} came back with token_ids "
+                    f"{new.token_ids[prompt:]} after its prompt, expected {expected[prompt:]} "
+                    "(everything it had generated)"
+                )
+    assert_full_token_counts(sim)
+
+
+def chunked_prefill_limits(case: dict, impl: str) -> None:
+    assert_chunked_prefill_limits(simulate(case, impl))
+
+
+def assert_chunked_prefill_limits(sim: Simulation) -> None:
+    assert sim.case["use_chunked_prefill"], "this clause's cases must set use_chunked_prefill: true"
+    chunk_size = sim.case["prefill_chunk_size"]
+    max_rows = sim.case.get("max_prefill_chunks_per_step")
+    num_chunked = 0
+    for record, rows in zip(sim.records, replay(sim).rows, strict=True):
+        prefill_rows = [row for row in rows if row.is_prefill]
+        for row in prefill_rows:
+            assert row.num_scheduled <= chunk_size, (
+                f"step {record.decision.step}: {row.request_id} prefills {row.num_scheduled} tokens, "
+                f"prefill_chunk_size is {chunk_size}"
+            )
+            num_chunked += row.num_scheduled < row.num_known - row.num_computed
+        assert max_rows is None or len(prefill_rows) <= max_rows, (
+            f"step {record.decision.step}: {len(prefill_rows)} prefill rows, "
+            f"max_prefill_chunks_per_step is {max_rows}"
+        )
+    assert num_chunked > 0, "no prompt was split: the case does not exercise chunking"
+    assert_full_token_counts(sim)
+
+
+def whole_prompts(case: dict, impl: str) -> None:
+    assert_whole_prompts(simulate(case, impl))
+
+
+def assert_whole_prompts(sim: Simulation) -> None:
+    assert not sim.case["use_chunked_prefill"], "this clause's cases must set use_chunked_prefill: false"
+    for record, rows in zip(sim.records, replay(sim).rows, strict=True):
+        for row in rows:
+            if row.is_prefill:
+                assert row.admitted and row.num_scheduled == row.num_known - row.num_computed, (
+                    f"step {record.decision.step}: {row.request_id} runs {row.num_scheduled} of its "
+                    f"{row.num_known - row.num_computed} uncomputed tokens; without chunked prefill a prompt "
+                    "(or a recompute) runs whole in the step that admits it"
+                )
+    assert_full_token_counts(sim)
 
 
 def rejects_impossible(case: dict, impl: str) -> None:

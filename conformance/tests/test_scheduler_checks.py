@@ -1,11 +1,14 @@
 """The scheduler checks catch real bugs: each broken scheduler below fails its own clause's check
 on that clause's own case from specs/scheduler, where the real Scheduler passes."""
 
+import dataclasses
+
 import pytest
 import yaml
 
 from conformance.plugin import CHECKS_DIR
 from conformance.spec import load_checks_module
+from infer.engine.kv_manager import KVCacheManager
 from infer.engine.scheduler import Scheduler
 
 checks = load_checks_module(CHECKS_DIR, "scheduler")
@@ -20,9 +23,9 @@ def spec_case(clause_id: str, case_id: str) -> dict:
 class AdmitsShortestFirst(Scheduler):
     """Lets a small request overtake a large one that waits for KV room."""
 
-    def _admit(self, step, admitted, serve, budget_left):
-        self._waiting = type(self._waiting)(sorted(self._waiting, key=lambda r: r.max_total_tokens))
-        super()._admit(step, admitted, serve, budget_left)
+    def _admit(self, plan):
+        self._waiting = type(self._waiting)(sorted(self._waiting, key=lambda r: r.num_prompt_tokens))
+        super()._admit(plan)
 
 
 class NeverForcesDecodes(Scheduler):
@@ -30,13 +33,19 @@ class NeverForcesDecodes(Scheduler):
         return []
 
 
-class LeaksOnRemove(Scheduler):
-    def remove(self, request_id):
-        request = self._requests.pop(request_id, None)
+class LeaksOnFinish(Scheduler):
+    def finish(self, request_id):
+        request = self.get(request_id)
         if request is not None:
-            (self._waiting if request in self._waiting else self._running).remove(request)
-            request.kv_blocks = []  # forgets to free them in the pool
-        return request
+            request.block_ids = []  # forgets its blocks instead of freeing them
+        return super().finish(request_id)
+
+
+class ReportsFinishedTwice(Scheduler):
+    def schedule(self):
+        decision = super().schedule()
+        self._finished_ids |= decision.finished_request_ids
+        return decision
 
 
 class OverspendsTokens(Scheduler):
@@ -45,9 +54,19 @@ class OverspendsTokens(Scheduler):
         self.max_num_batched_tokens += 8
 
 
-class ReservesOneBlock(Scheduler):
-    def blocks_needed(self, num_tokens):
-        return 1
+class _ReservingKVCacheManager(KVCacheManager):
+    def num_new_blocks(self, request, num_new_tokens, num_lookahead_tokens=0):
+        # Everything the request may ever need, as the slotted scheduler reserved at admission.
+        whole = (
+            request.num_prompt_tokens + request.max_new_tokens - request.num_computed_tokens - num_new_tokens
+        )
+        return super().num_new_blocks(request, num_new_tokens, max(num_lookahead_tokens, whole))
+
+
+class ReservesWholeRequest(Scheduler):
+    def __init__(self, *, kv_manager, **kwargs):
+        reserving = _ReservingKVCacheManager(kv_manager.allocator, kv_manager.block_size)
+        super().__init__(kv_manager=reserving, **kwargs)
 
 
 class AcceptsAnything(Scheduler):
@@ -55,19 +74,67 @@ class AcceptsAnything(Scheduler):
         pass
 
 
+class PreemptsOldest(Scheduler):
+    def _preemption_victim(self, request, plan):
+        for candidate in self._running:
+            if candidate.block_ids and candidate.request_id not in plan.num_scheduled_tokens:
+                return candidate
+        return None
+
+
+class RequeuesPreemptedLast(Scheduler):
+    def _preempt(self, request, plan):
+        super()._preempt(request, plan)
+        self._waiting.remove(request)
+        self._waiting.append(request)
+
+
+class ResumesWithPromptOnly(Scheduler):
+    """Forgets a preempted request's outputs: it would recompute from its prompt alone."""
+
+    def _decision(self, plan):
+        decision = super()._decision(plan)
+        new_requests = tuple(
+            dataclasses.replace(new, token_ids=new.token_ids[: new.num_prompt_tokens])
+            for new in decision.new_requests
+        )
+        return dataclasses.replace(decision, new_requests=new_requests)
+
+
+class IgnoresChunkSize(Scheduler):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.prefill_chunk_size = 10_000
+
+
+class ChunksAnyway(Scheduler):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.use_chunked_prefill = True
+        self.prefill_chunk_size = 16
+
+
 BROKEN = [
     ("SCHED-001", "big-before-small", "fcfs", AdmitsShortestFirst, checks.assert_fcfs_order, ()),
     ("SCHED-002", "long-prompts-arrive-during-decode", "prefill_first", NeverForcesDecodes,
      checks.assert_decode_service, (2,)),
-    ("SCHED-006", "aborts", "fcfs", LeaksOnRemove, checks.assert_retire_frees_everything, ()),
+    ("SCHED-006", "aborts", "fcfs", LeaksOnFinish, checks.assert_retire_frees_everything, ()),
+    ("SCHED-006", "length-and-eos", "fcfs", ReportsFinishedTwice, checks.assert_retire_frees_everything, ()),
     ("SCHED-005", "long-prompt-chunks", "prefill_first", OverspendsTokens, checks.assert_token_budget, ()),
-    ("SCHED-004", "pool-smaller-than-demand", "fcfs", ReservesOneBlock, checks.assert_kv_budget, ()),
+    ("SCHED-004", "pool-smaller-than-demand", "fcfs", ReservesWholeRequest, checks.assert_kv_budget, ()),
     ("SCHED-009", "longer-than-pool", "fcfs", AcceptsAnything, checks.assert_rejects_impossible, ()),
+    ("SCHED-008", "decode-outgrows-pool", "fcfs", PreemptsOldest, checks.assert_preemption, ()),
+    ("SCHED-008", "decode-outgrows-pool", "fcfs", RequeuesPreemptedLast, checks.assert_preemption, ()),
+    ("SCHED-008", "decode-outgrows-pool", "fcfs", ResumesWithPromptOnly, checks.assert_preemption, ()),
+    ("SCHED-010", "chunk-size", "fcfs", IgnoresChunkSize, checks.assert_chunked_prefill_limits, ()),
+    ("SCHED-011", "burst", "fcfs", ChunksAnyway, checks.assert_whole_prompts, ()),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("clause_id", "case_id", "policy", "broken", "assertion", "extra"), BROKEN, ids=[row[0] for row in BROKEN]
+    ("clause_id", "case_id", "policy", "broken", "assertion", "extra"),
+    BROKEN,
+    ids=[f"{row[0]}-{row[3].__name__}" for row in BROKEN],
 )
 def test_check_fails_a_broken_scheduler_and_passes_the_real_one(
     clause_id, case_id, policy, broken, assertion, extra
@@ -81,7 +148,7 @@ def test_check_fails_a_broken_scheduler_and_passes_the_real_one(
 def test_bounded_wait_fails_when_the_bound_is_too_tight():
     case = spec_case("SCHED-003", "mixed-sizes")
     sim = checks.simulate(case, "fcfs")
-    worst = max(step - sim.arrival(rid).at_step for rid, step in sim.admitted_step().items())
+    worst = max(step - sim.arrival(rid).at_step for rid, step in checks.first_admission_steps(sim).items())
     assert worst > 0
     checks.assert_bounded_wait(sim, worst)
     with pytest.raises(AssertionError):

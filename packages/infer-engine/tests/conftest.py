@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from infer.engine import SingleRequestGenerator
+from conformance.oracles import RecomputeOracle
+from infer.engine import Engine, EngineConfig, GenerationResult, SamplingParams, generate
 from infer.models.load import load_model
 from infer.models.random_checkpoint import make_random_checkpoint
 
@@ -12,13 +13,27 @@ TINY_PRESETS = ["llama-tiny", "qwen3-tiny", "gemma3-tiny"]
 
 
 class ModelUnderTest:
-    """Our loaded model with a cached and a recompute generator, and transformers' model on demand."""
+    """Our loaded model, an engine over it (on demand), the recompute oracle, and transformers'
+    model (on demand)."""
 
     def __init__(self, path_or_alias):
         self.loaded = load_model(path_or_alias, dtype=torch.float32)
-        self.cached = SingleRequestGenerator.from_loaded(self.loaded)
-        self.recompute = SingleRequestGenerator.from_loaded(self.loaded, use_kv_cache=False)
+        self.oracle = RecomputeOracle(self.loaded)
+        self._engine = None
         self._reference = None
+
+    @property
+    def engine(self) -> Engine:
+        """An engine with the default config (one request at a time is all these tests need)."""
+        if self._engine is None:
+            max_seq_len = min(512, self.loaded.config.max_position_embeddings)
+            config = EngineConfig(max_batch_size=2, max_seq_len=max_seq_len)
+            self._engine = Engine(config, loaded_model=self.loaded)
+        return self._engine
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """Through the engine core, as `infer generate` does."""
+        return generate(self.engine, prompt_ids, params)
 
     @property
     def reference(self):
@@ -35,7 +50,7 @@ class ModelUnderTest:
 
     def transformers_greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         """transformers' greedy tokens, stopping at our EOS set (its own stops at a subset)."""
-        eos = sorted(self.cached.eos_token_ids)
+        eos = sorted(self.oracle.eos_token_ids)
         input_ids = torch.tensor([prompt_ids])
         with torch.inference_mode():
             output = self.reference.generate(

@@ -18,7 +18,7 @@ def test_generate_streams_the_generators_text(tiny_checkpoints, tiny_models, cap
     out, err = capsys.readouterr()
     model = tiny_models["llama-tiny"]
     prompt_ids = model.loaded.tokenizer.encode("hello world", add_special_tokens=True)
-    expected = model.cached.generate(
+    expected = model.oracle.generate(
         prompt_ids, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     )
     assert out == expected.text + "\n"
@@ -61,7 +61,7 @@ def test_bench_generate_reports_and_matches_transformers(tiny_checkpoints, tmp_p
         checkpoint_bytes = sum(f.get_tensor(name).nbytes for name in f.keys())  # noqa: SIM118
     assert report["memory"]["weights_bytes"] == checkpoint_bytes
     assert report["memory"]["kv_bytes"] > 0
-    assert "| infer | yes |" in capsys.readouterr().out
+    assert "| infer | paged |" in capsys.readouterr().out
 
 
 def test_profile_writes_a_chrome_trace_and_a_table(tiny_checkpoints, tmp_path, capsys):

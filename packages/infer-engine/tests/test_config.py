@@ -12,18 +12,31 @@ from infer.engine.config import EngineConfig, EngineConfigError, add_cli_argumen
 def test_defaults_are_valid_and_continuous():
     config = EngineConfig()
     assert config.batching_mode == "continuous"
-    assert config.kv_cache_backend == "slotted"
+    assert config.kv_cache_backend == "paged" and config.block_size == 16
+    assert (config.use_chunked_prefill, config.use_cuda_graphs) == (False, False)
 
 
 @pytest.mark.parametrize(
     ("changes", "rule"),
     [
         (
-            {"batching_mode": "continuous", "kv_cache_backend": "contiguous"},
-            "requires kv_cache_backend='slotted'",
+            {"batching_mode": "static", "use_chunked_prefill": True},
+            "use_chunked_prefill=True requires batching_mode='continuous'",
         ),
-        ({"kv_cache_backend": "paged"}, "reserved and not implemented"),
-        ({"kv_cache_backend": "ring"}, "kv_cache_backend must be one of"),
+        (
+            {"kv_cache_backend": "contiguous", "use_cuda_graphs": True},
+            "use_cuda_graphs=True requires batching_mode='continuous' and kv_cache_backend='paged'",
+        ),
+        ({"kv_cache_backend": "slotted"}, "kv_cache_backend must be one of"),
+        ({"block_size": 0}, "block_size must be >= 1"),
+        ({"num_gpu_blocks": 0}, "num_gpu_blocks must be >= 1"),
+        ({"prefill_chunk_size": 0}, "prefill_chunk_size must be >= 1"),
+        ({"max_prefill_chunks_per_step": 0}, "max_prefill_chunks_per_step must be >= 1"),
+        ({"kv_cache_memory_fraction": 1.5}, "kv_cache_memory_fraction must be in (0, 1]"),
+        (
+            {"kv_cache_memory_fraction": 0.5, "num_gpu_blocks": 8},
+            "set num_gpu_blocks or kv_cache_memory_fraction",
+        ),
         ({"batching_mode": "dynamic"}, "batching_mode must be one of"),
         ({"scheduler_policy": "lifo"}, "scheduler_policy must be one of"),
         ({"max_batch_size": 0}, "max_batch_size must be >= 1"),
@@ -43,9 +56,11 @@ def test_invalid_settings_name_the_rule(changes, rule):
         EngineConfig(**changes)
 
 
-@pytest.mark.parametrize("backend", ["contiguous", "slotted"])
-def test_static_batching_takes_either_cache(backend):
-    assert EngineConfig(batching_mode="static", kv_cache_backend=backend).kv_cache_backend == backend
+@pytest.mark.parametrize("batching_mode", ["static", "continuous"])
+@pytest.mark.parametrize("backend", ["contiguous", "paged"])
+def test_either_batching_mode_takes_either_pool(batching_mode, backend):
+    config = EngineConfig(batching_mode=batching_mode, kv_cache_backend=backend)
+    assert (config.batching_mode, config.kv_cache_backend) == (batching_mode, backend)
 
 
 def test_config_is_frozen_and_replace_revalidates():
@@ -53,8 +68,8 @@ def test_config_is_frozen_and_replace_revalidates():
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.max_batch_size = 2
     assert config.replace(max_batch_size=2).max_batch_size == 2
-    with pytest.raises(EngineConfigError, match="requires kv_cache_backend='slotted'"):
-        config.replace(kv_cache_backend="contiguous")
+    with pytest.raises(EngineConfigError, match="requires batching_mode='continuous'"):
+        config.replace(batching_mode="static", use_chunked_prefill=True)
 
 
 def test_from_dict_rejects_unknown_keys_by_name():
@@ -102,8 +117,13 @@ def test_cli_flags_override_the_config_file(tmp_path):
 
 
 def test_cli_rejects_a_combination_the_config_rejects():
-    with pytest.raises(EngineConfigError, match="requires kv_cache_backend='slotted'"):
-        _parse(["--kv-cache-backend", "contiguous"])
+    with pytest.raises(EngineConfigError, match="requires batching_mode='continuous'"):
+        _parse(["--batching-mode", "static", "--use-chunked-prefill", "true"])
+
+
+def test_cli_parses_float_and_optional_int_flags():
+    config = _parse(["--kv-cache-memory-fraction", "0.8", "--max-prefill-chunks-per-step", "2"])
+    assert (config.kv_cache_memory_fraction, config.max_prefill_chunks_per_step) == (0.8, 2)
 
 
 def test_cli_choices_come_from_the_config():

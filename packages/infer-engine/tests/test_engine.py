@@ -1,5 +1,6 @@
 """The Engine end to end on CPU. The oracle for batched generation is the same request generated
-alone by SingleRequestGenerator (no padding, no slots, no scheduler)."""
+alone by the recompute oracle (no cache, no batching, no scheduler): whatever the pool layout,
+chunking or preemption, greedy tokens must be identical."""
 
 import random
 from collections import defaultdict
@@ -12,9 +13,16 @@ from infer.engine.request import QueueFullError, RequestState, RequestTooLongErr
 from infer.engine.sampling_params import SamplingParams
 
 MODES = {
-    "continuous": dict(batching_mode="continuous", kv_cache_backend="slotted"),
+    "paged": dict(kv_cache_backend="paged", block_size=4),
+    "contiguous": dict(kv_cache_backend="contiguous"),
+    "chunked-16": dict(block_size=4, use_chunked_prefill=True, prefill_chunk_size=16),
+    "chunked-64": dict(block_size=4, use_chunked_prefill=True, prefill_chunk_size=64),
+    "chunked-512": dict(block_size=4, use_chunked_prefill=True, prefill_chunk_size=512),
+    # 24 blocks of 4 tokens for requests of up to 100 + 6 tokens: running requests outgrow the
+    # pool, so the youngest is preempted and recomputed later.
+    "preempted": dict(block_size=4, num_gpu_blocks=30, use_chunked_prefill=True, prefill_chunk_size=16),
     "static-contiguous": dict(batching_mode="static", kv_cache_backend="contiguous"),
-    "static-slotted": dict(batching_mode="static", kv_cache_backend="slotted"),
+    "static-paged": dict(batching_mode="static", kv_cache_backend="paged", block_size=4),
 }
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
 
@@ -47,20 +55,23 @@ def make_engine(model, **settings) -> Engine:
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny", "gemma3-tiny"])
 def test_mixed_prompt_lengths_batched_give_each_request_its_tokens_alone(tiny_models, preset, mode):
     tiny = tiny_models[preset]
-    # Four requests for three slots: a later one joins (continuous) or waits for a second batch
-    # (static); 30 tokens with a 16-token budget is prefilled in chunks.
-    prompts = random_prompts([3, 30, 9, 17], tiny.loaded.config.vocab_size)
+    # Five requests for three rows: later ones join (continuous) or wait for a second batch
+    # (static); prompts longer than a chunk are prefilled over several steps.
+    prompts = random_prompts([3, 30, 9, 100, 17], tiny.loaded.config.vocab_size)
     engine = make_engine(tiny, **MODES[mode])
     ids = [engine.add_request(prompt, GREEDY) for prompt in prompts]
     outputs = run_to_completion(engine)
+    if mode == "preempted":
+        assert engine.stats().num_preempted > 0, "the tiny pool should have forced a preemption"
     for request_id, prompt in zip(ids, prompts, strict=True):
-        alone = tiny.cached.generate(prompt, GREEDY)
+        alone = tiny.oracle.generate(prompt, GREEDY)
         assert token_ids(outputs[request_id]) == alone.token_ids, (
             f"{request_id} ({len(prompt)} prompt tokens)"
         )
         assert "".join(o.text_delta for o in outputs[request_id]) == alone.text
         assert outputs[request_id][-1].finish_reason == alone.finish_reason
-    assert engine.kv_pool.num_free == engine.kv_pool.capacity
+    assert engine.kv_pool.allocator.num_used == 0
+    assert engine.kv_pool.allocator.audit([]) == []
 
 
 SMOLLM2_PARAMS = SamplingParams(temperature=0.0, max_new_tokens=5)
@@ -70,10 +81,10 @@ SMOLLM2_PARAMS = SamplingParams(temperature=0.0, max_new_tokens=5)
 def smollm2_alone(smollm2) -> dict[tuple[int, ...], list[int]]:
     """Each chat prompt's greedy tokens generated alone, computed once for both batching modes."""
     prompts = [smollm2.chat_ids(question) for question in ["What is the capital of France?", "Say hi."]]
-    return {tuple(prompt): smollm2.cached.generate(prompt, SMOLLM2_PARAMS).token_ids for prompt in prompts}
+    return {tuple(prompt): smollm2.oracle.generate(prompt, SMOLLM2_PARAMS).token_ids for prompt in prompts}
 
 
-@pytest.mark.parametrize("mode", ["continuous", "static-contiguous"])
+@pytest.mark.parametrize("mode", ["paged", "chunked-16", "static-contiguous"])
 def test_smollm2_batched_chat_equals_each_request_alone(smollm2, smollm2_alone, mode):
     # A 16-token budget prefills the two prompts (of different lengths) over several steps.
     engine = Engine(
@@ -86,13 +97,13 @@ def test_smollm2_batched_chat_equals_each_request_alone(smollm2, smollm2_alone, 
         assert token_ids(outputs[request_id]) == smollm2_alone[prompt]
 
 
-@pytest.mark.parametrize("mode", ["continuous", "static-contiguous"])
+@pytest.mark.parametrize("mode", ["paged", "static-contiguous"])
 def test_a_request_stopping_mid_batch_does_not_disturb_the_others(tiny_models, mode):
     # llama-tiny: its untied head gives varied greedy tokens (the tied tiny models repeat one).
     tiny = tiny_models["llama-tiny"]
     prompts = random_prompts([5, 12, 8], tiny.loaded.config.vocab_size, seed=2)
     long_params = SamplingParams(temperature=0.0, max_new_tokens=10)
-    alone = [tiny.cached.generate(prompt, long_params).token_ids for prompt in prompts]
+    alone = [tiny.oracle.generate(prompt, long_params).token_ids for prompt in prompts]
     # Request 0 stops at the first token its greedy run repeats no earlier (a stop id acts as EOS).
     stop_index = next(i for i in range(2, 10) if alone[0][i] not in alone[0][:i])
     stopping = SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=[alone[0][stop_index]])
@@ -107,7 +118,7 @@ def test_a_request_stopping_mid_batch_does_not_disturb_the_others(tiny_models, m
         assert token_ids(outputs[request_id]) == expected
 
 
-def test_abort_mid_decode_frees_the_slot_by_the_end_of_the_next_step(tiny_models):
+def test_abort_mid_decode_frees_the_blocks_by_the_end_of_the_next_step(tiny_models):
     tiny = tiny_models["llama-tiny"]
     prompts = random_prompts([6, 10], tiny.loaded.config.vocab_size, seed=2)
     params = SamplingParams(temperature=0.0, max_new_tokens=20)
@@ -115,8 +126,11 @@ def test_abort_mid_decode_frees_the_slot_by_the_end_of_the_next_step(tiny_models
     victim, survivor = (engine.add_request(prompt, params) for prompt in prompts)
     for _ in range(3):
         engine.step()
-    assert engine.scheduler.get(victim).state is RequestState.DECODE
-    assert engine.kv_cache.num_free == engine.kv_cache.capacity - 2
+    assert engine.scheduler.get(victim).state is RequestState.RUNNING
+    assert not engine.scheduler.get(victim).is_prefilling
+    allocator = engine.kv_pool.allocator
+    survivor_blocks = allocator.owned_by(survivor)
+    assert allocator.owned_by(victim) and survivor_blocks
     assert engine.abort(victim)
     outputs = engine.step()
     final = [o for o in outputs if o.request_id == victim]
@@ -126,14 +140,15 @@ def test_abort_mid_decode_frees_the_slot_by_the_end_of_the_next_step(tiny_models
         and final[0].finish_reason == "abort"
         and final[0].token_id is None
     )
-    assert engine.kv_cache.num_free == engine.kv_cache.capacity - 1
-    assert engine.kv_cache.audit([survivor]) == []
+    assert allocator.owned_by(victim) == []
+    assert allocator.num_used == len(allocator.owned_by(survivor))
+    assert allocator.audit([survivor]) == []
     assert not engine.abort(victim)  # already gone
     rest = run_to_completion(engine)
     assert victim not in rest
     survivor_tokens = [o.token_id for o in outputs if o.request_id == survivor] + token_ids(rest[survivor])
     assert len(survivor_tokens) == 20 - 3
-    assert engine.kv_cache.num_free == engine.kv_cache.capacity
+    assert allocator.num_used == 0
     assert engine.stats().num_aborted == 1
 
 
@@ -146,7 +161,7 @@ def test_abort_of_a_queued_request_answers_abort_and_never_runs_it(tiny_models):
     assert engine.abort("queued")
     outputs = run_to_completion(engine)
     assert [(o.token_id, o.finish_reason) for o in outputs["queued"]] == [(None, "abort")]
-    assert token_ids(first + outputs["running"]) == tiny.cached.generate([1, 2, 3], GREEDY).token_ids
+    assert token_ids(first + outputs["running"]) == tiny.oracle.generate([1, 2, 3], GREEDY).token_ids
 
 
 def _sampled_run(tiny, seed: int) -> list:
@@ -167,26 +182,26 @@ def test_same_seed_and_queue_give_identical_steps_and_another_seed_differs(tiny_
     assert [o.token_id for step in first for o in step] != [o.token_id for step in other for o in step]
 
 
-def test_a_failing_forward_fails_its_batch_frees_slots_and_the_engine_goes_on(tiny_models):
+def test_a_failing_forward_fails_its_step_frees_blocks_and_the_engine_goes_on(tiny_models):
     tiny = tiny_models["llama-tiny"]
     engine = make_engine(tiny)
     ids = [engine.add_request(prompt, GREEDY) for prompt in random_prompts([4, 6], 384, seed=4)]
     engine.step()  # both prefilled; the next step decodes them together
-    real_decode = engine.runner.decode
+    real_logits = engine.runner._logits
 
-    def decode_that_raises(requests):
-        engine.runner.decode = real_decode
+    def forward_that_raises(step):
+        engine.runner._logits = real_logits
         raise RuntimeError("CUDA error: simulated")
 
-    engine.runner.decode = decode_that_raises
+    engine.runner._logits = forward_that_raises
     outputs = engine.step()
     assert sorted(o.request_id for o in outputs) == sorted(ids)
     assert all(o.finished and o.finish_reason is None and "simulated" in o.error for o in outputs)
     assert all(engine.scheduler.get(i) is None for i in ids)
-    assert engine.kv_cache.num_free == engine.kv_cache.capacity
+    assert engine.kv_pool.allocator.num_used == 0
     assert engine.stats().num_failed == 2
     later = engine.add_request([7, 8, 9], GREEDY)
-    assert token_ids(run_to_completion(engine)[later]) == tiny.cached.generate([7, 8, 9], GREEDY).token_ids
+    assert token_ids(run_to_completion(engine)[later]) == tiny.oracle.generate([7, 8, 9], GREEDY).token_ids
 
 
 def test_too_long_requests_and_a_full_queue_are_refused_at_add_request(tiny_models):
@@ -215,11 +230,13 @@ def test_text_prompts_and_stats(tiny_models):
     request_id = engine.add_request("hello world", GREEDY)
     first = engine.step()
     running = engine.stats()
-    assert (running.num_running, running.kv_usage_ratio) == (1, 1 / 3)
-    assert running.kv_bytes_used * 3 == running.kv_bytes_total
+    allocator = engine.kv_pool.allocator
+    assert running.num_running == 1 and allocator.num_used > 0
+    assert running.kv_usage_ratio == allocator.num_used / engine.kv_pool.num_blocks
+    assert running.kv_bytes_used == allocator.num_used * engine.kv_pool.shape.bytes_per_block()
     outputs = run_to_completion(engine)
     prompt_ids = tiny.loaded.tokenizer.encode("hello world", add_special_tokens=True)
-    assert token_ids(first + outputs[request_id]) == tiny.cached.generate(prompt_ids, GREEDY).token_ids
+    assert token_ids(first + outputs[request_id]) == tiny.oracle.generate(prompt_ids, GREEDY).token_ids
     done = engine.stats()
     assert (done.num_running, done.kv_usage_ratio, done.num_finished) == (0, 0.0, 1)
     assert done.num_generation_tokens_total == GREEDY.max_new_tokens

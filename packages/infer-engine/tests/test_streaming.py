@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from infer.engine import SamplingParams, SingleRequestGenerator, StopChecker
+from infer.engine import SamplingParams, StopChecker, eos_token_ids_of, stream
 from infer.models.load import load_model
 from infer.models.loader.fetch import fetch_model
 from infer.models.loader.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -80,25 +80,25 @@ def qwen_style_checkpoint(tmp_path_factory):
 def test_qwen_chat_stops_at_im_end_even_though_eos_token_is_endoftext(qwen_style_checkpoint):
     loaded = load_model(qwen_style_checkpoint, dtype=torch.float32)
     assert loaded.tokenizer.eos_token_id == loaded.tokenizer.token_id("<|endoftext|>")
-    generator = SingleRequestGenerator.from_loaded(loaded)
+    eos_token_ids = eos_token_ids_of(loaded)
     im_end, endoftext = loaded.tokenizer.token_id("<|im_end|>"), loaded.tokenizer.token_id("<|endoftext|>")
-    assert {im_end, endoftext} <= generator.eos_token_ids
+    assert {im_end, endoftext} <= eos_token_ids
     # The stop loop honours the set: a stream ends on <|im_end|> and shows none of its text.
-    checker = StopChecker(SamplingParams(), generator.eos_token_ids, IncrementalDetokenizer(loaded.tokenizer))
+    checker = StopChecker(SamplingParams(), eos_token_ids, IncrementalDetokenizer(loaded.tokenizer))
     hello = loaded.tokenizer.encode("Hi", add_special_tokens=False)
     assert [checker.push(token) for token in [*hello, im_end]][-1] == ("", "stop")
 
 
 def test_stop_string_across_tokens_in_a_real_generation(smollm2):
     prompt_ids = smollm2.chat_ids("What is the capital of France?")
-    chunks = list(smollm2.cached.stream(prompt_ids, SamplingParams(temperature=0, max_new_tokens=32)))
+    chunks = list(stream(smollm2.engine, prompt_ids, SamplingParams(temperature=0, max_new_tokens=32)))
     full_text = "".join(chunk.text for chunk in chunks)
     # A stop string made of the end of one token's text and the start of the next.
     boundary = len("".join(chunk.text for chunk in chunks[:4]))
     stop = full_text[boundary - 2 : boundary + 3]
     assert len(stop) == 5 and full_text.find(stop) == boundary - 2
     stopped = list(
-        smollm2.cached.stream(prompt_ids, SamplingParams(temperature=0, max_new_tokens=32, stop=[stop]))
+        stream(smollm2.engine, prompt_ids, SamplingParams(temperature=0, max_new_tokens=32, stop=[stop]))
     )
     assert "".join(chunk.text for chunk in stopped) == full_text[: boundary - 2]
     assert stopped[-1].finish_reason == "stop"

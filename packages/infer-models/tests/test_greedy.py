@@ -2,57 +2,130 @@
 equal transformers' `generate(do_sample=False)`, token for token, with and without our KV cache.
 
 Two loops drive our model: a plain one that re-runs the whole sequence every step (no cache),
-and one that prefills once and then feeds one token at a time through ForwardBatch.kv_layers
-backed by infer.cache.ContiguousKVCache.
+and one that prefills once and then feeds one token at a time through a paged KV cache (an
+infer.cache.PagedKVPool, blocks taken from its allocator as the sequence grows), for several
+block sizes; "contiguous" is one block holding the whole sequence, the slotted layout.
+
+The cached batches are built here by hand from forward_batch.py's layout rules (`paged_batch`),
+not by the engine, so these tests check the models' addressing against the documented contract.
+The last test runs one mixed step (a decode, a prompt chunk over a cached prefix and a fresh
+prompt in one forward) against each sequence alone and against transformers.
 """
+
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from infer.cache import ContiguousKVCache, KVCacheShape
-from infer.models.forward_batch import ForwardBatch
+from infer.cache import KVCacheShape, PagedKVPool
+from infer.models.forward_batch import AttentionMetadata, ForwardBatch
 from infer.models.load import load_causal_lm, load_model
 from infer.models.random_checkpoint import make_random_checkpoint
 
 MAX_NEW_TOKENS = 20
+# Tokens per block of the cached loops; "contiguous": the whole sequence in one block.
+BLOCK_SIZES = [1, 4, 16, "contiguous"]
+
+
+class PagedRow(NamedTuple):
+    """One row of a cached step: its blocks in order, how many of its tokens are already in the
+    cache, and this step's tokens (which follow those)."""
+
+    block_ids: Sequence[int]
+    num_cached: int
+    new_ids: Sequence[int]
+
+
+def paged_batch(pool: PagedKVPool, rows: Sequence[PagedRow]) -> ForwardBatch:
+    """A ForwardBatch over `pool` for `rows` in the order given (one-token rows first, as the
+    contract asks; they are the decode rows). Every token's logits are computed."""
+    block_size = pool.block_size
+    lengths = [len(row.new_ids) for row in rows]
+    positions = [range(row.num_cached, row.num_cached + len(row.new_ids)) for row in rows]
+    slots = [
+        row.block_ids[p // block_size] * block_size + p % block_size
+        for row, ps in zip(rows, positions, strict=True)
+        for p in ps
+    ]
+    width = max(len(row.block_ids) for row in rows)
+    # Entries past a row's blocks must never be read: the null block holds garbage like the rest.
+    block_tables = [list(row.block_ids) + [pool.null_block] * (width - len(row.block_ids)) for row in rows]
+    seq_lens = [row.num_cached + n for row, n in zip(rows, lengths, strict=True)]
+    num_decode_rows = next((i for i, n in enumerate(lengths) if n != 1), len(lengths))
+    device = pool.kv_layers[0][0].device
+    attention = AttentionMetadata(
+        query_start_loc=torch.tensor([0, *lengths], dtype=torch.int32, device=device).cumsum(
+            0, dtype=torch.int32
+        ),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
+        num_decode_rows=num_decode_rows,
+        max_query_len=max(lengths),
+        max_seq_len=max(seq_lens),
+    )
+    return ForwardBatch(
+        input_ids=torch.tensor([t for row in rows for t in row.new_ids], dtype=torch.long, device=device),
+        positions=torch.tensor([p for ps in positions for p in ps], dtype=torch.long, device=device),
+        attention=attention,
+        kv_layers=pool.kv_layers,
+    )
+
+
+def scrambled_pool(model, block_size: int | str, num_tokens: int, num_sequences: int = 1) -> PagedKVPool:
+    """A pool for `num_sequences` sequences of up to `num_tokens` tokens whose allocator hands out
+    blocks out of order, between blocks another owner still holds, all filled with what an earlier
+    owner left: a row that reads a block or an offset not its own gets wrong logits."""
+    config = model.config
+    if block_size == "contiguous":
+        block_size = num_tokens
+    shape = KVCacheShape(
+        config.num_layers, config.num_kv_heads, config.head_dim, model.embed_tokens.weight.dtype, block_size
+    )
+    num_free = num_sequences * shape.blocks_for_tokens(num_tokens)
+    pool = PagedKVPool(shape, num_blocks=2 * num_free, device=model.embed_tokens.weight.device)
+    generator = torch.Generator().manual_seed(block_size)
+    for k_cache, v_cache in pool.kv_layers:
+        k_cache.copy_(torch.randn(k_cache.shape, generator=generator) * 10)
+        v_cache.copy_(torch.randn(v_cache.shape, generator=generator) * 10)
+    earlier = pool.allocator.allocate(pool.num_blocks, "earlier")
+    order = torch.randperm(pool.num_blocks, generator=generator).tolist()
+    pool.allocator.free([earlier[i] for i in order[:num_free]], "earlier")
+    return pool
+
+
+def grow(pool: PagedKVPool, block_ids: list[int], num_tokens: int, owner: str) -> None:
+    """Appends blocks from the allocator until `block_ids` holds `num_tokens` tokens."""
+    block_ids += pool.allocator.allocate(pool.shape.blocks_for_tokens(num_tokens) - len(block_ids), owner)
 
 
 def greedy_without_cache(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     tokens = list(prompt_ids)
     for _ in range(max_new_tokens):
         hidden = model(ForwardBatch.from_tokens([tokens]))
-        next_id = int(model.compute_logits(hidden[:, -1]).argmax(-1))
+        next_id = int(model.compute_logits(hidden[-1]).argmax(-1))
         tokens.append(next_id)
         if next_id in eos_ids:
             break
     return tokens[len(prompt_ids) :]
 
 
-def greedy_with_cache(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
-    config = model.config
-    shape = KVCacheShape(
-        num_layers=config.num_layers,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        max_seq_len=len(prompt_ids) + max_new_tokens,
-        dtype=model.embed_tokens.weight.dtype,
-    )
-    cache = ContiguousKVCache(shape, num_slots=1)
-    step_ids, start, generated = list(prompt_ids), 0, []
+def greedy_with_cache(
+    model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int], block_size: int | str
+) -> list[int]:
+    pool = scrambled_pool(model, block_size, len(prompt_ids) + max_new_tokens)
+    block_ids: list[int] = []
+    step_ids, num_cached, generated = list(prompt_ids), 0, []
     for _ in range(max_new_tokens):
-        positions = torch.arange(start, start + len(step_ids))[None]
-        batch = ForwardBatch(
-            input_ids=torch.tensor([step_ids]),
-            positions=positions,
-            kv_layers=cache.kv_layers,
-            context_len=start + len(step_ids),
-        )
-        next_id = int(model.compute_logits(model(batch)[:, -1]).argmax(-1))
+        grow(pool, block_ids, num_cached + len(step_ids), "sequence")
+        hidden = model(paged_batch(pool, [PagedRow(block_ids, num_cached, step_ids)]))
+        next_id = int(model.compute_logits(hidden[-1]).argmax(-1))
         generated.append(next_id)
         if next_id in eos_ids:
             break
-        start, step_ids = start + len(step_ids), [next_id]
+        num_cached, step_ids = num_cached + len(step_ids), [next_id]
     return generated
 
 
@@ -138,30 +211,99 @@ def test_plain_loop_equals_transformers_generate(case):
         assert "Paris" in case.tokenizer.decode(ours)
 
 
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @torch.no_grad()
-def test_kv_cache_loop_equals_transformers_generate(case):
-    ours = greedy_with_cache(case.ours, case.prompt_ids, MAX_NEW_TOKENS, case.eos_ids)
+def test_kv_cache_loop_equals_transformers_generate(case, block_size):
+    ours = greedy_with_cache(case.ours, case.prompt_ids, MAX_NEW_TOKENS, case.eos_ids, block_size)
     assert ours == case.expected
 
 
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @torch.no_grad()
-def test_kv_cache_step_logits_equal_full_forward_logits(case):
+def test_kv_cache_step_logits_equal_full_forward_logits(case, block_size):
     """Stronger than token equality where a random model repeats itself: every cached decode
     step's logits equal those of one cache-free forward over the same sequence."""
     sequence = case.prompt_ids + case.expected
-    model, config = case.ours, case.ours.config
-    full = model.compute_logits(model(ForwardBatch.from_tokens([sequence])))[0]
-    dims = (config.num_layers, config.num_kv_heads, config.head_dim, len(sequence))
-    shape = KVCacheShape(*dims, torch.float32)
-    cache = ContiguousKVCache(shape, num_slots=1)
+    model = case.ours
+    full = model.compute_logits(model(ForwardBatch.from_tokens([sequence])))
+    pool = scrambled_pool(model, block_size, len(sequence))
+    block_ids: list[int] = []
     prompt_len = len(case.prompt_ids)
     steps = [(0, case.prompt_ids)] + [(p, [sequence[p]]) for p in range(prompt_len, len(sequence))]
     for start, step_ids in steps:
-        batch = ForwardBatch(
-            input_ids=torch.tensor([step_ids]),
-            positions=torch.arange(start, start + len(step_ids))[None],
-            kv_layers=cache.kv_layers,
-            context_len=start + len(step_ids),
-        )
-        logits = model.compute_logits(model(batch))[0]
+        grow(pool, block_ids, start + len(step_ids), "sequence")
+        logits = model.compute_logits(model(paged_batch(pool, [PagedRow(block_ids, start, step_ids)])))
         torch.testing.assert_close(logits, full[start : start + len(step_ids)], atol=1e-4, rtol=1e-4)
+
+
+# The mixed step: (tokens already cached, tokens this step) per sequence, decode row first. Against
+# the tiny Gemma's window of 4, the chunk's window reaches back into its cached prefix and its 6
+# tokens cross it; the fresh prompt is longer than the window too.
+MIXED_STEP = {"decode": (9, 1), "prompt chunk": (6, 6), "fresh prompt": (0, 7)}
+
+
+@pytest.fixture(scope="module", params=["llama-tiny", "qwen3-tiny", "gemma3-tiny"])
+def tiny_pair(request, tmp_path_factory):
+    """(ours, transformers) for one tiny random checkpoint, both fp32."""
+    folder = make_random_checkpoint(
+        request.param, tmp_path_factory.mktemp(request.param), dtype=torch.float32
+    )
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    return load_causal_lm(folder, dtype=torch.float32), reference.eval()
+
+
+def _mixed_step_sequences(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    lengths = [cached + new for cached, new in MIXED_STEP.values()]
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def cached_step_logits(model, sequences, num_cached: Sequence[int], block_size) -> list[torch.Tensor]:
+    """Writes the first num_cached[i] tokens of each sequence into one pool (one forward for all
+    prefixes), then runs the rest of every sequence in ONE step over it; that step's logits per row.
+
+    With one sequence this is the sequence alone: its own pool, its prefix, then its step."""
+    pool = scrambled_pool(model, block_size, max(map(len, sequences)), num_sequences=len(sequences))
+    block_ids: list[list[int]] = [[] for _ in sequences]
+    prefixes = [i for i, cached in enumerate(num_cached) if cached]
+    for i in prefixes:
+        grow(pool, block_ids[i], num_cached[i], f"sequence {i}")
+    if prefixes:
+        model(paged_batch(pool, [PagedRow(block_ids[i], 0, sequences[i][: num_cached[i]]) for i in prefixes]))
+    for i, sequence in enumerate(sequences):
+        grow(pool, block_ids[i], len(sequence), f"sequence {i}")
+    rows = [
+        PagedRow(ids, cached, seq[cached:])
+        for ids, cached, seq in zip(block_ids, num_cached, sequences, strict=True)
+    ]
+    batch = paged_batch(pool, rows)
+    return batch.rows(model.compute_logits(model(batch)))
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@torch.no_grad()
+def test_mixed_step_logits_equal_each_sequence_alone(tiny_pair, block_size):
+    """A decode, a prompt chunk over a cached prefix and a fresh prompt in one forward give each
+    row the logits its sequence gets when it runs alone (its own pool, prefix, then its step)."""
+    ours, _ = tiny_pair
+    sequences = _mixed_step_sequences(ours.config.vocab_size)
+    num_cached = [cached for cached, _ in MIXED_STEP.values()]
+    mixed = cached_step_logits(ours, sequences, num_cached, block_size)
+    for name, sequence, cached, got in zip(MIXED_STEP, sequences, num_cached, mixed, strict=True):
+        [alone] = cached_step_logits(ours, [sequence], [cached], block_size)
+        torch.testing.assert_close(
+            got, alone, atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"{name} row: {m}"
+        )
+
+
+@torch.no_grad()
+def test_mixed_step_logits_equal_transformers_on_each_full_sequence(tiny_pair):
+    ours, reference = tiny_pair
+    sequences = _mixed_step_sequences(ours.config.vocab_size)
+    num_cached = [cached for cached, _ in MIXED_STEP.values()]
+    mixed = cached_step_logits(ours, sequences, num_cached, block_size=4)
+    for name, sequence, cached, got in zip(MIXED_STEP, sequences, num_cached, mixed, strict=True):
+        expected = reference(torch.tensor([sequence])).logits[0, cached:]
+        torch.testing.assert_close(
+            got, expected, atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"{name} row: {m}"
+        )

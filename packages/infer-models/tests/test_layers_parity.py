@@ -44,10 +44,11 @@ def test_decoder_block_matches_transformers(pair, layer_idx):
     x = torch.randn(2, 10, config.hidden_size, generator=generator)
     # Row 1 starts at position 5: RoPE and the window see positions past the first rows.
     positions = torch.stack([torch.arange(10), torch.arange(5, 15)])
-    batch = ForwardBatch(input_ids=torch.zeros(2, 10, dtype=torch.long), positions=positions)
+    # Our block takes the two rows back to back, [20, hidden]; transformers' takes [2, 10, hidden].
+    batch = ForwardBatch.from_tokens([[0] * 10, [0] * 10], start_positions=[0, 5])
 
     with torch.no_grad():
-        hidden, residual = ours.layers[layer_idx](x.clone(), None, batch)
+        hidden, residual = ours.layers[layer_idx](x.flatten(0, 1).clone(), None, batch)
         layer_type = config.layer_types[layer_idx]
         rotary_args = (layer_type,) if config.model_type.startswith("gemma3") else ()
         expected = reference.model.layers[layer_idx](
@@ -56,7 +57,7 @@ def test_decoder_block_matches_transformers(pair, layer_idx):
             position_ids=positions,
             position_embeddings=reference.model.rotary_emb(x, positions, *rotary_args),
         )
-    torch.testing.assert_close(hidden + residual, expected, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close((hidden + residual).view_as(x), expected, atol=ATOL, rtol=RTOL)
 
 
 def test_llama3_scaled_rope_tables_match_transformers():

@@ -1,10 +1,12 @@
-"""Batched forwards follow the ForwardBatch padding rule: each right-padded row's logits equal
-transformers' logits for that prompt alone (fp32, CPU, tiny random checkpoints).
+"""Cache-free batched forwards: each row of a flat ForwardBatch gets the logits transformers gives
+that prompt alone (fp32, CPU, tiny random checkpoints).
 
 Single-prompt full-model parity, real checkpoints included, is the parity conformance suite
 (specs/parity/cases.yaml, PAR-010); this file covers what a single prompt cannot: rows of
 different lengths and start positions sharing one forward.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -34,13 +36,14 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def test_right_padded_rows_match_each_prompt_alone(pair):
+def test_rows_of_a_flat_batch_match_each_prompt_alone(pair):
     ours, reference = pair
     prompts = _prompts(ours.config.vocab_size)
-    logits = ours.compute_logits(ours(ForwardBatch.from_tokens(prompts)))
+    batch = ForwardBatch.from_tokens(prompts)
+    logits = batch.rows(ours.compute_logits(ours(batch)))
     for row, prompt in enumerate(prompts):
         expected = reference(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(logits[row, : len(prompt)], expected, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=RTOL)
 
 
 @torch.no_grad()
@@ -50,8 +53,24 @@ def test_rows_starting_mid_sequence_see_only_their_own_tokens(pair):
     ours, reference = pair
     prompts = _prompts(ours.config.vocab_size)
     starts = [0, 7, 2]
-    logits = ours.compute_logits(ours(ForwardBatch.from_tokens(prompts, start_positions=starts)))
+    batch = ForwardBatch.from_tokens(prompts, start_positions=starts)
+    logits = batch.rows(ours.compute_logits(ours(batch)))
     for row, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
         position_ids = torch.arange(start, start + len(prompt))[None]
         expected = reference(torch.tensor([prompt]), position_ids=position_ids).logits[0]
-        torch.testing.assert_close(logits[row, : len(prompt)], expected, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=RTOL)
+
+
+@torch.no_grad()
+def test_logits_indices_return_only_those_tokens(pair):
+    """With logits_indices (the engine asks for each row's last token) the model returns those
+    rows alone, and they are transformers' logits of each prompt's last position."""
+    ours, reference = pair
+    prompts = _prompts(ours.config.vocab_size)
+    last_tokens = torch.tensor(PROMPT_LENGTHS).cumsum(0) - 1
+    batch = dataclasses.replace(ForwardBatch.from_tokens(prompts), logits_indices=last_tokens)
+    logits = ours.compute_logits(ours(batch))
+    assert logits.shape == (len(prompts), ours.config.vocab_size)
+    for row, prompt in enumerate(prompts):
+        expected = reference(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=RTOL)

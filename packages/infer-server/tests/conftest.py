@@ -91,5 +91,5 @@ def start_server(make_engine):
 
 @pytest.fixture(scope="session")
 def server(start_server):
-    """The shared server: 4 slots, the default continuous batching on the slotted pool."""
+    """The shared server: 4 rows, the default continuous batching on the paged pool."""
     return start_server(max_batch_size=4)

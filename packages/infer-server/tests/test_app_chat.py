@@ -5,7 +5,8 @@ Oracle: our chat template rendered and tokenized by hand, then greedy single-req
 
 import pytest
 
-from infer.engine import SamplingParams, SingleRequestGenerator
+from conformance.oracles import RecomputeOracle
+from infer.engine import SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -15,7 +16,7 @@ def expected(smollm2_loaded):
     """(prompt ids, greedy result) for QUESTION, with room to reach the end of the turn."""
     prompt = smollm2_loaded.chat_template.render(QUESTION, add_generation_prompt=True)
     prompt_ids = smollm2_loaded.tokenizer.encode(prompt, add_special_tokens=False)
-    oracle = SingleRequestGenerator.from_loaded(smollm2_loaded)
+    oracle = RecomputeOracle(smollm2_loaded)
     return prompt_ids, oracle.generate(prompt_ids, SamplingParams(temperature=0, max_new_tokens=48))
 
 

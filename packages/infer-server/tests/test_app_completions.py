@@ -1,18 +1,19 @@
 """POST /v1/completions on a real server, through the real `openai` client.
 
-Oracle: greedy `infer.engine.SingleRequestGenerator` on the same model and the same prompt ids
-(one request, no batching, no server): the server's greedy answer must be the same tokens.
+Oracle: greedy `conformance.oracles.RecomputeOracle` on the same model and the same prompt ids
+(one request, no cache, no batching, no server): the server's greedy answer must be the same tokens.
 """
 
 import pytest
 
-from infer.engine import SamplingParams, SingleRequestGenerator
+from conformance.oracles import RecomputeOracle
+from infer.engine import SamplingParams
 from infer.server.schemas import CompletionRequest
 
 
 @pytest.fixture(scope="module")
-def oracle(smollm2_loaded) -> SingleRequestGenerator:
-    return SingleRequestGenerator.from_loaded(smollm2_loaded)
+def oracle(smollm2_loaded) -> RecomputeOracle:
+    return RecomputeOracle(smollm2_loaded)
 
 
 def greedy(oracle, smollm2_loaded, prompt: str, **params):

@@ -1,5 +1,5 @@
 """A client that hangs up aborts its request, streaming or not: the engine stops generating for
-it within a step, its KV slot is freed, it is counted as a disconnect, and others still finish."""
+it within a step, its KV blocks are freed, it is counted as a disconnect, and others still finish."""
 
 import socket
 import time
@@ -19,7 +19,7 @@ def wait_until(condition, timeout_s: float = 20.0, what: str = "condition") -> N
 def engine_idle(server) -> bool:
     stats = server.engine.stats()
     pool = server.engine.kv_pool
-    return stats.num_running == stats.num_waiting == 0 and pool.num_free == pool.capacity
+    return stats.num_running == stats.num_waiting == 0 and pool.allocator.num_used == 0
 
 
 def long_request(server, stream: bool) -> dict:
@@ -38,7 +38,7 @@ def counters(server) -> tuple[float, float]:
     return metrics.client_disconnects_total.value(), metrics.requests_total.value(finish_reason="abort")
 
 
-def test_stream_client_hanging_up_frees_the_slot(server):
+def test_stream_client_hanging_up_frees_the_blocks(server):
     wait_until(lambda: engine_idle(server), what="an idle engine before the test")
     disconnects, aborts = counters(server)
     with (
@@ -54,8 +54,8 @@ def test_stream_client_hanging_up_frees_the_slot(server):
             json={"model": server.model, "prompt": "Hi", "max_tokens": 2},
         )
         assert other.status_code == 200
-    wait_until(lambda: engine_idle(server), what="the slot freed after the disconnect")
-    # The slot is freed on the engine thread; the abort's final output reaches the metrics a
+    wait_until(lambda: engine_idle(server), what="the blocks freed after the disconnect")
+    # The blocks are freed on the engine thread; the abort's final output reaches the metrics a
     # moment later, on the event loop.
     expected = (disconnects + 1, aborts + 1)
     wait_until(lambda: counters(server) == expected, timeout_s=5.0, what=f"counters {expected}")
@@ -65,7 +65,7 @@ def test_stream_client_hanging_up_frees_the_slot(server):
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
-def test_non_streaming_client_hanging_up_frees_the_slot(server, endpoint):
+def test_non_streaming_client_hanging_up_frees_the_blocks(server, endpoint):
     wait_until(lambda: engine_idle(server), what="an idle engine before the test")
     disconnects, aborts = counters(server)
     body = long_request(server, stream=False)
@@ -80,8 +80,8 @@ def test_non_streaming_client_hanging_up_frees_the_slot(server, endpoint):
     with socket.create_connection(("127.0.0.1", server.port)) as connection:
         connection.sendall(raw)
         wait_until(lambda: server.engine.stats().num_running == 1, what="the request running")
-    wait_until(lambda: engine_idle(server), what="the slot freed after the disconnect")
-    # The slot is freed on the engine thread; the abort's final output reaches the metrics a
+    wait_until(lambda: engine_idle(server), what="the blocks freed after the disconnect")
+    # The blocks are freed on the engine thread; the abort's final output reaches the metrics a
     # moment later, on the event loop.
     expected = (disconnects + 1, aborts + 1)
     wait_until(lambda: counters(server) == expected, timeout_s=5.0, what=f"counters {expected}")

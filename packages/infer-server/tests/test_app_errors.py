@@ -140,15 +140,15 @@ def test_unknown_path_is_an_openai_404(server):
 
 
 @pytest.fixture(scope="module")
-def one_slot_server(start_server):
-    """One KV slot and a waiting queue of one: the third concurrent request must get 503."""
+def one_row_server(start_server):
+    """One running request at a time and a waiting queue of one: the third concurrent request must get 503."""
     running = start_server(max_batch_size=1, max_queue_len=1)
     yield running
     running.stop()
 
 
-def test_full_queue_answers_503_with_retry_after_and_admitted_requests_complete(one_slot_server):
-    server = one_slot_server
+def test_full_queue_answers_503_with_retry_after_and_admitted_requests_complete(one_row_server):
+    server = one_row_server
     long_request = {
         "model": server.model,
         "prompt": "Count:",
@@ -161,7 +161,7 @@ def test_full_queue_answers_503_with_retry_after_and_admitted_requests_complete(
         running_client.stream("POST", "/v1/completions", json=long_request) as running,
     ):
         first_events = running.iter_lines()
-        next(line for line in first_events if line.startswith("data:"))  # running: it holds the slot
+        next(line for line in first_events if line.startswith("data:"))  # running: it holds the only row
         # The headers of a stream are sent once the request is queued, so this one now waits.
         with (
             httpx.Client(base_url=server.base_url, timeout=60.0) as waiting_client,

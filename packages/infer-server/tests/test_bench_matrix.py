@@ -27,7 +27,7 @@ def test_matrix_runs_each_row_on_its_own_server_and_compares_to_static(tmp_path)
     )
     assert [(run["row"], run["workload"], run["concurrency"]) for run in summary["runs"]] == [
         ("static", "W2", 2),
-        ("continuous-fcfs", "W2", 2),
+        ("continuous-contiguous", "W2", 2),
     ]
     for row in rows:
         config = json.loads((tmp_path / row.name / "engine_config.json").read_text())
@@ -39,7 +39,7 @@ def test_matrix_runs_each_row_on_its_own_server_and_compares_to_static(tmp_path)
     table = (tmp_path / "matrix.md").read_text()
     static, continuous = (run["stats"]["output_tokens_per_s"] for run in summary["runs"])
     assert f"| W2 | 2 | static | {static:.1f} | 1.00 |" in table
-    assert f"| W2 | 2 | continuous-fcfs | {continuous:.1f} | {continuous / static:.2f} |" in table
+    assert f"| W2 | 2 | continuous-contiguous | {continuous:.1f} | {continuous / static:.2f} |" in table
 
 
 def test_a_row_whose_server_dies_is_reported_and_the_matrix_goes_on(tmp_path):
@@ -52,7 +52,7 @@ def test_a_row_whose_server_dies_is_reported_and_the_matrix_goes_on(tmp_path):
         server_command=f"{sys.executable} -c 'import sys; sys.exit(3)'",
         health_timeout_s=30,
     )
-    assert [failure["row"] for failure in summary["failed_rows"]] == ["static", "continuous-fcfs"]
+    assert [failure["row"] for failure in summary["failed_rows"]] == ["static", "continuous-contiguous"]
     assert "static failed: the server exited with status 3" in (tmp_path / "matrix.md").read_text()
 
 
@@ -82,7 +82,7 @@ def test_server_process_is_stopped_on_exit(tmp_path):
 
 
 def test_a_row_whose_config_is_invalid_here_is_reported_without_starting_a_server(tmp_path):
-    graphs_row = select_rows("continuous-prefill_first-cuda_graphs")
+    graphs_row = select_rows("paged-chunked-cuda_graphs")
     summary = run_matrix(
         model="peer-model",
         out_dir=tmp_path,
@@ -94,12 +94,12 @@ def test_a_row_whose_config_is_invalid_here_is_reported_without_starting_a_serve
     )
     assert summary["runs"] == []
     [failure] = summary["failed_rows"]
-    assert failure["row"] == "continuous-prefill_first-cuda_graphs"
-    assert "cuda_graphs=True needs a CUDA device" in failure["error"]
+    assert failure["row"] == "paged-chunked-cuda_graphs"
+    assert "use_cuda_graphs=True needs a CUDA device" in failure["error"]
 
 
 def test_rows_are_selected_by_name_and_unknown_names_are_refused():
-    assert [row.name for row in select_rows("static,continuous-fcfs")] == ["static", "continuous-fcfs"]
+    assert [row.name for row in select_rows("static,continuous-paged")] == ["static", "continuous-paged"]
     assert select_rows(None) == MATRIX_ROWS
     with pytest.raises(ValueError, match="unknown matrix rows \\['nope'\\]"):
         select_rows("static,nope")

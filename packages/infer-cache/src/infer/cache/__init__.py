@@ -1,22 +1,33 @@
-"""KV cache pools and allocators. Depends on torch only."""
+"""KV cache pools and their block allocator. Depends on torch only."""
 
 from infer.cache._version import INTERFACE_VERSION, __version__
-from infer.cache.allocator import SlotAllocator
-from infer.cache.contiguous import ContiguousKVCache, KVCacheShape
-from infer.cache.errors import CacheError, CacheFullError, DoubleFreeError, ForeignBlockError
-from infer.cache.protocol import KVPool
-from infer.cache.slotted import SlottedKVCache
+from infer.cache.block_allocator import BlockAllocator
+from infer.cache.errors import (
+    CacheError,
+    CacheFullError,
+    DoubleFreeError,
+    ForeignBlockError,
+    OwnerError,
+    UnallocatedBlockError,
+)
+from infer.cache.kv_pool import PagedKVPool, kv_budget_from_free_memory, num_blocks_for_memory
+from infer.cache.protocol import BlockAllocatorProtocol, KVPool
+from infer.cache.shape import KVCacheShape
 
 __all__ = [
     "INTERFACE_VERSION",
+    "BlockAllocator",
+    "BlockAllocatorProtocol",
     "CacheError",
     "CacheFullError",
-    "ContiguousKVCache",
     "DoubleFreeError",
     "ForeignBlockError",
     "KVCacheShape",
     "KVPool",
-    "SlotAllocator",
-    "SlottedKVCache",
+    "OwnerError",
+    "PagedKVPool",
+    "UnallocatedBlockError",
     "__version__",
+    "kv_budget_from_free_memory",
+    "num_blocks_for_memory",
 ]

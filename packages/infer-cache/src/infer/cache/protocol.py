@@ -1,24 +1,64 @@
-"""What the engine's runner needs from any KV pool, whichever layout it has.
+"""What the engine needs from a KV pool and its block allocator, whichever implementation.
 
-The runner builds a ForwardBatch from `kv_layers` and sizes memory with `kv_bytes`; it never
-asks which pool it holds (STYLE: "Cache pools satisfy one protocol").
+The runner reads `kv_layers`, `block_size` and `null_block`; the KV cache manager drives
+`allocator`. Neither asks which pool it holds (STYLE: "Cache pools satisfy one protocol"), and
+no code checks `isinstance` against these: they document the contract and type the arguments.
 """
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from infer.cache.contiguous import KVCacheShape
+from infer.cache.shape import KVCacheShape
+
+
+@runtime_checkable
+class BlockAllocatorProtocol(Protocol):
+    """Refcounted lending of block ids 0..num_blocks-1 to named owners (see BlockAllocator).
+
+    Every method that raises has changed nothing; the errors are infer.cache.CacheError's.
+    """
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_free(self) -> int: ...
+    @property
+    def num_used(self) -> int: ...
+    @property
+    def usage_ratio(self) -> float: ...
+
+    # Changes the allocator.
+    def allocate(self, num_blocks: int, owner: str) -> list[int]: ...
+    def share(self, block_ids: Iterable[int], owner: str) -> None: ...
+    def free(self, block_ids: Iterable[int], owner: str) -> None: ...
+    def free_owner(self, owner: str) -> list[int]: ...
+    def reclaim(self, live_owners: Collection[str]) -> list[int]: ...
+
+    # Reads only.
+    def refcount(self, block: int) -> int: ...
+    def owners_of(self, block: int) -> list[str]: ...
+    def owned_by(self, owner: str) -> list[int]: ...
+    def audit(self, live_owners: Collection[str]) -> list[int]: ...
 
 
 @runtime_checkable
 class KVPool(Protocol):
-    # The model's KV geometry and dtype (max_seq_len: the longest sequence one slot holds).
+    # The model's KV geometry, dtype and tokens per block.
     shape: KVCacheShape
+    # Lendable blocks, ids 0..num_blocks-1 (the null block is not among them).
+    num_blocks: int
+    allocator: BlockAllocatorProtocol
 
-    # Per layer (k_cache, v_cache); the layout is the pool's, ForwardBatch documents the one the
-    # models read today: [num_slots, num_kv_heads, max_seq_len, head_dim].
+    @property
+    def block_size(self) -> int: ...
+
+    # The reserved block padding rows write to; never lent out.
+    @property
+    def null_block(self) -> int: ...
+
+    # Per layer (k_cache, v_cache), each [num_blocks + 1, block_size, num_kv_heads, head_dim].
     @property
     def kv_layers(self) -> Sequence[tuple[torch.Tensor, torch.Tensor]]: ...
 

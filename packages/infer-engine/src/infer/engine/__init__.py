@@ -1,36 +1,14 @@
-"""Sampling, stop handling and generation: the loop that turns a prompt into streamed text."""
+"""The engine: config, requests, scheduler, KV manager, runner, sampler, stop handling, and
+generation through one engine core (the server's, and `generate` / `stream` without a server)."""
 
 from infer.engine._version import INTERFACE_VERSION, __version__
-from infer.engine.eos import collect_eos_token_ids
-from infer.engine.forward_paths import CachedForward, RecomputeForward
-from infer.engine.generate import GenerationChunk, GenerationResult, SingleRequestGenerator
-from infer.engine.sampler import make_generator, sample_next_tokens
-from infer.engine.sampling_params import SamplingParams
-from infer.engine.stop import FINISH_LENGTH, FINISH_STOP, StopChecker, StopStringMatcher
-
-__all__ = [
-    "FINISH_LENGTH",
-    "FINISH_STOP",
-    "INTERFACE_VERSION",
-    "CachedForward",
-    "GenerationChunk",
-    "GenerationResult",
-    "RecomputeForward",
-    "SamplingParams",
-    "SingleRequestGenerator",
-    "StopChecker",
-    "StopStringMatcher",
-    "__version__",
-    "collect_eos_token_ids",
-    "make_generator",
-    "sample_next_tokens",
-]
-
-# The serving engine: config, requests, scheduler, runner (appended after the generation names
-# above, which another change owns; imports here come after __all__ on purpose).
-from infer.engine.config import EngineConfig, EngineConfigError, add_cli_arguments, from_cli_args  # noqa: E402
-from infer.engine.engine import Engine, EngineStats  # noqa: E402
-from infer.engine.request import (  # noqa: E402
+from infer.engine.config import EngineConfig, EngineConfigError, add_cli_arguments, from_cli_args
+from infer.engine.decision import NewRequest, RunnerOutput, RunningRequest, ScheduleDecision
+from infer.engine.engine import Engine, EngineStats
+from infer.engine.eos import collect_eos_token_ids, eos_token_ids_of
+from infer.engine.generate import GenerationChunk, GenerationResult, generate, stream
+from infer.engine.kv_manager import KVCacheManager
+from infer.engine.request import (
     FINISH_ABORT,
     QueueFullError,
     Request,
@@ -38,24 +16,45 @@ from infer.engine.request import (  # noqa: E402
     RequestTooLongError,
     StepOutput,
 )
-from infer.engine.runner import ModelRunner  # noqa: E402
-from infer.engine.scheduler import PrefillChunk, ScheduleDecision, Scheduler  # noqa: E402
+from infer.engine.runner import ModelRunner
+from infer.engine.sampler import make_generator, sample_next_tokens
+from infer.engine.sampling_params import SamplingParams
+from infer.engine.scheduler import Scheduler
+from infer.engine.stop import FINISH_LENGTH, FINISH_STOP, StopChecker, StopStringMatcher
 
-__all__ += [
+__all__ = [
     "FINISH_ABORT",
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "INTERFACE_VERSION",
     "Engine",
     "EngineConfig",
     "EngineConfigError",
     "EngineStats",
+    "GenerationChunk",
+    "GenerationResult",
+    "KVCacheManager",
     "ModelRunner",
-    "PrefillChunk",
+    "NewRequest",
     "QueueFullError",
     "Request",
     "RequestState",
     "RequestTooLongError",
+    "RunnerOutput",
+    "RunningRequest",
+    "SamplingParams",
     "ScheduleDecision",
     "Scheduler",
     "StepOutput",
+    "StopChecker",
+    "StopStringMatcher",
+    "__version__",
     "add_cli_arguments",
+    "collect_eos_token_ids",
+    "eos_token_ids_of",
     "from_cli_args",
+    "generate",
+    "make_generator",
+    "sample_next_tokens",
+    "stream",
 ]

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from infer.engine.cli import load_generator, resolve_device_and_dtype
-from infer.engine.generate import SingleRequestGenerator
+from infer.engine.cli import load_engine, resolve_device_and_dtype
+from infer.engine.engine import Engine
+from infer.engine.generate import generate, stream
 from infer.engine.sampling_params import SamplingParams
 
 
@@ -60,21 +61,18 @@ class GenerationTiming:
 def run_bench_generate(args: argparse.Namespace) -> int:
     device, dtype = resolve_device_and_dtype(args)
     runtime_rss = resident_bytes()
-    loaded, generator = load_generator(args)
+    loaded, engine = load_engine(args)
     prompt_ids = random_prompt(loaded, args.prompt_tokens, seed=args.seed)
     params = SamplingParams(temperature=0, max_new_tokens=args.gen_tokens, ignore_eos=True)
 
-    # Warm-up: first-call costs (allocator, kernel selection) and the full-length KV cache.
-    generator.generate(prompt_ids[:16], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
-    generator.forward.reserve(len(prompt_ids) + args.gen_tokens)
-    if getattr(generator.forward, "decode_graphs", None) is not None:
-        generator.forward.decode_graphs.capture_all()
+    # Warm-up: first-call costs (allocator, kernel compilation); graphs were captured at start-up.
+    generate(engine, prompt_ids, params)
     probe = PeakMemoryProbe(device)
     runs, token_ids = [], []
     for _ in range(args.repeats):
-        timing, token_ids = time_generation(generator, prompt_ids, params)
+        timing, token_ids = time_generation(engine, prompt_ids, params)
         runs.append(timing)
-    memory = memory_split(loaded.model, generator, probe.finish(), device)
+    memory = memory_split(loaded.model, engine, probe.finish(), device)
     ours = median_timing(runs)
 
     report = {
@@ -84,14 +82,14 @@ def run_bench_generate(args: argparse.Namespace) -> int:
         "flags": {key: value for key, value in vars(args).items() if key != "run"},
         "infer": {
             **ours.as_dict(),
-            "kv_cache": generator.use_kv_cache,
-            "cuda_graph": args.cuda_graph,
+            "kv_cache_backend": engine.config.kv_cache_backend,
+            "use_cuda_graphs": args.use_cuda_graphs,
             "runs": [r.as_dict() for r in runs],
         },
         "memory": {**memory, "runtime_rss_bytes_before_load": runtime_rss if device.type == "cpu" else None},
     }
     if args.compare_hf:
-        del generator
+        del engine
         hf_timing, hf_token_ids = time_hf_generate(
             loaded.path, prompt_ids, args.gen_tokens, device, dtype, args.repeats
         )
@@ -117,14 +115,14 @@ def random_prompt(loaded, num_tokens: int, *, seed: int) -> list[int]:
 
 
 def time_generation(
-    generator: SingleRequestGenerator, prompt_ids: list[int], params: SamplingParams
+    engine: Engine, prompt_ids: list[int], params: SamplingParams
 ) -> tuple[GenerationTiming, list[int]]:
-    _synchronize(generator.device)
+    _synchronize(engine.device)
     start = time.perf_counter()
-    stream = generator.stream(prompt_ids, params)
-    token_ids = [next(stream).token_id]
+    chunks = stream(engine, prompt_ids, params)
+    token_ids = [next(chunks).token_id]
     first_token_at = time.perf_counter()
-    token_ids += [chunk.token_id for chunk in stream]
+    token_ids += [chunk.token_id for chunk in chunks]
     end = time.perf_counter()
     return GenerationTiming(
         first_token_at - start, end - first_token_at, len(prompt_ids), len(token_ids)
@@ -196,11 +194,10 @@ class PeakMemoryProbe:
         return {"start_bytes": self.start_bytes, "peak_bytes": peak}
 
 
-def memory_split(model: torch.nn.Module, generator: SingleRequestGenerator, probe: dict, device) -> dict:
+def memory_split(model: torch.nn.Module, engine: Engine, probe: dict, device) -> dict:
     tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
     weights = sum(t.numel() * t.element_size() for t in tensors.values())
-    cache = getattr(generator.forward, "cache", None)
-    kv = cache.kv_bytes if cache is not None else 0
+    kv = engine.kv_pool.kv_bytes
     if device.type == "cuda":
         method = "torch.cuda.max_memory_allocated; other = peak - weights - KV"
         other = probe["peak_bytes"] - weights - kv
@@ -281,11 +278,11 @@ def markdown_report(report: dict) -> str:
         f"model {model['path']} (revision {model['revision']}), {model['dtype']}",
         f"flags: {flags}",
         "",
-        "| engine | KV cache | prompt | generated | prefill s | prefill tok/s | decode tok/s | total s |",
+        "| engine | KV pool | prompt | generated | prefill s | prefill tok/s | decode tok/s | total s |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
         _timing_row(
-            "infer, CUDA graph" if report["infer"]["cuda_graph"] else "infer",
-            "yes" if report["infer"]["kv_cache"] else "no (recompute)",
+            "infer, CUDA graphs" if report["infer"]["use_cuda_graphs"] else "infer",
+            report["infer"]["kv_cache_backend"],
             report["infer"],
         ),
     ]

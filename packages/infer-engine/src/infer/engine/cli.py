@@ -12,10 +12,9 @@ import time
 
 import torch
 
+from infer.engine.config import DTYPES, EngineConfig, resolve_dtype
 from infer.engine.sampling_params import SamplingParams
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from infer.models import DEFAULT_MODEL
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,11 +69,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument(
-        "--dtype", choices=["auto", *_DTYPES], default="auto", help="auto: bfloat16 on CUDA, float32 on CPU"
+        "--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on CUDA, float32 on CPU"
     )
-    parser.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
     parser.add_argument(
-        "--cuda-graph", action="store_true", help="decode by replaying a CUDA graph (CUDA only)"
+        "--max-seq-len", type=int, default=None, help="prompt + new tokens (default: model's, <= 4096)"
+    )
+    parser.add_argument(
+        "--use-cuda-graphs", action="store_true", help="decode by replaying CUDA graphs (CUDA only)"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (EOS ids, loading)")
 
@@ -93,21 +94,25 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve_device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.dtype == "auto":
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    return device, _DTYPES[args.dtype]
+    return device, resolve_dtype(args.dtype, device)
 
 
-def load_generator(args: argparse.Namespace):
-    """(LoadedModel, SingleRequestGenerator) for the model, device, dtype and cache flags in `args`."""
-    from infer.engine.generate import SingleRequestGenerator
+def load_engine(args: argparse.Namespace, *, max_batch_size: int = 1):
+    """(LoadedModel, Engine) for the model, device, dtype and graph flags in `args`: the same
+    engine core as `infer serve`, stepped in this thread."""
+    from infer.engine.engine import Engine
     from infer.models.load import load_model
 
     device, dtype = resolve_device_and_dtype(args)
     loaded = load_model(args.model, dtype=dtype, device=device)
-    return loaded, SingleRequestGenerator.from_loaded(
-        loaded, use_kv_cache=not args.no_kv_cache, cuda_graph=args.cuda_graph
+    config = EngineConfig(
+        model=args.model,
+        device=str(device),
+        max_seq_len=args.max_seq_len,
+        max_batch_size=max_batch_size,
+        use_cuda_graphs=args.use_cuda_graphs,
     )
+    return loaded, Engine(config, loaded_model=loaded)
 
 
 def encode_prompt(loaded, text: str, *, chat: bool) -> list[int]:
@@ -137,12 +142,14 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"infer generate: {err}", file=sys.stderr)
         return 2
-    loaded, generator = load_generator(args)
+    from infer.engine.generate import stream
+
+    loaded, engine = load_engine(args)
     prompt_ids = encode_prompt(loaded, " ".join(args.prompt), chat=args.chat)
     start = time.perf_counter()
     first_token_at = None
     num_tokens, finish_reason = 0, None
-    for chunk in generator.stream(prompt_ids, params):
+    for chunk in stream(engine, prompt_ids, params):
         if first_token_at is None:
             first_token_at = time.perf_counter()
         num_tokens += 1
@@ -156,7 +163,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(
         f"[{num_tokens} tokens, finish {finish_reason}; prompt {len(prompt_ids)} tokens in {prefill_s:.3f} s "
         f"({len(prompt_ids) / prefill_s:.0f} tokens/s); decode {decode_rate}; "
-        f"{'KV cache' if generator.use_kv_cache else 'no KV cache'}, {generator.device}, "
+        f"{'CUDA graphs' if engine.config.use_cuda_graphs else 'eager'}, {engine.device}, "
         f"{next(loaded.model.parameters()).dtype}]",
         file=sys.stderr,
     )

@@ -15,13 +15,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_BACKENDS = ("contiguous", "slotted")
-# Accepted names that are not built yet: rejected with a pointer to what works today.
-RESERVED_KV_CACHE_BACKENDS = ("paged",)
+import torch
+
+from infer.models import DEFAULT_MODEL
+
+# The one dtype table; "auto" is float32 on the CPU (half precision is slow there and gains
+# nothing) and bfloat16 on CUDA, whatever the checkpoint stores.
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("auto", *TORCH_DTYPES)
+# contiguous: one block of max_seq_len per sequence (the paged pool with block_size = max_seq_len).
+KV_CACHE_BACKENDS = ("contiguous", "paged")
 BATCHING_MODES = ("static", "continuous")
 SCHEDULER_POLICIES = ("fcfs", "prefill_first", "decode_round_robin")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """The torch dtype for a DTYPES name on `device` ("auto" by the rule above)."""
+    if name == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    return TORCH_DTYPES[name]
 
 
 class EngineConfigError(ValueError):
@@ -34,20 +47,28 @@ def _flag(default, help: str, **extra):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = _flag("smollm2-135m-instruct", "model alias or Hugging Face checkpoint folder")
-    dtype: str = _flag(
-        "auto", "weights and KV dtype; auto: float32 on CPU, the checkpoint's on CUDA", choices=DTYPES
-    )
+    model: str = _flag(DEFAULT_MODEL, "model alias or Hugging Face checkpoint folder")
+    dtype: str = _flag("auto", "weights and KV dtype; auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)
     device: str = _flag("auto", "cpu, cuda or cuda:N; auto: cuda when available")
     # None: the model's max_position_embeddings, capped at 4096 so the default KV pool stays small.
     max_seq_len: int | None = _flag(None, "longest prompt + generation one request may have")
     seed: int = _flag(0, "seeds every request that brings no seed of its own (deterministic steps)")
-    max_batch_size: int = _flag(8, "requests running at once (= KV slots)")
+    max_batch_size: int = _flag(8, "requests running at once")
     max_num_batched_tokens: int = _flag(2048, "tokens per step: prefill chunks + one per decoding request")
     kv_cache_backend: str = _flag(
-        "slotted",
-        "contiguous (static batches only) or slotted",
-        choices=KV_CACHE_BACKENDS + RESERVED_KV_CACHE_BACKENDS,
+        "paged",
+        "paged: blocks of block_size tokens taken as sequences grow; "
+        "contiguous: one block of max_seq_len per sequence",
+        choices=KV_CACHE_BACKENDS,
+    )
+    block_size: int = _flag(16, "tokens per KV block (paged backend)")
+    num_gpu_blocks: int | None = _flag(
+        None,
+        "KV blocks in the pool; None: kv_cache_memory_fraction of free device memory if set, "
+        "else room for max_batch_size sequences of max_seq_len",
+    )
+    kv_cache_memory_fraction: float | None = _flag(
+        None, "fraction of the device memory free after loading the weights to give the KV pool (CUDA)"
     )
     batching_mode: str = _flag(
         "continuous",
@@ -56,9 +77,17 @@ class EngineConfig:
     )
     scheduler_policy: str = _flag("fcfs", "order of a step's work", choices=SCHEDULER_POLICIES)
     decode_service_interval: int = _flag(4, "a decoding request gets a token at least once every N steps")
+    use_chunked_prefill: bool = _flag(
+        False, "split prompts into chunks of prefill_chunk_size that share steps with decodes: true or false"
+    )
+    prefill_chunk_size: int = _flag(512, "most prompt tokens of one request in one step (chunked prefill)")
+    max_prefill_chunks_per_step: int | None = _flag(
+        None, "most prompt chunks in one step (chunked prefill); None: no cap"
+    )
     max_queue_len: int = _flag(1024, "waiting requests beyond which add_request raises QueueFullError")
-    cuda_graphs: bool = _flag(
-        False, "decode through CUDA graphs captured per batch and context size (CUDA only): true or false"
+    use_cuda_graphs: bool = _flag(
+        False,
+        "replay decode-only steps from CUDA graphs captured per batch bucket (CUDA only): true or false",
     )
 
     def __post_init__(self):
@@ -74,26 +103,41 @@ class EngineConfig:
         _check_int(self, "max_num_batched_tokens", minimum=1)
         _check_int(self, "decode_service_interval", minimum=1)
         _check_int(self, "max_queue_len", minimum=1)
-        if not isinstance(self.cuda_graphs, bool):
-            raise EngineConfigError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
-        if self.cuda_graphs and self.device == "cpu":
+        _check_int(self, "block_size", minimum=1)
+        _check_int(self, "prefill_chunk_size", minimum=1)
+        if self.num_gpu_blocks is not None:
+            _check_int(self, "num_gpu_blocks", minimum=1)
+        if self.max_prefill_chunks_per_step is not None:
+            _check_int(self, "max_prefill_chunks_per_step", minimum=1)
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and (
+            isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1
+        ):
+            raise EngineConfigError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction!r}")
+        if fraction is not None and self.num_gpu_blocks is not None:
             raise EngineConfigError(
-                "cuda_graphs=True needs a CUDA device, got device='cpu'; set device='cuda'"
+                "set num_gpu_blocks or kv_cache_memory_fraction, not both: each sizes the KV pool"
             )
-        if self.kv_cache_backend in RESERVED_KV_CACHE_BACKENDS:
-            raise EngineConfigError(
-                f"kv_cache_backend={self.kv_cache_backend!r} is reserved and not implemented yet; "
-                "use 'slotted' (or 'contiguous' with batching_mode='static')"
-            )
+        for name in ("use_chunked_prefill", "use_cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _check_choice(self, "kv_cache_backend", KV_CACHE_BACKENDS)
         _check_choice(self, "batching_mode", BATCHING_MODES)
         _check_choice(self, "scheduler_policy", SCHEDULER_POLICIES)
-        if self.batching_mode == "continuous" and self.kv_cache_backend != "slotted":
+        # The seed's compatibility rules.
+        if self.use_chunked_prefill and self.batching_mode != "continuous":
             raise EngineConfigError(
-                "batching_mode='continuous' requires kv_cache_backend='slotted', "
-                f"got {self.kv_cache_backend!r}: "
-                "a contiguous cache cannot lend slots to requests that join and leave; "
-                "set kv_cache_backend='slotted' or batching_mode='static'"
+                "use_chunked_prefill=True requires batching_mode='continuous', got "
+                f"{self.batching_mode!r}; set batching_mode='continuous' or use_chunked_prefill=False"
+            )
+        if self.use_cuda_graphs and (self.batching_mode != "continuous" or self.kv_cache_backend != "paged"):
+            raise EngineConfigError(
+                "use_cuda_graphs=True requires batching_mode='continuous' and kv_cache_backend='paged', got "
+                f"{self.batching_mode!r} and {self.kv_cache_backend!r}"
+            )
+        if self.use_cuda_graphs and self.device == "cpu":
+            raise EngineConfigError(
+                "use_cuda_graphs=True needs a CUDA device, got device='cpu'; set device='cuda'"
             )
         if self.max_num_batched_tokens < self.max_batch_size:
             # Otherwise the running requests could not all decode in one step, and the
@@ -149,6 +193,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     for config_field in dataclasses.fields(EngineConfig):
         kind = _parse_bool if config_field.type in (bool, "bool") else int
         kind = str if config_field.name in _STRING_FIELDS else kind
+        kind = float if config_field.name in _FLOAT_FIELDS else kind
         default = config_field.default
         group.add_argument(
             "--" + config_field.name.replace("_", "-"),
@@ -173,6 +218,7 @@ def from_cli_args(namespace: argparse.Namespace) -> EngineConfig:
 
 
 _STRING_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.type in (str, "str")}
+_FLOAT_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.type in (float, float | None)}
 
 
 def _parse_bool(text: str) -> bool:

@@ -1,144 +1,158 @@
-"""CUDA graphs for the decode forward: one token per row in, next-token logits out.
+"""CUDA graphs for decode-only steps: one token per row in, next-token logits out.
 
 A decode step of a small model is mostly CPU time: hundreds of kernel launches of a few
 microseconds each (the H100 profile in docs/benchmarks/generation.md: about 90% of the step).
-A graph replays all of them with one launch. Graphs need static shapes, so one is captured per
-batch bucket (powers of two up to max_batch_size) and replayed for every batch that fits it:
+A graph replays all of them with one launch. Graphs need static shapes and addresses, so the
+inputs live in static device buffers sized for `max_batch_size` rows, one graph is captured per
+batch bucket (powers of two up to max_batch_size), and a step of B rows replays the smallest
+bucket >= B:
 
-- rows past the real batch are padding: token 0 at position `max_seq_len - 1`, in the slot of
-  the first real row, reading one key. By ForwardBatch's padding rule no real query sees a key at
-  that position (callers feed positions <= max_seq_len - 2), so the garbage a pad row writes is
-  never read;
-- attention reads each row's own keys up to its length (`infer.kernels.decode_attention`, lengths
-  on the device), so one graph serves every context length.
+- rows past B are padding: token 0 at position 0, writing its K/V to the pool's reserved null
+  block (never lent to a request) and reading one key from it;
+- attention reads each row's own keys through its block table, with lengths on the device, and
+  its launch is sized for `max_seq_len`, so one graph serves every context length.
 
-Graphs are captured on first use, or all at once with `capture_all` (the engine does this at
-start-up). The graphs hold the model, the KV tensors and their own static inputs: a new cache needs a new
-`DecodeGraphs`. Sampling stays outside the graph (per-request generators, data-dependent paths).
+Mixed steps (prompt chunks with decodes) run eagerly: their token counts vary too much to bucket.
+Sampling stays outside the graph (per-request generators, data-dependent paths).
 """
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from infer.models.forward_batch import ForwardBatch
+from infer.models.forward_batch import AttentionMetadata, ForwardBatch
 
 
-def _buckets(smallest: int, largest: int) -> list[int]:
-    """Powers of two from `smallest` below `largest`, then `largest` itself."""
-    sizes, size = [], smallest
+def batch_buckets(largest: int) -> list[int]:
+    """Powers of two below `largest`, then `largest` itself."""
+    sizes, size = [], 1
     while size < largest:
         sizes.append(size)
         size *= 2
     return [*sizes, largest]
 
 
-def _bucket(buckets: list[int], size: int) -> int:
-    return next(bucket for bucket in buckets if bucket >= size)
-
-
-class _CapturedDecode:
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: torch.Tensor, logits: torch.Tensor):
-        self.graph = graph
-        self.inputs = inputs  # [4, batch]: token ids, positions, slot ids, keys to read
-        self.logits = logits  # [batch, vocab], rewritten by every replay
-
-
 class DecodeGraphs:
-    """`logits(token_ids, positions, slot_ids)`: what `model.compute_logits(model(batch))` gives for
-    one decode token per row, from a replayed CUDA graph."""
+    """`logits(...)`: what `model.compute_logits(model(batch))` gives for a decode-only step."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
         *,
-        max_seq_len: int,
         max_batch_size: int,
+        max_seq_len: int,
+        block_size: int,
+        null_block: int,
     ):
         self.model = model
         self.kv_layers = kv_layers
         self.max_seq_len = max_seq_len
+        self.block_size = block_size
+        self.null_block = null_block
         self.device = next(model.parameters()).device
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {self.device}")
-        self.batch_buckets = _buckets(1, max_batch_size)
-        self._graphs: dict[int, _CapturedDecode] = {}
+        self.buckets = batch_buckets(max_batch_size)
+        max_blocks = -(-max_seq_len // block_size)
+        rows = max_batch_size
+        device = self.device
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((rows,), null_block * block_size, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((rows, max_blocks), null_block, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # One memory pool for every graph: only one runs at a time and its logits are consumed
         # before the next replay.
         self._pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.buckets[-1]
 
     @property
     def num_captured(self) -> int:
         return len(self._graphs)
 
     def capture_all(self) -> None:
-        """Captures every batch bucket now, so that no request pays for a capture."""
-        for batch_size in self.batch_buckets:
+        """Captures every bucket now (at start-up), so that no request pays for a capture."""
+        for batch_size in self.buckets:
             if batch_size not in self._graphs:
                 self._graphs[batch_size] = self._capture(batch_size)
 
     @torch.inference_mode()
     def logits(
-        self, token_ids: Sequence[int], positions: Sequence[int], slot_ids: Sequence[int]
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
     ) -> torch.Tensor:
-        """[len(token_ids), vocab] logits; the view is valid until the next call."""
-        num_rows = len(token_ids)
-        if not num_rows or not len(positions) == len(slot_ids) == num_rows:
-            raise ValueError(
-                f"one position and slot per token: {num_rows} tokens, {len(positions)} positions, "
-                f"{len(slot_ids)} slots"
-            )
-        if num_rows > self.batch_buckets[-1]:
-            raise ValueError(f"{num_rows} rows, but graphs were sized for at most {self.batch_buckets[-1]}")
-        if max(positions) > self.max_seq_len - 2:
-            raise ValueError(
-                f"position {max(positions)} is past max_seq_len - 2 = {self.max_seq_len - 2}, "
-                "where pad rows write"
-            )
-        batch_size = _bucket(self.batch_buckets, num_rows)
-        captured = self._graphs.get(batch_size)
-        if captured is None:
-            captured = self._graphs[batch_size] = self._capture(batch_size)
+        """[B, vocab] logits of B decode rows; the view is valid until the next call."""
+        num_rows = len(input_ids)
+        if not 0 < num_rows <= self.max_batch_size:
+            raise ValueError(f"{num_rows} rows, but graphs were captured for 1..{self.max_batch_size}")
+        batch_size = next(bucket for bucket in self.buckets if bucket >= num_rows)
+        if batch_size not in self._graphs:
+            self._graphs[batch_size] = self._capture(batch_size)
+        graph, logits = self._graphs[batch_size]
         pad = batch_size - num_rows
-        host = torch.tensor(
-            [
-                [*token_ids, *[0] * pad],
-                [*positions, *[self.max_seq_len - 1] * pad],
-                [*slot_ids, *[slot_ids[0]] * pad],
-                [*(position + 1 for position in positions), *[1] * pad],
-            ],
-            dtype=torch.long,
+        width = block_tables.shape[1]
+        self.input_ids[:batch_size].copy_(torch.from_numpy(np.pad(input_ids, (0, pad))), non_blocking=True)
+        self.positions[:batch_size].copy_(torch.from_numpy(np.pad(positions, (0, pad))), non_blocking=True)
+        null_slot = self.null_block * self.block_size
+        self.slot_mapping[:batch_size].copy_(
+            torch.from_numpy(np.pad(slot_mapping, (0, pad), constant_values=null_slot)), non_blocking=True
         )
-        captured.inputs.copy_(host, non_blocking=True)
-        captured.graph.replay()
-        return captured.logits[:num_rows]
+        self.seq_lens[:batch_size].copy_(
+            torch.from_numpy(np.pad(seq_lens, (0, pad), constant_values=1)), non_blocking=True
+        )
+        self.block_tables[:num_rows, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
+        self.block_tables[num_rows:batch_size].fill_(self.null_block)
+        graph.replay()
+        return logits[:num_rows]
 
-    def _capture(self, batch_size: int) -> _CapturedDecode:
-        inputs = torch.zeros(4, batch_size, dtype=torch.long, device=self.device)
-        # Every row a pad row while warming up and capturing.
-        inputs[1] = self.max_seq_len - 1
-        inputs[3] = 1
+    def _batch(self, batch_size: int) -> ForwardBatch:
+        metadata = AttentionMetadata(
+            query_start_loc=self.query_start_loc[: batch_size + 1],
+            seq_lens=self.seq_lens[:batch_size],
+            slot_mapping=self.slot_mapping[:batch_size],
+            block_tables=self.block_tables[:batch_size],
+            num_decode_rows=batch_size,
+            max_query_len=1,
+            # The launch is sized for the longest possible row; shorter rows end early.
+            max_seq_len=self.max_seq_len,
+        )
+        return ForwardBatch(
+            input_ids=self.input_ids[:batch_size],
+            positions=self.positions[:batch_size],
+            attention=metadata,
+            kv_layers=self.kv_layers,
+        )
+
+    def _capture(self, batch_size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Every row is a pad row while warming up and capturing.
+        self.slot_mapping.fill_(self.null_block * self.block_size)
+        self.seq_lens.fill_(1)
+        self.block_tables.fill_(self.null_block)
+        batch = self._batch(batch_size)
 
         def forward() -> torch.Tensor:
-            batch = ForwardBatch(
-                input_ids=inputs[0, :, None],
-                positions=inputs[1, :, None],
-                kv_layers=self.kv_layers,
-                slot_ids=inputs[2],
-                seq_lens=inputs[3],
-            )
-            return self.model.compute_logits(self.model(batch)[:, 0])
+            return self.model.compute_logits(self.model(batch))
 
         # Warm-up on a side stream, as torch.cuda.graphs asks: compiles Triton kernels and lets
         # the allocator settle before capture.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), torch.inference_mode():
             for _ in range(2):
                 forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
             logits = forward()
-        return _CapturedDecode(graph, inputs, logits)
+        return graph, logits

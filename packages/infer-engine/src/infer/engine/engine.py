@@ -5,11 +5,12 @@ Synchronous by design. The server calls `step()` in a loop from one dedicated th
 request (or the abort) in an inbox under a lock, and the next `step()` takes the inbox in, so
 the scheduler, the KV pool and the requests are touched by the stepping thread alone.
 
-A step: take in new requests and aborts (an aborted request's slot is free before anything is
-scheduled, and it gets a final StepOutput with finish_reason "abort"), ask the scheduler for a
-decision, run its prefill chunks in one forward and its decodes in another, push each sampled
-token through the request's StopChecker, then retire whatever finished. A forward that raises
-fails only the requests of its batch (FAILED, error set, slots freed); the others go on.
+A step: take in new requests and aborts (an aborted request's blocks are free before anything
+is scheduled, and it gets a final StepOutput with finish_reason "abort"), ask the scheduler for a
+decision (`infer.engine.decision`), run every scheduled token in one forward
+(`ModelRunner.execute`), push each sampled token through the request's StopChecker, then retire
+whatever finished. A forward that raises fails only the requests of its step (FAILED, error
+set, blocks freed); the engine goes on.
 """
 
 import logging
@@ -20,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.cache import ContiguousKVCache, KVCacheShape, SlotAllocator, SlottedKVCache
-from infer.engine.config import EngineConfig, EngineConfigError
-from infer.engine.cuda_graphs import DecodeGraphs
-from infer.engine.eos import collect_eos_token_ids
+from infer.cache import KVCacheShape, PagedKVPool, kv_budget_from_free_memory, num_blocks_for_memory
+from infer.engine.config import EngineConfig, EngineConfigError, resolve_dtype
+from infer.engine.eos import eos_token_ids_of
+from infer.engine.kv_manager import KVCacheManager
 from infer.engine.request import (
     FINISH_ABORT,
     QueueFullError,
@@ -32,7 +33,6 @@ from infer.engine.request import (
     StepOutput,
 )
 from infer.engine.runner import ModelRunner
-from infer.engine.sampler import make_generator
 from infer.engine.sampling_params import SamplingParams
 from infer.engine.scheduler import Scheduler
 from infer.engine.stop import StopChecker
@@ -40,16 +40,15 @@ from infer.engine.stop import StopChecker
 logger = logging.getLogger(__name__)
 
 # The default max_seq_len when the config gives none: the model's context, at most this, so the
-# default pool (max_batch_size slots of max_seq_len) stays a few hundred MB for small models.
+# default pool (room for max_batch_size sequences of max_seq_len) stays small for small models.
 DEFAULT_MAX_SEQ_LEN_CAP = 4096
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
-    # Fraction of KV slots lent out; bytes count whole reserved slots.
+    # Fraction of the pool's KV blocks in use; bytes count whole blocks.
     kv_usage_ratio: float
     kv_bytes_used: int
     kv_bytes_total: int
@@ -59,6 +58,8 @@ class EngineStats:
     num_finished: int
     num_aborted: int
     num_failed: int
+    # Preemptions so far (a request preempted twice counts twice).
+    num_preempted: int
     # Wall time spent inside step() with work to do; the rates below are over it.
     busy_time_s: float
     prompt_tokens_per_s: float
@@ -73,9 +74,8 @@ class Engine:
         if loaded_model is None:
             from infer.models.load import load_model
 
-            loaded_model = load_model(
-                config.model, dtype=_resolve_dtype(config), device=_resolve_device(config)
-            )
+            device = _resolve_device(config)
+            loaded_model = load_model(config.model, dtype=resolve_dtype(config.dtype, device), device=device)
         else:
             logger.info(
                 "engine uses the given model from %s; config.model/dtype/device are not used",
@@ -87,43 +87,34 @@ class Engine:
         parameter = next(model.parameters())
         self.device = parameter.device
         self.max_seq_len = _resolve_max_seq_len(config, model.config.max_position_embeddings)
-        shape = KVCacheShape(
-            num_layers=model.config.num_layers,
-            num_kv_heads=model.config.num_kv_heads,
-            head_dim=model.config.head_dim,
-            max_seq_len=self.max_seq_len,
-            dtype=parameter.dtype,
+        self.kv_pool = _build_kv_pool(config, model, self.max_seq_len, self.device)
+        logger.info(
+            "KV pool: %d blocks of %d tokens (%.1f MiB)",
+            self.kv_pool.num_blocks,
+            self.kv_pool.block_size,
+            self.kv_pool.kv_bytes / 2**20,
         )
-        if config.kv_cache_backend == "slotted":
-            self.kv_cache = SlottedKVCache(shape, num_slots=config.max_batch_size, device=self.device)
-            self.kv_pool = self.kv_cache
-        else:
-            # Static batches only (EngineConfig says so): the allocator's lowest-first ids make a
-            # fresh batch's row b use row b of the contiguous cache.
-            self.kv_cache = ContiguousKVCache(shape, num_slots=config.max_batch_size, device=self.device)
-            self.kv_pool = SlotAllocator(config.max_batch_size)
         self.scheduler = Scheduler.from_engine_config(
-            config, kv_pool=self.kv_pool, max_seq_len=self.max_seq_len
+            config,
+            kv_manager=KVCacheManager(self.kv_pool.allocator, self.kv_pool.block_size),
+            max_seq_len=self.max_seq_len,
         )
-        decode_graphs = None
-        if config.cuda_graphs:
-            if self.device.type != "cuda":
-                raise EngineConfigError(
-                    f"cuda_graphs=True needs a CUDA device, the model is on {self.device}"
-                )
-            decode_graphs = DecodeGraphs(
-                model,
-                self.kv_cache.kv_layers,
-                max_seq_len=self.max_seq_len,
-                max_batch_size=config.max_batch_size,
+        if config.use_cuda_graphs and self.device.type != "cuda":
+            raise EngineConfigError(
+                f"use_cuda_graphs=True needs a CUDA device, the model is on {self.device}"
             )
+        self.runner = ModelRunner(
+            model,
+            self.kv_pool,
+            max_batch_size=config.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            use_cuda_graphs=config.use_cuda_graphs,
+        )
+        if self.runner.decode_graphs is not None:
             # At start-up, not on first use: a capture takes tens of milliseconds, which would
             # land on the latency of whichever request first needs a new bucket.
-            decode_graphs.capture_all()
-        self.runner = ModelRunner(
-            model, self.kv_cache.kv_layers, max_seq_len=self.max_seq_len, decode_graphs=decode_graphs
-        )
-        self.eos_token_ids = _eos_token_ids(loaded_model)
+            self.runner.decode_graphs.capture_all()
+        self.eos_token_ids = eos_token_ids_of(loaded_model)
         self._vocab_size = model.config.vocab_size
         # Guards the inbox and the live set, which other threads touch through add_request/abort.
         self._lock = threading.Lock()
@@ -132,7 +123,8 @@ class Engine:
         self._live: dict[str, Request] = {}
         self._num_added = 0
         self._counters = dict.fromkeys(
-            ["num_steps", "prompt_tokens", "generation_tokens", "finished", "aborted", "failed"], 0
+            ["num_steps", "prompt_tokens", "generation_tokens", "finished", "aborted", "failed", "preempted"],
+            0,
         )
         self._busy_time_s = 0.0
 
@@ -176,7 +168,7 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        """Asks for `request_id` to stop; the next step frees its slot and yields its final
+        """Asks for `request_id` to stop; the next step frees its blocks and yields its final
         StepOutput (finish_reason "abort"). False when the id is unknown or already finished."""
         with self._lock:
             if request_id not in self._live:
@@ -201,28 +193,23 @@ class Engine:
             self.scheduler.add(request)
         outputs = [output for output in map(self._abort, abort_ids) if output is not None]
         decision = self.scheduler.schedule()
+        self._counters["preempted"] += len(decision.preempted_request_ids)
         finished: list[str] = []
-        if decision.prefills:
-            work = [(self.scheduler.get(chunk.request_id), chunk) for chunk in decision.prefills]
-            try:
-                tokens = self.runner.prefill(work)
-            except Exception as error:  # noqa: BLE001 - any forward failure fails its batch, not the engine
-                outputs += self._fail([request for request, _ in work], error, finished)
-            else:
-                self._counters["prompt_tokens"] += sum(chunk.num_tokens for chunk in decision.prefills)
-                for (request, _), token in zip(work, tokens, strict=True):
-                    if token is not None:
-                        outputs.append(self._accept_token(request, token, finished))
-        if decision.decodes:
-            requests = [self.scheduler.get(request_id) for request_id in decision.decodes]
-            try:
-                tokens = self.runner.decode(requests)
-            except Exception as error:  # noqa: BLE001 - see above
-                outputs += self._fail(requests, error, finished)
-            else:
-                for request, token in zip(requests, tokens, strict=True):
-                    outputs.append(self._accept_token(request, token, finished))
-        self.scheduler.update(decision, finished=finished)
+        num_prompt_tokens = self._num_prompt_tokens(decision)
+        try:
+            runner_output = self.runner.execute(decision)
+        except Exception as error:  # noqa: BLE001 - a failed forward fails its step's requests, not the engine
+            scheduled = [self.scheduler.get(request_id) for request_id in decision.scheduled_request_ids]
+            outputs += self._fail(scheduled, error, finished)
+        else:
+            self._counters["prompt_tokens"] += num_prompt_tokens
+            for request, token_ids in self.scheduler.update(decision, runner_output):
+                for token_id in token_ids:
+                    outputs.append(self._accept_token(request, token_id, finished))
+                    if request.state is RequestState.FINISHED:
+                        break
+        for request_id in finished:
+            self.scheduler.finish(request_id)
         with self._lock:
             for request_id in finished:
                 self._live.pop(request_id, None)
@@ -234,22 +221,22 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._lock:
             num_incoming = len(self._incoming)
-        capacity = self.kv_pool.capacity
-        num_used = capacity - self.kv_pool.num_free
+        allocator = self.kv_pool.allocator
         busy = self._busy_time_s
         counters = self._counters
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting + num_incoming,
-            kv_usage_ratio=num_used / capacity,
-            kv_bytes_used=self.kv_cache.kv_bytes * num_used // capacity,
-            kv_bytes_total=self.kv_cache.kv_bytes,
+            kv_usage_ratio=allocator.usage_ratio,
+            kv_bytes_used=allocator.num_used * self.kv_pool.shape.bytes_per_block(),
+            kv_bytes_total=self.kv_pool.kv_bytes,
             num_steps=counters["num_steps"],
             num_prompt_tokens_total=counters["prompt_tokens"],
             num_generation_tokens_total=counters["generation_tokens"],
             num_finished=counters["finished"],
             num_aborted=counters["aborted"],
             num_failed=counters["failed"],
+            num_preempted=counters["preempted"],
             busy_time_s=busy,
             prompt_tokens_per_s=counters["prompt_tokens"] / busy if busy else 0.0,
             generation_tokens_per_s=counters["generation_tokens"] / busy if busy else 0.0,
@@ -257,20 +244,23 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------------
 
+    def _num_prompt_tokens(self, decision) -> int:
+        """Scheduled tokens that are prompt (or recompute) work: all but decodes of a sampled token."""
+        total = 0
+        for request_id, n in decision.num_scheduled_tokens.items():
+            request = self.scheduler.get(request_id)
+            is_decode = n == 1 and request.num_computed_tokens >= request.num_prompt_tokens
+            total += 0 if is_decode else n
+        return total
+
     def _prepare(self, request: Request) -> None:
         from infer.models.loader.tokenizer import IncrementalDetokenizer
 
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=request.prompt_ids)
         request.stop_checker = StopChecker(request.params, self.eos_token_ids, detokenizer)
-        # A request without its own seed draws from one derived from the engine seed and its
-        # arrival, so the same seed and the same queue give the same tokens.
-        seed = request.params.seed
-        if seed is None:
-            seed = (self.config.seed * 1_000_003 + request.arrival_index) % 2**63
-        request.generator = make_generator(seed, self.device)
 
     def _accept_token(self, request: Request, token_id: int, finished: list[str]) -> StepOutput:
-        request.output_ids.append(token_id)
+        """`token_id` is already in request.output_ids (Scheduler.update); check stops on it."""
         self._counters["generation_tokens"] += 1
         text, finish_reason = request.stop_checker.push(token_id)
         if finish_reason is not None:
@@ -278,19 +268,10 @@ class Engine:
             request.finish_reason = finish_reason
             finished.append(request.request_id)
             self._counters["finished"] += 1
-        return StepOutput(
-            request_id=request.request_id,
-            token_id=token_id,
-            text_delta=text,
-            finished=finish_reason is not None,
-            finish_reason=finish_reason,
-            error=None,
-            prompt_tokens=request.num_prompt_tokens,
-            completion_tokens=len(request.output_ids),
-        )
+        return _step_output(request, token_id, text=text, finish_reason=finish_reason)
 
     def _abort(self, request_id: str) -> StepOutput | None:
-        request = self.scheduler.remove(request_id)
+        request = self.scheduler.finish(request_id)
         with self._lock:
             self._live.pop(request_id, None)
         if request is None:
@@ -298,16 +279,7 @@ class Engine:
         request.state = RequestState.FINISHED
         request.finish_reason = FINISH_ABORT
         self._counters["aborted"] += 1
-        return StepOutput(
-            request_id=request_id,
-            token_id=None,
-            text_delta="",
-            finished=True,
-            finish_reason=FINISH_ABORT,
-            error=None,
-            prompt_tokens=request.num_prompt_tokens,
-            completion_tokens=len(request.output_ids),
-        )
+        return _step_output(request, None, finish_reason=FINISH_ABORT)
 
     def _fail(self, requests: list[Request], error: Exception, finished: list[str]) -> list[StepOutput]:
         message = f"{type(error).__name__}: {error}"
@@ -318,32 +290,35 @@ class Engine:
             request.error = message
             finished.append(request.request_id)
             self._counters["failed"] += 1
-            outputs.append(
-                StepOutput(
-                    request_id=request.request_id,
-                    token_id=None,
-                    text_delta="",
-                    finished=True,
-                    finish_reason=None,
-                    error=message,
-                    prompt_tokens=request.num_prompt_tokens,
-                    completion_tokens=len(request.output_ids),
-                )
-            )
+            outputs.append(_step_output(request, None, error=message))
         return outputs
+
+
+def _step_output(
+    request: Request,
+    token_id: int | None,
+    *,
+    text: str = "",
+    finish_reason: str | None = None,
+    error: str | None = None,
+) -> StepOutput:
+    """The one StepOutput builder: a token (with the text it releases), or a final word."""
+    return StepOutput(
+        request_id=request.request_id,
+        token_id=token_id,
+        text_delta=text,
+        finished=finish_reason is not None or error is not None,
+        finish_reason=finish_reason,
+        error=error,
+        prompt_tokens=request.num_prompt_tokens,
+        completion_tokens=len(request.output_ids),
+    )
 
 
 def _resolve_device(config: EngineConfig) -> str:
     if config.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return config.device
-
-
-def _resolve_dtype(config: EngineConfig) -> torch.dtype | None:
-    if config.dtype != "auto":
-        return _DTYPES[config.dtype]
-    # On the CPU half precision is slow and gains nothing; on CUDA keep the checkpoint's dtype.
-    return torch.float32 if _resolve_device(config) == "cpu" else None
 
 
 def _resolve_max_seq_len(config: EngineConfig, model_max_positions: int) -> int:
@@ -357,11 +332,24 @@ def _resolve_max_seq_len(config: EngineConfig, model_max_positions: int) -> int:
     return config.max_seq_len
 
 
-def _eos_token_ids(loaded) -> frozenset[int]:
-    # The same union SingleRequestGenerator.from_loaded collects (infer.engine.eos).
-    end_of_turn = getattr(loaded.chat_template, "end_of_turn_token", None) if loaded.chat_template else None
-    return collect_eos_token_ids(
-        loaded.path,
-        tokenizer_eos_token_id=loaded.tokenizer.eos_token_id,
-        end_of_turn_token_id=loaded.tokenizer.token_id(end_of_turn) if end_of_turn else None,
+def _build_kv_pool(config: EngineConfig, model, max_seq_len: int, device: torch.device) -> PagedKVPool:
+    """The pool the config asks for: blocks of block_size (paged) or of max_seq_len (contiguous)."""
+    block_size = config.block_size if config.kv_cache_backend == "paged" else max_seq_len
+    shape = KVCacheShape(
+        num_layers=model.config.num_layers,
+        num_kv_heads=model.config.num_kv_heads,
+        head_dim=model.config.head_dim,
+        dtype=next(model.parameters()).dtype,
+        block_size=block_size,
     )
+    if config.num_gpu_blocks is not None:
+        num_blocks = config.num_gpu_blocks
+    elif config.kv_cache_memory_fraction is not None:
+        budget = kv_budget_from_free_memory(device, config.kv_cache_memory_fraction)
+        num_blocks = num_blocks_for_memory(shape, budget)
+    else:
+        # The memory of max_batch_size whole sequences, as the slotted pool had.
+        num_blocks = config.max_batch_size * shape.blocks_for_tokens(max_seq_len)
+    if num_blocks < 1:
+        raise EngineConfigError(f"the KV pool would hold {num_blocks} blocks; give it more memory")
+    return PagedKVPool(shape, num_blocks=num_blocks, device=device)

@@ -57,3 +57,15 @@ def _as_ids(value) -> list[int]:
         if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
             raise ValueError(f"eos_token_id must be an int >= 0 or a list of them, got {value!r}")
     return list(values)
+
+
+def eos_token_ids_of(loaded) -> frozenset[int]:
+    """The EOS set of an `infer.models.LoadedModel`: its folder's declarations, its tokenizer's EOS
+    and its chat template's end-of-turn token."""
+    template = loaded.chat_template
+    end_of_turn = getattr(template, "end_of_turn_token", None) if template else None
+    return collect_eos_token_ids(
+        loaded.path,
+        tokenizer_eos_token_id=loaded.tokenizer.eos_token_id,
+        end_of_turn_token_id=loaded.tokenizer.token_id(end_of_turn) if end_of_turn else None,
+    )

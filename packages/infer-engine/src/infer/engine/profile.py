@@ -20,7 +20,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from infer.engine.bench_generate import random_prompt
-from infer.engine.cli import load_generator
+from infer.engine.cli import load_engine
+from infer.engine.generate import generate, stream
 from infer.engine.sampling_params import SamplingParams
 
 DECODE_STEP = "infer.decode_step"
@@ -28,20 +29,20 @@ PREFILL = "infer.prefill"
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    loaded, generator = load_generator(args)
-    on_cuda = generator.device.type == "cuda"
+    loaded, engine = load_engine(args)
+    on_cuda = engine.device.type == "cuda"
     prompt_ids = random_prompt(loaded, args.prompt_tokens, seed=0)
     params = SamplingParams(temperature=0, max_new_tokens=args.gen_tokens, ignore_eos=True)
-    generator.generate(prompt_ids, params)  # warm-up, outside the trace
+    generate(engine, prompt_ids, params)  # warm-up, outside the trace
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
-        stream = generator.stream(prompt_ids, params)
+        chunks = stream(engine, prompt_ids, params)
         with record_function(PREFILL):
-            next(stream)
+            next(chunks)
         while True:
             with record_function(DECODE_STEP):
-                chunk = next(stream, None)
+                chunk = next(chunks, None)
             if chunk is None or chunk.finished:
                 break
 
@@ -53,7 +54,7 @@ def run_profile(args: argparse.Namespace) -> int:
     print(
         f"{'CUDA kernels' if on_cuda else 'CPU ops'} by self time: {len(prompt_ids)} prompt tokens, "
         f"{args.gen_tokens} generated, {loaded.path}, {next(loaded.model.parameters()).dtype}, "
-        f"{'KV cache' if generator.use_kv_cache else 'no KV cache'}, torch {torch.__version__}"
+        f"{'CUDA graphs' if engine.config.use_cuda_graphs else 'eager'}, torch {torch.__version__}"
     )
     print(prof.key_averages().table(sort_by=sort_by, row_limit=args.row_limit))
     if on_cuda:

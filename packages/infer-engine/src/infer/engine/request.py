@@ -1,10 +1,19 @@
 """One request's life in the engine, and what each step reports about it.
 
-    WAITING --admitted--> PREFILL --prompt in cache, first token--> DECODE --> FINISHED
-       \\____________________\\_____________________________________\\____--> FAILED (error)
+    WAITING ---admitted---> RUNNING ---last token, or abort---> FINISHED
+       |                    |   ^  |
+       |         preempted: |   |  +---its forward raised---> FAILED
+       |       blocks freed |   | admitted again: recomputes prompt + outputs
+       |                    v   |
+       |                   PREEMPTED
+       +---abort (from WAITING or PREEMPTED)---> FINISHED
 
-A request is FINISHED with finish_reason "stop" (EOS, a stop token id, a stop string),
-"length" (max_new_tokens) or "abort"; FAILED when the forward of its batch raised.
+A request is `num_computed_tokens` (tokens whose K/V are in its blocks) chasing `num_tokens`
+(prompt + every token sampled so far). While prefilling, several known tokens are uncomputed;
+while decoding, exactly one: the token it sampled last, fed back in the next step. A waiting or
+preempted request is FINISHED by an abort too. FINISHED carries finish_reason "stop" (EOS, a stop
+token id, a stop string), "length" (max_new_tokens) or "abort"; FAILED carries the error of the
+forward that raised.
 """
 
 import enum
@@ -26,19 +35,17 @@ class RequestTooLongError(ValueError):
 
 class RequestState(enum.Enum):
     WAITING = "waiting"
-    PREFILL = "prefill"
-    DECODE = "decode"
+    RUNNING = "running"
+    # Waiting again after a preemption: its blocks were freed, it recomputes when admitted again.
+    PREEMPTED = "preempted"
     FINISHED = "finished"
     FAILED = "failed"
-
-    @property
-    def is_done(self) -> bool:
-        return self in (RequestState.FINISHED, RequestState.FAILED)
 
 
 @dataclass(eq=False)
 class Request:
-    """The scheduler reads the counters; the engine owns the token lists and the per-request objects."""
+    """The scheduler owns the counters and block ids; the engine owns the per-request objects
+    (stop_checker, generator) and sets state, finish_reason and error when a request ends."""
 
     request_id: str
     prompt_ids: list[int]
@@ -47,10 +54,13 @@ class Request:
     arrival_index: int = 0
     state: RequestState = RequestState.WAITING
     output_ids: list[int] = field(default_factory=list)
-    # Tokens whose K and V are in the cache (prompt chunks prefilled + tokens fed back by decode).
+    # Tokens whose K and V are in the request's blocks (0 again after a preemption).
     num_computed_tokens: int = 0
-    # KV blocks (slots) the scheduler reserved at admission; empty while waiting and after retire.
-    kv_blocks: list[int] = field(default_factory=list)
+    # The request's KV blocks in order: token i lives in block_ids[i // block_size]. Grows as
+    # tokens are scheduled; empty while waiting, after a preemption and once finished.
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    # The step of the latest admission (the first, or the one after a preemption).
     admitted_step: int | None = None
     # The last step that gave this request a token (prefill completion or decode): decode fairness.
     last_served_step: int | None = None
@@ -69,25 +79,26 @@ class Request:
         return self.params.max_new_tokens
 
     @property
-    def max_total_tokens(self) -> int:
-        """The most positions this request can ever occupy: what admission reserves."""
-        return self.num_prompt_tokens + self.max_new_tokens
+    def num_tokens(self) -> int:
+        """Every token known so far: the prompt, then each sampled token."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """A new list: the prompt, then each sampled token."""
+        return self.prompt_ids + self.output_ids
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_prompt_tokens
-
-    @property
-    def slot(self) -> int:
-        """The KV slot of a slotted or contiguous cache (one block of max_seq_len tokens)."""
-        if not self.kv_blocks:
-            raise RuntimeError(f"request {self.request_id!r} holds no KV slot (state {self.state.value})")
-        return self.kv_blocks[0]
+        """More than one known token is not computed yet (a prompt, or a recompute after a
+        preemption). A decoding request has exactly one: its last sampled token."""
+        return self.num_computed_tokens < self.num_tokens - 1
 
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.state.value}, prompt={self.num_prompt_tokens}, "
-            f"computed={self.num_computed_tokens}, generated={len(self.output_ids)})"
+            f"computed={self.num_computed_tokens}, generated={len(self.output_ids)}, "
+            f"blocks={len(self.block_ids)})"
         )
 
 

@@ -1,104 +1,124 @@
-"""ModelRunner: turns a step's prefill chunks and decodes into ForwardBatches, runs the model and
-samples each row's next token with the batched sampler.
+"""ModelRunner.execute(decision) -> RunnerOutput: every scheduled token of a step in one forward.
 
-Prefill: rows are the requests' chunks, right-padded to the longest; pad tokens take positions
-past the row's real tokens (ForwardBatch's padding rule), clamped below max_seq_len. Admission
-keeps prompt + max_new_tokens <= max_seq_len, so every position that is ever fed (at most
-max_seq_len - 2) stays clear of the clamped pad position and no pad overwrites a real key.
-Decode: one row per request, one token each, at that request's own position.
-Every row names its cache slot (slot_ids), so the batch order need not follow the slots.
-With `decode_graphs` (EngineConfig.cuda_graphs) the decode forward is a replayed CUDA graph.
+Prompt chunks and decodes go through the same flat forward (`ForwardBatch`, decode rows first);
+a decode-only step that fits the captured buckets replays a CUDA graph instead
+(`EngineConfig.use_cuda_graphs`). Rows whose last scheduled token is their last known token
+sample one token each, with the batched sampler; a mid-prompt chunk samples nothing. The runner
+keeps each request's tokens in its `InputBatch` and appends what it samples, so the next
+decision only says how many tokens to run.
 """
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from infer.engine.cuda_graphs import DecodeGraphs
-from infer.engine.request import Request
+from infer.engine.decision import RunnerOutput, ScheduleDecision
+from infer.engine.input_batch import InputBatch, StepInputs
 from infer.engine.sampler import sample_next_tokens
-from infer.engine.scheduler import PrefillChunk
-from infer.models.forward_batch import ForwardBatch
+from infer.models.forward_batch import AttentionMetadata, ForwardBatch
 
 
 class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        kv_pool,
         *,
+        max_batch_size: int,
         max_seq_len: int,
-        decode_graphs: DecodeGraphs | None = None,
+        use_cuda_graphs: bool = False,
     ):
+        """`kv_pool`: an infer.cache.KVPool (its kv_layers, block_size and null_block are used)."""
         self.model = model
-        self.kv_layers = kv_layers
+        self.kv_layers = kv_pool.kv_layers
         self.max_seq_len = max_seq_len
-        self.decode_graphs = decode_graphs
         self.device = next(model.parameters()).device
-
-    @torch.inference_mode()
-    def prefill(self, work: Sequence[tuple[Request, PrefillChunk]]) -> list[int | None]:
-        """Runs every chunk in one forward; returns the sampled token of each row whose chunk ends
-        its prompt, None for the others (their prompt continues next step)."""
-        rows = [request.prompt_ids[chunk.start : chunk.start + chunk.num_tokens] for request, chunk in work]
-        starts = [chunk.start for _, chunk in work]
-        requests = [request for request, _ in work]
-        hidden = self._forward(rows, starts, requests)
-        sampling_rows = [b for b, (_, chunk) in enumerate(work) if chunk.completes_prompt]
-        tokens: list[int | None] = [None] * len(work)
-        if sampling_rows:
-            last_hidden = torch.stack([hidden[b, len(rows[b]) - 1] for b in sampling_rows])
-            sampled = self._sample(
-                self.model.compute_logits(last_hidden), [requests[b] for b in sampling_rows]
-            )
-            for b, token in zip(sampling_rows, sampled, strict=True):
-                tokens[b] = token
-        return tokens
-
-    @torch.inference_mode()
-    def decode(self, requests: Sequence[Request]) -> list[int]:
-        """Feeds each request's last token at its own position, in one forward; samples the next."""
-        starts = [request.num_computed_tokens for request in requests]
-        if self.decode_graphs is not None:
-            logits = self.decode_graphs.logits(
-                [request.output_ids[-1] for request in requests],
-                starts,
-                [request.slot for request in requests],
-            )
-            return self._sample(logits, requests)
-        hidden = self._forward([[request.output_ids[-1]] for request in requests], starts, requests)
-        return self._sample(self.model.compute_logits(hidden[:, 0]), requests)
-
-    def _forward(self, rows: list[list[int]], starts: list[int], requests: Sequence[Request]) -> torch.Tensor:
-        width = max(len(row) for row in rows)
-        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, row in enumerate(rows):
-            input_ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-        positions = (torch.tensor(starts)[:, None] + torch.arange(width)[None, :]).clamp(
-            max=self.max_seq_len - 1
+        self.input_batch = InputBatch(
+            max_rows=max_batch_size,
+            max_seq_len=max_seq_len,
+            block_size=kv_pool.block_size,
+            device=self.device,
         )
-        last_real_position = max(start + len(row) - 1 for start, row in zip(starts, rows, strict=True))
-        batch = ForwardBatch(
-            input_ids=input_ids.to(self.device),
-            positions=positions.to(self.device),
+        self.decode_graphs = None
+        if use_cuda_graphs:
+            self.decode_graphs = DecodeGraphs(
+                model,
+                self.kv_layers,
+                max_batch_size=max_batch_size,
+                max_seq_len=max_seq_len,
+                block_size=kv_pool.block_size,
+                null_block=kv_pool.null_block,
+            )
+
+    @torch.inference_mode()
+    def execute(self, decision: ScheduleDecision) -> RunnerOutput:
+        self.input_batch.apply(decision)
+        if decision.is_empty:
+            return RunnerOutput((), ())
+        step = self.input_batch.prepare(decision)
+        logits = self._logits(step)
+        sampling_ids = [step.request_ids[row] for row in step.sampling_rows]
+        tokens = self._sample(logits, sampling_ids) if sampling_ids else []
+        sampled = dict(zip(sampling_ids, tokens, strict=True))
+        for request_id, token in sampled.items():
+            self.input_batch.append_token(request_id, token)
+        return RunnerOutput(
+            request_ids=tuple(step.request_ids),
+            sampled_token_ids=tuple((sampled[rid],) if rid in sampled else () for rid in step.request_ids),
+        )
+
+    def _logits(self, step: StepInputs) -> torch.Tensor:
+        """Logits of the sampling rows, in order."""
+        num_rows = len(step.request_ids)
+        graphs = self.decode_graphs
+        if graphs is not None and step.num_decode_rows == num_rows and num_rows <= graphs.max_batch_size:
+            logits = graphs.logits(
+                step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.block_tables
+            )
+            if len(step.sampling_rows) == num_rows:
+                return logits
+            return logits[torch.tensor(step.sampling_rows, device=self.device)]
+        if not step.sampling_rows:
+            # Mid-prompt chunks only: the forward still fills the cache.
+            self.model(self.forward_batch(step, logits_indices=np.zeros(1, dtype=np.int64)))
+            return torch.empty(0)
+        hidden = self.model(self.forward_batch(step, logits_indices=step.logits_indices))
+        return self.model.compute_logits(hidden)
+
+    def forward_batch(self, step: StepInputs, *, logits_indices: np.ndarray) -> ForwardBatch:
+        def device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+        metadata = AttentionMetadata(
+            query_start_loc=device(step.query_start_loc),
+            seq_lens=device(step.seq_lens),
+            slot_mapping=device(step.slot_mapping),
+            block_tables=device(step.block_tables),
+            num_decode_rows=step.num_decode_rows,
+            max_query_len=int(np.diff(step.query_start_loc).max()),
+            max_seq_len=int(step.seq_lens.max()),
+        )
+        return ForwardBatch(
+            input_ids=device(step.input_ids),
+            positions=device(step.positions),
+            attention=metadata,
             kv_layers=self.kv_layers,
-            slot_ids=torch.tensor(
-                [request.slot for request in requests], dtype=torch.long, device=self.device
-            ),
-            context_len=last_real_position + 1,
+            logits_indices=device(logits_indices),
         )
-        return self.model(batch)
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> list[int]:
+        states = [self.input_batch.states[rid] for rid in request_ids]
         # The repetition penalty reads prompt + generated ids; other rows need no list.
         histories = [
-            request.prompt_ids + request.output_ids if request.params.repetition_penalty != 1.0 else []
-            for request in requests
+            self.input_batch.history(rid) if state.sampling.repetition_penalty != 1.0 else []
+            for rid, state in zip(request_ids, states, strict=True)
         ]
         tokens = sample_next_tokens(
             logits,
-            [request.params for request in requests],
+            [state.sampling for state in states],
             histories,
-            [request.generator for request in requests],
+            [state.generator for state in states],
         )
         return tokens.tolist()

@@ -1,149 +1,167 @@
-"""Planning one engine step: who is admitted, who prefills how many tokens, who decodes.
+"""Planning one engine step: how many tokens each request runs, who is admitted, who is preempted.
 
-Plain data out (`ScheduleDecision`), no tensors, so the scheduler runs in tests against a fake
-model (conformance/scheduler/checks.py). The loop, with the engine or a simulation driving:
+Plain data out (`infer.engine.decision.ScheduleDecision`), no tensors, so the scheduler runs in
+tests against a fake runner (conformance/scheduler/checks.py). A request is
+`num_computed_tokens` chasing `num_tokens` (prompt + sampled tokens); the scheduler only ever
+decides "run n more tokens of this request". The loop, with the engine or a simulation driving:
 
-    scheduler.add(request)                   # rejected at once if it can never fit
-    decision = scheduler.schedule()          # admits (reserves KV), plans the step
-    ... run decision.prefills and decision.decodes, sample, check stops ...
-    scheduler.update(decision, finished=ids) # advance counters, retire and free the finished
-    scheduler.remove(request_id)             # abort or failure, at any point between steps
+    scheduler.add(request)                    # rejected at once if it can never fit
+    decision = scheduler.schedule()           # admits, takes blocks, preempts, plans the step
+    runner_output = runner.execute(decision)  # one forward; a token for each row that reached
+                                              # its last known token
+    for request, new_token_ids in scheduler.update(decision, runner_output):
+        ...                                   # the engine checks stops; for each that ends:
+    scheduler.finish(request_id)              # finished, aborted or failed: blocks freed at once
 
-Budgets: at most max_num_seqs requests run at once, at most max_num_batched_tokens tokens per
-step (a prefill chunk counts its tokens, a decode counts one), and a KV pool of blocks of
-kv_block_size tokens. Admission reserves the blocks for prompt + max_new_tokens in one go (the
-slotted pool is one block of max_seq_len per request), so a running request never outgrows the
-pool and is never preempted; preemption waits for the paged pool, where blocks grow on demand.
+Budgets: at most max_batch_size requests run at once, at most max_num_batched_tokens tokens per
+step (a prefill chunk counts its tokens, a decode counts one), and the KV pool behind
+`kv_manager`. Blocks are taken as tokens are scheduled (`kv_manager.allocate(request, n)`), never
+for prompt + max_new_tokens up front.
+
+Prefill: with use_chunked_prefill, a request's prompt (or recompute) goes in chunks of at most
+prefill_chunk_size tokens and at most the step's remaining budget, and a step holds at most
+max_prefill_chunks_per_step prefill rows (None: no cap). Without it, a prompt is scheduled whole
+in one step and waits for a step whose remaining budget holds it, with one exception: a prompt
+longer than max_num_batched_tokens, which no budget ever holds, runs whole in a step with no
+other prefill (that step then exceeds max_num_batched_tokens by the prompt's excess).
+
+Preemption (recompute): when a running request cannot get the blocks for its tokens, the
+lowest-priority running request is preempted: the most recently admitted one not already
+scheduled in this step (the requester itself when it is that one). Its blocks are all freed,
+num_computed_tokens drops to 0, it waits again (state PREEMPTED) ahead of every request that
+never ran, and the decision lists it in `preempted_request_ids`; then the allocation is retried.
+Admitted again, it goes out as a NewRequest with every token it knows (prompt + outputs) and
+recomputes them; the runner samples its next token once its last known token is computed, so
+greedy output is the same as if it had never been preempted. A step that preempts admits no one.
 
 Fairness: a decoding request not served for decode_service_interval steps is served before
-anything else in the step (max_num_batched_tokens >= max_num_seqs makes room for all of them),
+anything else in the step (max_num_batched_tokens >= max_batch_size makes room for all of them),
 and admission is strictly first come first served, so a queued request waits only for the
-requests ahead of it.
+requests ahead of it. The policy (scheduling_policy.py) orders the rest of the step.
 """
 
 from collections import deque
-from collections.abc import Collection, Iterable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
 
+from infer.engine.decision import NewRequest, RunnerOutput, RunningRequest, ScheduleDecision
+from infer.engine.kv_manager import KVCacheManager
 from infer.engine.request import QueueFullError, Request, RequestState, RequestTooLongError
 from infer.engine.scheduling_policy import ADMIT, policy_named
 
 
-class BlockPool(Protocol):
-    """What the scheduler needs of a KV pool: infer.cache.SlottedKVCache and SlotAllocator fit."""
+@dataclass
+class _StepPlan:
+    """What one schedule() call has decided so far."""
 
-    @property
-    def capacity(self) -> int: ...
-
-    @property
-    def num_free(self) -> int: ...
-
-    def allocate(self, owner: str) -> int: ...
-
-    def free(self, block: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    request_id: str
-    # Prompt positions [start, start + num_tokens) are computed this step.
-    start: int
-    num_tokens: int
-    # The chunk ends the prompt: the step samples the request's first token from its last position.
-    completes_prompt: bool
-
-
-@dataclass(frozen=True)
-class ScheduleDecision:
     step: int
-    # Requests that left the queue this step (their KV is reserved), in admission order.
-    admitted: tuple[str, ...]
-    prefills: tuple[PrefillChunk, ...]
-    # Requests that feed back their last token and sample the next one.
-    decodes: tuple[str, ...]
+    budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+    num_prefill_rows: int = 0
 
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(chunk.num_tokens for chunk in self.prefills) + len(self.decodes)
-
-    @property
-    def scheduled_request_ids(self) -> tuple[str, ...]:
-        return tuple(chunk.request_id for chunk in self.prefills) + self.decodes
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefills and not self.decodes
+    def add(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
+        if request.is_prefilling:
+            self.num_prefill_rows += 1
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.new_block_ids[request.request_id] = new_block_ids
+        # Below 0 only after a whole prompt longer than the budget (see the module docstring).
+        self.budget = max(0, self.budget - num_tokens)
+        if request.num_computed_tokens + num_tokens == request.num_tokens:
+            request.last_served_step = self.step
 
 
 class Scheduler:
     def __init__(
         self,
         *,
-        kv_pool: BlockPool,
-        kv_block_size: int,
+        kv_manager: KVCacheManager,
         max_seq_len: int,
-        max_num_seqs: int,
+        max_batch_size: int,
         max_num_batched_tokens: int,
         policy: str = "fcfs",
         decode_service_interval: int = 1,
         static_batches: bool = False,
+        use_chunked_prefill: bool = False,
+        prefill_chunk_size: int = 512,
+        max_prefill_chunks_per_step: int | None = None,
         max_queue_len: int | None = None,
+        engine_seed: int = 0,
     ):
         for name, value in [
-            ("kv_block_size", kv_block_size),
             ("max_seq_len", max_seq_len),
-            ("max_num_seqs", max_num_seqs),
+            ("max_batch_size", max_batch_size),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("decode_service_interval", decode_service_interval),
+            ("prefill_chunk_size", prefill_chunk_size),
         ]:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if max_num_batched_tokens < max_num_seqs:
+        if max_prefill_chunks_per_step is not None and max_prefill_chunks_per_step < 1:
             raise ValueError(
-                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs}) "
-                "so that every running request can decode in one step"
+                f"max_prefill_chunks_per_step must be >= 1 or None, got {max_prefill_chunks_per_step}"
             )
-        self.kv_pool = kv_pool
-        self.kv_block_size = kv_block_size
+        if max_num_batched_tokens < max_batch_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_batch_size "
+                f"({max_batch_size}) so that every running request can decode in one step"
+            )
+        self.kv_manager = kv_manager
         self.max_seq_len = max_seq_len
-        self.max_num_seqs = max_num_seqs
+        self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy_name = policy
         self.policy = policy_named(policy)
         self.decode_service_interval = decode_service_interval
         # Static batching: a new batch is admitted only once the previous one has entirely left.
         self.static_batches = static_batches
+        self.use_chunked_prefill = use_chunked_prefill
+        self.prefill_chunk_size = prefill_chunk_size
+        self.max_prefill_chunks_per_step = max_prefill_chunks_per_step
         self.max_queue_len = max_queue_len
+        self.engine_seed = engine_seed
+        # Preempted requests first (in admission order), then those that never ran (in arrival order).
         self._waiting: deque[Request] = deque()
-        # Admission order; the policies rely on it.
+        # Admission order (a re-admission counts as the latest); preemption picks from the end.
         self._running: list[Request] = []
         self._requests: dict[str, Request] = {}
+        # Position of each running or preempted request's latest admission.
+        self._admission_order: dict[str, int] = {}
+        self._num_admissions = 0
+        # Requests the runner holds a row for: sent as NewRequest, not preempted or finished since.
+        self._in_runner: set[str] = set()
+        # Left since the previous decision, with a row in the runner: the next decision says so.
+        self._finished_ids: set[str] = set()
         self._next_step = 0
 
     @classmethod
-    def from_engine_config(cls, config, *, kv_pool: BlockPool, max_seq_len: int) -> "Scheduler":
-        """The engine's scheduler: one KV block is one slot of max_seq_len tokens. max_queue_len is
-        left to the engine, which also counts requests added but not yet taken in by a step."""
+    def from_engine_config(cls, config, *, kv_manager: KVCacheManager, max_seq_len: int) -> "Scheduler":
+        """The engine's scheduler. max_queue_len is left to the engine, which also counts requests
+        added but not yet taken in by a step."""
         return cls(
-            kv_pool=kv_pool,
-            kv_block_size=max_seq_len,
+            kv_manager=kv_manager,
             max_seq_len=max_seq_len,
-            max_num_seqs=config.max_batch_size,
+            max_batch_size=config.max_batch_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             policy=config.scheduler_policy,
             decode_service_interval=config.decode_service_interval,
             static_batches=config.batching_mode == "static",
+            use_chunked_prefill=config.use_chunked_prefill,
+            prefill_chunk_size=config.prefill_chunk_size,
+            max_prefill_chunks_per_step=config.max_prefill_chunks_per_step,
+            engine_seed=config.seed,
         )
 
     # -- queries ----------------------------------------------------------------------------
 
     @property
     def waiting(self) -> tuple[Request, ...]:
+        """Waiting requests in the order they will be admitted (preempted ones first)."""
         return tuple(self._waiting)
 
     @property
     def running(self) -> tuple[Request, ...]:
+        """Running requests in admission order."""
         return tuple(self._running)
 
     @property
@@ -160,9 +178,6 @@ class Scheduler:
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.kv_block_size)
-
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
         """Raises RequestTooLongError when such a request could never run, whatever the load."""
         total = num_prompt_tokens + max_new_tokens
@@ -171,12 +186,12 @@ class Scheduler:
                 f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
                 f"max_seq_len ({self.max_seq_len}); shorten the prompt or lower max_new_tokens"
             )
-        blocks = self.blocks_needed(total)
-        if blocks > self.kv_pool.capacity:
+        num_blocks = self.kv_manager.blocks_for_tokens(total)
+        if num_blocks > self.kv_manager.num_blocks:
             raise RequestTooLongError(
                 f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} needs "
-                f"{blocks} KV blocks of {self.kv_block_size} tokens but the whole pool has "
-                f"{self.kv_pool.capacity}; shorten the request or build a larger pool"
+                f"{num_blocks} KV blocks of {self.kv_manager.block_size} tokens but the whole pool has "
+                f"{self.kv_manager.num_blocks}; shorten the request or build a larger pool"
             )
 
     # -- changes ----------------------------------------------------------------------------
@@ -203,83 +218,69 @@ class Scheduler:
         self._requests[request.request_id] = request
 
     def schedule(self) -> ScheduleDecision:
-        """Plans the next step: admits from the queue (reserving KV) and splits the token budget."""
-        step = self._next_step
+        """Plans the next step: serves due decoders, then the policy's order (running requests and
+        admission from the queue), taking blocks as it goes and preempting when they run out."""
+        plan = _StepPlan(step=self._next_step, budget=self.max_num_batched_tokens)
         self._next_step += 1
-        budget = self.max_num_batched_tokens
-        prefills: list[PrefillChunk] = []
-        decodes: list[str] = []
-        admitted: list[str] = []
-        served: set[str] = set()
-
-        def serve(request: Request) -> None:
-            nonlocal budget
-            if request.request_id in served or budget == 0:
-                return
-            served.add(request.request_id)
-            if request.is_prefilling:
-                start = request.num_computed_tokens
-                num_tokens = min(request.num_prompt_tokens - start, budget)
-                completes = start + num_tokens == request.num_prompt_tokens
-                prefills.append(PrefillChunk(request.request_id, start, num_tokens, completes))
-                budget -= num_tokens
-                if completes:
-                    request.last_served_step = step
-            else:
-                decodes.append(request.request_id)
-                budget -= 1
-                request.last_served_step = step
-
         # Static batching opens the door only to a whole new batch.
         may_admit = not (self.static_batches and self._running)
-        for request in self._due_decoders(step):
-            serve(request)
-        for entry in self.policy(tuple(self._running), step):
+        for request in self._due_decoders(plan.step):
+            self._serve(request, plan)
+        for entry in self.policy(tuple(self._running), plan.step):
             if entry is ADMIT:
-                if may_admit:
-                    self._admit(step, admitted, serve, budget_left=lambda: budget)
+                # Re-admitting in the step that preempted would only undo the preemption.
+                if may_admit and not plan.preempted:
+                    self._admit(plan)
             else:
-                serve(entry)
-        return ScheduleDecision(step, tuple(admitted), tuple(prefills), tuple(decodes))
+                self._serve(entry, plan)
+        return self._decision(plan)
 
-    def update(self, decision: ScheduleDecision, finished: Iterable[str] = ()) -> None:
-        """Records that `decision` ran: prompt chunks and fed-back tokens are now in the KV cache.
-        Then retires `finished` (already marked FINISHED or FAILED by the caller): their blocks are
-        free before the next schedule()."""
-        for chunk in decision.prefills:
-            request = self._requests.get(chunk.request_id)
-            if request is not None:
-                request.num_computed_tokens += chunk.num_tokens
-                if chunk.completes_prompt and request.state is RequestState.PREFILL:
-                    request.state = RequestState.DECODE
-        for request_id in decision.decodes:
+    def update(
+        self, decision: ScheduleDecision, runner_output: RunnerOutput
+    ) -> list[tuple[Request, list[int]]]:
+        """Records that `decision` ran: each scheduled request's tokens are computed, and the
+        tokens the runner sampled join its output_ids. Returns (request, new token ids) for each
+        request that got at least one token, in decision order; the caller checks stops and calls
+        finish() for those that end. Requests finished since schedule() are skipped.
+
+        After a failed forward, call finish() for its requests instead of update()."""
+        sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
+        outputs: list[tuple[Request, list[int]]] = []
+        for request_id, num_tokens in decision.num_scheduled_tokens.items():
             request = self._requests.get(request_id)
-            if request is not None:
-                request.num_computed_tokens += 1
-        for request_id in finished:
-            self.remove(request_id)
+            if request is None or request.state is not RequestState.RUNNING:
+                continue
+            request.num_computed_tokens += num_tokens
+            new_token_ids = list(sampled.get(request_id, ()))
+            if new_token_ids and request.num_computed_tokens < request.num_tokens:
+                raise ValueError(
+                    f"the runner sampled {new_token_ids} for {request_id!r} after a chunk that ends at "
+                    f"token {request.num_computed_tokens} of {request.num_tokens}; a row samples only "
+                    "once its last known token is computed"
+                )
+            if new_token_ids:
+                request.output_ids.extend(new_token_ids)
+                outputs.append((request, new_token_ids))
+        return outputs
 
-    def remove(self, request_id: str) -> Request | None:
-        """Takes a request out, queued or running, and frees its KV blocks (abort, failure, finish).
-        Returns it, or None when it is unknown or already gone."""
+    def finish(self, request_id: str) -> Request | None:
+        """Takes a request out, waiting or running, and frees its blocks (it finished, was aborted
+        or failed; the caller sets its state and finish_reason). The next decision lists it in
+        finished_request_ids if the runner holds its row. Returns it, or None when it is unknown
+        or already gone."""
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
-        if request in self._waiting:
-            self._waiting.remove(request)
-        else:
+        if request in self._running:
             self._running.remove(request)
-        for block in request.kv_blocks:
-            self.kv_pool.free(block)
-        request.kv_blocks = []
+        else:
+            self._waiting.remove(request)
+        self.kv_manager.free(request)
+        self._admission_order.pop(request_id, None)
+        if request_id in self._in_runner:
+            self._in_runner.remove(request_id)
+            self._finished_ids.add(request_id)
         return request
-
-    def leaked_blocks(self, live_owners: Collection[str] | None = None) -> list[int]:
-        """Blocks the pool lends to requests this scheduler no longer runs (should be empty)."""
-        audit = getattr(self.kv_pool, "audit", None)
-        if audit is None:
-            return []
-        return audit(self._requests.keys() if live_owners is None else live_owners)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -294,21 +295,145 @@ class Scheduler:
         ]
         return sorted(due, key=lambda request: request.last_served_step)
 
-    def _admit(self, step: int, admitted: list[str], serve, budget_left) -> None:
-        # Strict FCFS: when the head of the queue does not fit, nobody behind it is considered.
-        while self._waiting and len(self._running) < self.max_num_seqs:
-            # Continuous batching admits only requests that start prefilling this step; a static
-            # batch is admitted whole and prefills over as many steps as the budget needs.
-            if not self.static_batches and budget_left() == 0:
+    def _num_tokens_to_schedule(self, request: Request, plan: _StepPlan) -> int:
+        """How many of the request's uncomputed tokens this step can take (0: none, it waits)."""
+        remaining = request.num_tokens - request.num_computed_tokens
+        if not request.is_prefilling:
+            return min(remaining, plan.budget)
+        if self.use_chunked_prefill:
+            cap = self.max_prefill_chunks_per_step
+            if cap is not None and plan.num_prefill_rows >= cap:
+                return 0
+            return min(remaining, self.prefill_chunk_size, plan.budget)
+        if remaining <= plan.budget:
+            return remaining
+        # A prompt no budget can hold runs whole in a step with no other prefill.
+        if remaining > self.max_num_batched_tokens and plan.num_prefill_rows == 0:
+            return remaining
+        return 0
+
+    def _serve(self, request: Request, plan: _StepPlan) -> None:
+        """Schedules the running request's next tokens if the budget allows, preempting others
+        (or itself) when the blocks for them are missing."""
+        # Already served, or preempted earlier in this step.
+        if request.request_id in plan.num_scheduled_tokens or request.state is not RequestState.RUNNING:
+            return
+        num_tokens = self._num_tokens_to_schedule(request, plan)
+        if num_tokens == 0:
+            return
+        while (new_block_ids := self.kv_manager.allocate(request, num_tokens)) is None:
+            victim = self._preemption_victim(request, plan)
+            if victim is None:
                 return
+            self._preempt(victim, plan)
+            if victim is request:
+                return
+        plan.add(request, num_tokens, new_block_ids)
+
+    def _preemption_victim(self, request: Request, plan: _StepPlan) -> Request | None:
+        """The most recently admitted running request that holds blocks and is not scheduled in
+        this step; `request` itself when none is more recent than it. None when `request` holds no
+        blocks either (a static batch member not started yet): it just waits."""
+        for candidate in reversed(self._running):
+            if candidate is request:
+                return request if request.block_ids else None
+            if candidate.block_ids and candidate.request_id not in plan.num_scheduled_tokens:
+                return candidate
+        raise AssertionError(f"{request.request_id!r} is served but not running")
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self.kv_manager.free(request)
+        request.num_computed_tokens = 0
+        request.state = RequestState.PREEMPTED
+        request.num_preemptions += 1
+        self._running.remove(request)
+        self._in_runner.discard(request.request_id)
+        plan.preempted.append(request.request_id)
+        # Ahead of every request that never ran; behind preempted ones admitted before it.
+        order = self._admission_order[request.request_id]
+        position = next(
+            (
+                index
+                for index, waiting in enumerate(self._waiting)
+                if waiting.state is not RequestState.PREEMPTED
+                or self._admission_order[waiting.request_id] > order
+            ),
+            len(self._waiting),
+        )
+        self._waiting.insert(position, request)
+
+    def _admit(self, plan: _StepPlan) -> None:
+        # Strict FCFS: when the head of the queue cannot start, nobody behind it is considered.
+        while self._waiting and len(self._running) < self.max_batch_size:
             request = self._waiting[0]
-            num_blocks = self.blocks_needed(request.max_total_tokens)
-            if self.kv_pool.num_free < num_blocks:
+            num_tokens = self._num_tokens_to_schedule(request, plan)
+            # Continuous batching admits only requests that start this step; a static batch is
+            # admitted whole and its members start as the budget allows.
+            if num_tokens == 0 and not self.static_batches:
                 return
+            new_block_ids: list[int] = []
+            if num_tokens > 0:
+                # Leave the blocks that running requests still to be served this step need for
+                # their next token: admission should not cause a preemption.
+                num_blocks = self.kv_manager.num_new_blocks(request, num_tokens)
+                if num_blocks + self._blocks_for_unserved_decoders(plan) > self.kv_manager.num_free_blocks:
+                    return
+                new_block_ids = self.kv_manager.allocate(request, num_tokens)
             self._waiting.popleft()
-            request.kv_blocks = [self.kv_pool.allocate(request.request_id) for _ in range(num_blocks)]
-            request.state = RequestState.PREFILL
-            request.admitted_step = step
+            request.state = RequestState.RUNNING
+            request.admitted_step = plan.step
+            self._admission_order[request.request_id] = self._num_admissions
+            self._num_admissions += 1
             self._running.append(request)
-            admitted.append(request.request_id)
-            serve(request)
+            if num_tokens > 0:
+                plan.add(request, num_tokens, new_block_ids)
+
+    def _blocks_for_unserved_decoders(self, plan: _StepPlan) -> int:
+        return sum(
+            self.kv_manager.num_new_blocks(request, 1)
+            for request in self._running
+            if request.request_id not in plan.num_scheduled_tokens and not request.is_prefilling
+        )
+
+    def _decision(self, plan: _StepPlan) -> ScheduleDecision:
+        new_requests: list[NewRequest] = []
+        running_requests: list[RunningRequest] = []
+        for request_id in plan.num_scheduled_tokens:
+            request = self._requests[request_id]
+            if request_id in self._in_runner:
+                running_requests.append(
+                    RunningRequest(
+                        request_id=request_id,
+                        new_block_ids=tuple(plan.new_block_ids[request_id]),
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            else:
+                new_requests.append(
+                    NewRequest(
+                        request_id=request_id,
+                        token_ids=tuple(request.all_token_ids),
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        sampling=request.params,
+                        generator_seed=self._generator_seed(request),
+                        block_ids=tuple(request.block_ids),
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+                self._in_runner.add(request_id)
+        finished, self._finished_ids = frozenset(self._finished_ids), set()
+        return ScheduleDecision(
+            step=plan.step,
+            new_requests=tuple(new_requests),
+            running_requests=tuple(running_requests),
+            num_scheduled_tokens=dict(plan.num_scheduled_tokens),
+            finished_request_ids=finished,
+            preempted_request_ids=frozenset(plan.preempted),
+        )
+
+    def _generator_seed(self, request: Request) -> int:
+        # A request without its own seed draws from one derived from the engine seed and its
+        # arrival, so the same seed and the same queue give the same tokens.
+        if request.params.seed is not None:
+            return request.params.seed
+        return (self.engine_seed * 1_000_003 + request.arrival_index) % 2**63

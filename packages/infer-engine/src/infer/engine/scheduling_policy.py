@@ -4,7 +4,8 @@ is never overtaken), and decoding requests that are due (decode_service_interval
 before any policy order is consulted; a policy decides only the rest.
 
 A policy is a function (running requests in admission order, step) -> the order in which they
-take their tokens, with `ADMIT` marking where requests from the queue take theirs.
+take their tokens, with `ADMIT` marking where requests from the queue take theirs. "Prefilling"
+is `Request.is_prefilling`: a prompt, or the recompute of a request back from a preemption.
 """
 
 from collections.abc import Callable, Sequence

@@ -6,9 +6,10 @@ plain PyTorch that is both the test oracle and the CPU path.
 
 from infer.kernels._version import INTERFACE_VERSION, __version__
 from infer.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
-from infer.kernels.decode_attention import decode_attention, decode_attention_ref
+from infer.kernels.paged_attention import paged_attention, paged_attention_ref
 from infer.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from infer.kernels.rope import rope, rope_ref, rope_tables
+from infer.kernels.store_kv import store_kv, store_kv_ref
 from infer.kernels.tolerance import TOLERANCES, Tolerance, assert_close
 
 __all__ = [
@@ -19,10 +20,10 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_ref",
     "assert_close",
-    "decode_attention",
-    "decode_attention_ref",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_ref",
+    "paged_attention",
+    "paged_attention_ref",
     "rms_norm",
     "rms_norm_ref",
     "rope",
@@ -30,4 +31,6 @@ __all__ = [
     "rope_tables",
     "silu_and_mul",
     "silu_and_mul_ref",
+    "store_kv",
+    "store_kv_ref",
 ]

@@ -2,7 +2,11 @@
 
 loaded = load_model("smollm2-135m-instruct")         # alias or folder
 batch = ForwardBatch.from_tokens([loaded.tokenizer.encode("Hi", add_special_tokens=True)])
-logits = loaded.model.compute_logits(loaded.model(batch))
+logits = loaded.model.compute_logits(loaded.model(batch))   # [N, vocab]: the rows' tokens back to back
+next_id = int(batch.rows(logits)[0][-1].argmax())             # row 0's last token
+
+A ForwardBatch is flat (forward_batch.py): without a cache (above) each row attends to its own
+tokens; with one, its AttentionMetadata and kv_layers say where every token's K/V lives.
 """
 
 from infer.models._version import INTERFACE_VERSION, __version__
@@ -18,7 +22,7 @@ from infer.models.chat_template import (
 )
 from infer.models.common import CausalLM
 from infer.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
-from infer.models.forward_batch import ForwardBatch
+from infer.models.forward_batch import AttentionMetadata, ForwardBatch
 from infer.models.gemma3 import Gemma3ForCausalLM
 from infer.models.llama import LlamaForCausalLM
 from infer.models.load import LoadedModel, load_causal_lm, load_model
@@ -47,6 +51,7 @@ __all__ = [
     "PRESETS",
     "SLIDING_ATTENTION",
     "Architecture",
+    "AttentionMetadata",
     "CachedModel",
     "CausalLM",
     "ChatTemplate",

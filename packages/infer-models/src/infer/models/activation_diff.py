@@ -30,7 +30,10 @@ class LayerDiff:
 
 
 def activation_diffs(ours: CausalLM, reference: torch.nn.Module, input_ids: torch.Tensor) -> list[LayerDiff]:
-    """Per-stage differences for one `[1, T]` prompt; `reference` is a transformers CausalLM."""
+    """Per-stage differences for one `[1, T]` prompt (our model runs it as a one-row flat batch of
+    T tokens); `reference` is a transformers CausalLM."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be one prompt, [1, T], got shape {tuple(input_ids.shape)}")
     ours_outputs, reference_outputs = [], []
 
     def keep_ours(_module, _inputs, output):
@@ -39,7 +42,8 @@ def activation_diffs(ours: CausalLM, reference: torch.nn.Module, input_ids: torc
         ours_outputs.append((hidden + residual).float())
 
     def keep_reference(_module, _inputs, output):
-        reference_outputs.append((output[0] if isinstance(output, tuple) else output).float())
+        # transformers' block output is [1, T, hidden] (or a tuple starting with it); ours is [T, hidden].
+        reference_outputs.append((output[0] if isinstance(output, tuple) else output)[0].float())
 
     handles = [layer.register_forward_hook(keep_ours) for layer in ours.layers]
     handles += [layer.register_forward_hook(keep_reference) for layer in reference.model.layers]
@@ -53,12 +57,13 @@ def activation_diffs(ours: CausalLM, reference: torch.nn.Module, input_ids: torc
     finally:
         for handle in handles:
             handle.remove()
-    pairs = [("embeddings", our_embeddings, ref.hidden_states[0].float())]
+    # Our one-row flat batch gives [T, ...]; transformers' batch of one gives [1, T, ...].
+    pairs = [("embeddings", our_embeddings, ref.hidden_states[0][0].float())]
     pairs += [
         (f"layer {i}", o, r) for i, (o, r) in enumerate(zip(ours_outputs, reference_outputs, strict=True))
     ]
-    pairs += [("final norm", our_hidden.float(), ref.hidden_states[-1].float())]
-    pairs += [("logits", our_logits, ref.logits.float())]
+    pairs += [("final norm", our_hidden.float(), ref.hidden_states[-1][0].float())]
+    pairs += [("logits", our_logits, ref.logits[0].float())]
     return [_diff(name, o, r) for name, o, r in pairs]
 
 

@@ -107,11 +107,11 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        num_rows, num_tokens = x.shape[:2]
+        num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.reshape(num_rows, num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_rows, num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_rows, num_tokens, self.num_kv_heads, self.head_dim)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         else:
@@ -119,7 +119,7 @@ class Attention(nn.Module):
             q, k = q.contiguous(), k.contiguous()
         self.rotary(q, k, batch.positions)
         out = attention(q, k, v, batch, self.layer_idx, scale=self.scale, sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(num_rows, num_tokens, -1))
+        return self.o_proj(out.reshape(num_tokens, -1))
 
 
 _GATED_ACTIVATIONS = {
@@ -192,10 +192,13 @@ class CausalLM(nn.Module):
         return hidden
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states after the final norm, `[B, T, hidden_size]`."""
+        """Hidden states after the final norm, `[num_tokens, hidden_size]`, or only the rows of
+        `batch.logits_indices` when it is set (the final norm then runs on those alone)."""
         hidden, residual = self.embed(batch.input_ids), None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
+        if batch.logits_indices is not None:
+            hidden, residual = hidden[batch.logits_indices], residual[batch.logits_indices]
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -1,13 +1,19 @@
-"""The one argument of a model forward: token ids, positions and where the KV cache lives.
+"""The one argument of a model forward: a flat batch of tokens and where their KV cache lives.
 
-Built by whoever drives the model (a test, the engine's runner) and passed explicitly; the
-models never import a cache package and there is no global attention context.
+Built by whoever drives the model (the engine's runner, a test) and passed explicitly; the models
+never import a cache package and there is no global attention context.
 
-Padding rule: rows are right-padded to a common length T, and a pad token takes a position past
-the row's real tokens (e.g. last real position + 1, + 2, ... clamped to the cache length).
-Causal masking by position then keeps every real query away from every pad key, with a cache or
-without, so no separate validity mask is needed. Outputs at pad positions are garbage; callers
-read only the rows and columns they asked for.
+A step's tokens lie back to back, `[num_tokens]`, row after row (a row is one request's tokens
+this step: a prompt chunk, or one decode token). Row b's tokens are
+`query_start_loc[b]:query_start_loc[b + 1]`, and they are the last tokens of its sequence: after
+the step the row has `seq_lens[b]` keys, so its i-th token sits at position
+`seq_lens[b] - query_len_b + i` and sees keys `0..that position` (causal), within the layer's
+sliding window if it has one. Rows of one token (decodes) come first.
+
+KV layout (every pool, paged or contiguous): per layer `(k_cache, v_cache)`, each
+`[num_blocks, block_size, num_kv_heads, head_dim]`. Token t of row b lives in block
+`block_tables[b, t // block_size]` at offset `t % block_size`; a token's flat slot is
+`block * block_size + offset`, and `slot_mapping` names the slot of each new token.
 """
 
 from collections.abc import Sequence
@@ -17,40 +23,78 @@ import torch
 
 
 @dataclass(frozen=True)
-class ForwardBatch:
-    # [B, T] int64 token ids, right-padded.
-    input_ids: torch.Tensor
-    # [B, T] int64 position of each token in its own sequence.
-    positions: torch.Tensor
-    # Per layer (k_cache, v_cache), each [num_slots, num_kv_heads, max_seq_len, head_dim].
-    # None: no cache, attention sees only this batch's tokens.
-    kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
-    # [B] int64 cache slot of each row. None: row b uses slot b (a view, no gather).
-    slot_ids: torch.Tensor | None = None
-    # Keys to read per slot: 1 + the largest position in the batch. None: the whole cache.
-    context_len: int | None = None
-    # [B] int64, for decode batches (one token per row) on CUDA, where each row reads only its own
-    # keys: how many row b reads (0..n-1 of its slot). None: its position + 1. CUDA graphs give
-    # their pad rows 1, which would otherwise read a whole slot (they sit at its last position).
-    seq_lens: torch.Tensor | None = None
+class AttentionMetadata:
+    """Built once per step by the runner; every layer reads the same one."""
+
+    # [B + 1] int32: cumulative token counts, row b's tokens are [query_start_loc[b], query_start_loc[b+1]).
+    query_start_loc: torch.Tensor
+    # [B] int32: keys of row b once this step's tokens are written (cached prefix + this step's).
+    seq_lens: torch.Tensor
+    # [N] int64: flat cache slot of each new token (None without a cache).
+    slot_mapping: torch.Tensor | None
+    # [B, max_blocks] int32: the blocks of each row in order (None without a cache).
+    block_tables: torch.Tensor | None
+    # Rows 0..num_decode_rows-1 have exactly one token.
+    num_decode_rows: int
+    # The longest row's token count and key count this step (host ints: kernel launch sizes).
+    max_query_len: int
+    max_seq_len: int
 
     @property
-    def batch_size(self) -> int:
-        return self.input_ids.shape[0]
+    def num_rows(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    # [N] int64 token ids, rows back to back.
+    input_ids: torch.Tensor
+    # [N] int64 position of each token in its own sequence.
+    positions: torch.Tensor
+    # Rows, lengths and cache addresses. None: one row holding every token, no cache.
+    attention: AttentionMetadata | None = None
+    # Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+    # None: no cache, each row attends to its own tokens of this batch only.
+    kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # [R] int64 indices into the N tokens whose logits the caller wants (None: all).
+    logits_indices: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
-        return self.input_ids.shape[1]
+        return self.input_ids.shape[0]
 
     @staticmethod
     def from_tokens(
         token_rows: Sequence[Sequence[int]], *, start_positions: Sequence[int] | None = None, device=None
     ) -> "ForwardBatch":
-        """A cache-less batch of right-padded rows (the plain loop and the tests use this)."""
-        width = max(len(row) for row in token_rows)
-        starts = start_positions or [0] * len(token_rows)
-        ids = torch.zeros(len(token_rows), width, dtype=torch.long)
-        for b, row in enumerate(token_rows):
-            ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-        positions = torch.arange(width).unsqueeze(0) + torch.tensor(starts).unsqueeze(1)
-        return ForwardBatch(input_ids=ids.to(device), positions=positions.to(device))
+        """A cache-less batch of rows (oracles and tests): each row attends to its own tokens,
+        numbered from its start position (default 0)."""
+        starts = list(start_positions) if start_positions is not None else [0] * len(token_rows)
+        lengths = [len(row) for row in token_rows]
+        if not token_rows or min(lengths) < 1:
+            raise ValueError(f"every row needs at least one token, got lengths {lengths}")
+        ids = torch.tensor([token for row in token_rows for token in row], dtype=torch.long)
+        positions = torch.cat(
+            [torch.arange(start, start + n) for start, n in zip(starts, lengths, strict=True)]
+        )
+        query_start_loc = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        seq_lens = torch.tensor(
+            [start + n for start, n in zip(starts, lengths, strict=True)], dtype=torch.int32
+        )
+        attention = AttentionMetadata(
+            query_start_loc=query_start_loc.to(device),
+            seq_lens=seq_lens.to(device),
+            slot_mapping=None,
+            block_tables=None,
+            num_decode_rows=0,
+            max_query_len=max(lengths),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return ForwardBatch(input_ids=ids.to(device), positions=positions.to(device), attention=attention)
+
+    def rows(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Splits a per-token tensor ([N, ...]) into one tensor per row."""
+        if self.attention is None:
+            return [values]
+        bounds = self.attention.query_start_loc.tolist()
+        return [values[start:end] for start, end in zip(bounds[:-1], bounds[1:], strict=True)]

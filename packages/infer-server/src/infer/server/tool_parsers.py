@@ -66,11 +66,6 @@ class ToolCallFormat:
         return self.make_parser(tool_names)
 
 
-def parse_tool_calls(parser: ToolCallParser, text: str) -> list[Parsed]:
-    """The whole (non-streamed) parse of `text`: one feed, then finish."""
-    return _merge_text(parser.feed(text) + parser.finish())
-
-
 def _merge_text(pieces: list[Parsed]) -> list[Parsed]:
     merged: list[Parsed] = []
     for piece in pieces:

@@ -9,9 +9,6 @@ from functools import cached_property
 from os import PathLike
 from pathlib import Path
 
-# Tokens that end a turn or a document in the families we serve; whichever exist in a
-# vocabulary are stop candidates besides the tokenizer's own EOS.
-END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<end_of_turn>", "<eos>")
 _REPLACEMENT_CHAR = "\ufffd"
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
 # How many prompt tokens the detokenizer decodes before the first generated one: enough to
@@ -66,13 +63,6 @@ class Tokenizer:
             token_id for token_id, added in self.hf_tokenizer.added_tokens_decoder.items() if added.special
         )
         return frozenset(self.hf_tokenizer.all_special_ids) | frozenset(added_special)
-
-    @property
-    def eos_candidate_ids(self) -> frozenset[int]:
-        """The EOS id and the ids of the known end-of-turn tokens present in this vocabulary:
-        the default stop set when a request names none."""
-        candidates = {self.token_id(token) for token in END_TOKENS} | {self.eos_token_id}
-        return frozenset(token_id for token_id in candidates if token_id is not None)
 
     @cached_property
     def byte_fallback_ids(self) -> frozenset[int]:

@@ -40,21 +40,24 @@ class ConfigRow:
     engine_settings: dict
 
 
+# The first design document's baseline matrix (static, +continuous, +paged, +chunked), then the
+# scheduler policies and CUDA graphs on the last of them.
+_PAGED_CHUNKED = {"batching_mode": "continuous", "kv_cache_backend": "paged", "use_chunked_prefill": True}
 MATRIX_ROWS = (
-    ConfigRow("static", {"batching_mode": "static"}),
-    ConfigRow("continuous-fcfs", {"batching_mode": "continuous", "scheduler_policy": "fcfs"}),
+    ConfigRow("static", {"batching_mode": "static", "kv_cache_backend": "contiguous"}),
+    ConfigRow("continuous-contiguous", {"batching_mode": "continuous", "kv_cache_backend": "contiguous"}),
+    ConfigRow("continuous-paged", {"batching_mode": "continuous", "kv_cache_backend": "paged"}),
+    ConfigRow("paged-chunked", _PAGED_CHUNKED),
+    ConfigRow("paged-chunked-prefill_first", {**_PAGED_CHUNKED, "scheduler_policy": "prefill_first"}),
     ConfigRow(
-        "continuous-prefill_first", {"batching_mode": "continuous", "scheduler_policy": "prefill_first"}
+        "paged-chunked-decode_round_robin", {**_PAGED_CHUNKED, "scheduler_policy": "decode_round_robin"}
     ),
+    # Need CUDA: on a CPU run these rows are listed under failed_rows with the config's reason.
     ConfigRow(
-        "continuous-decode_round_robin",
-        {"batching_mode": "continuous", "scheduler_policy": "decode_round_robin"},
+        "paged-cuda_graphs",
+        {"batching_mode": "continuous", "kv_cache_backend": "paged", "use_cuda_graphs": True},
     ),
-    # Needs CUDA: on a CPU run the row is listed under failed_rows with the config's reason.
-    ConfigRow(
-        "continuous-prefill_first-cuda_graphs",
-        {"batching_mode": "continuous", "scheduler_policy": "prefill_first", "cuda_graphs": True},
-    ),
+    ConfigRow("paged-chunked-cuda_graphs", {**_PAGED_CHUNKED, "use_cuda_graphs": True}),
 )
 
 

@@ -1,0 +1,85 @@
+"""PagedKVPool: per-layer K and V tensors cut into blocks, lent out by a BlockAllocator.
+
+Layout per layer, `(k_cache, v_cache)`, each `[num_blocks + 1, block_size, num_kv_heads,
+head_dim]`, zero-initialised: the layout `infer.models.ForwardBatch.kv_layers` documents. Token t
+of a sequence lives in block `block_table[t // block_size]` at offset `t % block_size`.
+
+The last block, `null_block` (= num_blocks), is reserved: the allocator lends only
+0..num_blocks-1, so no request ever owns it. Padding rows of a CUDA graph write their keys there
+(slot_mapping points at it), which keeps every real block clean without a branch in the kernel.
+
+The "contiguous" (slotted) cache is not a separate class: it is
+`PagedKVPool(KVCacheShape(..., block_size=max_seq_len), num_blocks=max_batch_size)`, one block
+per sequence.
+"""
+
+import torch
+
+from infer.cache.block_allocator import BlockAllocator
+from infer.cache.shape import KVCacheShape
+
+
+class PagedKVPool:
+    """`num_blocks` lendable blocks of `shape.block_size` tokens, plus the reserved null block."""
+
+    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device | str = "cpu"):
+        if num_blocks < 1:
+            raise ValueError(
+                f"num_blocks must be >= 1, got {num_blocks}; size it with num_blocks_for_memory()"
+            )
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.allocator = BlockAllocator(num_blocks)
+        dims = (num_blocks + 1, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        self.kv_layers = [
+            (
+                torch.zeros(dims, dtype=shape.dtype, device=device),
+                torch.zeros(dims, dtype=shape.dtype, device=device),
+            )
+            for _ in range(shape.num_layers)
+        ]
+
+    @property
+    def block_size(self) -> int:
+        return self.shape.block_size
+
+    @property
+    def null_block(self) -> int:
+        """The reserved block no owner is ever lent: the target of padding writes."""
+        return self.num_blocks
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of every K and V tensor, the null block included."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_layers)
+
+
+def num_blocks_for_memory(shape: KVCacheShape, kv_bytes_budget: int) -> int:
+    """The most lendable blocks a PagedKVPool can have within `kv_bytes_budget` bytes.
+
+    One block of the budget goes to the reserved null block.
+    """
+    num_blocks = kv_bytes_budget // shape.bytes_per_block() - 1
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_bytes_budget {kv_bytes_budget} holds fewer than 2 blocks of {shape.bytes_per_block()} bytes "
+            "(one is the reserved null block); give the cache more memory or use a smaller block_size"
+        )
+    return num_blocks
+
+
+def kv_budget_from_free_memory(device: torch.device | str, fraction: float) -> int:
+    """`fraction` of the device memory free now, in bytes: a budget for num_blocks_for_memory().
+
+    CUDA only; call it after the weights are loaded, so what they take is not counted as free.
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(
+            f"cannot read free memory of device {str(device)!r}, only of CUDA devices; "
+            "pass num_blocks to PagedKVPool explicitly"
+        )
+    free_bytes, _total_bytes = torch.cuda.mem_get_info(device)
+    return int(free_bytes * fraction)

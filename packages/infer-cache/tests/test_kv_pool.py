@@ -1,0 +1,99 @@
+"""PagedKVPool: the tensors, the reserved null block, and sizing a pool from a memory budget."""
+
+import pytest
+import torch
+
+from infer.cache import (
+    BlockAllocatorProtocol,
+    CacheFullError,
+    KVCacheShape,
+    KVPool,
+    PagedKVPool,
+    kv_budget_from_free_memory,
+    num_blocks_for_memory,
+)
+
+SHAPE = KVCacheShape(num_layers=2, num_kv_heads=3, head_dim=4, dtype=torch.float16, block_size=8)
+
+
+def test_tensors_have_one_extra_block_and_start_zeroed():
+    pool = PagedKVPool(SHAPE, num_blocks=5)
+    assert len(pool.kv_layers) == SHAPE.num_layers
+    for k_cache, v_cache in pool.kv_layers:
+        assert k_cache.shape == v_cache.shape == (6, 8, 3, 4)  # [num_blocks + 1, block_size, Hkv, D]
+        assert k_cache.dtype == v_cache.dtype == torch.float16
+        assert torch.count_nonzero(k_cache) == torch.count_nonzero(v_cache) == 0
+
+
+def test_kv_bytes_counts_every_tensor_null_block_included():
+    pool = PagedKVPool(SHAPE, num_blocks=5)
+    measured = sum(t.untyped_storage().nbytes() for layer in pool.kv_layers for t in layer)
+    # 2 (K, V) * 2 layers * 3 heads * 4 dims * 2 bytes * 8 tokens * 6 blocks
+    assert pool.kv_bytes == measured == 2 * 2 * 3 * 4 * 2 * 8 * 6
+
+
+def test_null_block_is_never_allocated_even_when_drained():
+    pool = PagedKVPool(SHAPE, num_blocks=4)
+    assert pool.null_block == 4 == pool.allocator.num_blocks
+    lent = pool.allocator.allocate(4, "req")
+    assert sorted(lent) == [0, 1, 2, 3]
+    with pytest.raises(CacheFullError):
+        pool.allocator.allocate(1, "other")
+    pool.allocator.free_owner("req")
+    assert pool.null_block not in pool.allocator.allocate(4, "again")
+
+
+def test_a_block_is_its_own_memory():
+    # The runner scatters new keys by slot; writing one block must leave the others untouched.
+    pool = PagedKVPool(SHAPE, num_blocks=3)
+    (block,) = pool.allocator.allocate(1, "req")
+    k_cache, _ = pool.kv_layers[0]
+    k_cache[block] = 1.0
+    assert torch.count_nonzero(k_cache) == k_cache[block].numel()
+
+
+def test_the_contiguous_cache_is_a_pool_with_one_block_per_sequence():
+    max_seq_len, max_batch_size = 32, 2
+    shape = KVCacheShape(
+        num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, block_size=max_seq_len
+    )
+    pool = PagedKVPool(shape, num_blocks=max_batch_size)
+    assert shape.blocks_for_tokens(max_seq_len) == 1
+    assert pool.kv_layers[0][0].shape == (max_batch_size + 1, max_seq_len, 1, 4)
+
+
+def test_pool_satisfies_the_protocols():
+    pool = PagedKVPool(SHAPE, num_blocks=1)
+    assert isinstance(pool, KVPool)
+    assert isinstance(pool.allocator, BlockAllocatorProtocol)
+
+
+def test_num_blocks_for_memory_reserves_the_null_block():
+    per_block = SHAPE.bytes_per_block()  # 2 * 2 * 3 * 4 * 2 * 8 = 768
+    assert per_block == 768
+    assert num_blocks_for_memory(SHAPE, 10 * per_block) == 9
+    assert num_blocks_for_memory(SHAPE, 10 * per_block + per_block - 1) == 9
+    pool = PagedKVPool(SHAPE, num_blocks_for_memory(SHAPE, 10 * per_block))
+    assert pool.kv_bytes == 10 * per_block
+
+
+def test_num_blocks_for_memory_refuses_a_budget_below_two_blocks():
+    with pytest.raises(ValueError, match="fewer than 2 blocks of 768 bytes"):
+        num_blocks_for_memory(SHAPE, 2 * 768 - 1)
+
+
+def test_pool_needs_at_least_one_block():
+    with pytest.raises(ValueError, match="num_blocks must be >= 1, got 0"):
+        PagedKVPool(SHAPE, num_blocks=0)
+
+
+def test_free_memory_budget_is_cuda_only():
+    with pytest.raises(ValueError, match="pass num_blocks to PagedKVPool explicitly"):
+        kv_budget_from_free_memory("cpu", 0.9)
+
+
+def test_free_memory_budget_takes_a_fraction_of_free_memory(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1000, 4000))
+    assert kv_budget_from_free_memory("cuda:0", 0.5) == 500
+    with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\], got 1.5"):
+        kv_budget_from_free_memory("cuda:0", 1.5)

@@ -1,0 +1,76 @@
+"""What the scheduler tells the runner each step, and what the runner answers: plain, picklable data.
+
+The single idea (vLLM v1): a request is `num_computed_tokens` chasing its known tokens (prompt,
+then every sampled token). A prompt chunk, a decode, and a resumed (preempted) request are all
+"schedule n tokens for this request"; the runner runs every scheduled token of a step in one
+forward. No `Request` object crosses: a request the runner has not seen (new, or resumed after a
+preemption) comes whole as a `NewRequest`; one it holds comes as a `RunningRequest` diff.
+"""
+
+from dataclasses import dataclass
+
+from infer.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the runner does not hold yet: new, or resumed after a preemption (recompute)."""
+
+    request_id: str
+    # Every token known so far: the prompt, then (for a resumed request) what it generated.
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    # Seed of the request's own torch.Generator (None: the process-wide RNG).
+    generator_seed: int | None
+    # The request's KV blocks in order: token i lives in block_ids[i // block_size].
+    block_ids: tuple[int, ...]
+    # Tokens whose K/V are already in those blocks before this step (0 unless a prefix cache
+    # filled some).
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class RunningRequest:
+    """A request the runner holds: the blocks it gained since its last step, and where it stands."""
+
+    request_id: str
+    new_block_ids: tuple[int, ...]
+    # Tokens whose K/V are in the cache before this step (the step computes the next ones).
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduleDecision:
+    step: int
+    # Scheduled this step, in the order the scheduler served them.
+    new_requests: tuple[NewRequest, ...]
+    running_requests: tuple[RunningRequest, ...]
+    # Tokens each scheduled request runs this step: a prompt chunk's length, 1 for a decode.
+    num_scheduled_tokens: dict[str, int]
+    # Requests that left since the previous decision (finished, aborted, failed): rows to drop.
+    finished_request_ids: frozenset[str] = frozenset()
+    # Requests preempted (blocks freed, requeued) in this decision: rows to drop; they come back
+    # later as NewRequest with every token they had, and recompute their KV.
+    preempted_request_ids: frozenset[str] = frozenset()
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def scheduled_request_ids(self) -> tuple[str, ...]:
+        return tuple(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """Per scheduled request, the tokens sampled this step: [] for a chunk that does not end the
+    known tokens (mid-prompt), one token otherwise."""
+
+    request_ids: tuple[str, ...]
+    sampled_token_ids: tuple[tuple[int, ...], ...]

@@ -1,0 +1,122 @@
+"""Writes this step's keys and values into a block-structured KV cache, one flat slot per token.
+
+The cache of every pool is `[num_blocks, block_size, num_kv_heads, head_dim]` per layer; a
+token's flat slot is `block * block_size + offset`, so `k_cache.view(-1, H, D)[slot]` is its row.
+`slot_mapping[i]` names the slot of token i. One program copies one token's heads (K and V);
+the slots are read on the device, so a CUDA graph can replay the op for any slots.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_stride_token,
+    k_stride_head,
+    v_stride_token,
+    v_stride_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    mask = (heads < NUM_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
+    # The cache is contiguous: a slot's row is NUM_HEADS * HEAD_DIM elements.
+    cache_at = slot * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
+    k = tl.load(k_ptr + token * k_stride_token + heads[:, None] * k_stride_head + dims[None, :], mask=mask)
+    tl.store(k_cache_ptr + cache_at, k, mask=mask)
+    v = tl.load(v_ptr + token * v_stride_token + heads[:, None] * v_stride_head + dims[None, :], mask=mask)
+    tl.store(v_cache_ptr + cache_at, v, mask=mask)
+
+
+def _launch(k, v, k_cache, v_cache, slot_mapping) -> None:
+    num_tokens, num_heads, head_dim = k.shape
+    if k.stride(-1) != 1:
+        k = k.contiguous()  # read only: a copy changes nothing the caller sees
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if num_tokens:
+        _store_kv_kernel[(num_tokens,)](
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping.contiguous(),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            HEADS_PAD=triton.next_power_of_2(num_heads),
+            DIM_PAD=triton.next_power_of_2(head_dim),
+            num_warps=4 if num_heads * head_dim >= 2048 else 1,
+        )
+
+
+def store_kv_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The reference: index_copy_ into the caches' flat `[slots, H, D]` views."""
+    num_heads, head_dim = k_cache.shape[2:]
+    slots = slot_mapping.long()
+    k_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, v)
+
+
+def _check(k, v, k_cache, v_cache, slot_mapping) -> None:
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_dtype(name, t)
+    check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if not k_cache.is_contiguous() or not v_cache.is_contiguous():
+        raise ValueError("k_cache and v_cache must be contiguous (slots are flat row indices into them)")
+    expected = ("N", *k_cache.shape[2:])
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3 or tuple(t.shape[1:]) != tuple(k_cache.shape[2:]) or t.shape[0] != k.shape[0]:
+            raise ValueError(
+                f"{name} must be [N, num_kv_heads, head_dim] = {expected} like the cache and the other "
+                f"of k/v, got {tuple(t.shape)}"
+            )
+        if t.dtype != k_cache.dtype:
+            raise ValueError(f"{name} must have the cache's dtype {k_cache.dtype}, got {t.dtype}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache must have k_cache's dtype {k_cache.dtype}, got {v_cache.dtype}")
+    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"slot_mapping must be an int64 (or int32) tensor of shape ({k.shape[0]},), "
+            f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k[i], v[i] (`[N, Hkv, D]`) into flat slot slot_mapping[i] of the caches
+    `[num_blocks, block_size, Hkv, D]`, in place.
+
+    The caller keeps every slot in `0..num_blocks * block_size - 1`: slots are read on the device
+    (no host sync), so they are not checked.
+    """
+    _check(k, v, k_cache, v_cache, slot_mapping)
+    if use_triton(k):
+        _launch(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
