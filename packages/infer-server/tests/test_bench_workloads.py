@@ -1,4 +1,4 @@
-"""Workloads W1-W3: the same arguments give the same requests, and lengths stay in their ranges."""
+"""Workloads W1-W4: the same arguments give the same requests, and lengths stay in their ranges."""
 
 import pytest
 
@@ -70,3 +70,17 @@ def test_w3_requests_share_one_system_prompt_and_differ_in_the_user_turn():
 def test_bad_arguments_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_workload(**kwargs)
+
+
+def test_w4_sends_a_long_prompt_every_fourth_request_and_w4_decode_never():
+    pressure = make_workload("W4", concurrency=16)
+    shape = SHAPES["W4"]
+    lengths = [len(r.prompt_token_ids) for r in pressure.requests]
+    long_rows = [i for i, n in enumerate(lengths) if n == shape.long_prompt_tokens]
+    assert long_rows == list(range(3, pressure.num_requests, 4))
+    assert all(pressure.requests[i].max_tokens == shape.long_output_tokens for i in long_rows)
+    short = [r for i, r in enumerate(pressure.requests) if i not in long_rows]
+    low, high = shape.prompt_tokens
+    assert all(low <= len(r.prompt_token_ids) <= high and r.max_tokens == 256 for r in short)
+    decode_only = make_workload("W4-decode", concurrency=16)
+    assert max(len(r.prompt_token_ids) for r in decode_only.requests) <= high

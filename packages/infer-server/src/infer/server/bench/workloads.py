@@ -4,6 +4,10 @@ W1  one request: a 256-token prompt, 256 output tokens (latency of one stream).
 W2  mixed lengths: prompts of 32-1024 tokens and outputs of 64-256, uniform in each range.
 W3  chat sharing one long system prompt (~768 words) with a short user turn each (8-64 words),
     outputs of 64-256 tokens: what a prefix cache is for.
+W4  long-prompt pressure: streams of short prompts (64-128 tokens) decoding 256 tokens each, while
+    every 4th request is a 4096-token prompt wanting 16 tokens. What chunked prefill is for: the
+    inter-token latency of the streams while long prompts keep arriving.
+W4-decode  the same streams with no long prompts: W4's decode-only baseline.
 
 Completion prompts are token id lists (the server takes a list of ints as `prompt`), so their
 lengths are exact. The ids are uniform in [0, vocab_size); every supported family has at least
@@ -37,15 +41,35 @@ class WorkloadShape:
     output_tokens: tuple[int, int] = (1, 1)
     system_prompt_words: int = 0  # chat: one system prompt shared by every request
     user_words: tuple[int, int] = (0, 0)  # chat: each request's own user turn
+    # Completion: every `long_prompt_every`-th request (0: none) has `long_prompt_tokens` prompt
+    # tokens and `long_output_tokens` outputs instead of the ranges above.
+    long_prompt_every: int = 0
+    long_prompt_tokens: int = 0
+    long_output_tokens: int = 1
 
 
 SHAPES: dict[str, WorkloadShape] = {
     "W1": WorkloadShape("completion", prompt_tokens=(256, 256), output_tokens=(256, 256)),
     "W2": WorkloadShape("completion", prompt_tokens=(32, 1024), output_tokens=(64, 256)),
     "W3": WorkloadShape("chat", output_tokens=(64, 256), system_prompt_words=768, user_words=(8, 64)),
+    "W4": WorkloadShape(
+        "completion",
+        prompt_tokens=(64, 128),
+        output_tokens=(256, 256),
+        long_prompt_every=4,
+        long_prompt_tokens=4096,
+        long_output_tokens=16,
+    ),
+    "W4-decode": WorkloadShape("completion", prompt_tokens=(64, 128), output_tokens=(256, 256)),
 }
 # The concurrency levels the matrix runs for each workload.
-CONCURRENCY_LEVELS: dict[str, tuple[int, ...]] = {"W1": (1,), "W2": (16, 64), "W3": (16, 64)}
+CONCURRENCY_LEVELS: dict[str, tuple[int, ...]] = {
+    "W1": (1,),
+    "W2": (16, 64),
+    "W3": (16, 64),
+    "W4": (16, 64),
+    "W4-decode": (16, 64),
+}
 
 
 @dataclass(frozen=True)
@@ -128,16 +152,15 @@ def make_workload(
         _check_range("prompt_tokens", shape.prompt_tokens, minimum=1)
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-        requests = [
-            BenchRequest(
-                index=i,
-                prompt_token_ids=[
-                    rng.randrange(vocab_size) for _ in range(rng.randint(*shape.prompt_tokens))
-                ],
-                max_tokens=rng.randint(*shape.output_tokens),
+        requests = []
+        for i in range(num_requests):
+            is_long = (
+                shape.long_prompt_every > 0 and i % shape.long_prompt_every == shape.long_prompt_every - 1
             )
-            for i in range(num_requests)
-        ]
+            num_prompt = shape.long_prompt_tokens if is_long else rng.randint(*shape.prompt_tokens)
+            prompt = [rng.randrange(vocab_size) for _ in range(num_prompt)]
+            max_tokens = shape.long_output_tokens if is_long else rng.randint(*shape.output_tokens)
+            requests.append(BenchRequest(index=i, prompt_token_ids=prompt, max_tokens=max_tokens))
     elif shape.kind == "chat":
         _check_range("user_words", shape.user_words, minimum=1)
         system_prompt = _words(rng, shape.system_prompt_words)
