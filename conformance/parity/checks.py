@@ -16,8 +16,8 @@ import pytest
 import torch
 import yaml
 
-from infer.cache import KVCacheShape, PagedKVPool
-from infer.models.forward_batch import AttentionMetadata, ForwardBatch
+from conformance.paged_batches import cached_step_logits
+from infer.models.forward_batch import ForwardBatch
 from infer.models.load import load_causal_lm
 from infer.models.loader.fetch import fetch_model
 from infer.models.random_checkpoint import make_random_checkpoint
@@ -131,9 +131,9 @@ def mixed_step(case: dict, impl: str | None) -> None:
     )
     max_abs, abs_sum, count, agree, positions = 0.0, 0.0, 0, 0, 0
     with torch.no_grad():
-        mixed = _cached_step_logits(ours, sequences, num_cached, case["block_size"])
+        mixed = cached_step_logits(ours, sequences, num_cached, case["block_size"])
         for sequence, cached, got in zip(sequences, num_cached, mixed, strict=True):
-            [alone] = _cached_step_logits(ours, [sequence], [cached], case["block_size"])
+            [alone] = cached_step_logits(ours, [sequence], [cached], case["block_size"])
             gap = (got - alone).abs().max().item()
             assert gap <= bounds["max_abs"], (
                 f"sequence of {len(sequence)} tokens, {cached} cached: the mixed step's logits differ from "
@@ -152,77 +152,6 @@ def mixed_step(case: dict, impl: str | None) -> None:
     assert top1 >= bounds["top1_agreement"], f"{summary}: top-1 agreement below {bounds['top1_agreement']}"
 
 
-def _cached_step_logits(model, sequences: list[list[int]], num_cached: list[int], block_size: int):
-    """Writes the first num_cached[i] tokens of each sequence into one fresh pool (one forward for
-    all prefixes), then runs the rest of every sequence in ONE step; that step's logits per row."""
-    pool = _scrambled_pool(model, block_size, max(map(len, sequences)), len(sequences))
-    block_ids: list[list[int]] = [[] for _ in sequences]
-    prefixes = [i for i, cached in enumerate(num_cached) if cached]
-    for i in prefixes:
-        block_ids[i] += pool.allocator.allocate(pool.shape.blocks_for_tokens(num_cached[i]), f"sequence {i}")
-    if prefixes:
-        model(_paged_batch(pool, [(block_ids[i], 0, sequences[i][: num_cached[i]]) for i in prefixes]))
-    for i, sequence in enumerate(sequences):
-        num_new_blocks = pool.shape.blocks_for_tokens(len(sequence)) - len(block_ids[i])
-        block_ids[i] += pool.allocator.allocate(num_new_blocks, f"sequence {i}")
-    rows = [(ids, c, s[c:]) for ids, c, s in zip(block_ids, num_cached, sequences, strict=True)]
-    batch = _paged_batch(pool, rows)
-    return batch.rows(model.compute_logits(model(batch)))
-
-
-def _scrambled_pool(model, block_size: int, num_tokens: int, num_sequences: int):
-    """A PagedKVPool whose free blocks are half of its blocks, in a random order, every block full
-    of garbage (what earlier owners left)."""
-    config, weight = model.config, model.embed_tokens.weight
-    shape = KVCacheShape(config.num_layers, config.num_kv_heads, config.head_dim, weight.dtype, block_size)
-    num_free = num_sequences * shape.blocks_for_tokens(num_tokens)
-    pool = PagedKVPool(shape, num_blocks=2 * num_free, device=weight.device)
-    generator = torch.Generator().manual_seed(block_size)
-    for k_cache, v_cache in pool.kv_layers:
-        k_cache.copy_(torch.randn(k_cache.shape, generator=generator) * 10)
-        v_cache.copy_(torch.randn(v_cache.shape, generator=generator) * 10)
-    earlier = pool.allocator.allocate(pool.num_blocks, "earlier")
-    order = torch.randperm(pool.num_blocks, generator=generator).tolist()
-    pool.allocator.free([earlier[i] for i in order[:num_free]], "earlier")
-    return pool
-
-
-def _paged_batch(pool, rows: list[tuple[list[int], int, list[int]]]) -> ForwardBatch:
-    """A ForwardBatch over `pool` for rows of (block ids, tokens already cached, this step's
-    tokens), in the order given, built from forward_batch.py's layout rules; one-token rows
-    first (the decode rows)."""
-    block_size, device = pool.block_size, pool.kv_layers[0][0].device
-    lengths = [len(new_ids) for _, _, new_ids in rows]
-    positions = [p for _, cached, new_ids in rows for p in range(cached, cached + len(new_ids))]
-    slots = [
-        ids[p // block_size] * block_size + p % block_size
-        for ids, cached, new_ids in rows
-        for p in range(cached, cached + len(new_ids))
-    ]
-    width = max(len(ids) for ids, _, _ in rows)
-    seq_lens = [cached + n for (_, cached, _), n in zip(rows, lengths, strict=True)]
-    attention = AttentionMetadata(
-        query_start_loc=torch.tensor([0, *lengths], device=device).cumsum(0, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_tables=torch.tensor(
-            [ids + [pool.null_block] * (width - len(ids)) for ids, _, _ in rows],
-            dtype=torch.int32,
-            device=device,
-        ),
-        num_decode_rows=next((b for b, n in enumerate(lengths) if n != 1), len(lengths)),
-        max_query_len=max(lengths),
-        max_seq_len=max(seq_lens),
-    )
-    return ForwardBatch(
-        input_ids=torch.tensor([t for _, _, new_ids in rows for t in new_ids], device=device),
-        positions=torch.tensor(positions, device=device),
-        attention=attention,
-        kv_layers=pool.kv_layers,
-    )
-
-
-@functools.cache
 def _tolerance_table() -> dict:
     return yaml.safe_load(TOLERANCES_FILE.read_text())["defaults"]["tolerances"]
 
