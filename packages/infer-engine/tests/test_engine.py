@@ -242,3 +242,24 @@ def test_text_prompts_and_stats(tiny_models):
     assert done.num_generation_tokens_total == GREEDY.max_new_tokens
     assert done.num_prompt_tokens_total == len(prompt_ids)
     assert done.generation_tokens_per_s > 0
+
+
+def test_one_requests_extreme_sampling_settings_do_not_touch_its_batch(tiny_models):
+    """Issue: a tiny temperature or repetition penalty made NaN in the sampler and failed every
+    request of the step. Now the extreme request finishes, and its neighbour's tokens are those
+    it gets alone."""
+    tiny = tiny_models["llama-tiny"]
+    engine = make_engine(tiny)
+    extreme = [
+        SamplingParams(temperature=1e-37, max_new_tokens=6),
+        SamplingParams(temperature=1.0, repetition_penalty=1e-39, max_new_tokens=6, seed=5),
+    ]
+    prompt = [5, 6, 7, 8]
+    ids = [engine.add_request(prompt, params) for params in extreme]
+    neighbour = engine.add_request([9, 10, 11], GREEDY)
+    outputs = run_to_completion(engine)
+    for request_id in [*ids, neighbour]:
+        assert outputs[request_id][-1].error is None and outputs[request_id][-1].finished
+        assert len(token_ids(outputs[request_id])) == 6
+    assert token_ids(outputs[neighbour]) == tiny.oracle.generate([9, 10, 11], GREEDY).token_ids
+    assert token_ids(outputs[ids[0]]) == tiny.oracle.generate(prompt, GREEDY).token_ids

@@ -181,3 +181,38 @@ def test_seeded_sampling_repeats_and_ignores_batch_neighbours():
 def test_mismatched_row_counts_are_rejected():
     with pytest.raises(ValueError, match="one params, token list and generator per logits row"):
         sample_next_tokens(random_logits(2), [SamplingParams()], [[]], [None])
+
+
+def test_extreme_settings_of_one_row_never_reach_its_neighbours():
+    """A tiny temperature or repetition penalty overflows float32 in that row; the batch still
+    samples, the neighbours draw exactly what they draw alone, and the extreme row stays valid."""
+    logits = random_logits(3, seed=7) * 30
+    params = [
+        SamplingParams(temperature=1e-37, seed=1),
+        SamplingParams(temperature=1.0, repetition_penalty=1e-39, seed=2),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=3),
+    ]
+    histories = [[0, 1, 2], list(range(VOCAB_SIZE)), [4]]
+
+    def draw(rows: list[int]) -> list[int]:
+        generators = [make_generator(params[row].seed, "cpu") for row in rows]
+        tokens = sample_next_tokens(
+            logits[rows], [params[r] for r in rows], [histories[r] for r in rows], generators
+        )
+        return tokens.tolist()
+
+    together = draw([0, 1, 2])
+    assert together[2] == draw([2])[0]
+    assert together[0] == int(logits[0].argmax()), "a temperature this small is greedy"
+    # Every id is in row 1's history: the tiny penalty sends every positive logit to the top.
+    assert logits[1, together[1]] > 0
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-37, 1e-6])
+def test_temperatures_below_the_sampling_epsilon_are_greedy(temperature):
+    params = SamplingParams(temperature=temperature, seed=0)
+    assert params.is_greedy
+    logits = random_logits(1, seed=3)
+    assert sample_next_tokens(logits, [params], [[]], [make_generator(0, "cpu")]).tolist() == [
+        int(logits[0].argmax())
+    ]

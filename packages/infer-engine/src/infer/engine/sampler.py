@@ -3,7 +3,7 @@
 Pipeline, in this order (the order of transformers' logits processors, so that `generate` with
 the same settings is a valid oracle):
 
-    repetition penalty -> temperature (0: greedy argmax) -> top-k -> top-p -> min-p -> draw
+    repetition penalty -> temperature (below 1e-5: greedy argmax) -> top-k -> top-p -> min-p -> draw
 
 Each transform takes float32 logits [B, V] and one value per row, and returns new logits in
 which removed tokens are -inf; a row whose value means "off" comes back unchanged. A transform
@@ -57,6 +57,10 @@ def sample_next_tokens(
     row_params = [params[row] for row in sampled_rows]
     logits = logits[rows]
     logits = apply_temperature(logits, torch.tensor([p.temperature for p in row_params], device=device))
+    # A row's own extreme settings (a repetition penalty of 1e-39 divides its logits into
+    # overflow) may leave +inf; as the largest finite float the row's softmax stays defined, so
+    # one request can never make its batch's draw fail.
+    logits = torch.nan_to_num(logits, nan=-torch.inf, posinf=torch.finfo(logits.dtype).max, neginf=-torch.inf)
     if any(p.uses_top_k for p in row_params):
         logits = apply_top_k(logits, torch.tensor([p.top_k for p in row_params], device=device))
     if any(p.top_p < 1.0 for p in row_params):

@@ -3,13 +3,17 @@
 import math
 from dataclasses import dataclass, field
 
+# Temperatures below this sample greedily, as in vLLM: dividing logits by them overflows float32
+# (1e-37), or they round to 0 in float32 (1e-300), and either way the distribution is the argmax.
+SAMPLING_EPS = 1e-5
+
 
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping settings, checked when built.
 
     The transforms run in this order (see `infer.engine.sampler`): repetition penalty,
-    temperature (0 means greedy argmax), top-k, top-p, min-p, then a draw from a generator
+    temperature (below SAMPLING_EPS = 1e-5: greedy argmax), top-k, top-p, min-p, then a draw from a generator
     seeded with `seed` (None: the process-wide torch RNG).
     """
 
@@ -67,7 +71,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def uses_top_k(self) -> bool:
