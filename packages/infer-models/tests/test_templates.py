@@ -16,6 +16,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from infer.models.chat_template import (
     TEMPLATES_DIR,
     ChatTemplateError,
+    ChatTemplateKwargsError,
     chat_template_families,
     chat_template_for,
     detect_family,
@@ -458,3 +459,15 @@ def test_text_content_parts_render_like_the_joined_string():
     ]
     template = chat_template_for("qwen3")
     assert template.render(parts) == template.render(SINGLE_TURN)
+
+
+def test_template_variables_are_variables_even_when_named_like_render_parameters():
+    template = chat_template_for("chatml")
+    messages = [{"role": "user", "content": "Hi"}]
+    assert template.render(messages, self=1) == template.render(messages)
+
+
+def test_a_template_variable_of_the_wrong_type_is_a_kwargs_error_naming_it():
+    template = chat_template_for("chatml")
+    with pytest.raises(ChatTemplateKwargsError, match="default_system_prompt"):
+        template.render([{"role": "user", "content": "Hi"}], default_system_prompt=5)

@@ -100,6 +100,14 @@ CASES = [
     refusal(
         COMPLETIONS, {"model": "$MODEL", "prompt": [10**9], "max_tokens": 1}, 422, "invalid_value", "prompt"
     ),
+    # Issue 14: a template variable of the wrong type was a 500.
+    refusal(
+        CHAT,
+        {"model": "$MODEL", "messages": HI, "chat_template_kwargs": {"default_system_prompt": 5}},
+        422,
+        "invalid_value",
+        "chat_template_kwargs",
+    ),
 ]
 
 
@@ -117,6 +125,14 @@ def test_refused_before_generation_with_an_openai_error_body(server, path, body,
     error = response.json()["error"]
     assert (error["code"], error["param"]) == (code, param)
     assert isinstance(error["message"], str) and error["type"]
+
+
+def test_a_template_variable_named_like_a_python_parameter_is_just_a_variable(server):
+    """Issue 14: {"self": 1} collided with render()'s own parameter and answered 500."""
+    body = {"model": server.model, "messages": HI, "max_tokens": 1, "chat_template_kwargs": {"self": 1}}
+    response = post(server, CHAT, json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 1
 
 
 def test_openai_client_maps_the_statuses_to_its_exceptions(server):

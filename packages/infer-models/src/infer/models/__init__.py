@@ -15,6 +15,7 @@ from infer.models.attention import attention
 from infer.models.chat_template import (
     ChatTemplate,
     ChatTemplateError,
+    ChatTemplateKwargsError,
     chat_template_families,
     chat_template_for,
     detect_family,
@@ -56,6 +57,7 @@ __all__ = [
     "CausalLM",
     "ChatTemplate",
     "ChatTemplateError",
+    "ChatTemplateKwargsError",
     "CheckpointError",
     "ForwardBatch",
     "Gemma3ForCausalLM",

@@ -36,6 +36,11 @@ class ChatTemplateError(ValueError):
     """The messages cannot be rendered by this template (the message says which rule they break)."""
 
 
+class ChatTemplateKwargsError(ChatTemplateError):
+    """The caller's template variables (template_kwargs) broke the rendering, e.g. a number where
+    the template joins text."""
+
+
 def chat_template_families() -> list[str]:
     return sorted(path.stem for path in TEMPLATES_DIR.glob("*.jinja"))
 
@@ -49,6 +54,7 @@ class ChatTemplate:
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
+        /,  # positional-only, so template variables named "self" or "messages" land in template_kwargs
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
@@ -59,17 +65,28 @@ class ChatTemplate:
         template_kwargs reach the template as variables: `enable_thinking` (qwen3),
         `date_string` and `tools_in_user_message` (llama3), `default_system_prompt` (chatml).
         """
+        variables = {
+            # The caller's variables, then the three the template is given by this method.
+            **template_kwargs,
+            "messages": [_normalize_message(m, i) for i, m in enumerate(messages)],
+            "tools": list(tools) if tools is not None else None,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
-            return _compiled(self.source).render(
-                messages=[_normalize_message(m, i) for i, m in enumerate(messages)],
-                tools=list(tools) if tools is not None else None,
-                add_generation_prompt=add_generation_prompt,
-                **template_kwargs,
-            )
+            # One mapping, not keywords: a variable named like render()'s own parameters ("self")
+            # is just a variable.
+            return _compiled(self.source).render(variables)
         except jinja2.TemplateError as err:
             if isinstance(err, jinja2.TemplateSyntaxError):
                 raise  # a bug in our template file, not in the caller's messages
             raise ChatTemplateError(f"{self.family} chat template: {err.message}") from err
+        except (TypeError, ValueError) as err:
+            if not template_kwargs:
+                raise  # our template on our normalized messages: a bug, not the caller's input
+            raise ChatTemplateKwargsError(
+                f"{self.family} chat template failed with the template variables "
+                f"{sorted(template_kwargs)}: {err}"
+            ) from err
 
 
 def chat_template_for(family: str) -> ChatTemplate:

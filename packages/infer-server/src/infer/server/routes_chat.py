@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from infer.models.chat_template import ChatTemplateError
+from infer.models.chat_template import ChatTemplateError, ChatTemplateKwargsError
 from infer.server import chat_tools, errors, responses
 from infer.server.chat_output import ChatAnswer, ChatOutputParser, finish_reason
 from infer.server.errors import ApiError, parse_request
@@ -135,6 +135,10 @@ def _render(server: ServerState, body: ChatCompletionRequest, tools: chat_tools.
             tools=tools.template_tools if tools is not None else None,
             **body.chat_template_kwargs,
         )
+    except ChatTemplateKwargsError as error:  # e.g. {"default_system_prompt": 5}
+        raise ApiError(
+            422, str(error), errors.INVALID_REQUEST, "chat_template_kwargs", "invalid_value"
+        ) from None
     except ChatTemplateError as error:  # the template refused these messages (e.g. a role order)
         raise ApiError(422, str(error), errors.INVALID_REQUEST, "messages", "invalid_value") from None
 
