@@ -1,5 +1,6 @@
 """Draining: after SIGTERM (or `request_drain()`) new generation requests get 503, requests in
-flight finish, and what is still running at the deadline is aborted with a terminal event.
+flight finish, and what is still running at the deadline is cancelled: a stream gets an error
+event (then [DONE]), a body a 503, never a 200 with partial text or finish_reason "abort".
 The SIGTERM test runs the real `infer serve` command in a subprocess and wants exit status 0."""
 
 import json
@@ -8,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -32,25 +34,48 @@ def wait_for_health(base_url: str, status: int, timeout_s: float) -> None:
     raise TimeoutError(f"/health did not answer {status} in {timeout_s} s")
 
 
-def test_drain_deadline_aborts_what_is_left_with_a_terminal_event(start_server):
+def test_drain_deadline_cancels_what_is_left_with_an_error_never_an_answer(start_server):
     server = start_server(max_batch_size=2, drain_timeout_s=0.5)
     body = {"model": server.model, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    in_flight_body: dict = {}
+
+    def post_a_body_in_flight() -> None:
+        response = httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False}, timeout=60)
+        in_flight_body.update(status=response.status_code, json=response.json(), headers=response.headers)
+
     with (
         httpx.Client(base_url=server.base_url, timeout=60.0) as client,
         client.stream("POST", "/v1/completions", json=body) as response,
     ):
         events = data_events(response)
         next(events)
+        body_thread = threading.Thread(target=post_a_body_in_flight)
+        body_thread.start()
+        wait_until(lambda: server.engine.stats().num_running == 2, what="both requests running")
         server.server.request_drain()
         wait_for_health(server.base_url, 503, timeout_s=5)
         refused = httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_draining"
         rest = list(events)
+        body_thread.join(timeout=30)
     assert rest[-1] == "[DONE]"
-    finish_reasons = [json.loads(event)["choices"][0]["finish_reason"] for event in rest[:-1]]
-    assert finish_reasons[-1] == "abort" and finish_reasons.count("abort") == 1
+    cancelled = json.loads(rest[-2])
+    assert cancelled["error"]["code"] == "server_draining", cancelled
+    chunks = [json.loads(event) for event in rest[:-2]]
+    assert all(chunk["choices"][0]["finish_reason"] is None for chunk in chunks)
+    assert in_flight_body["status"] == 503, in_flight_body
+    assert in_flight_body["json"]["error"]["code"] == "server_draining"
+    assert "retry-after" in in_flight_body["headers"]
     server.stop()
     assert server.engine.kv_pool.allocator.num_used == 0
+
+
+def wait_until(condition, *, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)
 
 
 def free_port() -> int:

@@ -122,6 +122,18 @@ def queue_full(max_waiting_requests: int) -> ApiError:
     )
 
 
+def cancelled_by_server() -> ApiError:
+    """A request the server aborted itself (the drain deadline passed): not an answer, so a body
+    gets this 503 and a stream this error event, never a 200 or finish_reason "abort"."""
+    return ApiError(
+        503,
+        "the server is shutting down and cancelled this request before it finished; retry it",
+        SERVER_ERROR,
+        None,
+        "server_draining",
+    )
+
+
 def internal_error(what: str) -> ApiError:
     return ApiError(500, f"internal server error: {what}", SERVER_ERROR, None, "internal_error")
 

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from infer.engine.request import QueueFullError, RequestTooLongError, StepOutput
+from infer.engine.request import FINISH_ABORT, QueueFullError, RequestTooLongError, StepOutput
 from infer.engine.sampling_params import SamplingParams
 from infer.server import errors, responses
 from infer.server.chat_output import ChatOutputParser, ChatPiece, ContentPiece, ReasoningPiece, finish_reason
@@ -88,6 +88,8 @@ async def collect(request: Request, engine_loop: EngineLoop, handle: RequestHand
     final = outputs[-1]
     if final.error is not None:
         raise errors.internal_error(final.error)
+    if final.finish_reason == FINISH_ABORT:  # the client is still here: the server cancelled it
+        raise errors.cancelled_by_server()
     return Collected(
         text="".join(output.text_delta for output in outputs),
         token_ids=[output.token_id for output in outputs if output.token_id is not None],
@@ -125,8 +127,8 @@ async def stream_events(
         if output.text_delta:
             yield piece_event(output.text_delta, pending_ids)
             pending_ids = []
-    if output.error is not None:
-        yield error_event(errors.internal_error(output.error))
+    if output.error is not None or output.finish_reason == FINISH_ABORT:
+        yield error_event(_unfinished(output))
     else:
         yield stream.finish(output.finish_reason, output.text_delta, pending_ids)
         if include_usage:
@@ -153,8 +155,8 @@ async def parsed_chat_events(
             yield _piece_event(stream, piece, num_calls_sent, pending_ids)
             num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
             pending_ids = []
-    if output.error is not None:
-        yield error_event(errors.internal_error(output.error))
+    if output.error is not None or output.finish_reason == FINISH_ABORT:
+        yield error_event(_unfinished(output))
     else:
         for piece in chat_output.feed(output.text_delta) + chat_output.finish():
             yield _piece_event(stream, piece, num_calls_sent, pending_ids)
@@ -164,6 +166,12 @@ async def parsed_chat_events(
         if include_usage:
             yield stream.usage(responses.usage(output.prompt_tokens, output.completion_tokens))
     yield DONE
+
+
+def _unfinished(output: StepOutput) -> ApiError:
+    """Why a stream ends without an answer: the engine failed, or the server cancelled it (a
+    client that went away reads no more events)."""
+    return errors.internal_error(output.error) if output.error is not None else errors.cancelled_by_server()
 
 
 def _piece_event(stream: ChatStream, piece: ChatPiece, call_index: int, token_ids: list[int]) -> bytes:

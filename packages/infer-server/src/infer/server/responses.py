@@ -9,7 +9,8 @@ import uuid
 from typing import Any
 
 # `finish_reason` values: "stop" (EOS or a stop string/token), "length" (token limit or context
-# full), "abort" (cancelled or the client went away; vLLM's extension), "tool_calls".
+# full), "tool_calls". Never "abort", which is not OpenAI's: a request the server cancels gets a
+# 503 (a body) or an error event (a stream), and a client that went away reads nothing.
 
 
 def new_request_id(prefix: str) -> str:
