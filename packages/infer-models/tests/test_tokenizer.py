@@ -138,3 +138,11 @@ def test_vocab_size_counts_every_id_the_tokenizer_can_produce(tokenizer):
 def _vocab_ids(vocab) -> list[int]:
     # BPE stores {token: id}; Unigram stores [[token, score], ...] in id order.
     return list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+
+
+@pytest.mark.parametrize("alias", ["smollm2-135m-instruct", "gemma-3-270m"])
+def test_max_token_chars_bounds_every_tokens_text(alias):
+    """The server's default prompt limit is max_model_len x this: no token may decode longer."""
+    tokenizer = load_tokenizer(alias)
+    longest = max(len(tokenizer.decode([token_id])) for token_id in range(tokenizer.vocab_size))
+    assert longest <= tokenizer.max_token_chars

@@ -32,13 +32,17 @@ class RunningServer:
     """Our app on uvicorn in a thread (infer.server.serve.BackgroundServer), on a free port of
     127.0.0.1, healthy once built; `engine` is the Engine it serves."""
 
-    def __init__(self, engine, *, drain_timeout_s: float = 30.0):
+    def __init__(self, engine, *, drain_timeout_s: float = 30.0, limits=None):
         from infer.server.serve import BackgroundServer
 
         self.engine = engine
         self.model = SERVED_MODEL
         self.background = BackgroundServer(
-            engine, served_model_name=SERVED_MODEL, drain_timeout_s=drain_timeout_s, log_level="warning"
+            engine,
+            served_model_name=SERVED_MODEL,
+            drain_timeout_s=drain_timeout_s,
+            log_level="warning",
+            limits=limits,
         )
         self.server, self.state = self.background.server, self.background.state
         self.port, self.base_url = self.background.port, self.background.base_url
@@ -75,12 +79,12 @@ def make_engine(smollm2_loaded):
 
 @pytest.fixture(scope="session")
 def start_server(make_engine):
-    """start_server(drain_timeout_s=..., **EngineConfig fields) -> a RunningServer, healthy;
-    stopped at the end of the session unless the test stops it first."""
+    """start_server(drain_timeout_s=..., limits=..., **EngineConfig fields) -> a RunningServer,
+    healthy; stopped at the end of the session unless the test stops it first."""
     started = []
 
-    def start(*, drain_timeout_s: float = 30.0, **config) -> RunningServer:
-        running = RunningServer(make_engine(**config), drain_timeout_s=drain_timeout_s)
+    def start(*, drain_timeout_s: float = 30.0, limits=None, **config) -> RunningServer:
+        running = RunningServer(make_engine(**config), drain_timeout_s=drain_timeout_s, limits=limits)
         started.append(running)
         return running
 

@@ -2,6 +2,7 @@
 rules of `infer.server.errors` give it, OpenAI's error body, and the server still serving after.
 The `openai` client must map each status to its own exception class."""
 
+import json
 import threading
 
 import httpx
@@ -125,6 +126,67 @@ def test_refused_before_generation_with_an_openai_error_body(server, path, body,
     error = response.json()["error"]
     assert (error["code"], error["param"]) == (code, param)
     assert isinstance(error["message"], str) and error["type"]
+
+
+def test_a_20_mb_prompt_is_refused_before_tokenizing_by_the_default_limit(server):
+    """Issue 14: a 20 MB prompt was tokenized before any check (30-70 s, 5 GB kept). The default
+    limit is the most characters that could ever fit the context."""
+    limit = server.engine.max_seq_len * server.engine.tokenizer.max_token_chars
+    prompt = "a" * (20 * 2**20)
+    response = post(server, COMPLETIONS, json={"model": server.model, "prompt": prompt, "max_tokens": 1})
+    assert response.status_code == 413, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("prompt_too_large", "prompt")
+    assert str(limit) in error["message"] and "--max-prompt-chars" in error["message"]
+    messages = [{"role": "user", "content": prompt}]
+    response = post(server, CHAT, json={"model": server.model, "messages": messages, "max_tokens": 1})
+    assert response.status_code == 413 and response.json()["error"]["param"] == "messages"
+
+
+@pytest.fixture(scope="module")
+def small_limits_server(start_server):
+    from infer.server.limits import RequestLimits
+
+    running = start_server(
+        max_batch_size=1, limits=RequestLimits(max_request_bytes=2000, max_prompt_chars=100)
+    )
+    yield running
+    running.stop()
+
+
+def test_a_body_over_the_byte_limit_is_413_with_or_without_content_length(small_limits_server):
+    server = small_limits_server
+    body = json.dumps({"model": server.model, "prompt": "x" * 3000, "max_tokens": 1}).encode()
+    declared = post(server, COMPLETIONS, content=body, headers={"content-type": "application/json"})
+
+    def chunks():
+        yield body[:1000]
+        yield body[1000:]
+
+    streamed = post(server, COMPLETIONS, content=chunks(), headers={"content-type": "application/json"})
+    for response in (declared, streamed):
+        assert response.status_code == 413, response.text
+        error = response.json()["error"]
+        assert error["code"] == "request_too_large" and "2000" in error["message"]
+        assert "--max-request-bytes" in error["message"]
+    ok = post(server, COMPLETIONS, json={"model": server.model, "prompt": "Hi", "max_tokens": 1})
+    assert ok.status_code == 200, "the server still serves"
+
+
+def test_a_prompt_over_the_character_limit_is_413_naming_the_field(small_limits_server):
+    server = small_limits_server
+    text = "word " * 30  # 150 characters, under the byte limit
+    completion = post(server, COMPLETIONS, json={"model": server.model, "prompt": text, "max_tokens": 1})
+    chat = post(
+        server,
+        CHAT,
+        json={"model": server.model, "messages": [{"role": "user", "content": text}], "max_tokens": 1},
+    )
+    for response, param in ((completion, "prompt"), (chat, "messages")):
+        assert response.status_code == 413, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("prompt_too_large", param)
+        assert "(100, --max-prompt-chars)" in error["message"]
 
 
 def test_a_template_variable_named_like_a_python_parameter_is_just_a_variable(server):

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infer.server import errors
 from infer.server.errors import ApiError
+from infer.server.limits import RequestLimits
 from infer.server.metrics import ServerMetrics
 from infer.server.routes_chat import router as chat_router
 from infer.server.routes_completions import router as completions_router
@@ -26,17 +27,25 @@ logger = logging.getLogger(__name__)
 
 
 def create_app(
-    engine_or_factory, *, served_model_name: str | None = None, metrics: ServerMetrics | None = None
+    engine_or_factory,
+    *,
+    served_model_name: str | None = None,
+    metrics: ServerMetrics | None = None,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over one engine.
 
     `engine_or_factory`: an `infer.engine.Engine`, or a no-argument callable returning one, which
     then runs on a worker thread at startup (GET /health answers 503 until it returns).
     `served_model_name`: the `model` that requests must name (default: the engine's config.model).
+    `limits`: request body and prompt size limits (default: `RequestLimits()`).
     The ServerState is `app.state.server`; `await app.state.server.drain(timeout_s)` drains.
     """
     server = ServerState(
-        engine_or_factory, served_model_name=served_model_name, metrics=metrics or ServerMetrics()
+        engine_or_factory,
+        served_model_name=served_model_name,
+        metrics=metrics or ServerMetrics(),
+        limits=limits,
     )
 
     @asynccontextmanager

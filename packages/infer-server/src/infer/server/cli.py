@@ -52,7 +52,16 @@ def serve_main(argv: list[str] | None = None) -> int:
         print(f"infer serve: {error}", file=sys.stderr)
         return 2
     from infer.engine.engine import Engine
+    from infer.server.limits import RequestLimits
     from infer.server.serve import build_server
+
+    try:
+        limits = RequestLimits(
+            max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars
+        )
+    except ValueError as error:
+        print(f"infer serve: {error}", file=sys.stderr)
+        return 2
 
     server = build_server(
         lambda: Engine(config),
@@ -61,6 +70,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         served_model_name=args.served_model_name or config.model,
         drain_timeout_s=args.drain_timeout_s,
         log_level=args.log_level,
+        limits=limits,
     )
     server.run()
     return 0
@@ -68,6 +78,7 @@ def serve_main(argv: list[str] | None = None) -> int:
 
 def build_serve_parser() -> argparse.ArgumentParser:
     from infer.engine.config import add_cli_arguments
+    from infer.server.limits import DEFAULT_MAX_REQUEST_BYTES
     from infer.server.serve import DEFAULT_DRAIN_TIMEOUT_S
 
     parser = argparse.ArgumentParser(
@@ -84,6 +95,19 @@ def build_serve_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
         help="on SIGTERM, how long requests in flight may run before they are aborted (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body; larger ones get 413 before they are parsed (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="most characters of one prompt; longer ones get 413 before tokenizing (default: "
+        "max_seq_len x the longest token, the most that could ever fit the context)",
     )
     parser.add_argument(
         "--log-level",

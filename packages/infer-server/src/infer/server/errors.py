@@ -8,8 +8,9 @@ Statuses for a request body that fails validation (see `from_validation_error`):
   or has an empty `messages` / token-id `prompt` (there is nothing to run).
 - 422 `invalid_request_error`: a field is unknown, or its value is invalid or not supported here.
 Beyond validation: 404 for a model this server does not serve, 400 when the prompt and the token
-limit do not fit the context, 503 when the waiting queue is full (clients retry 503s), 500 for a
-bug.
+limit do not fit the context, 413 for a body or a prompt over the server's size limits
+(`infer.server.limits`), 503 when the waiting queue is full or the server drains (clients retry
+503s), 500 for a bug.
 """
 
 from dataclasses import dataclass

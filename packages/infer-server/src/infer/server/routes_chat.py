@@ -28,6 +28,7 @@ from infer.server.generation import (
     stream_events,
     submit,
 )
+from infer.server.limits import check_prompt_chars, read_body
 from infer.server.reasoning import prompt_opens_reasoning
 from infer.server.routes_completions import CLIENT_CLOSED_REQUEST
 from infer.server.schemas import ChatCompletionRequest
@@ -43,8 +44,8 @@ _RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
-    body = parse_request(ChatCompletionRequest, await request.body())
     server: ServerState = request.app.state.server
+    body = parse_request(ChatCompletionRequest, await read_body(request, server.limits.max_request_bytes))
     engine_loop = server.require_ready()
     server.check_model(body.model)
     tools = chat_tools.tool_use(body)
@@ -52,6 +53,7 @@ async def create_chat_completion(request: Request) -> Response:
     tool_format = tool_call_format(family) if tools is not None else None
     call_prefix = tools.call_prefix(tool_format) if tools is not None else ""
     prompt = await run_in_threadpool(_render, server, body, tools)
+    check_prompt_chars(len(prompt), server.max_prompt_chars, "messages")
     prompt_ids = await run_in_threadpool(_encode, server, prompt + call_prefix)
     params = sampling_params(
         body,

@@ -9,6 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from infer.server import responses
 from infer.server.errors import parse_request
 from infer.server.generation import EventStreamResponse, collect, sampling_params, stream_events, submit
+from infer.server.limits import check_prompt_chars, read_body
 from infer.server.schemas import CompletionRequest
 from infer.server.server_state import ServerState
 from infer.server.sse import CompletionStream
@@ -21,11 +22,12 @@ CLIENT_CLOSED_REQUEST = 499
 
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
-    body = parse_request(CompletionRequest, await request.body())
     server: ServerState = request.app.state.server
+    body = parse_request(CompletionRequest, await read_body(request, server.limits.max_request_bytes))
     engine_loop = server.require_ready()
     server.check_model(body.model)
     if isinstance(body.prompt, str):
+        check_prompt_chars(len(body.prompt), server.max_prompt_chars, "prompt")
         # A plain-text prompt gets the tokenizer's special tokens (BOS), as the engine's own
         # add_request and `infer generate` do; token-id prompts are taken as they are.
         prompt_ids = await run_in_threadpool(

@@ -14,6 +14,7 @@ import signal
 import uvicorn
 
 from infer.server.app import create_app
+from infer.server.limits import RequestLimits
 from infer.server.server_state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -63,9 +64,10 @@ def build_server(
     served_model_name: str | None = None,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     log_level: str = "info",
+    limits: RequestLimits | None = None,
 ) -> DrainingServer:
     """The server, not started: `.run()` blocks until it exits, `.request_drain()` drains it."""
-    app = create_app(engine_or_factory, served_model_name=served_model_name)
+    app = create_app(engine_or_factory, served_model_name=served_model_name, limits=limits)
     config = uvicorn.Config(
         app,
         host=host,

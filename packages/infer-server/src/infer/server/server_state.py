@@ -9,10 +9,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from functools import cached_property
 
 from infer.server import errors
 from infer.server.engine_loop import EngineLoop
 from infer.server.errors import ApiError
+from infer.server.limits import RequestLimits
 from infer.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -25,11 +27,19 @@ ABORT_GRACE_S = 5.0
 
 
 class ServerState:
-    def __init__(self, engine_or_factory, *, served_model_name: str | None, metrics: ServerMetrics):
+    def __init__(
+        self,
+        engine_or_factory,
+        *,
+        served_model_name: str | None,
+        metrics: ServerMetrics,
+        limits: RequestLimits | None = None,
+    ):
         """`engine_or_factory`: an infer.engine.Engine, or a no-argument callable that builds one
         (run on a worker thread at startup, so the server answers /health while it loads)."""
         self._engine_or_factory = engine_or_factory
         self._served_model_name = served_model_name
+        self.limits = limits or RequestLimits()
         self.metrics = metrics
         self.phase = LOADING
         self.failure: str | None = None
@@ -102,6 +112,13 @@ class ServerState:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_seq_len
+
+    @cached_property
+    def max_prompt_chars(self) -> int:
+        """The limit on a prompt's characters before tokenizing (see infer.server.limits)."""
+        if self.limits.max_prompt_chars is not None:
+            return self.limits.max_prompt_chars
+        return self.max_model_len * self.engine.tokenizer.max_token_chars
 
     def health(self) -> tuple[int, dict]:
         """(status code, body) of GET /health."""

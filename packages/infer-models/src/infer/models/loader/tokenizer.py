@@ -65,6 +65,13 @@ class Tokenizer:
         return frozenset(self.hf_tokenizer.all_special_ids) | frozenset(added_special)
 
     @cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token decodes to: the longest vocabulary entry.
+        (Entries spell bytes with one symbol or more each, so an entry is never shorter than its
+        text.) A text longer than n x this cannot be n tokens."""
+        return max(len(token) for token in self._vocab)
+
+    @cached_property
     def byte_fallback_ids(self) -> frozenset[int]:
         """Ids of the <0xXX> byte tokens of a SentencePiece-style tokenizer with byte fallback
         (Gemma); empty for byte-level BPE (Llama 3, Qwen, SmolLM2), whose tokens are all bytes."""
