@@ -182,3 +182,100 @@ def test_include_usage_only_when_streaming_and_asked():
     assert chat(stream=True, stream_options={"include_usage": True}).include_usage
     assert not chat(stream=True, stream_options={"include_usage": False}).include_usage
     assert not chat(stream=True).include_usage
+
+
+# -- OpenAI-valid input (issue 14) ---------------------------------------------------------------
+
+OPTIONAL_NULLS = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "stream",
+    "seed",
+    "ignore_eos",
+]
+
+
+@pytest.mark.parametrize("field", OPTIONAL_NULLS)
+def test_null_for_an_optional_field_means_its_default(field):
+    for build in (completion, chat):
+        assert getattr(build(**{field: None}), field) == getattr(build(), field)
+
+
+def test_null_keeps_its_own_meaning_where_it_has_one():
+    assert completion(max_tokens=None).max_tokens is None  # as many as the context leaves
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**63 - 1])
+def test_any_int64_seed_is_accepted(seed):
+    assert completion(seed=seed).seed == seed
+
+
+def test_a_developer_message_is_a_system_message():
+    request = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        }
+    )
+    assert [m["role"] for m in request.template_messages()] == ["system", "user"]
+
+
+def test_an_assistant_message_as_the_sdk_dumps_it_is_accepted_and_its_echo_fields_dropped():
+    dumped = {
+        "role": "assistant",
+        "content": "Paris.",
+        "refusal": None,
+        "audio": None,
+        "function_call": None,
+        "annotations": None,
+        "tool_calls": None,
+    }
+    request = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "Capital?"}, dumped, {"role": "user", "content": "Ok"}],
+        }
+    )
+    assert request.template_messages()[1] == {"role": "assistant", "content": "Paris."}
+
+
+@pytest.mark.parametrize("field", ["audio", "function_call"])
+def test_a_non_null_audio_or_function_call_is_refused_by_name(field):
+    message = {"role": "assistant", "content": "x", field: {"name": "f", "arguments": "{}"}}
+    with pytest.raises(ValidationError, match=field):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [message]})
+
+
+def test_openai_metadata_fields_are_accepted_and_change_nothing():
+    metadata = {
+        "store": True,
+        "metadata": {"team": "a"},
+        "service_tier": "auto",
+        "safety_identifier": "hash",
+        "prompt_cache_key": "k",
+        "user": "u",
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+    }
+    plain = {"stream": True, "stream_options": {"include_usage": True}}
+    for build in (completion, chat):
+        assert build(**metadata).to_sampling_kwargs() == build(**plain).to_sampling_kwargs()
+
+
+@pytest.mark.parametrize(
+    ("effort", "kwargs", "thinking"),
+    [
+        ("none", {}, False),
+        ("minimal", {}, False),
+        ("low", {}, True),
+        ("high", {}, True),
+        ("high", {"enable_thinking": False}, False),  # the explicit template variable wins
+        (None, {}, None),
+    ],
+)
+def test_reasoning_effort_maps_onto_enable_thinking(effort, kwargs, thinking):
+    request = chat(reasoning_effort=effort, chat_template_kwargs=kwargs)
+    assert request.template_kwargs().get("enable_thinking") == thinking

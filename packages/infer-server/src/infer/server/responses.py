@@ -159,20 +159,22 @@ def usage_chunk(object: str, id: str, created: int, model: str, usage: dict[str,
 
 
 def model_list(models: list[tuple[str, int]], created: int, owned_by: str = "infer") -> dict[str, Any]:
-    """GET /v1/models from (model id, max_model_len) pairs; `max_model_len` is vLLM's field for
-    the context length."""
+    """GET /v1/models from (model id, max_model_len) pairs."""
     return {
         "object": "list",
-        "data": [
-            {
-                "id": model_id,
-                "object": "model",
-                "created": created,
-                "owned_by": owned_by,
-                "max_model_len": max_len,
-            }
-            for model_id, max_len in models
-        ],
+        "data": [model(model_id, max_len, created, owned_by) for model_id, max_len in models],
+    }
+
+
+def model(model_id: str, max_model_len: int, created: int, owned_by: str = "infer") -> dict[str, Any]:
+    """One model object (GET /v1/models/{model}); `max_model_len` is vLLM's field for the
+    context length."""
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": owned_by,
+        "max_model_len": max_model_len,
     }
 
 

@@ -107,7 +107,7 @@ def _output_parser(
 ) -> ChatOutputParser | None:
     """How to read this answer; None when its text is all content (no tools, no thinking split)."""
     # Qwen 3 thinks unless told not to, as its template and model card have it.
-    thinking = family == "qwen3" and body.chat_template_kwargs.get("enable_thinking", True) is not False
+    thinking = family == "qwen3" and body.template_kwargs().get("enable_thinking", True) is not False
     if tools is None and not thinking:
         return None
     return ChatOutputParser(
@@ -135,7 +135,7 @@ def _render(server: ServerState, body: ChatCompletionRequest, tools: chat_tools.
             body.template_messages(),
             add_generation_prompt=True,
             tools=tools.template_tools if tools is not None else None,
-            **body.chat_template_kwargs,
+            **body.template_kwargs(),
         )
     except ChatTemplateKwargsError as error:  # e.g. {"default_system_prompt": 5}
         raise ApiError(

@@ -20,6 +20,13 @@ router = APIRouter()
 CLIENT_CLOSED_REQUEST = 499
 
 
+def _document_start_id(tokenizer) -> int:
+    """What an empty text prompt starts from: the BOS token if the tokenizer declares one, else
+    its EOS token (GPT-2-style models begin unconditional text after an end-of-document)."""
+    bos = tokenizer.hf_tokenizer.bos_token_id
+    return bos if bos is not None else tokenizer.eos_token_id
+
+
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     server: ServerState = request.app.state.server
@@ -33,6 +40,8 @@ async def create_completion(request: Request) -> Response:
         prompt_ids = await run_in_threadpool(
             server.engine.tokenizer.encode, body.prompt, add_special_tokens=True
         )
+        if not prompt_ids:  # prompt "" on a tokenizer that adds no BOS: start a new document
+            prompt_ids = [_document_start_id(server.engine.tokenizer)]
     else:
         prompt_ids = list(body.prompt)
     params = sampling_params(body, len(prompt_ids), server.max_model_len, prompt_field="prompt")

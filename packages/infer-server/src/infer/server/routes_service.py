@@ -30,6 +30,16 @@ async def list_models(request: Request) -> Response:
     )
 
 
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    """The client's `models.retrieve`: the served model's object, or 404 naming the served one."""
+    server: ServerState = request.app.state.server
+    server.check_model(model_id)
+    if server.engine is None:
+        server.require_ready()
+    return JSONResponse(responses.model(server.served_model_name, server.max_model_len, server.created))
+
+
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     server: ServerState = request.app.state.server

@@ -16,9 +16,19 @@ pydantic error into an OpenAI error body and picks the HTTP status):
 - A required field that is missing, or an empty `messages` list or empty token-id `prompt`, is
   a 400 (there is nothing to run), like OpenAI; wrong values are 422.
 - `top_k` follows vLLM: an integer >= 1 keeps the k most likely tokens; 0 or -1 turns it off.
-- `seed` must lie in [0, 2**63 - 1] (what `torch.Generator.manual_seed` takes without wrapping).
+- `seed` is any int64, as OpenAI's (a negative seed seeds `torch.Generator` with its unsigned
+  64-bit pattern).
+- `null` for an optional field means its default, as in OpenAI's API (`temperature: null`,
+  `stream: null`, ...); where null has a meaning of its own it keeps it (`max_tokens: null`: as
+  many tokens as the context leaves).
+- OpenAI's metadata fields (`store`, `metadata`, `service_tier`, `safety_identifier`,
+  `prompt_cache_key`, `user`) are accepted and ignored: they do not change the output.
+- A `developer` message is a `system` message (OpenAI's newer name for it); an assistant message
+  as the SDK dumps it back (`refusal`, `audio`, `function_call`, `annotations` all null) is
+  accepted.
 """
 
+import logging
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -31,6 +41,11 @@ INVALID_VALUE = "invalid_value"  # a value the API does not allow: 422
 
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1
+MIN_SEED = -(2**63)
+# OpenAI request fields for the provider's bookkeeping, not the output: accepted, logged, ignored.
+METADATA_FIELDS = ("store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "user")
+
+logger = logging.getLogger(__name__)
 
 
 def _is_token_id(value: Any) -> bool:
@@ -46,10 +61,29 @@ class _Strict(BaseModel):
     # one-sided bounds such as `repetition_penalty > 0` and then fail inside the engine.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_as_defaults(cls, data: Any) -> Any:
+        """`null` for a field that cannot hold None means "not sent": its default applies."""
+        if not isinstance(data, dict):
+            return data
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in cls.model_fields or _accepts_none(cls.model_fields[key])
+        }
+
+
+def _accepts_none(field) -> bool:
+    annotation = field.annotation
+    return annotation is Any or annotation is type(None) or type(None) in getattr(annotation, "__args__", ())
+
 
 class StreamOptions(_Strict):
     # Adds a last chunk with `usage` (and `"usage": null` on every other chunk), as OpenAI does.
     include_usage: bool = False
+    # OpenAI pads stream chunks against side channels; nothing here to obfuscate: ignored.
+    include_obfuscation: bool | None = None
 
 
 class _SamplingRequest(_Strict):
@@ -72,17 +106,29 @@ class _SamplingRequest(_Strict):
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     # vLLM extension: token ids that end the request besides the model's end-of-sequence ids.
     stop_token_ids: list[int] = Field(default_factory=list)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     # vLLM extension: generate through end-of-sequence tokens until the token limit (benchmarks).
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted and ignored (OpenAI uses it for abuse monitoring).
+    # Accepted and ignored (METADATA_FIELDS): the provider's bookkeeping, not the output.
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     n: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
+
+    @model_validator(mode="after")
+    def _log_ignored_metadata(self):
+        sent = {name: getattr(self, name) for name in METADATA_FIELDS if getattr(self, name) is not None}
+        if sent:
+            logger.debug("ignoring OpenAI metadata fields %s", sorted(sent))
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -233,11 +279,32 @@ class ChatMessage(_Strict):
     """One message. `content` is normalized to one string: text parts are joined by newlines
     (what vLLM does), so chat templates only ever see strings."""
 
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # What the SDK dumps back with an assistant message; accepted when null (or, for refusal, as
+    # text the model never sees: a refusal is not part of the conversation's content).
+    refusal: str | None = None
+    audio: Any = None
+    function_call: Any = None
+    annotations: Any = None
+
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, value: str) -> str:
+        # OpenAI's newer name for the system role; every chat template knows "system".
+        return "system" if value == "developer" else value
+
+    @field_validator("audio", "function_call")
+    @classmethod
+    def _null_only(cls, value: Any, info) -> Any:
+        if value is not None:
+            raise _unsupported(
+                f"{info.field_name} is not supported here (send tool_calls for calls); leave it null"
+            )
+        return value
 
     @field_validator("content", mode="before")
     @classmethod
@@ -327,6 +394,9 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: ResponseFormat | None = None
     # Passed to the chat template, e.g. {"enable_thinking": false} for Qwen 3.
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # OpenAI's reasoning knob, mapped onto thinking where the model has it (Qwen 3): "none" and
+    # "minimal" turn it off, the others on; an explicit chat_template_kwargs enable_thinking wins.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     logprobs: Any = None
     top_logprobs: Any = None
 
@@ -389,6 +459,18 @@ class ChatCompletionRequest(_SamplingRequest):
     def _max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables: chat_template_kwargs, with enable_thinking from
+        reasoning_effort when the client set one and not the other."""
+        if self.reasoning_effort is None or "enable_thinking" in self.chat_template_kwargs:
+            return dict(self.chat_template_kwargs)
+        return {
+            **self.chat_template_kwargs,
+            "enable_thinking": self.reasoning_effort not in ("none", "minimal"),
+        }
+
     def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as plain dicts for a chat template (unset fields left out)."""
-        return [message.model_dump(exclude_none=True) for message in self.messages]
+        """The messages as plain dicts for a chat template (unset fields left out, and the SDK's
+        echo fields, which are not conversation)."""
+        echoed = {"refusal", "audio", "function_call", "annotations"}
+        return [message.model_dump(exclude_none=True, exclude=echoed) for message in self.messages]
