@@ -35,23 +35,23 @@ CASES = [
     refusal(
         COMPLETIONS,
         {"model": "$MODEL", "prompt": "Hi", "max_token": 3},
-        422,
+        400,
         "unknown_parameter",
         "max_token",
     ),
     refusal(
         COMPLETIONS,
         {"model": "$MODEL", "prompt": "Hi", "temperature": 2.5},
-        422,
+        400,
         "invalid_value",
         "temperature",
     ),
-    refusal(CHAT, {"model": "$MODEL", "messages": HI, "top_p": 0}, 422, "invalid_value", "top_p"),
-    refusal(COMPLETIONS, {"model": "$MODEL", "prompt": "Hi", "n": 2}, 422, "unsupported_value", "n"),
+    refusal(CHAT, {"model": "$MODEL", "messages": HI, "top_p": 0}, 400, "invalid_value", "top_p"),
+    refusal(COMPLETIONS, {"model": "$MODEL", "prompt": "Hi", "n": 2}, 400, "unsupported_value", "n"),
     refusal(
         CHAT,
         {"model": "$MODEL", "messages": HI, "response_format": {"type": "json_object"}},
-        422,
+        400,
         "unsupported_value",
         "response_format",
     ),
@@ -99,13 +99,13 @@ CASES = [
         "messages",
     ),
     refusal(
-        COMPLETIONS, {"model": "$MODEL", "prompt": [10**9], "max_tokens": 1}, 422, "invalid_value", "prompt"
+        COMPLETIONS, {"model": "$MODEL", "prompt": [10**9], "max_tokens": 1}, 400, "invalid_value", "prompt"
     ),
     # Issue 14: a template variable of the wrong type was a 500.
     refusal(
         CHAT,
         {"model": "$MODEL", "messages": HI, "chat_template_kwargs": {"default_system_prompt": 5}},
-        422,
+        400,
         "invalid_value",
         "chat_template_kwargs",
     ),
@@ -201,7 +201,7 @@ def test_openai_client_maps_the_statuses_to_its_exceptions(server):
     client = server.openai_client()
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=server.model, prompt="Hi", max_tokens=100_000)
-    with pytest.raises(openai.UnprocessableEntityError):
+    with pytest.raises(openai.BadRequestError):
         client.completions.create(model=server.model, prompt="Hi", temperature=3)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=HI)

@@ -44,6 +44,8 @@ def test_nulls_negative_seed_developer_role_and_metadata_in_one_raw_request(serv
     response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] <= 4
+    message = response.json()["choices"][0]["message"]
+    assert "refusal" in message and message["refusal"] is None, "OpenAI's schema requires refusal"
 
 
 def test_a_conversation_resent_as_the_sdk_dumps_it_continues(server):

@@ -21,59 +21,59 @@ DROP = object()  # in a case's fields: remove this field from the base body
 
 # (case id, request model, fields over the base body, status, param, code, text the message must hold)
 CASES = [
-    ("prompt-batch", CompletionRequest, {"prompt": ["a", "b"]}, 422, "prompt", "unsupported_value", "only one prompt per request is supported"),
-    ("prompt-id-batch", CompletionRequest, {"prompt": [[1], [2]]}, 422, "prompt", "unsupported_value", "only one prompt"),
+    ("prompt-batch", CompletionRequest, {"prompt": ["a", "b"]}, 400, "prompt", "unsupported_value", "only one prompt per request is supported"),
+    ("prompt-id-batch", CompletionRequest, {"prompt": [[1], [2]]}, 400, "prompt", "unsupported_value", "only one prompt"),
     ("prompt-empty-ids", CompletionRequest, {"prompt": []}, 400, "prompt", "empty_input", "must not be empty"),
     ("prompt-empty-batch-of-one", CompletionRequest, {"prompt": [[]]}, 400, "prompt", "empty_input", "must not be empty"),
-    ("prompt-number", CompletionRequest, {"prompt": 5}, 422, "prompt", "invalid_value", "string or a list of token ids"),
-    ("prompt-negative-id", CompletionRequest, {"prompt": [1, -2]}, 422, "prompt", "invalid_value", "token ids"),
-    ("prompt-bool-id", CompletionRequest, {"prompt": [True]}, 422, "prompt", "invalid_value", "token ids"),
+    ("prompt-number", CompletionRequest, {"prompt": 5}, 400, "prompt", "invalid_value", "string or a list of token ids"),
+    ("prompt-negative-id", CompletionRequest, {"prompt": [1, -2]}, 400, "prompt", "invalid_value", "token ids"),
+    ("prompt-bool-id", CompletionRequest, {"prompt": [True]}, 400, "prompt", "invalid_value", "token ids"),
     ("prompt-missing", CompletionRequest, {"prompt": DROP}, 400, "prompt", "missing_required_parameter", "missing required field 'prompt'"),
     ("model-missing", CompletionRequest, {"model": DROP}, 400, "model", "missing_required_parameter", "'model'"),
-    ("max-tokens-zero", CompletionRequest, {"max_tokens": 0}, 422, "max_tokens", "invalid_value", "greater than or equal to 1"),
-    ("temperature-high", CompletionRequest, {"temperature": 2.5}, 422, "temperature", "invalid_value", "2.5"),
-    ("temperature-negative", CompletionRequest, {"temperature": -0.1}, 422, "temperature", "invalid_value", "-0.1"),
-    ("temperature-text", CompletionRequest, {"temperature": "hot"}, 422, "temperature", "invalid_value", "'hot'"),
-    ("top-p-zero", CompletionRequest, {"top_p": 0}, 422, "top_p", "invalid_value", "greater than 0"),
-    ("top-p-high", CompletionRequest, {"top_p": 1.5}, 422, "top_p", "invalid_value", "1.5"),
-    ("top-k-below-minus-one", CompletionRequest, {"top_k": -2}, 422, "top_k", "invalid_value", "-1"),
-    ("min-p-high", CompletionRequest, {"min_p": 1.5}, 422, "min_p", "invalid_value", "1.5"),
-    ("repetition-penalty-infinite", CompletionRequest, {"repetition_penalty": float("inf")}, 422, "repetition_penalty", "invalid_value", "finite"),
-    ("temperature-nan", CompletionRequest, {"temperature": float("nan")}, 422, "temperature", "invalid_value", "finite"),
-    ("repetition-penalty-zero", CompletionRequest, {"repetition_penalty": 0}, 422, "repetition_penalty", "invalid_value", "greater than 0"),
-    ("stop-five", CompletionRequest, {"stop": list("abcde")}, 422, "stop", "invalid_value", "at most 4"),
-    ("stop-empty-string", CompletionRequest, {"stop": [""]}, 422, "stop", "invalid_value", "non-empty"),
-    ("stop-number", CompletionRequest, {"stop": ["a", 1]}, 422, "stop.1", "invalid_value", "string"),
-    ("seed-negative", CompletionRequest, {"seed": -1}, 422, "seed", "invalid_value", "-1"),
-    ("seed-too-big", CompletionRequest, {"seed": 2**63}, 422, "seed", "invalid_value", str(2**63)),
-    ("n-two", CompletionRequest, {"n": 2}, 422, "n", "unsupported_value", "leave n out or send 1 or null"),
-    ("n-true", CompletionRequest, {"n": True}, 422, "n", "unsupported_value", "True"),
-    ("echo", CompletionRequest, {"echo": True}, 422, "echo", "unsupported_value", "echo"),
-    ("logprobs", CompletionRequest, {"logprobs": 1}, 422, "logprobs", "unsupported_value", "logprobs"),
-    ("best-of", CompletionRequest, {"best_of": 2}, 422, "best_of", "unsupported_value", "best_of"),
-    ("suffix", CompletionRequest, {"suffix": "}"}, 422, "suffix", "unsupported_value", "suffix"),
-    ("presence-penalty", CompletionRequest, {"presence_penalty": 0.5}, 422, "presence_penalty", "unsupported_value", "0.5"),
-    ("logit-bias", CompletionRequest, {"logit_bias": {"1": 5}}, 422, "logit_bias", "unsupported_value", "logit_bias"),
-    ("unknown-field", CompletionRequest, {"max_token": 5}, 422, "max_token", "unknown_parameter", "unknown field 'max_token'"),
-    ("stream-options-without-stream", CompletionRequest, {"stream_options": {"include_usage": True}}, 422, "stream_options", "invalid_value", "only allowed when stream is true"),
-    ("stream-options-unknown", CompletionRequest, {"stream": True, "stream_options": {"x": 1}}, 422, "stream_options.x", "unknown_parameter", "'stream_options.x'"),
+    ("max-tokens-zero", CompletionRequest, {"max_tokens": 0}, 400, "max_tokens", "invalid_value", "greater than or equal to 1"),
+    ("temperature-high", CompletionRequest, {"temperature": 2.5}, 400, "temperature", "invalid_value", "2.5"),
+    ("temperature-negative", CompletionRequest, {"temperature": -0.1}, 400, "temperature", "invalid_value", "-0.1"),
+    ("temperature-text", CompletionRequest, {"temperature": "hot"}, 400, "temperature", "invalid_value", "'hot'"),
+    ("top-p-zero", CompletionRequest, {"top_p": 0}, 400, "top_p", "invalid_value", "greater than 0"),
+    ("top-p-high", CompletionRequest, {"top_p": 1.5}, 400, "top_p", "invalid_value", "1.5"),
+    ("top-k-below-minus-one", CompletionRequest, {"top_k": -2}, 400, "top_k", "invalid_value", "-1"),
+    ("min-p-high", CompletionRequest, {"min_p": 1.5}, 400, "min_p", "invalid_value", "1.5"),
+    ("repetition-penalty-infinite", CompletionRequest, {"repetition_penalty": float("inf")}, 400, "repetition_penalty", "invalid_value", "finite"),
+    ("temperature-nan", CompletionRequest, {"temperature": float("nan")}, 400, "temperature", "invalid_value", "finite"),
+    ("repetition-penalty-zero", CompletionRequest, {"repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value", "greater than 0"),
+    ("stop-five", CompletionRequest, {"stop": list("abcde")}, 400, "stop", "invalid_value", "at most 4"),
+    ("stop-empty-string", CompletionRequest, {"stop": [""]}, 400, "stop", "invalid_value", "non-empty"),
+    ("stop-number", CompletionRequest, {"stop": ["a", 1]}, 400, "stop.1", "invalid_value", "string"),
+    ("seed-below-int64", CompletionRequest, {"seed": -(2**63) - 1}, 400, "seed", "invalid_value", str(-(2**63) - 1)),
+    ("seed-too-big", CompletionRequest, {"seed": 2**63}, 400, "seed", "invalid_value", str(2**63)),
+    ("n-two", CompletionRequest, {"n": 2}, 400, "n", "unsupported_value", "leave n out or send 1 or null"),
+    ("n-true", CompletionRequest, {"n": True}, 400, "n", "unsupported_value", "True"),
+    ("echo", CompletionRequest, {"echo": True}, 400, "echo", "unsupported_value", "echo"),
+    ("logprobs", CompletionRequest, {"logprobs": 1}, 400, "logprobs", "unsupported_value", "logprobs"),
+    ("best-of", CompletionRequest, {"best_of": 2}, 400, "best_of", "unsupported_value", "best_of"),
+    ("suffix", CompletionRequest, {"suffix": "}"}, 400, "suffix", "unsupported_value", "suffix"),
+    ("presence-penalty", CompletionRequest, {"presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_value", "0.5"),
+    ("logit-bias", CompletionRequest, {"logit_bias": {"1": 5}}, 400, "logit_bias", "unsupported_value", "logit_bias"),
+    ("unknown-field", CompletionRequest, {"max_token": 5}, 400, "max_token", "unknown_parameter", "unknown field 'max_token'"),
+    ("stream-options-without-stream", CompletionRequest, {"stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_value", "only allowed when stream is true"),
+    ("stream-options-unknown", CompletionRequest, {"stream": True, "stream_options": {"x": 1}}, 400, "stream_options.x", "unknown_parameter", "'stream_options.x'"),
     ("messages-empty", ChatCompletionRequest, {"messages": []}, 400, "messages", "empty_input", "at least one message"),
     ("messages-missing", ChatCompletionRequest, {"messages": DROP}, 400, "messages", "missing_required_parameter", "'messages'"),
-    ("role-unknown", ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}, 422, "messages.0.role", "invalid_value", "'robot'"),
-    ("content-missing", ChatCompletionRequest, {"messages": [{"role": "user"}]}, 422, "messages.0", "invalid_value", "needs content"),
-    ("content-image", ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 422, "messages.0.content", "unsupported_value", "only {\"type\": \"text\""),
-    ("content-part-malformed", ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 422, "messages.0.content", "invalid_value", "part 0 must be exactly"),
-    ("message-unknown-field", ChatCompletionRequest, {"messages": [{**USER_HI, "foo": 1}]}, 422, "messages.0.foo", "unknown_parameter", "'messages.0.foo'"),
-    ("tool-without-call-id", ChatCompletionRequest, {"messages": [USER_HI, {"role": "tool", "content": "18 C"}]}, 422, "messages.1", "invalid_value", "tool_call_id"),
-    ("tool-calls-on-user", ChatCompletionRequest, {"messages": [{**USER_HI, "tool_calls": []}]}, 422, "messages.0", "invalid_value", "only assistant messages"),
-    ("tool-choice-named-no-name", ChatCompletionRequest, {"tool_choice": {"type": "function", "function": {}}}, 422, "tool_choice", "invalid_value", "{\"type\": \"function\", \"function\": {\"name\": ...}}"),
-    ("tool-choice-unknown", ChatCompletionRequest, {"tool_choice": "maybe"}, 422, "tool_choice", "invalid_value", "must be \"none\""),
+    ("role-unknown", ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "invalid_value", "'robot'"),
+    ("content-missing", ChatCompletionRequest, {"messages": [{"role": "user"}]}, 400, "messages.0", "invalid_value", "needs content"),
+    ("content-image", ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "messages.0.content", "unsupported_value", "only {\"type\": \"text\""),
+    ("content-part-malformed", ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages.0.content", "invalid_value", "part 0 must be exactly"),
+    ("message-unknown-field", ChatCompletionRequest, {"messages": [{**USER_HI, "foo": 1}]}, 400, "messages.0.foo", "unknown_parameter", "'messages.0.foo'"),
+    ("tool-without-call-id", ChatCompletionRequest, {"messages": [USER_HI, {"role": "tool", "content": "18 C"}]}, 400, "messages.1", "invalid_value", "tool_call_id"),
+    ("tool-calls-on-user", ChatCompletionRequest, {"messages": [{**USER_HI, "tool_calls": []}]}, 400, "messages.0", "invalid_value", "only assistant messages"),
+    ("tool-choice-named-no-name", ChatCompletionRequest, {"tool_choice": {"type": "function", "function": {}}}, 400, "tool_choice", "invalid_value", "{\"type\": \"function\", \"function\": {\"name\": ...}}"),
+    ("tool-choice-unknown", ChatCompletionRequest, {"tool_choice": "maybe"}, 400, "tool_choice", "invalid_value", "must be \"none\""),
     ("tool-missing-name", ChatCompletionRequest, {"tools": [{"type": "function", "function": {}}]}, 400, "tools.0.function.name", "missing_required_parameter", "'tools.0.function.name'"),
-    ("response-format-json", ChatCompletionRequest, {"response_format": {"type": "json_object"}}, 422, "response_format", "unsupported_value", "not supported until structured output exists"),
-    ("token-limits-disagree", ChatCompletionRequest, {"max_tokens": 5, "max_completion_tokens": 6}, 422, "max_completion_tokens", "invalid_value", "disagrees with max_tokens"),
-    ("chat-logprobs", ChatCompletionRequest, {"logprobs": True}, 422, "logprobs", "unsupported_value", "logprobs"),
-    ("chat-top-logprobs", ChatCompletionRequest, {"top_logprobs": 3}, 422, "top_logprobs", "unsupported_value", "top_logprobs"),
-    ("chat-n-two", ChatCompletionRequest, {"n": 2}, 422, "n", "unsupported_value", "n"),
+    ("response-format-json", ChatCompletionRequest, {"response_format": {"type": "json_object"}}, 400, "response_format", "unsupported_value", "not supported until structured output exists"),
+    ("token-limits-disagree", ChatCompletionRequest, {"max_tokens": 5, "max_completion_tokens": 6}, 400, "max_completion_tokens", "invalid_value", "disagrees with max_tokens"),
+    ("chat-logprobs", ChatCompletionRequest, {"logprobs": True}, 400, "logprobs", "unsupported_value", "logprobs"),
+    ("chat-top-logprobs", ChatCompletionRequest, {"top_logprobs": 3}, 400, "top_logprobs", "unsupported_value", "top_logprobs"),
+    ("chat-n-two", ChatCompletionRequest, {"n": 2}, 400, "n", "unsupported_value", "n"),
 ]  # fmt: skip
 
 
@@ -145,16 +145,21 @@ def test_body_has_openais_shape():
     [
         (errors.ApiError(400, "bad", param="prompt", code="invalid_value"), 400, openai.BadRequestError),
         (
-            errors.ApiError(422, "unsupported", param="n", code="unsupported_value"),
-            422,
-            openai.UnprocessableEntityError,
+            errors.ApiError(400, "unsupported", param="n", code="unsupported_value"),
+            400,
+            openai.BadRequestError,
+        ),
+        (
+            errors.ApiError(413, "too large", param="prompt", code="prompt_too_large"),
+            413,
+            openai.APIStatusError,
         ),
         (errors.model_not_found("llama", ["smollm2"]), 404, openai.NotFoundError),
         (errors.context_length_exceeded(9000, 100, 8192), 400, openai.BadRequestError),
         (errors.queue_full(64), 503, openai.InternalServerError),
         (errors.internal_error("engine step failed"), 500, openai.InternalServerError),
     ],
-    ids=["400", "422", "404-model", "400-context", "503-queue", "500"],
+    ids=["400", "400-unsupported", "413", "404-model", "400-context", "503-queue", "500"],
 )
 def test_openai_client_reads_our_error(openai_client_answering, error, status, exception):
     client = openai_client_answering(lambda request: httpx.Response(error.status, json=error.body()))
@@ -163,3 +168,31 @@ def test_openai_client_reads_our_error(openai_client_answering, error, status, e
     assert caught.value.status_code == status
     assert caught.value.message == f"Error code: {status} - {error.message}"
     assert (caught.value.code, caught.value.param, caught.value.type) == (error.code, error.param, error.type)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"max_tokens": "4"}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"stream": "yes"}, "stream"),
+        ({"temperature": True}, "temperature"),
+        ({"seed": "7"}, "seed"),
+    ],
+)
+def test_a_value_of_the_wrong_json_type_is_refused_not_coerced(fields, param):
+    """Issue 14: "4" became 4 and true became 1; a wrong type is a 400 naming the field."""
+    with pytest.raises(ApiError) as caught:
+        parse_request(CompletionRequest, json.dumps({**COMPLETION, **fields}))
+    assert (caught.value.status, caught.value.param, caught.value.code) == (400, param, "invalid_value")
+
+
+def test_echoed_input_in_an_error_is_cut():
+    """Issue 14: a 100,000-character model name must not come back whole."""
+    long_name = "m" * 100_000
+    error = errors.model_not_found(long_name, ["smollm2"])
+    assert len(error.message) < 300
+    for fields in ({"temperature": "x" * 100_000}, {"n": "x" * 100_000}, {"y" * 100_000: 1}):
+        with pytest.raises(ApiError) as caught:
+            parse_request(CompletionRequest, json.dumps({**COMPLETION, **fields}))
+        assert len(caught.value.message) < 600 and len(caught.value.param) < 100

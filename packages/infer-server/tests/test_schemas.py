@@ -87,7 +87,7 @@ def test_sampling_kwargs_build_the_engine_sampling_params():
 
 
 def test_every_valid_range_edge_is_accepted_by_the_engine_too():
-    # The schema must never accept what SamplingParams would then reject (a 500 instead of a 422).
+    # The schema must never accept what SamplingParams would then reject (a 500 instead of a 400).
     for fields in [
         {"temperature": 0.0},
         {"temperature": 2.0},

@@ -6,7 +6,10 @@ Every error the server returns, as a response or as an SSE event, has OpenAI's s
 Statuses for a request body that fails validation (see `from_validation_error`):
 - 400 `invalid_request_error`: the body is not JSON, not a JSON object, misses a required field,
   or has an empty `messages` / token-id `prompt` (there is nothing to run).
-- 422 `invalid_request_error`: a field is unknown, or its value is invalid or not supported here.
+- 400 `invalid_request_error`: a field is unknown, or its value is invalid, of the wrong type, or
+  not supported here. Every refusal is a 400, as OpenAI and vLLM answer: the `openai` client raises
+  `BadRequestError` for 400 but `UnprocessableEntityError` for 422, which code catching
+  `BadRequestError` misses (the first design document said 422; specs/api/README.md says why not).
 Beyond validation: 404 for a model this server does not serve, 400 when the prompt and the token
 limit do not fit the context, 413 for a body or a prompt over the server's size limits
 (`infer.server.limits`), 503 when the waiting queue is full or the server drains (clients retry
@@ -23,16 +26,17 @@ from infer.server.schemas import EMPTY_INPUT, INVALID_VALUE, UNSUPPORTED_VALUE
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 
-# pydantic error type -> (HTTP status, OpenAI error code). Any other type: 422 "invalid_value".
+# pydantic error type -> (HTTP status, OpenAI error code). Any other type: 400 "invalid_value".
 _STATUS_AND_CODE = {
     "json_invalid": (400, "invalid_json"),
     "missing": (400, "missing_required_parameter"),
     EMPTY_INPUT: (400, "empty_input"),
-    "extra_forbidden": (422, "unknown_parameter"),
-    UNSUPPORTED_VALUE: (422, "unsupported_value"),
+    "extra_forbidden": (400, "unknown_parameter"),
+    UNSUPPORTED_VALUE: (400, "unsupported_value"),
 }
 # pydantic's own messages ("Input should be ...") don't show the input; ours do, shortened.
 _MAX_SHOWN_INPUT_CHARS = 80
+_MAX_OWN_MESSAGE_CHARS = 400
 
 RequestModel = TypeVar("RequestModel", bound=BaseModel)
 
@@ -68,8 +72,9 @@ def from_validation_error(exc: ValidationError) -> ApiError:
     errors = exc.errors(include_url=False)
     first = errors[0]
     error_type, loc, msg = first["type"], first["loc"], first["msg"]
-    param = ".".join(str(part) for part in loc) or None
-    status, code = _STATUS_AND_CODE.get(error_type, (422, "invalid_value"))
+    # Cut like any echoed input: an unknown key may be as long as the client likes.
+    param = _shorten(".".join(str(part) for part in loc)) or None
+    status, code = _STATUS_AND_CODE.get(error_type, (400, "invalid_value"))
     if error_type == "json_invalid":
         message = f"request body is not valid JSON: {first['ctx']['error']}"
     elif param is None and error_type in ("model_type", "model_attributes_type", "dict_type"):
@@ -80,9 +85,8 @@ def from_validation_error(exc: ValidationError) -> ApiError:
     elif error_type == "extra_forbidden":
         message = f"unknown field '{param}': it is not part of the API this server implements; remove it"
     elif error_type in (EMPTY_INPUT, UNSUPPORTED_VALUE, INVALID_VALUE):
-        message = (
-            f"{param or 'request'}: {msg}"  # our own messages already say what was wrong and what to send
-        )
+        # Our own messages already say what was wrong and what to send; they may quote the value.
+        message = f"{param or 'request'}: {_shorten(msg, _MAX_OWN_MESSAGE_CHARS)}"
     else:
         message = f"{param or 'request'}: {msg}, got {_shorten(repr(first['input']))}"
     if len(errors) > 1:
@@ -93,7 +97,7 @@ def from_validation_error(exc: ValidationError) -> ApiError:
 def model_not_found(model: str, served: list[str]) -> ApiError:
     return ApiError(
         404,
-        f"model '{model}' is not served here; use one of {served} (GET /v1/models lists them)",
+        f"model {_shorten(repr(model))} is not served here; use one of {served} (GET /v1/models lists them)",
         INVALID_REQUEST,
         "model",
         "model_not_found",
@@ -139,7 +143,7 @@ def internal_error(what: str) -> ApiError:
     return ApiError(500, f"internal server error: {what}", SERVER_ERROR, None, "internal_error")
 
 
-def _shorten(text: str) -> str:
-    if len(text) <= _MAX_SHOWN_INPUT_CHARS:
+def _shorten(text: str, max_chars: int = _MAX_SHOWN_INPUT_CHARS) -> str:
+    if len(text) <= max_chars:
         return text
-    return text[: _MAX_SHOWN_INPUT_CHARS - 3] + "..."
+    return text[: max_chars - 3] + "..."

@@ -44,7 +44,7 @@ def sampling_params(
     try:
         return SamplingParams(**kwargs)
     except ValueError as error:  # the schema should have caught it; name it rather than a 500
-        raise ApiError(422, str(error), errors.INVALID_REQUEST, None, "invalid_value") from None
+        raise ApiError(400, str(error), errors.INVALID_REQUEST, None, "invalid_value") from None
 
 
 def submit(
@@ -59,7 +59,7 @@ def submit(
             400, str(error), errors.INVALID_REQUEST, prompt_field, "context_length_exceeded"
         ) from None
     except ValueError as error:  # e.g. a token id outside the vocabulary
-        raise ApiError(422, str(error), errors.INVALID_REQUEST, prompt_field, "invalid_value") from None
+        raise ApiError(400, str(error), errors.INVALID_REQUEST, prompt_field, "invalid_value") from None
 
 
 # -- one body -----------------------------------------------------------------------------------

@@ -64,7 +64,8 @@ def chat_completion(
 ) -> dict[str, Any]:
     """A whole /v1/chat/completions response (one choice). `tool_calls` as `tool_call` builds
     them; `reasoning_content` (vLLM's field for a thinking model's reasoning) only when given."""
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+    # `refusal` is required by OpenAI's schema (null: the model did not refuse).
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if reasoning_content is not None:
         message["reasoning_content"] = reasoning_content
     if tool_calls:

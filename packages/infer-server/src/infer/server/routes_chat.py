@@ -123,7 +123,7 @@ def _render(server: ServerState, body: ChatCompletionRequest, tools: chat_tools.
     reserved = [name for name in _RESERVED_TEMPLATE_KWARGS if name in body.chat_template_kwargs]
     if reserved:
         raise ApiError(
-            422,
+            400,
             f"chat_template_kwargs may not set {reserved}: the server passes them; remove them",
             errors.INVALID_REQUEST,
             "chat_template_kwargs",
@@ -139,10 +139,10 @@ def _render(server: ServerState, body: ChatCompletionRequest, tools: chat_tools.
         )
     except ChatTemplateKwargsError as error:  # e.g. {"default_system_prompt": 5}
         raise ApiError(
-            422, str(error), errors.INVALID_REQUEST, "chat_template_kwargs", "invalid_value"
+            400, str(error), errors.INVALID_REQUEST, "chat_template_kwargs", "invalid_value"
         ) from None
     except ChatTemplateError as error:  # the template refused these messages (e.g. a role order)
-        raise ApiError(422, str(error), errors.INVALID_REQUEST, "messages", "invalid_value") from None
+        raise ApiError(400, str(error), errors.INVALID_REQUEST, "messages", "invalid_value") from None
 
 
 def _encode(server: ServerState, prompt: str) -> list[int]:

@@ -7,14 +7,14 @@ the context, is `model` served here) is the server's job once it has tokenized.
 Rules every request model follows (each error names its field; `infer.server.errors` turns the
 pydantic error into an OpenAI error body and picks the HTTP status):
 
-- An unknown field is rejected (422), never silently ignored: a typo such as `max_token` would
+- An unknown field is rejected (400), never silently ignored: a typo such as `max_token` would
   otherwise quietly change the output.
 - An OpenAI field we do not implement (`n`, `echo`, `logprobs`, `best_of`, `suffix`,
   `presence_penalty`, `frequency_penalty`, `logit_bias`, `top_logprobs`) is accepted only at its
   neutral value, because common clients send `n=1` or `presence_penalty=0` on every call; any
-  other value is rejected (422) naming the field.
+  other value is rejected (400) naming the field.
 - A required field that is missing, or an empty `messages` list or empty token-id `prompt`, is
-  a 400 (there is nothing to run), like OpenAI; wrong values are 422.
+  a 400 (there is nothing to run), like OpenAI; so are wrong values (every refusal is a 400).
 - `top_k` follows vLLM: an integer >= 1 keeps the k most likely tokens; 0 or -1 turns it off.
 - `seed` is any int64, as OpenAI's (a negative seed seeds `torch.Generator` with its unsigned
   64-bit pattern).
@@ -36,8 +36,8 @@ from pydantic_core import PydanticCustomError
 
 # Custom pydantic error types; `infer.server.errors` maps them to statuses and OpenAI codes.
 EMPTY_INPUT = "empty_input"  # an empty `messages` or token-id `prompt`: 400, nothing to run
-UNSUPPORTED_VALUE = "unsupported_value"  # a valid OpenAI value this server does not implement: 422
-INVALID_VALUE = "invalid_value"  # a value the API does not allow: 422
+UNSUPPORTED_VALUE = "unsupported_value"  # a valid OpenAI value this server does not implement: 400
+INVALID_VALUE = "invalid_value"  # a value the API does not allow: 400
 
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1
@@ -59,7 +59,9 @@ def _unsupported(message: str) -> PydanticCustomError:
 class _Strict(BaseModel):
     # allow_inf_nan=False: pydantic's JSON parser reads Infinity and NaN, which would pass
     # one-sided bounds such as `repetition_penalty > 0` and then fail inside the engine.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict=True: a value of the wrong JSON type is refused, not coerced (`max_tokens: "4"`,
+    # `max_tokens: true`, `stream: "yes"`, `temperature: true`); an integer still fills a float.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod

@@ -8,7 +8,7 @@ the number of text chunks) and any error.
 
 Before the timed run, two untimed requests go out alone:
   warm-up  a short request, so first-call costs (allocator, kernel selection) stay out of the
-           numbers. If the server answers 422 naming `ignore_eos`, the run goes on without the
+           numbers. If the server answers 400 or 422 naming `ignore_eos`, the run goes on without the
            field and notes it (outputs may then end early at EOS).
   probe    the workload's median-length prompt with max_tokens=1 on the idle server: its time to
            first token is the unloaded prefill time that the queue-wait estimate subtracts
@@ -239,8 +239,8 @@ async def _warm_up(
     request = workload.requests[0]
     body = request_body(request, model, ignore_eos=ignore_eos, max_tokens=WARMUP_MAX_TOKENS)
     record, status = await stream_request(client, request, body)
-    if ignore_eos and status == 422 and _names_ignore_eos(record):
-        notes.append(f"the server rejected ignore_eos (422), so it was not sent: {record.error[:200]}")
+    if ignore_eos and status in (400, 422) and _names_ignore_eos(record):
+        notes.append(f"the server rejected ignore_eos ({status}), so it was not sent: {record.error[:200]}")
         ignore_eos = False
         body = request_body(request, model, ignore_eos=False, max_tokens=WARMUP_MAX_TOKENS)
         record, status = await stream_request(client, request, body)
