@@ -25,3 +25,14 @@ def test_subcommand_reaches_its_parser(argv, owner_flag, capsys):
 def test_unknown_command_exits_2_and_names_it(capsys):
     assert main(["frobnicate"]) == 2
     assert "'frobnicate'" in capsys.readouterr().err
+
+
+def test_no_arguments_print_the_usage_and_exit_2(capsys):
+    """Issue 14: `infer` alone is a usage error (exit 2), with the commands on stderr."""
+    assert main([]) == 2
+    assert "infer serve" in capsys.readouterr().err
+
+
+def test_help_prints_the_usage_and_exits_0(capsys):
+    assert main(["--help"]) == 0
+    assert "infer serve" in capsys.readouterr().out

@@ -16,7 +16,10 @@ SERVER_BENCHMARKS = ("serve", "matrix", "hf-baseline")
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:  # a usage error, as argparse treats a missing subcommand
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
     command, rest = argv[0], argv[1:]
