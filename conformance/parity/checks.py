@@ -45,23 +45,15 @@ def full_logits(case: dict, impl: str | None) -> None:
     """Every prompt's logits at every position: max/mean |difference| and top-1 agreement."""
     bounds = _bounds(case)
     ours, reference, tokenizer = _pair(_checkpoint(case), case["dtype"], _device(case))
-    max_abs, abs_sum, count, agree, positions = 0.0, 0.0, 0, 0, 0
+    stats = _LogitGaps()
     with torch.no_grad():
         for prompt in case["prompts"]:
             ids = tokenizer(prompt, return_tensors="pt").input_ids.to(_device(case))
             expected = reference(ids).logits[0].float()
             # One row of len(prompt) tokens: [T, vocab], as transformers' [1, T, vocab] batch of one.
             got = ours.compute_logits(ours(ForwardBatch.from_tokens(ids.tolist(), device=ids.device)))
-            delta = (got - expected).abs()
-            max_abs = max(max_abs, delta.max().item())
-            abs_sum, count = abs_sum + delta.sum().item(), count + delta.numel()
-            agree += (got.argmax(-1) == expected.argmax(-1)).sum().item()
-            positions += ids.shape[1]
-    mean_abs, top1 = abs_sum / count, agree / positions
-    summary = f"max_abs {max_abs:.3g}, mean_abs {mean_abs:.3g}, top-1 {top1:.3f} over {positions} positions"
-    assert max_abs <= bounds["max_abs"], f"{summary}: max_abs above {bounds['max_abs']}"
-    assert mean_abs <= bounds["mean_abs"], f"{summary}: mean_abs above {bounds['mean_abs']}"
-    assert top1 >= bounds["top1_agreement"], f"{summary}: top-1 agreement below {bounds['top1_agreement']}"
+            stats.add(got, expected)
+    stats.assert_within(bounds, "")
 
 
 def greedy_prefix(case: dict, impl: str | None) -> None:
@@ -129,7 +121,7 @@ def mixed_step(case: dict, impl: str | None) -> None:
     assert min(len(s) - c for s, c in zip(sequences, num_cached, strict=True)) >= 1 and len(sequences) == 3, (
         f"mixed_step needs 3 prompts of 2+ tokens, got lengths {[len(s) for s in sequences]}"
     )
-    max_abs, abs_sum, count, agree, positions = 0.0, 0.0, 0, 0, 0
+    stats = _LogitGaps()
     with torch.no_grad():
         mixed = cached_step_logits(ours, sequences, num_cached, case["block_size"])
         for sequence, cached, got in zip(sequences, num_cached, mixed, strict=True):
@@ -140,16 +132,36 @@ def mixed_step(case: dict, impl: str | None) -> None:
                 f"the sequence's alone by {gap:.3g}, above max_abs {bounds['max_abs']}"
             )
             expected = reference(torch.tensor([sequence], device=device)).logits[0, cached:].float()
-            delta = (got - expected).abs()
-            max_abs = max(max_abs, delta.max().item())
-            abs_sum, count = abs_sum + delta.sum().item(), count + delta.numel()
-            agree += (got.argmax(-1) == expected.argmax(-1)).sum().item()
-            positions += got.shape[0]
-    mean_abs, top1 = abs_sum / count, agree / positions
-    summary = f"against transformers: max_abs {max_abs:.3g}, mean_abs {mean_abs:.3g}, top-1 {top1:.3f}"
-    assert max_abs <= bounds["max_abs"], f"{summary}: max_abs above {bounds['max_abs']}"
-    assert mean_abs <= bounds["mean_abs"], f"{summary}: mean_abs above {bounds['mean_abs']}"
-    assert top1 >= bounds["top1_agreement"], f"{summary}: top-1 agreement below {bounds['top1_agreement']}"
+            stats.add(got, expected)
+    stats.assert_within(bounds, "against transformers: ")
+
+
+class _LogitGaps:
+    """Our logits against transformers' over many positions: max and mean |difference| and
+    top-1 agreement, judged against a tolerance row of specs/parity/tolerances.yaml."""
+
+    def __init__(self):
+        self.max_abs, self.abs_sum, self.count, self.agree, self.positions = 0.0, 0.0, 0, 0, 0
+
+    def add(self, got: torch.Tensor, expected: torch.Tensor) -> None:
+        """`got` and `expected`: [positions, vocab] float logits of the same tokens."""
+        delta = (got - expected).abs()
+        self.max_abs = max(self.max_abs, delta.max().item())
+        self.abs_sum, self.count = self.abs_sum + delta.sum().item(), self.count + delta.numel()
+        self.agree += (got.argmax(-1) == expected.argmax(-1)).sum().item()
+        self.positions += got.shape[0]
+
+    def assert_within(self, bounds: dict, label: str) -> None:
+        mean_abs, top1 = self.abs_sum / self.count, self.agree / self.positions
+        summary = (
+            f"{label}max_abs {self.max_abs:.3g}, mean_abs {mean_abs:.3g}, top-1 {top1:.3f} "
+            f"over {self.positions} positions"
+        )
+        assert self.max_abs <= bounds["max_abs"], f"{summary}: max_abs above {bounds['max_abs']}"
+        assert mean_abs <= bounds["mean_abs"], f"{summary}: mean_abs above {bounds['mean_abs']}"
+        assert top1 >= bounds["top1_agreement"], (
+            f"{summary}: top-1 agreement below {bounds['top1_agreement']}"
+        )
 
 
 def _tolerance_table() -> dict:

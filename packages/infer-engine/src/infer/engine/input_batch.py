@@ -26,7 +26,6 @@ class RowState:
     row: int
     sampling: SamplingParams
     generator: torch.Generator | None
-    num_prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,6 @@ class StepInputs:
 class InputBatch:
     def __init__(self, *, max_rows: int, max_seq_len: int, block_size: int, device: torch.device):
         self.max_rows = max_rows
-        self.max_seq_len = max_seq_len
         self.block_size = block_size
         self.max_blocks = -(-max_seq_len // block_size)
         self.device = device
@@ -84,7 +82,6 @@ class InputBatch:
             row=row,
             sampling=request.sampling,
             generator=make_generator(request.generator_seed, self.device),
-            num_prompt_tokens=request.num_prompt_tokens,
         )
 
     def update(self, request: RunningRequest) -> None:

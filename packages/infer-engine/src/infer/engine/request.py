@@ -66,9 +66,9 @@ class Request:
     last_served_step: int | None = None
     finish_reason: str | None = None
     error: str | None = None
-    # Set by the engine: the StopChecker (owns the detokenizer) and the torch.Generator.
+    # Set by the engine: the StopChecker (owns the detokenizer). The request's torch.Generator
+    # lives in the runner's InputBatch, made from NewRequest.generator_seed.
     stop_checker: Any = None
-    generator: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

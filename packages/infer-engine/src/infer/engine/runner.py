@@ -33,7 +33,6 @@ class ModelRunner:
         """`kv_pool`: an infer.cache.KVPool (its kv_layers, block_size and null_block are used)."""
         self.model = model
         self.kv_layers = kv_pool.kv_layers
-        self.max_seq_len = max_seq_len
         self.device = next(model.parameters()).device
         self.input_batch = InputBatch(
             max_rows=max_batch_size,
