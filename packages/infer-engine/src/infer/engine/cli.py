@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from infer.engine.config import DTYPES, EngineConfig, resolve_dtype
+from infer.engine.config import DTYPES, EngineConfig, resolve_device, resolve_dtype
 from infer.engine.sampling_params import SamplingParams
 from infer.models import DEFAULT_MODEL
 
@@ -93,7 +93,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device or "auto")
     return device, resolve_dtype(args.dtype, device)
 
 

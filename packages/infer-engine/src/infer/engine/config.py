@@ -30,6 +30,13 @@ SCHEDULER_POLICIES = ("fcfs", "prefill_first", "decode_round_robin")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
+def resolve_device(name: str) -> torch.device:
+    """The torch device for a `device` setting: "auto" is CUDA when available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
     """The torch dtype for a DTYPES name on `device` ("auto" by the rule above)."""
     if name == "auto":

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.cache import KVCacheShape, PagedKVPool, kv_budget_from_free_memory, num_blocks_for_memory
-from infer.engine.config import EngineConfig, EngineConfigError, resolve_dtype
+from infer.engine.config import EngineConfig, EngineConfigError, resolve_device, resolve_dtype
 from infer.engine.eos import eos_token_ids_of
 from infer.engine.kv_manager import KVCacheManager
 from infer.engine.request import (
@@ -74,7 +74,7 @@ class Engine:
         if loaded_model is None:
             from infer.models.load import load_model
 
-            device = _resolve_device(config)
+            device = resolve_device(config.device)
             loaded_model = load_model(config.model, dtype=resolve_dtype(config.dtype, device), device=device)
         else:
             logger.info(
@@ -313,12 +313,6 @@ def _step_output(
         prompt_tokens=request.num_prompt_tokens,
         completion_tokens=len(request.output_ids),
     )
-
-
-def _resolve_device(config: EngineConfig) -> str:
-    if config.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return config.device
 
 
 def _resolve_max_seq_len(config: EngineConfig, model_max_positions: int) -> int:
