@@ -61,8 +61,15 @@ def test_tiny_checkpoint_is_a_complete_transformers_checkpoint(preset, tmp_path)
     assert len(tokenizer) == config.vocab_size == model.config.vocab_size
     text = "Paris, ça va? 東京 🙂"
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
-    # Every id the model can emit decodes.
+    # Every id the model can emit decodes; the fillers (every id above the specials and the 256
+    # byte tokens) to valid text alone, as a real vocabulary's tokens do, so a random model's
+    # output streams token by token instead of waiting for characters that never complete.
     tokenizer.decode(list(range(config.vocab_size)))
+    tokens = tokenizer.convert_ids_to_tokens(list(range(config.vocab_size)))
+    specials = set(tokenizer.added_tokens_decoder)
+    fillers = [i for i, token in enumerate(tokens) if len(token) > 1 and i not in specials]
+    assert len(fillers) == config.vocab_size - 256 - len(specials)
+    assert all(tokenizer.decode([i]).isascii() and tokenizer.decode([i]).isalnum() for i in fillers)
     generation = json.loads((folder / "generation_config.json").read_text())
     assert generation["bos_token_id"] == config.bos_token_id
     if config.bos_token_id is not None:

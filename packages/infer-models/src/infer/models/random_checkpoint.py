@@ -10,6 +10,7 @@ real ids. Tensors are streamed to disk one at a time, so an 8B preset needs ~1 t
 import argparse
 import itertools
 import json
+import string
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,10 +270,13 @@ def _write_tokenizer(out: Path, arch: str, vocab_size: int, specials: _Specials)
     vocab = {token: token_id for token, token_id in specials.ids.items()}
     for char in sorted(byte_chars):
         vocab[char] = next(free_ids)
-    # Fillers are 2- and 3-character strings of the byte alphabet, so the byte-level decoder
-    # handles them (65,536 + 16.7M of them: enough for any vocabulary).
-    alphabet = sorted(byte_chars)
-    fillers = ("".join(chars) for length in (2, 3) for chars in itertools.product(alphabet, repeat=length))
+    # Fillers are 2- to 4-character strings of ASCII letters and digits (the byte-level alphabet
+    # maps those bytes to themselves): any sequence of them decodes to valid UTF-8, as a real
+    # vocabulary's tokens almost always do. Random bytes would not, and a random model's output
+    # would then be text held back for an incomplete character, token after token, which is
+    # nothing a real model does (benchmarks measure inter-token latency on this text).
+    alphabet = string.ascii_letters + string.digits
+    fillers = ("".join(chars) for length in (2, 3, 4) for chars in itertools.product(alphabet, repeat=length))
     for token_id in free_ids:
         vocab[next(fillers)] = token_id
     if len(vocab) != vocab_size:
