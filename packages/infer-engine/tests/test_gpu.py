@@ -12,6 +12,7 @@ smallest gap they can show: 0.125 at magnitudes 16-32, 0.25 at 32-64 (measured o
 600-token prompt of llama-3.2-1b shapes flips at a gap of 0.25, one unit).
 """
 
+import importlib
 import math
 
 import pytest
@@ -77,6 +78,50 @@ def test_engine_greedy_equals_recompute_in_bf16_up_to_a_near_tie(real_shape, con
         assert_equal_up_to_a_near_tie(
             loaded.model, prompt, tokens[request_id], oracle_tokens, f"{preset}/{config_name}"
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_no_step_compiles_a_kernel_after_start_up(real_shape, use_cuda_graphs):
+    """A Triton compile inside a step stalls every stream of that step, so start-up must have
+    compiled whatever serving runs: steps of 1-5 rows, decode-only and mixed, chunks after
+    decodes, short and long contexts."""
+    _, loaded, prompts, _, _ = real_shape
+    config = EngineConfig(
+        device="cuda",
+        dtype="bfloat16",
+        max_batch_size=8,
+        max_seq_len=1024,
+        use_chunked_prefill=True,
+        prefill_chunk_size=48,
+        use_cuda_graphs=use_cuda_graphs,
+    )
+    engine = Engine(config, loaded_model=loaded)
+    compiled = compiled_kernel_variants()
+    generator = torch.Generator().manual_seed(1)
+    lengths = (1, 7, 33, *PROMPT_LENGTHS, 17, 900)
+    for i, length in enumerate(lengths):
+        prompt = torch.randint(0, loaded.config.vocab_size, (length,), generator=generator).tolist()
+        engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=3 + 5 * i, ignore_eos=True))
+        for _ in range(i % 3 + 1):  # arrivals while others decode
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    assert compiled_kernel_variants() == compiled
+
+
+def compiled_kernel_variants() -> dict[str, int]:
+    """How many compiled variants each of infer.kernels' Triton kernels holds (all devices)."""
+    from triton.runtime.jit import JITFunction
+
+    counts = {}
+    for module_name in ("paged_attention", "store_kv", "rope", "rms_norm", "activation"):
+        module = importlib.import_module(f"infer.kernels.{module_name}")
+        for name, value in vars(module).items():
+            if isinstance(value, JITFunction):
+                # device_caches: device -> (kernel cache, ...), the layout of Triton 3.x.
+                counts[f"{module_name}.{name}"] = sum(len(c[0]) for c in value.device_caches.values())
+    return counts
 
 
 def assert_equal_up_to_a_near_tie(model, prompt, ours, oracle_tokens, label) -> None:

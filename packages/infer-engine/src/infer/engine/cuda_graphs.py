@@ -58,12 +58,23 @@ class DecodeGraphs:
         max_blocks = -(-max_seq_len // block_size)
         rows = max_batch_size
         device = self.device
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((rows,), null_block * block_size, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((rows, max_blocks), null_block, dtype=torch.int32, device=device)
+        # The graphs' inputs, in two device buffers with a pinned host twin each, so that a step
+        # fills numpy views of the host side and sends each with one asynchronous copy:
+        # int64 [3, rows] (token ids, positions, cache slots) and int32 [rows + rows x max_blocks]
+        # (lengths, then the block table, whose first B rows are contiguous).
+        self._host_tokens = torch.zeros((3, rows), dtype=torch.long, pin_memory=True)
+        self._host_tables = torch.zeros(rows * (1 + max_blocks), dtype=torch.int32, pin_memory=True)
+        self._tokens = self._host_tokens.to(device)
+        self._tables = self._host_tables.to(device)
+        self.input_ids, self.positions, self.slot_mapping = self._tokens.unbind(0)
+        self.seq_lens = self._tables[:rows]
+        self.block_tables = self._tables[rows:].view(rows, max_blocks)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        host_tokens = self._host_tokens.numpy()
+        self._host_input_ids, self._host_positions, self._host_slot_mapping = host_tokens
+        host_tables = self._host_tables.numpy()
+        self._host_seq_lens = host_tables[:rows]
+        self._host_block_tables = host_tables[rows:].reshape(rows, max_blocks)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # One memory pool for every graph: only one runs at a time and its logits are consumed
         # before the next replay.
@@ -100,21 +111,28 @@ class DecodeGraphs:
         if batch_size not in self._graphs:
             self._graphs[batch_size] = self._capture(batch_size)
         graph, logits = self._graphs[batch_size]
-        pad = batch_size - num_rows
-        width = block_tables.shape[1]
-        self.input_ids[:batch_size].copy_(torch.from_numpy(np.pad(input_ids, (0, pad))), non_blocking=True)
-        self.positions[:batch_size].copy_(torch.from_numpy(np.pad(positions, (0, pad))), non_blocking=True)
-        null_slot = self.null_block * self.block_size
-        self.slot_mapping[:batch_size].copy_(
-            torch.from_numpy(np.pad(slot_mapping, (0, pad), constant_values=null_slot)), non_blocking=True
-        )
-        self.seq_lens[:batch_size].copy_(
-            torch.from_numpy(np.pad(seq_lens, (0, pad), constant_values=1)), non_blocking=True
-        )
-        self.block_tables[:num_rows, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
-        self.block_tables[num_rows:batch_size].fill_(self.null_block)
+        self._host_input_ids[:num_rows] = input_ids
+        self._host_positions[:num_rows] = positions
+        self._host_slot_mapping[:num_rows] = slot_mapping
+        self._host_seq_lens[:num_rows] = seq_lens
+        self._host_block_tables[:num_rows, : block_tables.shape[1]] = block_tables
+        self._set_pad_rows(num_rows, batch_size)
+        # Pinned sources: both copies are queued without waiting, and the host buffers are not
+        # written again before the step's sampled tokens are read, which waits for the copies.
+        self._tokens.copy_(self._host_tokens, non_blocking=True)  # [3, max rows]: a few KiB
+        num_table_ints = self.max_batch_size + batch_size * self.block_tables.shape[1]
+        self._tables[:num_table_ints].copy_(self._host_tables[:num_table_ints], non_blocking=True)
         graph.replay()
         return logits[:num_rows]
+
+    def _set_pad_rows(self, start: int, stop: int) -> None:
+        """Rows start..stop-1 become padding: token 0 at position 0 writing to and reading one key
+        of the null block."""
+        self._host_input_ids[start:stop] = 0
+        self._host_positions[start:stop] = 0
+        self._host_slot_mapping[start:stop] = self.null_block * self.block_size
+        self._host_seq_lens[start:stop] = 1
+        self._host_block_tables[start:stop] = self.null_block
 
     def _batch(self, batch_size: int) -> ForwardBatch:
         metadata = AttentionMetadata(
@@ -136,9 +154,9 @@ class DecodeGraphs:
 
     def _capture(self, batch_size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Every row is a pad row while warming up and capturing.
-        self.slot_mapping.fill_(self.null_block * self.block_size)
-        self.seq_lens.fill_(1)
-        self.block_tables.fill_(self.null_block)
+        self._set_pad_rows(0, self.max_batch_size)
+        self._tokens.copy_(self._host_tokens)
+        self._tables.copy_(self._host_tables)
         batch = self._batch(batch_size)
 
         def forward() -> torch.Tensor:

@@ -110,9 +110,10 @@ class Engine:
             max_seq_len=self.max_seq_len,
             use_cuda_graphs=config.use_cuda_graphs,
         )
+        # At start-up, not on first use: a kernel compile or a graph capture would land on the
+        # latency of whichever request first needs it, and of every request in its step.
+        self.runner.warm_up()
         if self.runner.decode_graphs is not None:
-            # At start-up, not on first use: a capture takes tens of milliseconds, which would
-            # land on the latency of whichever request first needs a new bucket.
             self.runner.decode_graphs.capture_all()
         self.eos_token_ids = eos_token_ids_of(loaded_model)
         self._vocab_size = model.config.vocab_size

@@ -40,6 +40,9 @@ class ModelRunner:
             block_size=kv_pool.block_size,
             device=self.device,
         )
+        self.block_size = kv_pool.block_size
+        self.null_block = kv_pool.null_block
+        self.max_seq_len = max_seq_len
         self.decode_graphs = None
         if use_cuda_graphs:
             self.decode_graphs = DecodeGraphs(
@@ -50,6 +53,33 @@ class ModelRunner:
                 block_size=kv_pool.block_size,
                 null_block=kv_pool.null_block,
             )
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Runs eager forwards shaped like the steps serving will run, so that every Triton kernel
+        variant (one-split and split decode rows, prompt chunks after decode rows) is compiled
+        now and not on the step of whichever request first needs it. Only the null block is
+        written. CPU runs the kernels' PyTorch references and has nothing to compile."""
+        if self.device.type != "cuda":
+            return
+        null_slot = self.null_block * self.block_size
+        for decode_len in (1, self.max_seq_len):
+            # Row 0 decodes at position decode_len - 1; row 1 is a two-token prompt chunk.
+            positions = np.array([decode_len - 1, 0, 1], dtype=np.int64)
+            step = StepInputs(
+                request_ids=["warm-up-decode", "warm-up-chunk"],
+                input_ids=np.zeros(3, dtype=np.int64),
+                positions=positions,
+                slot_mapping=null_slot + positions % self.block_size,
+                query_start_loc=np.array([0, 1, 3], dtype=np.int32),
+                seq_lens=np.array([decode_len, 2], dtype=np.int32),
+                block_tables=np.full((2, self.input_batch.max_blocks), self.null_block, dtype=np.int32),
+                num_decode_rows=1,
+                sampling_rows=[0, 1],
+                logits_indices=np.array([0, 2], dtype=np.int64),
+            )
+            self._logits(step)
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def execute(self, decision: ScheduleDecision) -> RunnerOutput:

@@ -50,6 +50,10 @@ _DECODE_STAGES = 2
 # sweep on an H100 (Llama 3.2 1B heads, bf16): about 1.7x the time of torch's flash SDPA on
 # contiguous K/V, against 3x for 64/64/4 warps.
 _EXTEND_CONFIG = (128, 64, 8, 2)
+# Integer arguments that change from step to step (batch shape, block-table width, decode rows)
+# are marked do_not_specialize: Triton otherwise compiles a variant for each of their classes
+# (== 1, divisible by 16, other) on first sight; under serving that lands mid-run, and every
+# stream of that step waits for the compiler.
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -63,7 +67,7 @@ def _key_slots(block_table_row_ptr, keys_at, in_range, BLOCK_SIZE: tl.constexpr)
     return block_ids * BLOCK_SIZE + keys_at % BLOCK_SIZE
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["block_table_stride", "num_splits", "split_size"])
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -159,7 +163,7 @@ def _decode_split_kernel(
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "split_size"])
 def _decode_merge_kernel(
     out_ptr,
     part_max_ptr,
@@ -205,7 +209,7 @@ def _decode_merge_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["block_table_stride", "first_row"])
 def _extend_kernel(
     q_ptr,
     k_ptr,

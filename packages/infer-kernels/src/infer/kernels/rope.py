@@ -76,7 +76,9 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-@triton.jit
+# seq_len (the step's token count) varies every step; specializing on it (== 1, % 16) would compile
+# a new variant mid-serving, see paged_attention.py.
+@triton.jit(do_not_specialize=["seq_len"])
 def _rope_kernel(
     q_ptr,
     q_stride_batch,
