@@ -19,7 +19,7 @@ nox.options.sessions = ["lint", "tests"]
 
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 # Install order matters: the lower packages first, so pip never looks for an infer-* on PyPI.
-PACKAGES = ["infer-kernels", "infer-cache", "infer-models", "infer-engine", "infer-server"]
+PACKAGES = ["infer-kernels", "infer-cache", "infer-models", "infer-engine", "infer-server", "infer-bench"]
 # The CPU build of torch lies on the machines' disk; any other spec pulls GBs of CUDA wheels.
 TORCH = "torch==2.13.0"
 DEFAULT_MODEL = "smollm2-135m-instruct"

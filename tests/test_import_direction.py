@@ -1,6 +1,6 @@
-"""Imports flow only down the package table, and the five packages move as one version train.
+"""Imports flow only down the package table, and the six packages move as one version train.
 
-    kernels <- models <- engine <- server;  cache <- engine
+    kernels <- models <- engine <- server <- bench;  cache <- engine
 
 Read from the source with `ast` (nothing is imported), so a violation is caught even in a module
 no test imports, or behind a function-level import.
@@ -22,7 +22,11 @@ MAY_IMPORT = {
     "cache": set(),
     "engine": {"models", "cache", "kernels"},
     "server": {"engine", "models", "cache", "kernels"},
+    "bench": {"server", "engine", "models", "cache", "kernels"},
 }
+# The `infer` command (infer/server/cli.py) hands `bench` and `profile` to infer-bench by module
+# name, when it is installed; nothing else in the library packages may even name it.
+NAMES_BENCH = {"server/cli.py"}
 # kernels ships alone as the core wheel: beside the standard library, torch and triton only.
 KERNELS_THIRD_PARTY = {"torch", "triton"}
 
@@ -68,6 +72,14 @@ def test_imports_flow_down(name):
     assert not violations, "imports against the package table:\n" + "\n".join(violations)
 
 
+@pytest.mark.parametrize("name", sorted(set(MAY_IMPORT) - {"bench"}))
+def test_library_packages_do_not_name_infer_bench(name):
+    """Catches what the import check cannot see: importlib.import_module("infer.bench...")."""
+    root = PACKAGES_DIR / f"infer-{name}" / "src" / "infer"
+    naming = {str(path.relative_to(root)) for path in source_files(name) if "infer.bench" in path.read_text()}
+    assert naming <= NAMES_BENCH, f"infer.{name} names infer.bench in {sorted(naming - NAMES_BENCH)}"
+
+
 def declared_versions(name: str) -> tuple[str, str]:
     """(__version__ in _version.py, version in pyproject.toml), read as text."""
     root = PACKAGES_DIR / f"infer-{name}"
@@ -93,5 +105,5 @@ def test_one_version_train():
     versions = {name: declared_versions(name) for name in MAY_IMPORT}
     train = {version for pair in versions.values() for version in pair}
     assert len(train) == 1, (
-        f"the five packages must share one version (_version.py, pyproject.toml): {versions}"
+        f"the six packages must share one version (_version.py, pyproject.toml): {versions}"
     )

@@ -13,13 +13,13 @@ is needed. Usage:
 import argparse
 import statistics
 
+from infer.bench.serving.workloads import make_workload
 from infer.cache import BlockAllocator
 from infer.engine.decision import RunnerOutput
 from infer.engine.kv_manager import KVCacheManager
 from infer.engine.request import Request
 from infer.engine.sampling_params import SamplingParams
 from infer.engine.scheduler import Scheduler
-from infer.server.bench.workloads import make_workload
 
 
 def run(

@@ -24,7 +24,9 @@ from infer.kernels import rms_norm, rms_norm_ref
 x, w = torch.randn(4, 576), torch.randn(576)
 expected = x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * w
 torch.testing.assert_close(rms_norm(x, w, 1e-6), expected)
-others = [n for n in ("models", "cache", "engine", "server") if importlib.util.find_spec("infer." + n)]
+others = [
+    n for n in ("models", "cache", "engine", "server", "bench") if importlib.util.find_spec("infer." + n)
+]
 assert not others, f"other infer packages are importable in the bare venv: {others}"
 requires = sorted(re.match(r"[\\w.-]+", r).group() for r in importlib.metadata.requires("infer-kernels"))
 assert requires == ["torch", "triton"], f"infer-kernels must depend on torch and triton only, got {requires}"

@@ -1,5 +1,7 @@
 """`infer` hands each subcommand to the package that owns it."""
 
+import sys
+
 import pytest
 
 from infer.server.cli import main
@@ -8,9 +10,6 @@ from infer.server.cli import main
 @pytest.mark.parametrize(
     ("argv", "owner_flag"),
     [
-        (["bench", "serve", "--help"], "--base-url"),  # infer.server.bench.cli
-        (["bench", "matrix", "--help"], "--server-command"),
-        (["bench", "hf-baseline", "--help"], "--attn-implementation"),
         (["bench", "generate", "--help"], "--compare-hf"),  # infer.engine.cli
         (["serve", "--help"], "--drain-timeout-s"),
     ],
@@ -20,6 +19,16 @@ def test_subcommand_reaches_its_parser(argv, owner_flag, capsys):
         main(argv)
     assert exit_info.value.code == 0
     assert owner_flag in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["bench", "serve", "--help"], ["bench", "matrix"]])
+def test_benchmarks_without_infer_bench_exit_2_with_what_to_install(argv, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "infer.bench", None)  # as if only the library wheels were installed
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"infer {argv[0]}: needs the infer-bench distribution: pip install infer-bench "
+        "(from a checkout: pip install -e packages/infer-bench)"
+    ]
 
 
 def test_unknown_command_exits_2_and_names_it(capsys):

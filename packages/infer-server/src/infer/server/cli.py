@@ -3,15 +3,20 @@
 infer models {fetch,list,random,diff} ...   -> infer.models.cli
 infer generate | profile | bench generate   -> infer.engine.cli
 infer serve [--host H] [--port P] [engine flags]  -> infer.server (the HTTP server)
-infer bench serve | matrix | hf-baseline    -> infer.server.bench.cli
+infer bench serve | matrix | hf-baseline    -> infer.bench.serving.cli (infer-bench, if installed)
 """
 
 import argparse
+import importlib
+import importlib.util
 import logging
 import sys
 
 # `infer bench NAME` for these goes to the serving benchmark; any other NAME to infer.engine.cli.
 SERVER_BENCHMARKS = ("serve", "matrix", "hf-baseline")
+# infer-bench sits above this package and is optional, so its CLI is found by module name when a
+# benchmark is asked for: no infer library imports it (tests/test_import_direction.py).
+BENCH_CLI = "infer.bench.serving.cli"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,9 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return models_main(rest)
     if command == "bench" and rest and rest[0] in SERVER_BENCHMARKS:
-        from infer.server.bench.cli import main as bench_main
-
-        return bench_main(rest)
+        return bench_main(command, rest)
     if command in ("generate", "profile", "bench"):
         from infer.engine.cli import main as engine_main
 
@@ -39,6 +42,18 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(rest)
     print(f"infer: unknown command {command!r}; run `infer --help`", file=sys.stderr)
     return 2
+
+
+def bench_main(command: str, argv: list[str]) -> int:
+    """Hand `infer COMMAND ARGV...` to infer-bench; exit 2 with how to install it when it is absent."""
+    if importlib.util.find_spec("infer.bench") is None:
+        print(
+            f"infer {command}: needs the infer-bench distribution: pip install infer-bench "
+            "(from a checkout: pip install -e packages/infer-bench)",
+            file=sys.stderr,
+        )
+        return 2
+    return importlib.import_module(BENCH_CLI).main(argv)
 
 
 def serve_main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from infer.server.bench.workloads import BenchRequest, Workload
+from infer.bench.serving.workloads import BenchRequest, Workload
 
 WARMUP_MAX_TOKENS = 4
 

@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from infer.server.bench.stats import summarize
-from infer.server.bench.workloads import Workload
+from infer.bench.serving.stats import summarize
+from infer.bench.serving.workloads import Workload
 
 WARMUP_MAX_TOKENS = 4
 

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
+from infer.bench.serving.cli import main as bench_main
+from infer.bench.serving.hf_baseline import run_hf_baseline
+from infer.bench.serving.workloads import WorkloadShape, make_workload
 from infer.models.random_checkpoint import PRESETS, make_random_checkpoint
-from infer.server.bench.cli import main as bench_main
-from infer.server.bench.hf_baseline import run_hf_baseline
-from infer.server.bench.workloads import WorkloadShape, make_workload
 
 TINY = WorkloadShape("completion", prompt_tokens=(4, 12), output_tokens=(2, 5))
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import httpx
 
-from infer.server.bench.report import markdown_table, write_json
-from infer.server.bench.runner import benchmark_server
-from infer.server.bench.workloads import CONCURRENCY_LEVELS, make_workload
+from infer.bench.serving.report import markdown_table, write_json
+from infer.bench.serving.runner import benchmark_server
+from infer.bench.serving.workloads import CONCURRENCY_LEVELS, make_workload
 
 DEFAULT_SERVER_COMMAND = f"{sys.executable} -m infer.server.cli serve"
 

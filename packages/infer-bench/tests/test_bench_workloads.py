@@ -2,7 +2,7 @@
 
 import pytest
 
-from infer.server.bench.workloads import SHAPES, make_workload
+from infer.bench.serving.workloads import SHAPES, make_workload
 
 
 @pytest.mark.parametrize("name", ["W1", "W2", "W3"])

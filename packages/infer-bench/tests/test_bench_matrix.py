@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infer.server.bench.matrix import MATRIX_ROWS, free_port, run_matrix, select_rows, server_process
+from infer.bench.serving.matrix import MATRIX_ROWS, free_port, run_matrix, select_rows, server_process
 
 PEER = Path(__file__).with_name("bench_peer.py")
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import httpx
 
-from infer.server.bench import server_info
-from infer.server.bench.client import run_workload
-from infer.server.bench.stats import run_stats
-from infer.server.bench.workloads import Workload
+from infer.bench.serving import server_info
+from infer.bench.serving.client import run_workload
+from infer.bench.serving.stats import run_stats
+from infer.bench.serving.workloads import Workload
 
 
 async def benchmark_server(
@@ -102,7 +102,7 @@ def client_environment() -> dict:
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "httpx": httpx.__version__,
-        "infer-server": _version("infer-server"),
+        "infer-bench": _version("infer-bench"),
     }
 
 

@@ -14,10 +14,10 @@ import httpx
 import pytest
 import uvicorn
 
-from infer.server.bench.cli import main as bench_main
-from infer.server.bench.client import run_workload
-from infer.server.bench.runner import benchmark_server
-from infer.server.bench.workloads import WorkloadShape, make_workload
+from infer.bench.serving.cli import main as bench_main
+from infer.bench.serving.client import run_workload
+from infer.bench.serving.runner import benchmark_server
+from infer.bench.serving.workloads import WorkloadShape, make_workload
 
 _spec = importlib.util.spec_from_file_location("bench_peer", Path(__file__).with_name("bench_peer.py"))
 bench_peer = importlib.util.module_from_spec(_spec)
@@ -168,11 +168,11 @@ def test_cli_serve_writes_json_and_markdown(tmp_path):
 def test_against_our_server_token_counts_agree_with_its_metrics(tmp_path):
     import torch
 
+    from infer.bench.serving.server_info import parse_prometheus_text
     from infer.engine.config import EngineConfig
     from infer.engine.engine import Engine
     from infer.models.random_checkpoint import PRESETS, make_random_checkpoint
     from infer.server.app import create_app
-    from infer.server.bench.server_info import parse_prometheus_text
 
     checkpoint = make_random_checkpoint("llama-tiny", tmp_path / "llama-tiny", dtype=torch.float32)
     config = EngineConfig(model=str(checkpoint), device="cpu", max_batch_size=2, max_seq_len=64)

@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from infer.server.bench.client import RequestRecord, RunResult
-from infer.server.bench.server_info import histogram_mean_between, memory_gauges, parse_prometheus_text
-from infer.server.bench.stats import percentile, run_stats, summarize
-from infer.server.bench.workloads import make_workload
+from infer.bench.serving.client import RequestRecord, RunResult
+from infer.bench.serving.server_info import histogram_mean_between, memory_gauges, parse_prometheus_text
+from infer.bench.serving.stats import percentile, run_stats, summarize
+from infer.bench.serving.workloads import make_workload
 from infer.server.metrics import ServerMetrics
 
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)

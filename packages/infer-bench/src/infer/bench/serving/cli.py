@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from infer.server.bench.workloads import DEFAULT_VOCAB_SIZE, SHAPES
+from infer.bench.serving.workloads import DEFAULT_VOCAB_SIZE, SHAPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     matrix.add_argument("--health-timeout-s", type=float, default=600.0)
     matrix.add_argument(
-        "--rows", default=None, help="comma-separated row names (default: every row; see bench/matrix.py)"
+        "--rows", default=None, help="comma-separated row names (default: every row; see serving/matrix.py)"
     )
     matrix.add_argument(
         "--out", type=Path, required=True, help="folder for matrix.md, matrix.json, per-run JSON"
@@ -101,7 +101,7 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _workload(args):
-    from infer.server.bench.workloads import make_workload
+    from infer.bench.serving.workloads import make_workload
 
     return make_workload(
         args.workload,
@@ -113,8 +113,8 @@ def _workload(args):
 
 
 def _run_serve(args) -> int:
-    from infer.server.bench.report import serve_markdown, write_json
-    from infer.server.bench.runner import benchmark_server
+    from infer.bench.serving.report import serve_markdown, write_json
+    from infer.bench.serving.runner import benchmark_server
 
     report = asyncio.run(
         benchmark_server(
@@ -134,7 +134,7 @@ def _run_serve(args) -> int:
 
 
 def _run_matrix(args) -> int:
-    from infer.server.bench.matrix import DEFAULT_SERVER_COMMAND, run_matrix, select_rows
+    from infer.bench.serving.matrix import DEFAULT_SERVER_COMMAND, run_matrix, select_rows
 
     try:
         rows = select_rows(args.rows)
@@ -173,8 +173,8 @@ def _run_matrix(args) -> int:
 
 
 def _run_hf_baseline(args) -> int:
-    from infer.server.bench.hf_baseline import hf_markdown, run_hf_baseline
-    from infer.server.bench.report import write_json
+    from infer.bench.serving.hf_baseline import hf_markdown, run_hf_baseline
+    from infer.bench.serving.report import write_json
 
     model_path = args.model
     if not Path(model_path).is_dir():

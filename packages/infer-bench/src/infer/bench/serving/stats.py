@@ -21,7 +21,7 @@ import math
 import statistics
 from dataclasses import asdict, dataclass
 
-from infer.server.bench.client import RequestRecord, RunResult
+from infer.bench.serving.client import RequestRecord, RunResult
 
 PERCENTILES = (50, 95, 99)
 
