@@ -1,4 +1,5 @@
-"""`infer bench ...` reaches infer-bench's parsers through the `infer` command of infer-server."""
+"""`infer bench ...` and `infer profile` reach infer-bench's parsers through the `infer` command
+of infer-server."""
 
 import pytest
 
@@ -11,6 +12,8 @@ from infer.server.cli import main
         (["bench", "serve", "--help"], "--base-url"),  # infer.bench.serving.cli
         (["bench", "matrix", "--help"], "--server-command"),
         (["bench", "hf-baseline", "--help"], "--attn-implementation"),
+        (["bench", "generate", "--help"], "--compare-hf"),  # infer.bench.cli
+        (["profile", "--help"], "--row-limit"),
     ],
 )
 def test_subcommand_reaches_its_parser(argv, owner_flag, capsys):

@@ -1,8 +1,9 @@
-"""`infer generate`, `infer profile` and `infer bench generate` (argv[0] names the subcommand).
+"""`infer generate` (argv[0] names the subcommand).
 
 infer generate [--model M] [--chat] [sampling flags] PROMPT...   stream text, tokens/s on stderr
-infer profile [--model M] [--out DIR]                            torch.profiler trace + top ops
-infer bench generate [--model M] [--compare-hf] [--json OUT]     W1: one request, 256 + 256 tokens
+
+infer-bench's `infer profile` and `infer bench generate` take the same model flags
+(`add_model_arguments`) and load the same way (`load_engine`).
 """
 
 import argparse
@@ -36,30 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     generate.add_argument("prompt", nargs="+", help="the prompt (several words are joined with spaces)")
     generate.set_defaults(run=run_generate)
-
-    profile = commands.add_parser("profile", help="a short generation under torch.profiler")
-    add_model_arguments(profile)
-    profile.add_argument(
-        "--out", default="profile-out", help="folder for the Chrome trace (default %(default)s)"
-    )
-    profile.add_argument("--prompt-tokens", type=int, default=64)
-    profile.add_argument("--gen-tokens", type=int, default=32)
-    profile.add_argument("--row-limit", type=int, default=20, help="rows of the top-ops table")
-    profile.set_defaults(run=_run_profile)
-
-    bench = commands.add_parser("bench", help="benchmarks")
-    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    bench_generate = bench_commands.add_parser(
-        "generate", help="W1: one request, prefill and decode tokens/s"
-    )
-    add_model_arguments(bench_generate)
-    bench_generate.add_argument("--prompt-tokens", type=int, default=256)
-    bench_generate.add_argument("--gen-tokens", type=int, default=256)
-    bench_generate.add_argument("--repeats", type=int, default=1, help="timed runs; the median is reported")
-    bench_generate.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
-    bench_generate.add_argument("--compare-hf", action="store_true", help="also time transformers' generate")
-    bench_generate.add_argument("--json", dest="json_path", help="write the results as JSON here")
-    bench_generate.set_defaults(run=_run_bench_generate)
     return parser
 
 
@@ -168,18 +145,6 @@ def run_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
-
-
-def _run_profile(args: argparse.Namespace) -> int:
-    from infer.engine.profile import run_profile
-
-    return run_profile(args)
-
-
-def _run_bench_generate(args: argparse.Namespace) -> int:
-    from infer.engine.bench_generate import run_bench_generate
-
-    return run_bench_generate(args)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The `infer` command: one entry point whose subcommands live in the package that owns them.
 
-infer models {fetch,list,random,diff} ...   -> infer.models.cli
-infer generate | profile | bench generate   -> infer.engine.cli
+infer models {fetch,list,random,diff} ...         -> infer.models.cli
+infer generate [flags] PROMPT...                  -> infer.engine.cli
 infer serve [--host H] [--port P] [engine flags]  -> infer.server (the HTTP server)
-infer bench serve | matrix | hf-baseline    -> infer.bench.serving.cli (infer-bench, if installed)
+infer bench generate | serve | matrix | hf-baseline, infer profile
+                                                  -> infer.bench.cli (infer-bench, when installed)
 """
 
 import argparse
@@ -12,11 +13,9 @@ import importlib.util
 import logging
 import sys
 
-# `infer bench NAME` for these goes to the serving benchmark; any other NAME to infer.engine.cli.
-SERVER_BENCHMARKS = ("serve", "matrix", "hf-baseline")
 # infer-bench sits above this package and is optional, so its CLI is found by module name when a
 # benchmark is asked for: no infer library imports it (tests/test_import_direction.py).
-BENCH_CLI = "infer.bench.serving.cli"
+BENCH_CLI = "infer.bench.cli"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         from infer.models.cli import main as models_main
 
         return models_main(rest)
-    if command == "bench" and rest and rest[0] in SERVER_BENCHMARKS:
-        return bench_main(command, rest)
-    if command in ("generate", "profile", "bench"):
+    if command in ("bench", "profile"):
+        return bench_main(argv)
+    if command == "generate":
         from infer.engine.cli import main as engine_main
 
         return engine_main(argv)
@@ -44,11 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def bench_main(command: str, argv: list[str]) -> int:
-    """Hand `infer COMMAND ARGV...` to infer-bench; exit 2 with how to install it when it is absent."""
+def bench_main(argv: list[str]) -> int:
+    """Hand `infer bench ...` or `infer profile ...` to infer-bench; exit 2 with how to install it
+    when it is absent."""
     if importlib.util.find_spec("infer.bench") is None:
         print(
-            f"infer {command}: needs the infer-bench distribution: pip install infer-bench "
+            f"infer {argv[0]}: needs the infer-bench distribution: pip install infer-bench "
             "(from a checkout: pip install -e packages/infer-bench)",
             file=sys.stderr,
         )

@@ -19,7 +19,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from infer.engine.bench_generate import random_prompt
+from infer.bench.generation import random_prompt
 from infer.engine.cli import load_engine
 from infer.engine.generate import generate, stream
 from infer.engine.sampling_params import SamplingParams

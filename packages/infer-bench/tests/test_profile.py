@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from torch.autograd import DeviceType
 
-from infer.engine.profile import DECODE_STEP, launch_overhead_summary
+from infer.bench.profile import DECODE_STEP, launch_overhead_summary
 
 
 def event(name: str, device_type: DeviceType, start: int, end: int):

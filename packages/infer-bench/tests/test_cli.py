@@ -1,0 +1,34 @@
+"""`infer bench generate` and `infer profile` on a tiny random checkpoint."""
+
+import json
+
+import torch
+from safetensors import safe_open
+
+from infer.bench.cli import main
+
+
+def test_bench_generate_reports_and_matches_transformers(tiny_checkpoints, tmp_path, capsys):
+    folder = tiny_checkpoints["qwen3-tiny"]
+    json_path = tmp_path / "w1.json"
+    argv = ["bench", "generate", "--model", str(folder), "--prompt-tokens", "16", "--gen-tokens", "8"]
+    assert main([*argv, "--compare-hf", "--json", str(json_path)]) == 0
+    report = json.loads(json_path.read_text())
+    assert report["infer"]["num_generated"] == 8 and report["transformers"]["num_generated"] == 8
+    assert report["greedy_tokens_match_transformers"]["match"]
+    assert report["infer"]["prefill_tokens_per_s"] > 0 and report["infer"]["decode_tokens_per_s"] > 0
+    assert report["flags"]["gen_tokens"] == 8 and report["environment"]["torch"] == torch.__version__
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        checkpoint_bytes = sum(f.get_tensor(name).nbytes for name in f.keys())  # noqa: SIM118
+    assert report["memory"]["weights_bytes"] == checkpoint_bytes
+    assert report["memory"]["kv_bytes"] > 0
+    assert "| infer | paged |" in capsys.readouterr().out
+
+
+def test_profile_writes_a_chrome_trace_and_a_table(tiny_checkpoints, tmp_path, capsys):
+    folder = tiny_checkpoints["llama-tiny"]
+    assert main(["profile", "--model", str(folder), "--out", str(tmp_path), "--gen-tokens", "4"]) == 0
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert {"infer.prefill", "infer.decode_step"} <= names
+    assert "Self CPU" in capsys.readouterr().out
