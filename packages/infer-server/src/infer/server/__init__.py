@@ -1,4 +1,4 @@
-"""OpenAI-compatible server, the `infer` command line and the benchmark client."""
+"""OpenAI-compatible server and the `infer` command line."""
 
 from infer.server._version import INTERFACE_VERSION, __version__
 
