@@ -182,6 +182,43 @@ def test_same_seed_and_queue_give_identical_steps_and_another_seed_differs(tiny_
     assert [o.token_id for step in first for o in step] != [o.token_id for step in other for o in step]
 
 
+def test_sampling_tensors_are_built_when_the_batch_changes_not_every_step(tiny_models):
+    tiny = tiny_models["llama-tiny"]
+    engine = make_engine(tiny, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_new_tokens=6)
+    first = engine.add_request([1, 2, 3], params)
+    engine.step()  # prefill
+    built = engine.runner._sampling[1]
+    engine.step()  # decode, same batch
+    assert engine.runner._sampling[1] is built
+    engine.add_request([4, 5], params)
+    engine.step()  # a second request joins
+    rebuilt = engine.runner._sampling[1]
+    assert rebuilt is not built and rebuilt.num_rows == 2
+    engine.abort(first)
+    engine.step()
+    assert engine.runner._sampling[1].num_rows == 1
+
+
+def test_a_request_id_used_again_after_its_request_ended_samples_with_its_own_settings(tiny_models):
+    """The runner's cached sampling settings belong to the request, not to its id."""
+    tiny = tiny_models["llama-tiny"]
+    prompt = random_prompts([5], tiny.loaded.config.vocab_size, seed=7)[0]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=3)
+    sampled = SamplingParams(temperature=1.5, seed=11, max_new_tokens=3)
+    alone = token_ids(run_to_completion(_engine_with(tiny, prompt, sampled, "r"))["r"])
+    engine = _engine_with(tiny, prompt, greedy, "r")
+    run_to_completion(engine)
+    engine.add_request(prompt, sampled, request_id="r")
+    assert token_ids(run_to_completion(engine)["r"]) == alone
+
+
+def _engine_with(tiny, prompt, params, request_id) -> Engine:
+    engine = make_engine(tiny, max_num_batched_tokens=64)
+    engine.add_request(prompt, params, request_id=request_id)
+    return engine
+
+
 def test_a_failing_forward_fails_its_step_frees_blocks_and_the_engine_goes_on(tiny_models):
     tiny = tiny_models["llama-tiny"]
     engine = make_engine(tiny)

@@ -17,7 +17,7 @@ from infer.engine.request import (
     StepOutput,
 )
 from infer.engine.runner import ModelRunner
-from infer.engine.sampler import make_generator, sample_next_tokens
+from infer.engine.sampler import SamplingTensors, make_generator, sample, sample_next_tokens
 from infer.engine.sampling_params import SamplingParams
 from infer.engine.scheduler import Scheduler
 from infer.engine.stop import FINISH_LENGTH, FINISH_STOP, StopChecker, StopStringMatcher
@@ -43,6 +43,7 @@ __all__ = [
     "RunnerOutput",
     "RunningRequest",
     "SamplingParams",
+    "SamplingTensors",
     "ScheduleDecision",
     "Scheduler",
     "StepOutput",
@@ -55,6 +56,7 @@ __all__ = [
     "from_cli_args",
     "generate",
     "make_generator",
+    "sample",
     "sample_next_tokens",
     "stream",
 ]

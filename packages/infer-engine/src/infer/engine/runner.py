@@ -16,7 +16,7 @@ import torch
 from infer.engine.cuda_graphs import DecodeGraphs
 from infer.engine.decision import RunnerOutput, ScheduleDecision
 from infer.engine.input_batch import InputBatch, StepInputs
-from infer.engine.sampler import sample_next_tokens
+from infer.engine.sampler import SamplingTensors, sample
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
 
 
@@ -43,6 +43,8 @@ class ModelRunner:
         self.block_size = kv_pool.block_size
         self.null_block = kv_pool.null_block
         self.max_seq_len = max_seq_len
+        # (request ids that sampled last step, their SamplingTensors)
+        self._sampling: tuple[tuple[str, ...], SamplingTensors] | None = None
         self.decode_graphs = None
         if use_cuda_graphs:
             self.decode_graphs = DecodeGraphs(
@@ -84,6 +86,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, decision: ScheduleDecision) -> RunnerOutput:
         self.input_batch.apply(decision)
+        if decision.new_requests or decision.finished_request_ids or decision.preempted_request_ids:
+            self._sampling = None
         if decision.is_empty:
             return RunnerOutput((), ())
         step = self.input_batch.prepare(decision)
@@ -138,16 +142,27 @@ class ModelRunner:
         )
 
     def _sample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> list[int]:
+        tensors = self._sampling_tensors(tuple(request_ids))
         states = [self.input_batch.states[rid] for rid in request_ids]
-        # The repetition penalty reads prompt + generated ids; other rows need no list.
-        histories = [
-            self.input_batch.history(rid) if state.sampling.repetition_penalty != 1.0 else []
-            for rid, state in zip(request_ids, states, strict=True)
-        ]
-        tokens = sample_next_tokens(
-            logits,
-            [state.sampling for state in states],
-            histories,
-            [state.generator for state in states],
+        # The repetition penalty reads prompt + generated ids, which grow every step.
+        histories = (
+            [
+                self.input_batch.history(rid) if s.sampling.repetition_penalty != 1.0 else []
+                for rid, s in zip(request_ids, states, strict=True)
+            ]
+            if tensors.reads_token_ids
+            else ()
         )
-        return tokens.tolist()
+        return sample(logits, tensors, histories).tolist()
+
+    def _sampling_tensors(self, request_ids: tuple[str, ...]) -> SamplingTensors:
+        """The batch's SamplingTensors, rebuilt when other requests (or the same ones in another
+        order) sample than in the previous step, or when rows came or went (`execute` drops them
+        then: an id may come back as another request, or resumed with a new generator)."""
+        if self._sampling is None or self._sampling[0] != request_ids:
+            states = [self.input_batch.states[rid] for rid in request_ids]
+            tensors = SamplingTensors.build(
+                [state.sampling for state in states], [state.generator for state in states], self.device
+            )
+            self._sampling = (request_ids, tensors)
+        return self._sampling[1]

@@ -7,10 +7,12 @@ the same settings is a valid oracle):
 
 Each transform takes float32 logits [B, V] and one value per row, and returns new logits in
 which removed tokens are -inf; a row whose value means "off" comes back unchanged. A transform
-that no row uses is skipped, so a batch of plain greedy rows costs one argmax.
+that no row uses is skipped, so a batch of plain greedy rows costs one argmax. The per-row values
+come as `SamplingTensors`, which the runner builds when its batch changes, not every step.
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -28,52 +30,115 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return generator
 
 
+@dataclass(frozen=True)
+class SamplingTensors:
+    """A batch's sampling settings on the logits' device, built once per batch composition (the
+    runner keeps them while the same requests sample in the same order) instead of every step.
+
+    A setting no row uses is None, and its transform is skipped; per-setting tensors hold only
+    the rows that draw (temperature above SAMPLING_EPS), in `sampled_rows` order.
+    """
+
+    num_rows: int
+    # Every row's penalty (1.0: off); None when no row uses one.
+    repetition_penalties: torch.Tensor | None  # [B]
+    sampled_rows: tuple[int, ...]
+    sampled_rows_index: torch.Tensor | None  # [S] int64
+    temperatures: torch.Tensor | None  # [S]
+    top_ks: torch.Tensor | None  # [S]
+    top_ps: torch.Tensor | None  # [S]
+    min_ps: torch.Tensor | None  # [S]
+    # One per sampled row: its own generator, or None for the process-wide RNG.
+    generators: tuple[torch.Generator | None, ...]
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        device: torch.device | str,
+    ) -> "SamplingTensors":
+        if len(params) != len(generators):
+            raise ValueError(f"one generator per row: got {len(generators)} for {len(params)} rows")
+        sampled_rows = tuple(row for row, p in enumerate(params) if not p.is_greedy)
+        drawn = [params[row] for row in sampled_rows]
+
+        def per_sampled_row(values: list, used: bool) -> torch.Tensor | None:
+            return torch.tensor(values, device=device) if used else None
+
+        return cls(
+            num_rows=len(params),
+            repetition_penalties=(
+                torch.tensor([p.repetition_penalty for p in params], device=device)
+                if any(p.repetition_penalty != 1.0 for p in params)
+                else None
+            ),
+            sampled_rows=sampled_rows,
+            sampled_rows_index=torch.tensor(sampled_rows, device=device) if sampled_rows else None,
+            temperatures=per_sampled_row([p.temperature for p in drawn], bool(drawn)),
+            top_ks=per_sampled_row([p.top_k for p in drawn], any(p.uses_top_k for p in drawn)),
+            top_ps=per_sampled_row([p.top_p for p in drawn], any(p.top_p < 1.0 for p in drawn)),
+            min_ps=per_sampled_row([p.min_p for p in drawn], any(p.min_p > 0.0 for p in drawn)),
+            generators=tuple(generators[row] for row in sampled_rows),
+        )
+
+    @property
+    def reads_token_ids(self) -> bool:
+        return self.repetition_penalties is not None
+
+
+def sample(logits: torch.Tensor, tensors: SamplingTensors, token_ids: Sequence[Tokens] = ()) -> torch.Tensor:
+    """logits [B, V]; the batch's SamplingTensors; per row its prompt + generated ids (read only
+    when `tensors.reads_token_ids`). Returns [B] int64."""
+    if logits.shape[0] != tensors.num_rows:
+        raise ValueError(f"sampling settings for {tensors.num_rows} rows, logits have {logits.shape[0]}")
+    logits = logits.float()
+    if tensors.repetition_penalties is not None:
+        if len(token_ids) != tensors.num_rows:
+            raise ValueError(f"the repetition penalty needs one token list per row, got {len(token_ids)}")
+        logits = apply_repetition_penalty(logits, token_ids, tensors.repetition_penalties)
+    greedy_tokens = logits.argmax(dim=-1)
+    if not tensors.sampled_rows:
+        return greedy_tokens
+
+    rows = tensors.sampled_rows_index
+    logits = apply_temperature(logits[rows], tensors.temperatures)
+    # A row's own extreme settings (a repetition penalty of 1e-39 divides its logits into
+    # overflow) may leave +inf; as the largest finite float the row's softmax stays defined, so
+    # one request can never make its batch's draw fail.
+    logits = torch.nan_to_num(logits, nan=-torch.inf, posinf=torch.finfo(logits.dtype).max, neginf=-torch.inf)
+    if tensors.top_ks is not None:
+        logits = apply_top_k(logits, tensors.top_ks)
+    if tensors.top_ps is not None:
+        logits = apply_top_p(logits, tensors.top_ps)
+    if tensors.min_ps is not None:
+        logits = apply_min_p(logits, tensors.min_ps)
+    probs = logits.softmax(dim=-1)
+    # One draw per row from that row's own generator, so a seeded request gets the same tokens
+    # whatever else shares its batch.
+    drawn = torch.cat(
+        [
+            torch.multinomial(probs[i], 1, generator=generator)
+            for i, generator in enumerate(tensors.generators)
+        ]
+    )
+    return greedy_tokens.index_copy(0, rows, drawn)
+
+
 def sample_next_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     token_ids: Sequence[Tokens],
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
-    """logits [B, V]; per row: its params, its prompt + generated ids, its generator. Returns [B] int64.
-
-    `token_ids` is read only by rows with a repetition penalty.
-    """
+    """`sample` with the batch's tensors built for this call: logits [B, V]; per row its params,
+    its prompt + generated ids, its generator. Returns [B] int64."""
     if not len(params) == len(token_ids) == len(generators) == logits.shape[0]:
         raise ValueError(
             f"one params, token list and generator per logits row: got {len(params)}, {len(token_ids)}, "
             f"{len(generators)} for {logits.shape[0]} rows"
         )
-    logits = logits.float()
-    device = logits.device
-    if any(p.repetition_penalty != 1.0 for p in params):
-        penalties = torch.tensor([p.repetition_penalty for p in params], device=device)
-        logits = apply_repetition_penalty(logits, token_ids, penalties)
-    greedy_tokens = logits.argmax(dim=-1)
-    sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
-    if not sampled_rows:
-        return greedy_tokens
-
-    rows = torch.tensor(sampled_rows, device=device)
-    row_params = [params[row] for row in sampled_rows]
-    logits = logits[rows]
-    logits = apply_temperature(logits, torch.tensor([p.temperature for p in row_params], device=device))
-    # A row's own extreme settings (a repetition penalty of 1e-39 divides its logits into
-    # overflow) may leave +inf; as the largest finite float the row's softmax stays defined, so
-    # one request can never make its batch's draw fail.
-    logits = torch.nan_to_num(logits, nan=-torch.inf, posinf=torch.finfo(logits.dtype).max, neginf=-torch.inf)
-    if any(p.uses_top_k for p in row_params):
-        logits = apply_top_k(logits, torch.tensor([p.top_k for p in row_params], device=device))
-    if any(p.top_p < 1.0 for p in row_params):
-        logits = apply_top_p(logits, torch.tensor([p.top_p for p in row_params], device=device))
-    if any(p.min_p > 0.0 for p in row_params):
-        logits = apply_min_p(logits, torch.tensor([p.min_p for p in row_params], device=device))
-    probs = logits.softmax(dim=-1)
-    # One draw per row from that row's own generator, so a seeded request gets the same tokens
-    # whatever else shares its batch.
-    drawn = torch.cat(
-        [torch.multinomial(probs[i], 1, generator=generators[row]) for i, row in enumerate(sampled_rows)]
-    )
-    return greedy_tokens.index_copy(0, rows, drawn)
+    return sample(logits, SamplingTensors.build(params, generators, logits.device), token_ids)
 
 
 def apply_repetition_penalty(
