@@ -121,7 +121,11 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     from infer.engine.generate import stream
 
-    loaded, engine = load_engine(args)
+    try:
+        loaded, engine = load_engine(args)
+    except (ValueError, OSError) as err:  # unknown model, missing files, no CUDA: the message says
+        print(f"infer generate: {err}", file=sys.stderr)
+        return 2
     prompt_ids = encode_prompt(loaded, " ".join(args.prompt), chat=args.chat)
     start = time.perf_counter()
     first_token_at = None

@@ -34,7 +34,13 @@ def resolve_device(name: str) -> torch.device:
     """The torch device for a `device` setting: "auto" is CUDA when available, else the CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineConfigError(
+            f"device {name!r}, but torch {torch.__version__} sees no CUDA device (a CPU build of torch, "
+            "or no GPU); use --device cpu, or install the CUDA build of torch on a machine with a GPU"
+        )
+    return device
 
 
 def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:

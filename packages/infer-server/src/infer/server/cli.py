@@ -58,7 +58,7 @@ def bench_main(argv: list[str]) -> int:
 
 def serve_main(argv: list[str] | None = None) -> int:
     """`infer serve` and the `infer-server` script: the OpenAI-compatible server on one model."""
-    from infer.engine.config import EngineConfigError, from_cli_args
+    from infer.engine.config import EngineConfigError, from_cli_args, resolve_device
 
     args = build_serve_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
@@ -66,12 +66,13 @@ def serve_main(argv: list[str] | None = None) -> int:
     )
     try:
         config = from_cli_args(args)
+        resolve_device(config.device)
     except EngineConfigError as error:
         print(f"infer serve: {error}", file=sys.stderr)
         return 2
     from infer.engine.engine import Engine
     from infer.server.limits import RequestLimits
-    from infer.server.serve import build_server
+    from infer.server.serve import bind_socket, build_server
 
     try:
         limits = RequestLimits(
@@ -81,6 +82,12 @@ def serve_main(argv: list[str] | None = None) -> int:
         print(f"infer serve: {error}", file=sys.stderr)
         return 2
 
+    try:
+        # Bound before the model loads, so a busy port fails at once, not after minutes of loading.
+        listening = bind_socket(args.host, args.port)
+    except OSError as error:
+        print(f"infer serve: cannot listen on {args.host}:{args.port}: {error.strerror}", file=sys.stderr)
+        return 2
     server = build_server(
         lambda: Engine(config),
         host=args.host,
@@ -89,9 +96,10 @@ def serve_main(argv: list[str] | None = None) -> int:
         drain_timeout_s=args.drain_timeout_s,
         log_level=args.log_level,
         limits=limits,
+        exit_on_failure=True,
     )
-    server.run()
-    return 0
+    server.run(sockets=[listening])
+    return 1 if server.failure is not None else 0  # the failure was logged as it happened
 
 
 def build_serve_parser() -> argparse.ArgumentParser:

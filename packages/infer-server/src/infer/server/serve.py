@@ -1,5 +1,9 @@
 """Running the app on uvicorn, with a SIGTERM that drains instead of cutting requests off.
 
+If the model fails to load, or an engine step fails, `infer serve` logs why and exits 1 (a
+supervisor restarts it) instead of answering 503 forever; requests in flight get their error
+event first. Servers built for tests (`BackgroundServer`) stay up in the failed phase instead.
+
 SIGTERM (what Kubernetes and systemd send): the server keeps its socket open and answers new
 generation requests with 503 (a load balancer moves on), lets the requests in flight finish for
 up to `drain_timeout_s`, aborts what is left (its clients still get a terminal event), then shuts
@@ -10,12 +14,13 @@ graceful stop, and a second Ctrl-C forces it.
 import asyncio
 import logging
 import signal
+import socket
 
 import uvicorn
 
 from infer.server.app import create_app
 from infer.server.limits import RequestLimits
-from infer.server.server_state import ServerState
+from infer.server.server_state import FAILED, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +32,20 @@ _GRACEFUL_SHUTDOWN_S = 5
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose SIGTERM drains the app's ServerState first (see the module doc)."""
 
-    def __init__(self, config: uvicorn.Config, infer_state: ServerState, drain_timeout_s: float):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        infer_state: ServerState,
+        drain_timeout_s: float,
+        *,
+        exit_on_failure: bool = False,
+    ):
         super().__init__(config)
         self.infer_state = infer_state
         self.drain_timeout_s = drain_timeout_s
+        self.exit_on_failure = exit_on_failure
+        # Set when the server stopped because the engine failed (to load, or in a step).
+        self.failure: str | None = None
         self._drain_requested = False
         self._drain_task: asyncio.Task | None = None
 
@@ -53,7 +68,16 @@ class DrainingServer(uvicorn.Server):
             self._drain_task = asyncio.create_task(self.infer_state.drain(self.drain_timeout_s))
         if self._drain_task is not None and self._drain_task.done():
             self.should_exit = True
+        if self.exit_on_failure and self.failure is None and self._engine_failed():
+            self.failure = self.infer_state.failure
+            logger.error("%s; the server stops", self.failure)
+            self.should_exit = True
         return await super().on_tick(counter)
+
+    def _engine_failed(self) -> bool:
+        # health() is what turns an engine loop's failure into the failed phase.
+        status, _ = self.infer_state.health()
+        return status != 200 and self.infer_state.phase == FAILED
 
 
 def build_server(
@@ -65,8 +89,10 @@ def build_server(
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     log_level: str = "info",
     limits: RequestLimits | None = None,
+    exit_on_failure: bool = False,
 ) -> DrainingServer:
-    """The server, not started: `.run()` blocks until it exits, `.request_drain()` drains it."""
+    """The server, not started: `.run()` blocks until it exits, `.request_drain()` drains it.
+    `exit_on_failure`: stop (and set `.failure`) when the engine fails to load or in a step."""
     app = create_app(engine_or_factory, served_model_name=served_model_name, limits=limits)
     config = uvicorn.Config(
         app,
@@ -77,7 +103,21 @@ def build_server(
         # The server's own keep-alive; clients such as openai reuse connections between requests.
         timeout_keep_alive=30,
     )
-    return DrainingServer(config, app.state.server, drain_timeout_s)
+    return DrainingServer(config, app.state.server, drain_timeout_s, exit_on_failure=exit_on_failure)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (0: a free port), for `server.run(sockets=[...])`. Raises
+    OSError when the address is taken or not this machine's."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listening = socket.socket(family, socket.SOCK_STREAM)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listening.bind((host, port))
+    except OSError:
+        listening.close()
+        raise
+    return listening
 
 
 class BackgroundServer:
@@ -88,13 +128,10 @@ class BackgroundServer:
         self, engine_or_factory, *, host: str = "127.0.0.1", health_timeout_s: float = 600.0, **options
     ):
         """`options`: build_server's keyword arguments (served_model_name, drain_timeout_s, ...)."""
-        import socket
         import threading
 
         # Bound here and handed to uvicorn, so no other process can take the port meanwhile.
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, 0))
+        self._socket = bind_socket(host, 0)
         self.port = self._socket.getsockname()[1]
         self.base_url = f"http://{host}:{self.port}"
         self.server = build_server(engine_or_factory, host=host, port=self.port, **options)

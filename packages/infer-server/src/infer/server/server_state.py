@@ -64,7 +64,10 @@ class ServerState:
             return
         if task.exception() is not None:
             error = task.exception()
-            logger.error("loading the engine failed", exc_info=error)
+            # A bad value or a missing file is the user's to fix and its message says how; a
+            # traceback is for everything else.
+            if not isinstance(error, ValueError | OSError):
+                logger.error("loading the engine failed", exc_info=error)
             self.phase, self.failure = FAILED, f"loading the model failed: {type(error).__name__}: {error}"
             return
         if self.phase == LOADING:
