@@ -7,6 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from infer.bench.serving import cli as serving_cli
 from infer.bench.serving.matrix import MATRIX_ROWS, free_port, run_matrix, select_rows, server_process
 
 PEER = Path(__file__).with_name("bench_peer.py")
@@ -54,6 +55,14 @@ def test_a_row_whose_server_dies_is_reported_and_the_matrix_goes_on(tmp_path):
     )
     assert [failure["row"] for failure in summary["failed_rows"]] == ["static", "continuous-contiguous"]
     assert "static failed: the server exited with status 3" in (tmp_path / "matrix.md").read_text()
+
+
+def test_the_matrix_command_exits_1_when_a_row_failed(tmp_path, capsys):
+    dies = f"{sys.executable} -c 'import sys; sys.exit(3)'"
+    argv = ["matrix", "--model", "peer-model", "--workloads", "W2", "--concurrency", "2", "--rows", "static"]
+    argv += ["--server-command", dies, "--health-timeout-s", "30", "--out", str(tmp_path)]
+    assert serving_cli.main(argv) == 1
+    assert "static failed: the server exited with status 3" in capsys.readouterr().out
 
 
 def test_server_process_reports_an_early_exit_with_its_log(tmp_path):

@@ -169,7 +169,9 @@ def _run_matrix(args) -> int:
         health_timeout_s=args.health_timeout_s,
     )
     print((args.out / "matrix.md").read_text())
-    return 1 if any(run["stats"]["num_errors"] for run in summary["runs"]) else 0
+    # A row that could not run is a failed benchmark too, not a shorter table.
+    failed = summary["failed_rows"] or any(run["stats"]["num_errors"] for run in summary["runs"])
+    return 1 if failed else 0
 
 
 def _run_hf_baseline(args) -> int:
