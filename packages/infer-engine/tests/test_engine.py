@@ -3,6 +3,7 @@ alone by the recompute oracle (no cache, no batching, no scheduler): whatever th
 chunking or preemption, greedy tokens must be identical."""
 
 import random
+import time
 from collections import defaultdict
 
 import pytest
@@ -217,6 +218,40 @@ def _engine_with(tiny, prompt, params, request_id) -> Engine:
     engine = make_engine(tiny, max_num_batched_tokens=64)
     engine.add_request(prompt, params, request_id=request_id)
     return engine
+
+
+def test_queue_time_runs_from_add_request_to_the_first_step_that_schedules_the_request(tiny_models):
+    tiny = tiny_models["llama-tiny"]
+    engine = make_engine(tiny, max_batch_size=1)
+    first = engine.add_request([1, 2, 3], GREEDY)
+    engine.add_request([4, 5, 6], GREEDY)
+    added = time.monotonic()
+    first_tokens, second_tokens = [], []
+    first_done = None
+    while engine.has_work():
+        for output in engine.step():
+            if output.token_id is not None:
+                (first_tokens if output.request_id == first else second_tokens).append(output)
+            if output.request_id == first and output.finished:
+                first_done = time.monotonic()
+    # Reported once, on the first token.
+    assert [o.queue_time_s is not None for o in first_tokens] == [True] + [False] * (len(first_tokens) - 1)
+    assert [o.queue_time_s is not None for o in second_tokens] == [True] + [False] * (len(second_tokens) - 1)
+    # The second waited for the first to finish (one request at a time).
+    assert second_tokens[0].queue_time_s >= first_done - added > first_tokens[0].queue_time_s >= 0
+
+
+def test_the_prompt_rate_is_over_prefill_steps_so_decoding_does_not_dilute_it(tiny_models):
+    tiny = tiny_models["llama-tiny"]
+    engine = make_engine(tiny)
+    engine.add_request(list(range(1, 12)), SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True))
+    engine.step()  # the whole prompt
+    after_prefill = engine.stats()
+    run_to_completion(engine)
+    after_decode = engine.stats()
+    assert after_decode.busy_time_s > after_prefill.busy_time_s
+    assert after_decode.prompt_tokens_per_s == after_prefill.prompt_tokens_per_s > 0
+    assert after_prefill.prompt_tokens_per_s == 11 / after_prefill.busy_time_s
 
 
 def test_a_failing_forward_fails_its_step_frees_blocks_and_the_engine_goes_on(tiny_models):

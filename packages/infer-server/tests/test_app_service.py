@@ -52,6 +52,10 @@ def test_one_completion_moves_the_counters_by_its_usage(server):
         after["infer_time_to_first_token_seconds_count"] - before["infer_time_to_first_token_seconds_count"]
         == 1
     )
+    queued = (
+        after["infer_request_queue_time_seconds_count"] - before["infer_request_queue_time_seconds_count"]
+    )
+    assert queued == 1
     itl = after["infer_inter_token_latency_seconds_count"] - before["infer_inter_token_latency_seconds_count"]
     assert itl == answer.usage.completion_tokens - 1
     assert after["infer_request_latency_seconds_count"] - before["infer_request_latency_seconds_count"] == 1

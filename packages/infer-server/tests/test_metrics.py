@@ -76,6 +76,7 @@ def test_server_metric_set_has_the_issue_names_and_kinds():
         "infer_prompt_tokens_cached_total": "counter",
         "infer_time_to_first_token_seconds": "histogram",
         "infer_inter_token_latency_seconds": "histogram",
+        "infer_request_queue_time_seconds": "histogram",
         "infer_request_latency_seconds": "histogram",
     }
 

@@ -60,9 +60,12 @@ class EngineStats:
     num_failed: int
     # Preemptions so far (a request preempted twice counts twice).
     num_preempted: int
-    # Wall time spent inside step() with work to do; the rates below are over it.
+    # Wall time spent inside step() with work to do.
     busy_time_s: float
+    # Prompt tokens over the busy time of the steps that ran prompt tokens (a step that also
+    # decodes counts whole), so decoding stretches do not dilute it.
     prompt_tokens_per_s: float
+    # Generated tokens over all busy time.
     generation_tokens_per_s: float
 
 
@@ -128,6 +131,8 @@ class Engine:
             0,
         )
         self._busy_time_s = 0.0
+        # Busy time of the steps that ran prompt tokens (a mixed step counts whole).
+        self._prefill_time_s = 0.0
 
     # -- what the server calls --------------------------------------------------------------
 
@@ -161,7 +166,9 @@ class Engine:
                     f"{num_waiting} requests are waiting, the limit max_queue_len is "
                     f"{self.config.max_queue_len}; retry later"
                 )
-            request = Request(request_id, prompt_ids, params, arrival_index=self._num_added)
+            request = Request(
+                request_id, prompt_ids, params, arrival_index=self._num_added, arrival_s=time.monotonic()
+            )
             self._num_added += 1
             self._prepare(request)
             self._live[request_id] = request
@@ -195,6 +202,10 @@ class Engine:
         outputs = [output for output in map(self._abort, abort_ids) if output is not None]
         decision = self.scheduler.schedule()
         self._counters["preempted"] += len(decision.preempted_request_ids)
+        for new_request in decision.new_requests:
+            request = self.scheduler.get(new_request.request_id)
+            if request.first_scheduled_s is None:  # not a preempted request coming back
+                request.first_scheduled_s = time.monotonic()
         finished: list[str] = []
         num_prompt_tokens = self._num_prompt_tokens(decision)
         try:
@@ -216,14 +227,17 @@ class Engine:
                 self._live.pop(request_id, None)
         if outputs or not decision.is_empty:
             self._counters["num_steps"] += 1
-            self._busy_time_s += time.perf_counter() - started
+            step_time_s = time.perf_counter() - started
+            self._busy_time_s += step_time_s
+            if num_prompt_tokens:
+                self._prefill_time_s += step_time_s
         return outputs
 
     def stats(self) -> EngineStats:
         with self._lock:
             num_incoming = len(self._incoming)
         allocator = self.kv_pool.allocator
-        busy = self._busy_time_s
+        busy, prefill = self._busy_time_s, self._prefill_time_s
         counters = self._counters
         return EngineStats(
             num_running=self.scheduler.num_running,
@@ -239,7 +253,7 @@ class Engine:
             num_failed=counters["failed"],
             num_preempted=counters["preempted"],
             busy_time_s=busy,
-            prompt_tokens_per_s=counters["prompt_tokens"] / busy if busy else 0.0,
+            prompt_tokens_per_s=counters["prompt_tokens"] / prefill if prefill else 0.0,
             generation_tokens_per_s=counters["generation_tokens"] / busy if busy else 0.0,
         )
 
@@ -313,6 +327,12 @@ def _step_output(
         error=error,
         prompt_tokens=request.num_prompt_tokens,
         completion_tokens=len(request.output_ids),
+        # The first token's step scheduled the request before, so the time is known by then.
+        queue_time_s=(
+            request.first_scheduled_s - request.arrival_s
+            if token_id is not None and len(request.output_ids) == 1
+            else None
+        ),
     )
 
 

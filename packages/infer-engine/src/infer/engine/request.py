@@ -69,6 +69,10 @@ class Request:
     # Set by the engine: the StopChecker (owns the detokenizer). The request's torch.Generator
     # lives in the runner's InputBatch, made from NewRequest.generator_seed.
     stop_checker: Any = None
+    # time.monotonic() at add_request, and at the first step that scheduled the request: its
+    # queue time (set by the engine; the scheduler keeps no clock).
+    arrival_s: float = 0.0
+    first_scheduled_s: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -117,3 +121,6 @@ class StepOutput:
     error: str | None
     prompt_tokens: int
     completion_tokens: int
+    # On a request's first token: seconds from add_request to the step that first scheduled it.
+    # A measurement, not part of what was generated: outputs compare equal without it.
+    queue_time_s: float | None = field(default=None, compare=False)

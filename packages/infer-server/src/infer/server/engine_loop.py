@@ -153,6 +153,8 @@ class EngineLoop:
             if output.token_id is not None:
                 if handle.last_token_s is None:
                     metrics.time_to_first_token_seconds.observe(step_done_s - handle.arrival_s)
+                    if output.queue_time_s is not None:
+                        metrics.request_queue_time_seconds.observe(output.queue_time_s)
                 else:
                     metrics.inter_token_latency_seconds.observe(step_done_s - handle.last_token_s)
                 handle.last_token_s = step_done_s

@@ -227,6 +227,24 @@ ITL_BUCKETS_S = (
     1.0,
     2.5,
 )
+# Queue time, arrival to first scheduled: zero on an idle server, minutes behind a long queue.
+QUEUE_TIME_BUCKETS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 # Request latency, arrival to last token: from one short answer to a long one behind a queue.
 REQUEST_LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 FINISH_REASONS = ("stop", "length", "abort")
@@ -249,7 +267,7 @@ class ServerMetrics:
         self.kv_cache_total_bytes = registry.gauge("infer_kv_cache_total_bytes", "KV cache bytes allocated.")
         self.prefill_tokens_per_second = registry.gauge(
             "infer_prefill_tokens_per_second",
-            "Prompt tokens processed per second, over the last engine steps.",
+            "Prompt tokens processed per second, over the engine's time in steps that ran prompt tokens.",
         )
         self.decode_tokens_per_second = registry.gauge(
             "infer_decode_tokens_per_second", "Tokens generated per second, over the last engine steps."
@@ -284,6 +302,11 @@ class ServerMetrics:
             "infer_inter_token_latency_seconds",
             "Seconds between consecutive tokens of a request.",
             ITL_BUCKETS_S,
+        )
+        self.request_queue_time_seconds = registry.histogram(
+            "infer_request_queue_time_seconds",
+            "Seconds from request arrival in the engine to the first step that scheduled it.",
+            QUEUE_TIME_BUCKETS_S,
         )
         self.request_latency_seconds = registry.histogram(
             "infer_request_latency_seconds",
