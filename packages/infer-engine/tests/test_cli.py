@@ -1,5 +1,8 @@
 """`infer generate` on a tiny random checkpoint."""
 
+import json
+import shutil
+
 from infer.engine import SamplingParams
 from infer.engine.cli import main
 
@@ -33,6 +36,21 @@ def test_serve_style_argv_with_flags_before_the_prompt(tiny_checkpoints, capsys)
     ]
     assert main(argv) == 0
     assert "tokens, finish" in capsys.readouterr().err
+
+
+def test_chat_on_a_model_without_its_own_template_warns(tiny_checkpoints, tmp_path, capsys):
+    base = tiny_checkpoints["llama-tiny"]  # random checkpoints ship no chat template
+    argv = ["generate", "--chat", "--max-tokens", "2", "hi"]
+    assert main([*argv, "--model", str(base)]) == 0
+    assert "ships no chat template (a base model?)" in capsys.readouterr().err
+    instruct = tmp_path / "instruct"
+    shutil.copytree(base, instruct)
+    config_path = instruct / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    config_path.write_text(json.dumps(config))
+    assert main([*argv, "--model", str(instruct)]) == 0
+    assert "chat template" not in capsys.readouterr().err
 
 
 def test_bad_sampling_flag_names_the_rule(tiny_checkpoints, capsys):

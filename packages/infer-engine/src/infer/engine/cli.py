@@ -126,6 +126,12 @@ def run_generate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:  # unknown model, missing files, no CUDA: the message says
         print(f"infer generate: {err}", file=sys.stderr)
         return 2
+    if args.chat and not loaded.ships_chat_template:
+        print(
+            f"infer generate: warning: {loaded.path} ships no chat template (a base model?); --chat "
+            f"renders the {loaded.chat_template.family} family's template, which it may never have seen",
+            file=sys.stderr,
+        )
     prompt_ids = encode_prompt(loaded, " ".join(args.prompt), chat=args.chat)
     start = time.perf_counter()
     first_token_at = None

@@ -21,6 +21,9 @@ class LoadedModel:
     chat_template: ChatTemplate
     config: ModelConfig
     path: Path
+    # Whether the checkpoint ships a chat template of its own (instruction-tuned models do; a
+    # base model does not, and `chat_template` is then only its family's).
+    ships_chat_template: bool = True
 
 
 def load_causal_lm(
@@ -52,11 +55,13 @@ def load_model(
     """Resolves an alias (or takes a folder), loads the weights, the tokenizer and the chat template."""
     folder = fetch_model(path_or_alias)
     model = load_causal_lm(folder, dtype=dtype, device=device)
-    family = detect_family(read_tokenizer_config(folder), model.config.model_type)
+    tokenizer_config = read_tokenizer_config(folder)
+    family = detect_family(tokenizer_config, model.config.model_type)
     return LoadedModel(
         model=model,
         tokenizer=Tokenizer(folder),
         chat_template=chat_template_for(family),
         config=model.config,
         path=folder,
+        ships_chat_template=bool(tokenizer_config.get("chat_template")),
     )
