@@ -42,6 +42,11 @@ def test_cuda_graphs_flag_parses_true_and_false():
     add_cli_arguments(parser)
     assert from_cli_args(parser.parse_args(["--use-cuda-graphs", "true"])).use_cuda_graphs is True
     assert from_cli_args(parser.parse_args(["--use-cuda-graphs", "false"])).use_cuda_graphs is False
+    # Alone, as `infer generate --use-cuda-graphs` spells it.
+    assert from_cli_args(parser.parse_args(["--use-cuda-graphs"])).use_cuda_graphs is True
+    assert from_cli_args(
+        parser.parse_args(["--use-chunked-prefill", "--max-batch-size", "4"])
+    ).use_chunked_prefill
     assert from_cli_args(parser.parse_args([])).use_cuda_graphs is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--use-cuda-graphs", "maybe"])

@@ -204,10 +204,13 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine-config", type=Path, default=None, help="a .json or .toml file of engine settings"
     )
     for config_field in dataclasses.fields(EngineConfig):
-        kind = _parse_bool if config_field.type in (bool, "bool") else int
+        is_bool = config_field.type in (bool, "bool")
+        kind = _parse_bool if is_bool else int
         kind = str if config_field.name in _STRING_FIELDS else kind
         kind = float if config_field.name in _FLOAT_FIELDS else kind
         default = config_field.default
+        # A boolean flag alone means true, as `infer generate --use-cuda-graphs` has it; a value
+        # (true/false) still works, for scripts that pass one either way.
         group.add_argument(
             "--" + config_field.name.replace("_", "-"),
             dest=config_field.name,
@@ -215,6 +218,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
             default=None,
             choices=config_field.metadata.get("choices"),
             help=f"{config_field.metadata['help']} (default: {default})",
+            **({"nargs": "?", "const": True} if is_bool else {}),
         )
 
 
