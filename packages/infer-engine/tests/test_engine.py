@@ -7,6 +7,7 @@ import time
 from collections import defaultdict
 
 import pytest
+import torch
 
 from infer.engine.config import EngineConfig, EngineConfigError
 from infer.engine.engine import Engine
@@ -252,6 +253,44 @@ def test_the_prompt_rate_is_over_prefill_steps_so_decoding_does_not_dilute_it(ti
     assert after_decode.busy_time_s > after_prefill.busy_time_s
     assert after_decode.prompt_tokens_per_s == after_prefill.prompt_tokens_per_s > 0
     assert after_prefill.prompt_tokens_per_s == 11 / after_prefill.busy_time_s
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(presence_penalty=1.5, frequency_penalty=0.5),
+        dict(frequency_penalty=2.0),
+        dict(logit_bias={7: 3.0, 11: -100.0}, presence_penalty=-1.0),
+    ],
+    ids=["presence+frequency", "frequency", "bias+negative-presence"],
+)
+def test_penalties_and_logit_bias_give_transformers_greedy_with_openais_formula(tiny_models, settings):
+    """The oracle: transformers' logits of the whole sequence each step, adjusted in Python by
+    OpenAI's definitions (penalties over the generated ids only, never the prompt), then argmax."""
+    tiny = tiny_models["llama-tiny"]
+    start = random_prompts([9], tiny.loaded.config.vocab_size, seed=5)[0]
+    # The prompt ends with the tokens the model goes on to prefer: penalizing prompt tokens (which
+    # OpenAI's penalties do not) would change the answer.
+    prompt = start + tiny.transformers_greedy(start, 12)
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, **settings)
+    engine = make_engine(tiny, max_num_batched_tokens=64)
+    # A second request in the batch with none of the settings must keep its own tokens.
+    plain = engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    steered = engine.add_request(prompt, params)
+    outputs = run_to_completion(engine)
+    generated: list[int] = []
+    with torch.inference_mode():
+        for _ in range(12):
+            logits = tiny.reference(torch.tensor([prompt + generated])).logits[0, -1].double()
+            for token_id, bias in params.logit_bias.items():
+                logits[token_id] += bias
+            for token_id in set(generated):
+                count = generated.count(token_id)
+                logits[token_id] -= params.frequency_penalty * count + params.presence_penalty
+            generated.append(int(logits.argmax()))
+    assert token_ids(outputs[steered]) == generated
+    assert token_ids(outputs[plain]) == tiny.transformers_greedy(prompt, 12)
+    assert generated != tiny.transformers_greedy(prompt, 12)  # the settings did change something
 
 
 def test_a_failing_forward_fails_its_step_frees_blocks_and_the_engine_goes_on(tiny_models):

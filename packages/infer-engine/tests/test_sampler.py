@@ -19,6 +19,7 @@ from transformers.generation.logits_process import (
 from infer.engine import SamplingParams
 from infer.engine.sampler import (
     apply_min_p,
+    apply_presence_frequency_penalties,
     apply_repetition_penalty,
     apply_temperature,
     apply_top_k,
@@ -49,6 +50,42 @@ def test_repetition_penalty_matches_transformers_per_row():
             torch.tensor([ids]), logits[row : row + 1].clone()
         )
         torch.testing.assert_close(ours[row], oracle[0])
+
+
+def test_presence_and_frequency_penalties_match_openais_formula_per_row():
+    """logit[t] - frequency x count[t] - presence x (count[t] > 0), over the row's generated ids."""
+    logits = random_logits(3)
+    outputs = [[1, 2, 2, 7, 2], [], [49, 0, 49]]
+    presence, frequency = [0.5, 1.0, -2.0], [0.25, 2.0, 1.5]
+    ours = apply_presence_frequency_penalties(
+        logits, outputs, torch.tensor(presence), torch.tensor(frequency)
+    )
+    for row, ids in enumerate(outputs):
+        for token in range(VOCAB_SIZE):
+            count = ids.count(token)
+            expected = logits[row, token].item() - frequency[row] * count - presence[row] * (count > 0)
+            assert ours[row, token].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_logit_bias_and_penalties_steer_greedy_rows_as_brute_force_does():
+    logits = random_logits(3, seed=4)
+    params = [
+        SamplingParams(temperature=0, logit_bias={3: 100.0, 9: -100.0}),
+        SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=2.0),
+        SamplingParams(temperature=0),  # untouched by its neighbours' settings
+    ]
+    histories = [[1, 2], [1, 2], [1, 2]]
+    outputs = [[], [int(logits[1].argmax())] * 3, [5]]
+    chosen = sample_next_tokens(logits, params, histories, [None] * 3, outputs).tolist()
+    adjusted = logits.clone()
+    adjusted[0, 3] += 100
+    adjusted[0, 9] -= 100
+    for token in set(outputs[1]):
+        adjusted[1, token] -= 2.0 * outputs[1].count(token) + 2.0
+    assert chosen == adjusted.argmax(dim=-1).tolist()
+    assert (
+        chosen[0] == 3 and chosen[1] != logits[1].argmax().item() and chosen[2] == logits[2].argmax().item()
+    )
 
 
 def test_repetition_penalty_brute_force_divides_positive_and_multiplies_negative():

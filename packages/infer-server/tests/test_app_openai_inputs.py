@@ -60,3 +60,47 @@ def test_a_conversation_resent_as_the_sdk_dumps_it_continues(server):
         model=server.model, messages=follow_up, max_tokens=8, temperature=0
     )
     assert second.choices[0].message.content
+
+
+def test_logit_bias_forces_and_bans_tokens_through_the_openai_client(server):
+    """+100 all but forces a token and -100 bans one, at temperature 0 too (OpenAI's semantics);
+    the oracle is the tokenizer's own id for the text."""
+    client = server.openai_client()
+    tokenizer = server.engine.tokenizer
+    [paris] = tokenizer.encode(" Paris", add_special_tokens=False)
+    forced = client.completions.create(
+        model=server.model, prompt="Hello", max_tokens=3, temperature=0, logit_bias={str(paris): 100}
+    )
+    assert forced.choices[0].text == " Paris" * 3
+    plain = client.completions.create(
+        model=server.model, prompt="The capital of France is", max_tokens=1, temperature=0
+    )
+    [first] = tokenizer.encode(plain.choices[0].text, add_special_tokens=False)
+    banned = client.completions.create(
+        model=server.model,
+        prompt="The capital of France is",
+        max_tokens=1,
+        temperature=0,
+        logit_bias={str(first): -100},
+    )
+    assert banned.choices[0].text != plain.choices[0].text
+
+
+def test_logit_bias_for_an_id_outside_the_vocabulary_is_a_400_naming_it(server):
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.openai_client().completions.create(
+            model=server.model, prompt="Hi", max_tokens=1, logit_bias={str(10**9): 1}
+        )
+    assert caught.value.body["param"] == "logit_bias"
+
+
+def test_presence_and_frequency_penalties_are_taken_and_change_a_repetitive_answer(server):
+    client = server.openai_client()
+    prompt = "one one one one one one one one"
+    kwargs = dict(
+        model=server.model, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    plain = client.completions.create(**kwargs)
+    penalized = client.completions.create(**kwargs, presence_penalty=2.0, frequency_penalty=2.0)
+    assert penalized.usage.completion_tokens == 12
+    assert penalized.choices[0].text != plain.choices[0].text

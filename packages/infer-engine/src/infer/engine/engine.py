@@ -27,6 +27,7 @@ from infer.engine.eos import eos_token_ids_of
 from infer.engine.kv_manager import KVCacheManager
 from infer.engine.request import (
     FINISH_ABORT,
+    InvalidParamError,
     QueueFullError,
     Request,
     RequestState,
@@ -153,6 +154,11 @@ class Engine:
         bad = [token_id for token_id in prompt_ids if not 0 <= token_id < self._vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self._vocab_size}), got {bad[:5]}")
+        outside = [token_id for token_id in params.logit_bias if token_id >= self._vocab_size]
+        if outside:
+            raise InvalidParamError(
+                "logit_bias", f"logit_bias token ids must be in [0, {self._vocab_size}), got {outside[:5]}"
+            )
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
         with self._lock:
             request_id = request_id if request_id is not None else f"req-{self._num_added}"

@@ -26,6 +26,8 @@ class RowState:
     row: int
     sampling: SamplingParams
     generator: torch.Generator | None
+    # Where the generated ids start in the row (presence and frequency penalties read them).
+    num_prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class InputBatch:
             row=row,
             sampling=request.sampling,
             generator=make_generator(request.generator_seed, self.device),
+            num_prompt_tokens=request.num_prompt_tokens,
         )
 
     def update(self, request: RunningRequest) -> None:
@@ -103,6 +106,11 @@ class InputBatch:
         """Every token of the request so far (prompt and generated)."""
         row = self.states[request_id].row
         return self.token_ids[row, : self.num_tokens[row]]
+
+    def output_ids(self, request_id: str) -> np.ndarray:
+        """The tokens the request generated so far."""
+        state = self.states[request_id]
+        return self.token_ids[state.row, state.num_prompt_tokens : self.num_tokens[state.row]]
 
     def apply(self, decision: ScheduleDecision) -> None:
         """Drops the rows that left, adds the new requests, grows the running ones."""

@@ -33,6 +33,15 @@ class RequestTooLongError(ValueError):
     """prompt + max_new_tokens can never fit max_seq_len or the KV pool; the request was not queued."""
 
 
+class InvalidParamError(ValueError):
+    """A request setting the model cannot honour (e.g. a logit_bias id outside its vocabulary);
+    `param` names the setting."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class RequestState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

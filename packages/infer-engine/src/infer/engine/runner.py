@@ -153,7 +153,10 @@ class ModelRunner:
             if tensors.reads_token_ids
             else ()
         )
-        return sample(logits, tensors, histories).tolist()
+        outputs = (
+            [self.input_batch.output_ids(rid) for rid in request_ids] if tensors.reads_output_ids else ()
+        )
+        return sample(logits, tensors, histories, outputs).tolist()
 
     def _sampling_tensors(self, request_ids: tuple[str, ...]) -> SamplingTensors:
         """The batch's SamplingTensors, rebuilt when other requests (or the same ones in another

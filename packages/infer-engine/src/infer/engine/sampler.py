@@ -3,7 +3,10 @@
 Pipeline, in this order (the order of transformers' logits processors, so that `generate` with
 the same settings is a valid oracle):
 
-    repetition penalty -> temperature (below 1e-5: greedy argmax) -> top-k -> top-p -> min-p -> draw
+    logit bias -> repetition penalty -> presence / frequency penalties
+    -> temperature (below 1e-5: greedy argmax) -> top-k -> top-p -> min-p -> draw
+
+The logit bias and the three penalties come before the argmax, so they change greedy rows too.
 
 Each transform takes float32 logits [B, V] and one value per row, and returns new logits in
 which removed tokens are -inf; a row whose value means "off" comes back unchanged. A transform
@@ -42,6 +45,11 @@ class SamplingTensors:
     num_rows: int
     # Every row's penalty (1.0: off); None when no row uses one.
     repetition_penalties: torch.Tensor | None  # [B]
+    # Every row's presence and frequency penalties (0: off); None when no row uses either.
+    presence_penalties: torch.Tensor | None  # [B]
+    frequency_penalties: torch.Tensor | None  # [B]
+    # Every (row, token id, bias) of the rows' logit_bias, flattened; None when no row has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     sampled_rows: tuple[int, ...]
     sampled_rows_index: torch.Tensor | None  # [S] int64
     temperatures: torch.Tensor | None  # [S]
@@ -66,11 +74,30 @@ class SamplingTensors:
         def per_sampled_row(values: list, used: bool) -> torch.Tensor | None:
             return torch.tensor(values, device=device) if used else None
 
+        uses_presence_or_frequency = any(p.presence_penalty or p.frequency_penalty for p in params)
+        biases = [
+            (row, token_id, bias) for row, p in enumerate(params) for token_id, bias in p.logit_bias.items()
+        ]
         return cls(
             num_rows=len(params),
             repetition_penalties=(
                 torch.tensor([p.repetition_penalty for p in params], device=device)
                 if any(p.repetition_penalty != 1.0 for p in params)
+                else None
+            ),
+            presence_penalties=(
+                torch.tensor([p.presence_penalty for p in params], device=device)
+                if uses_presence_or_frequency
+                else None
+            ),
+            frequency_penalties=(
+                torch.tensor([p.frequency_penalty for p in params], device=device)
+                if uses_presence_or_frequency
+                else None
+            ),
+            logit_bias=(
+                tuple(torch.tensor(column, device=device) for column in zip(*biases, strict=True))
+                if biases
                 else None
             ),
             sampled_rows=sampled_rows,
@@ -84,19 +111,42 @@ class SamplingTensors:
 
     @property
     def reads_token_ids(self) -> bool:
+        """Whether `sample` needs each row's prompt + generated ids (the repetition penalty)."""
         return self.repetition_penalties is not None
 
+    @property
+    def reads_output_ids(self) -> bool:
+        """Whether `sample` needs each row's generated ids (presence and frequency penalties)."""
+        return self.presence_penalties is not None
 
-def sample(logits: torch.Tensor, tensors: SamplingTensors, token_ids: Sequence[Tokens] = ()) -> torch.Tensor:
+
+def sample(
+    logits: torch.Tensor,
+    tensors: SamplingTensors,
+    token_ids: Sequence[Tokens] = (),
+    output_ids: Sequence[Tokens] = (),
+) -> torch.Tensor:
     """logits [B, V]; the batch's SamplingTensors; per row its prompt + generated ids (read only
-    when `tensors.reads_token_ids`). Returns [B] int64."""
+    when `tensors.reads_token_ids`) and its generated ids (read only when
+    `tensors.reads_output_ids`). Returns [B] int64."""
     if logits.shape[0] != tensors.num_rows:
         raise ValueError(f"sampling settings for {tensors.num_rows} rows, logits have {logits.shape[0]}")
     logits = logits.float()
+    if tensors.logit_bias is not None:
+        rows, token_ids_biased, biases = tensors.logit_bias
+        logits = logits.index_put((rows, token_ids_biased), biases, accumulate=True)
     if tensors.repetition_penalties is not None:
         if len(token_ids) != tensors.num_rows:
             raise ValueError(f"the repetition penalty needs one token list per row, got {len(token_ids)}")
         logits = apply_repetition_penalty(logits, token_ids, tensors.repetition_penalties)
+    if tensors.presence_penalties is not None:
+        if len(output_ids) != tensors.num_rows:
+            raise ValueError(
+                f"presence/frequency penalties need one output list per row, got {len(output_ids)}"
+            )
+        logits = apply_presence_frequency_penalties(
+            logits, output_ids, tensors.presence_penalties, tensors.frequency_penalties
+        )
     greedy_tokens = logits.argmax(dim=-1)
     if not tensors.sampled_rows:
         return greedy_tokens
@@ -130,15 +180,17 @@ def sample_next_tokens(
     params: Sequence[SamplingParams],
     token_ids: Sequence[Tokens],
     generators: Sequence[torch.Generator | None],
+    output_ids: Sequence[Tokens] = (),
 ) -> torch.Tensor:
     """`sample` with the batch's tensors built for this call: logits [B, V]; per row its params,
-    its prompt + generated ids, its generator. Returns [B] int64."""
+    its prompt + generated ids, its generator, and (for presence/frequency penalties) its
+    generated ids. Returns [B] int64."""
     if not len(params) == len(token_ids) == len(generators) == logits.shape[0]:
         raise ValueError(
             f"one params, token list and generator per logits row: got {len(params)}, {len(token_ids)}, "
             f"{len(generators)} for {logits.shape[0]} rows"
         )
-    return sample(logits, SamplingTensors.build(params, generators, logits.device), token_ids)
+    return sample(logits, SamplingTensors.build(params, generators, logits.device), token_ids, output_ids)
 
 
 def apply_repetition_penalty(
@@ -151,6 +203,22 @@ def apply_repetition_penalty(
     penalties = penalties[:, None].to(logits.dtype)
     penalized = torch.where(logits < 0, logits * penalties, logits / penalties)
     return torch.where(seen, penalized, logits)
+
+
+def apply_presence_frequency_penalties(
+    logits: torch.Tensor, output_ids: Sequence[Tokens], presence: torch.Tensor, frequency: torch.Tensor
+) -> torch.Tensor:
+    """OpenAI's penalties over each row's generated ids: logit - frequency x count - presence x
+    (count > 0), where count is how many times the row generated the token."""
+    counts = torch.zeros_like(logits)
+    for row, ids in enumerate(output_ids):
+        ids = torch.as_tensor(ids, dtype=torch.long, device=logits.device)
+        counts[row].index_add_(0, ids, torch.ones(len(ids), dtype=logits.dtype, device=logits.device))
+    return (
+        logits
+        - frequency[:, None].to(logits.dtype) * counts
+        - presence[:, None].to(logits.dtype) * (counts > 0)
+    )
 
 
 def apply_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:

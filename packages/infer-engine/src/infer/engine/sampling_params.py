@@ -12,9 +12,10 @@ SAMPLING_EPS = 1e-5
 class SamplingParams:
     """Per-request sampling and stopping settings, checked when built.
 
-    The transforms run in this order (see `infer.engine.sampler`): repetition penalty,
-    temperature (below SAMPLING_EPS = 1e-5: greedy argmax), top-k, top-p, min-p, then a draw from a generator
-    seeded with `seed` (None: the process-wide torch RNG).
+    The transforms run in this order (see `infer.engine.sampler`): logit bias, repetition
+    penalty, presence and frequency penalties, temperature (below SAMPLING_EPS = 1e-5: greedy
+    argmax), top-k, top-p, min-p, then a draw from a generator seeded with `seed` (None: the
+    process-wide torch RNG).
     """
 
     temperature: float = 1.0
@@ -24,6 +25,13 @@ class SamplingParams:
     min_p: float = 0.0
     # 1.0: off. HF semantics over prompt + generated ids: positive logits divided, negative multiplied.
     repetition_penalty: float = 1.0
+    # OpenAI semantics over the generated ids only, in [-2, 2] (0: off): a token's logit loses
+    # presence_penalty once if it was generated, and frequency_penalty per time it was generated.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Token id -> a value in [-100, 100] added to its logit before anything else (OpenAI's
+    # logit_bias; -100 bans a token, +100 all but forces it).
+    logit_bias: dict[int, float] = field(default_factory=dict)
     max_new_tokens: int = 256
     # Text that ends the request; the stop string itself is not part of the output.
     stop: list[str] = field(default_factory=list)
@@ -52,6 +60,21 @@ class SamplingParams:
             "repetition_penalty must be > 0 (1.0 is off)",
             self.repetition_penalty,
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_is_number(value), f"{name} must be a number", value)
+            _require(-2 <= value <= 2, f"{name} must be in [-2, 2]", value)
+        _require(
+            isinstance(self.logit_bias, dict),
+            "logit_bias must be a dict of token id -> bias",
+            self.logit_bias,
+        )
+        for token_id, bias in self.logit_bias.items():
+            _require(_is_int(token_id) and token_id >= 0, "logit_bias keys must be token ids >= 0", token_id)
+            _require(
+                _is_number(bias) and -100 <= bias <= 100, "logit_bias values must be in [-100, 100]", bias
+            )
+        self.logit_bias = {token_id: float(bias) for token_id, bias in self.logit_bias.items()}
         _require(_is_int(self.max_new_tokens), "max_new_tokens must be an integer", self.max_new_tokens)
         _require(self.max_new_tokens >= 1, "max_new_tokens must be >= 1", self.max_new_tokens)
         _require(

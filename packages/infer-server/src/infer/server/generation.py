@@ -15,7 +15,13 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from infer.engine.request import FINISH_ABORT, QueueFullError, RequestTooLongError, StepOutput
+from infer.engine.request import (
+    FINISH_ABORT,
+    InvalidParamError,
+    QueueFullError,
+    RequestTooLongError,
+    StepOutput,
+)
 from infer.engine.sampling_params import SamplingParams
 from infer.server import errors, responses
 from infer.server.chat_output import ChatOutputParser, ChatPiece, ContentPiece, ReasoningPiece, finish_reason
@@ -58,6 +64,8 @@ def submit(
         raise ApiError(
             400, str(error), errors.INVALID_REQUEST, prompt_field, "context_length_exceeded"
         ) from None
+    except InvalidParamError as error:  # e.g. a logit_bias id outside the vocabulary
+        raise ApiError(400, str(error), errors.INVALID_REQUEST, error.param, "invalid_value") from None
     except ValueError as error:  # e.g. a token id outside the vocabulary
         raise ApiError(400, str(error), errors.INVALID_REQUEST, prompt_field, "invalid_value") from None
 

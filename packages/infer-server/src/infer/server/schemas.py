@@ -10,9 +10,8 @@ pydantic error into an OpenAI error body and picks the HTTP status):
 - An unknown field is rejected (400), never silently ignored: a typo such as `max_token` would
   otherwise quietly change the output.
 - An OpenAI field we do not implement (`n`, `echo`, `logprobs`, `best_of`, `suffix`,
-  `presence_penalty`, `frequency_penalty`, `logit_bias`, `top_logprobs`) is accepted only at its
-  neutral value, because common clients send `n=1` or `presence_penalty=0` on every call; any
-  other value is rejected (400) naming the field.
+  `top_logprobs`) is accepted only at its neutral value, because common clients send `n=1` on
+  every call; any other value is rejected (400) naming the field.
 - A required field that is missing, or an empty `messages` list or empty token-id `prompt`, is
   a 400 (there is nothing to run), like OpenAI; so are wrong values (every refusal is a 400).
 - `top_k` follows vLLM: an integer >= 1 keeps the k most likely tokens; 0 or -1 turns it off.
@@ -94,9 +93,6 @@ class _SamplingRequest(_Strict):
     # OpenAI fields we accept only at their neutral values: field -> the values that mean "off".
     NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
         "n": (1, None),
-        "presence_penalty": (0, None),
-        "frequency_penalty": (0, None),
-        "logit_bias": (None, {}),
     }
 
     model: str
@@ -105,6 +101,10 @@ class _SamplingRequest(_Strict):
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # Token id (a JSON object's keys are strings: "50256") -> bias in [-100, 100].
+    logit_bias: dict[int, float] = Field(default_factory=dict)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     # vLLM extension: token ids that end the request besides the model's end-of-sequence ids.
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -121,9 +121,6 @@ class _SamplingRequest(_Strict):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     n: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
 
     @model_validator(mode="after")
     def _log_ignored_metadata(self):
@@ -154,11 +151,26 @@ class _SamplingRequest(_Strict):
             raise PydanticCustomError(INVALID_VALUE, "every stop token id must be >= 0")
         return value
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_keys_are_token_ids(cls, value: Any) -> Any:
+        # Strict mode takes no "50256" for an int: read the keys here, as OpenAI sends them.
+        if isinstance(value, dict):
+            keys = list(value)
+            if not all(isinstance(key, str) and key.isdigit() or isinstance(key, int) for key in keys):
+                raise PydanticCustomError(INVALID_VALUE, 'logit_bias keys must be token ids ("50256")')
+            return {int(key): bias for key, bias in value.items()}
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_values_in_range(cls, value: dict[int, float]) -> dict[int, float]:
+        if any(not -100 <= bias <= 100 for bias in value.values()):
+            raise PydanticCustomError(INVALID_VALUE, "logit_bias values must be in [-100, 100]")
+        return value
+
     @field_validator(
         "n",
-        "presence_penalty",
-        "frequency_penalty",
-        "logit_bias",
         "echo",
         "logprobs",
         "best_of",
@@ -205,6 +217,9 @@ class _SamplingRequest(_Strict):
             "top_k": max(self.top_k, 0),
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "logit_bias": dict(self.logit_bias),
             "stop": list(self.stop),
             "stop_token_ids": list(self.stop_token_ids),
             "seed": self.seed,
