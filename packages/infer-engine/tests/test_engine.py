@@ -293,6 +293,32 @@ def test_penalties_and_logit_bias_give_transformers_greedy_with_openais_formula(
     assert generated != tiny.transformers_greedy(prompt, 12)  # the settings did change something
 
 
+def test_min_tokens_keeps_a_stop_token_out_until_then_as_transformers_greedy_with_it_masked(tiny_models):
+    tiny = tiny_models["llama-tiny"]
+    prompt = random_prompts([7], tiny.loaded.config.vocab_size, seed=8)[0]
+    natural = tiny.transformers_greedy(prompt, 12)
+    stop_id = natural[1]  # without min_tokens the request stops at its second token
+    base = dict(temperature=0, max_new_tokens=12, stop_token_ids=[stop_id], ignore_eos=True)
+    engine = make_engine(tiny, max_num_batched_tokens=64)
+    plain = engine.add_request(prompt, SamplingParams(**base))
+    held = engine.add_request(prompt, SamplingParams(**base, min_tokens=6))
+    outputs = run_to_completion(engine)
+    assert token_ids(outputs[plain]) == natural[:2] and outputs[plain][-1].finish_reason == "stop"
+    # The oracle: transformers' argmax with the stop token masked while fewer than 6 are out,
+    # then the first stop token ends it.
+    generated: list[int] = []
+    with torch.inference_mode():
+        while len(generated) < 12:
+            logits = tiny.reference(torch.tensor([prompt + generated])).logits[0, -1]
+            if len(generated) < 6:
+                logits[stop_id] = -torch.inf
+            generated.append(int(logits.argmax()))
+            if len(generated) > 6 and generated[-1] == stop_id:
+                break
+    assert token_ids(outputs[held]) == generated
+    assert stop_id not in generated[:6] and len(generated) > 2
+
+
 def test_a_failing_forward_fails_its_step_frees_blocks_and_the_engine_goes_on(tiny_models):
     tiny = tiny_models["llama-tiny"]
     engine = make_engine(tiny)

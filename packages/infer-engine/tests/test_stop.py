@@ -126,6 +126,21 @@ def test_stop_string_completing_on_the_last_allowed_token_is_a_stop():
     assert run_checker(params, [1, 2, 3]) == [("Hello", None), (" ", None), ("", "stop")]
 
 
+def test_min_tokens_defers_every_stop_until_it_is_reached():
+    # A stop string inside the first min_tokens tokens does not stop; the same later does.
+    params = SamplingParams(stop=["!"], min_tokens=2, max_new_tokens=6)
+    assert run_checker(params, [4, 0, 1, 4]) == [("!", None), ("<eos>", None), ("Hello", None), ("", "stop")]
+    # EOS at the min_tokens-th token is still deferred; the next one stops.
+    assert run_checker(SamplingParams(min_tokens=2), [1, 0, 0]) == [
+        ("Hello", None),
+        ("<eos>", None),
+        ("", "stop"),
+    ]
+    # min_tokens == max_new_tokens: all text, finish length.
+    params = SamplingParams(stop=["ld"], min_tokens=3, max_new_tokens=3)
+    assert run_checker(params, [1, 2, 3]) == [("Hello", None), (" wor", None), ("ld", "length")]
+
+
 def test_pushing_after_finish_is_an_error():
     checker = StopChecker(SamplingParams(max_new_tokens=1), {0}, ListDetokenizer(PIECES))
     checker.push(1)

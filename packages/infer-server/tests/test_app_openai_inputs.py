@@ -104,3 +104,21 @@ def test_presence_and_frequency_penalties_are_taken_and_change_a_repetitive_answ
     penalized = client.completions.create(**kwargs, presence_penalty=2.0, frequency_penalty=2.0)
     assert penalized.usage.completion_tokens == 12
     assert penalized.choices[0].text != plain.choices[0].text
+
+
+def test_min_tokens_defers_the_end_and_above_the_token_limit_is_a_400(server):
+    client = server.openai_client()
+    tokenizer = server.engine.tokenizer
+    plain = client.completions.create(
+        model=server.model, prompt="The capital of France is", max_tokens=4, temperature=0
+    )
+    [first] = tokenizer.encode(plain.choices[0].text, add_special_tokens=False)[:1]
+    # The first greedy token as a stop token ends the answer at once, unless min_tokens defers it.
+    kwargs = dict(model=server.model, prompt="The capital of France is", max_tokens=4, temperature=0)
+    stopped = client.completions.create(**kwargs, extra_body={"stop_token_ids": [first]})
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
+    held = client.completions.create(**kwargs, extra_body={"stop_token_ids": [first], "min_tokens": 3})
+    assert held.usage.completion_tokens >= 3
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**kwargs, extra_body={"min_tokens": 5})
+    assert caught.value.body["param"] == "min_tokens"

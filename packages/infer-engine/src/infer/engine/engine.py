@@ -107,19 +107,20 @@ class Engine:
             raise EngineConfigError(
                 f"use_cuda_graphs=True needs a CUDA device, the model is on {self.device}"
             )
+        self.eos_token_ids = eos_token_ids_of(loaded_model)
         self.runner = ModelRunner(
             model,
             self.kv_pool,
             max_batch_size=config.max_batch_size,
             max_seq_len=self.max_seq_len,
             use_cuda_graphs=config.use_cuda_graphs,
+            eos_token_ids=self.eos_token_ids,
         )
         # At start-up, not on first use: a kernel compile or a graph capture would land on the
         # latency of whichever request first needs it, and of every request in its step.
         self.runner.warm_up()
         if self.runner.decode_graphs is not None:
             self.runner.decode_graphs.capture_all()
-        self.eos_token_ids = eos_token_ids_of(loaded_model)
         self._vocab_size = model.config.vocab_size
         # Guards the inbox and the live set, which other threads touch through add_request/abort.
         self._lock = threading.Lock()

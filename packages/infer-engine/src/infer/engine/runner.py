@@ -8,7 +8,7 @@ keeps each request's tokens in its `InputBatch` and appends what it samples, so 
 decision only says how many tokens to run.
 """
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -29,8 +29,11 @@ class ModelRunner:
         max_batch_size: int,
         max_seq_len: int,
         use_cuda_graphs: bool = False,
+        eos_token_ids: Collection[int] = (),
     ):
-        """`kv_pool`: an infer.cache.KVPool (its kv_layers, block_size and null_block are used)."""
+        """`kv_pool`: an infer.cache.KVPool (its kv_layers, block_size and null_block are used).
+        `eos_token_ids`: the model's EOS set, which a request's min_tokens keeps out."""
+        self.eos_token_ids = tuple(eos_token_ids)
         self.model = model
         self.kv_layers = kv_pool.kv_layers
         self.device = next(model.parameters()).device
@@ -165,7 +168,10 @@ class ModelRunner:
         if self._sampling is None or self._sampling[0] != request_ids:
             states = [self.input_batch.states[rid] for rid in request_ids]
             tensors = SamplingTensors.build(
-                [state.sampling for state in states], [state.generator for state in states], self.device
+                [state.sampling for state in states],
+                [state.generator for state in states],
+                self.device,
+                eos_token_ids=self.eos_token_ids,
             )
             self._sampling = (request_ids, tensors)
         return self._sampling[1]

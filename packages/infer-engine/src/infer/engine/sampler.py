@@ -3,7 +3,7 @@
 Pipeline, in this order (the order of transformers' logits processors, so that `generate` with
 the same settings is a valid oracle):
 
-    logit bias -> repetition penalty -> presence / frequency penalties
+    logit bias -> min_tokens bans -> repetition penalty -> presence / frequency penalties
     -> temperature (below 1e-5: greedy argmax) -> top-k -> top-p -> min-p -> draw
 
 The logit bias and the three penalties come before the argmax, so they change greedy rows too.
@@ -14,7 +14,7 @@ that no row uses is skipped, so a batch of plain greedy rows costs one argmax. T
 come as `SamplingTensors`, which the runner builds when its batch changes, not every step.
 """
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +50,9 @@ class SamplingTensors:
     frequency_penalties: torch.Tensor | None  # [B]
     # Every (row, token id, bias) of the rows' logit_bias, flattened; None when no row has one.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # min_tokens: every (row, stop token id, the row's min_tokens) of the rows that have one;
+    # None when no row has one.
+    min_tokens_bans: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     sampled_rows: tuple[int, ...]
     sampled_rows_index: torch.Tensor | None  # [S] int64
     temperatures: torch.Tensor | None  # [S]
@@ -65,7 +68,9 @@ class SamplingTensors:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         device: torch.device | str,
+        eos_token_ids: Collection[int] = (),
     ) -> "SamplingTensors":
+        """`eos_token_ids`: the model's EOS set, which min_tokens keeps out (unless ignore_eos)."""
         if len(params) != len(generators):
             raise ValueError(f"one generator per row: got {len(generators)} for {len(params)} rows")
         sampled_rows = tuple(row for row, p in enumerate(params) if not p.is_greedy)
@@ -77,6 +82,12 @@ class SamplingTensors:
         uses_presence_or_frequency = any(p.presence_penalty or p.frequency_penalty for p in params)
         biases = [
             (row, token_id, bias) for row, p in enumerate(params) for token_id, bias in p.logit_bias.items()
+        ]
+        bans = [
+            (row, token_id, p.min_tokens)
+            for row, p in enumerate(params)
+            if p.min_tokens
+            for token_id in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
         ]
         return cls(
             num_rows=len(params),
@@ -95,11 +106,8 @@ class SamplingTensors:
                 if uses_presence_or_frequency
                 else None
             ),
-            logit_bias=(
-                tuple(torch.tensor(column, device=device) for column in zip(*biases, strict=True))
-                if biases
-                else None
-            ),
+            logit_bias=_columns(biases, device),
+            min_tokens_bans=_columns(bans, device),
             sampled_rows=sampled_rows,
             sampled_rows_index=torch.tensor(sampled_rows, device=device) if sampled_rows else None,
             temperatures=per_sampled_row([p.temperature for p in drawn], bool(drawn)),
@@ -116,8 +124,16 @@ class SamplingTensors:
 
     @property
     def reads_output_ids(self) -> bool:
-        """Whether `sample` needs each row's generated ids (presence and frequency penalties)."""
-        return self.presence_penalties is not None
+        """Whether `sample` needs each row's generated ids (presence and frequency penalties,
+        min_tokens)."""
+        return self.presence_penalties is not None or self.min_tokens_bans is not None
+
+
+def _columns(entries: list[tuple], device) -> tuple[torch.Tensor, ...] | None:
+    """[(a, b, c), ...] as one tensor per position (a's, b's, c's); None for no entries."""
+    if not entries:
+        return None
+    return tuple(torch.tensor(column, device=device) for column in zip(*entries, strict=True))
 
 
 def sample(
@@ -135,6 +151,15 @@ def sample(
     if tensors.logit_bias is not None:
         rows, token_ids_biased, biases = tensors.logit_bias
         logits = logits.index_put((rows, token_ids_biased), biases, accumulate=True)
+    if tensors.min_tokens_bans is not None:
+        if len(output_ids) != tensors.num_rows:
+            raise ValueError(f"min_tokens needs one output list per row, got {len(output_ids)}")
+        rows, banned_ids, min_tokens = tensors.min_tokens_bans
+        num_generated = torch.tensor([len(ids) for ids in output_ids], device=logits.device)
+        # -inf where the row is still short of its min_tokens, 0 (no change) where it is not.
+        still_short = num_generated[rows] < min_tokens
+        bans = torch.where(still_short, -torch.inf, 0.0).to(logits.dtype)
+        logits = logits.index_put((rows, banned_ids), bans, accumulate=True)
     if tensors.repetition_penalties is not None:
         if len(token_ids) != tensors.num_rows:
             raise ValueError(f"the repetition penalty needs one token list per row, got {len(token_ids)}")

@@ -33,6 +33,9 @@ class SamplingParams:
     # logit_bias; -100 bans a token, +100 all but forces it).
     logit_bias: dict[int, float] = field(default_factory=dict)
     max_new_tokens: int = 256
+    # vLLM's min_tokens: until this many tokens are generated, EOS and stop_token_ids cannot be
+    # sampled and stop strings are not looked for (in the text of the tokens from then on).
+    min_tokens: int = 0
     # Text that ends the request; the stop string itself is not part of the output.
     stop: list[str] = field(default_factory=list)
     # Token ids that end the request besides the model's EOS set (honoured even with ignore_eos).
@@ -77,6 +80,12 @@ class SamplingParams:
         self.logit_bias = {token_id: float(bias) for token_id, bias in self.logit_bias.items()}
         _require(_is_int(self.max_new_tokens), "max_new_tokens must be an integer", self.max_new_tokens)
         _require(self.max_new_tokens >= 1, "max_new_tokens must be >= 1", self.max_new_tokens)
+        _require(_is_int(self.min_tokens), "min_tokens must be an integer", self.min_tokens)
+        _require(
+            0 <= self.min_tokens <= self.max_new_tokens,
+            f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}]",
+            self.min_tokens,
+        )
         _require(
             not isinstance(self.stop, str),
             f"stop must be a list of strings; wrap a single one: stop=[{self.stop!r}]",

@@ -90,6 +90,14 @@ class StopChecker:
         if self.finish_reason is not None:
             raise RuntimeError(f"token {token_id} pushed after the request finished ({self.finish_reason})")
         self.num_generated += 1
+        if self.num_generated <= self.params.min_tokens:
+            # No stop yet (the sampler keeps stop tokens out until then); the text goes out as it
+            # comes, and stop strings are looked for from the next token on.
+            text = self.detokenizer.push(token_id)
+            if self.num_generated >= self.params.max_new_tokens:
+                self.finish_reason = FINISH_LENGTH
+                return text + self.detokenizer.flush(), FINISH_LENGTH
+            return text, None
         if token_id in self.stop_token_ids:
             # The stop token's own text is never shown; text held for a stop string is released.
             return self._finish(FINISH_STOP, tail=self.detokenizer.flush())

@@ -47,6 +47,9 @@ def sampling_params(
     max_new_tokens = kwargs["max_new_tokens"]
     if num_prompt_tokens + max_new_tokens > max_model_len:
         raise errors.context_length_exceeded(num_prompt_tokens, max_new_tokens, max_model_len, prompt_field)
+    if kwargs["min_tokens"] > max_new_tokens:
+        message = f"min_tokens ({kwargs['min_tokens']}) must not exceed the token limit ({max_new_tokens})"
+        raise ApiError(400, message, errors.INVALID_REQUEST, "min_tokens", "invalid_value")
     try:
         return SamplingParams(**kwargs)
     except ValueError as error:  # the schema should have caught it; name it rather than a 500

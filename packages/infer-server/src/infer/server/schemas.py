@@ -111,6 +111,8 @@ class _SamplingRequest(_Strict):
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     # vLLM extension: generate through end-of-sequence tokens until the token limit (benchmarks).
     ignore_eos: bool = False
+    # vLLM extension: no end of sequence, stop token or stop string before this many tokens.
+    min_tokens: int = Field(0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted and ignored (METADATA_FIELDS): the provider's bookkeeping, not the output.
@@ -224,6 +226,7 @@ class _SamplingRequest(_Strict):
             "stop_token_ids": list(self.stop_token_ids),
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
         }
         max_new_tokens = self._max_new_tokens()
         if max_new_tokens is None:
