@@ -43,7 +43,6 @@ class ModelRunner:
             block_size=kv_pool.block_size,
             device=self.device,
         )
-        self.block_size = kv_pool.block_size
         self.null_block = kv_pool.null_block
         self.max_seq_len = max_seq_len
         # (request ids that sampled last step, their SamplingTensors)
@@ -67,7 +66,8 @@ class ModelRunner:
         written. CPU runs the kernels' PyTorch references and has nothing to compile."""
         if self.device.type != "cuda":
             return
-        null_slot = self.null_block * self.block_size
+        block_size = self.input_batch.block_size
+        null_slot = self.null_block * block_size
         for decode_len in (1, self.max_seq_len):
             # Row 0 decodes at position decode_len - 1; row 1 is a two-token prompt chunk.
             positions = np.array([decode_len - 1, 0, 1], dtype=np.int64)
@@ -75,7 +75,7 @@ class ModelRunner:
                 request_ids=["warm-up-decode", "warm-up-chunk"],
                 input_ids=np.zeros(3, dtype=np.int64),
                 positions=positions,
-                slot_mapping=null_slot + positions % self.block_size,
+                slot_mapping=null_slot + positions % block_size,
                 query_start_loc=np.array([0, 1, 3], dtype=np.int32),
                 seq_lens=np.array([decode_len, 2], dtype=np.int32),
                 block_tables=np.full((2, self.input_batch.max_blocks), self.null_block, dtype=np.int32),
@@ -146,19 +146,17 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> list[int]:
         tensors = self._sampling_tensors(tuple(request_ids))
-        states = [self.input_batch.states[rid] for rid in request_ids]
+        batch = self.input_batch
         # The repetition penalty reads prompt + generated ids, which grow every step.
         histories = (
             [
-                self.input_batch.history(rid) if s.sampling.repetition_penalty != 1.0 else []
-                for rid, s in zip(request_ids, states, strict=True)
+                batch.history(rid) if batch.states[rid].sampling.repetition_penalty != 1.0 else []
+                for rid in request_ids
             ]
             if tensors.reads_token_ids
             else ()
         )
-        outputs = (
-            [self.input_batch.output_ids(rid) for rid in request_ids] if tensors.reads_output_ids else ()
-        )
+        outputs = [batch.output_ids(rid) for rid in request_ids] if tensors.reads_output_ids else ()
         return sample(logits, tensors, histories, outputs).tolist()
 
     def _sampling_tensors(self, request_ids: tuple[str, ...]) -> SamplingTensors:
