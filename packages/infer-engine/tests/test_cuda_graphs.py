@@ -1,5 +1,5 @@
-"""Decode through CUDA graphs. The oracle is the same engine without graphs: graphs change how a
-decode-only step is launched, never what it computes."""
+"""Steps through CUDA graphs. The oracle is the same engine without graphs: graphs change how a
+step (decode-only, or holding prompt chunks) is launched, never what it computes."""
 
 import argparse
 import random
@@ -9,7 +9,7 @@ import torch
 
 from infer.engine import SamplingParams, generate
 from infer.engine.config import EngineConfig, EngineConfigError, add_cli_arguments, from_cli_args
-from infer.engine.cuda_graphs import DecodeGraphs, batch_buckets
+from infer.engine.cuda_graphs import StepGraphs, batch_buckets, chunk_buckets
 from infer.engine.engine import Engine
 from infer.models.load import load_model
 from infer.models.random_checkpoint import make_random_checkpoint
@@ -19,6 +19,18 @@ def test_buckets_are_powers_of_two_capped_by_the_largest():
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
     assert batch_buckets(6) == [1, 2, 4, 6]
     assert batch_buckets(1) == [1]
+
+
+def test_chunk_buckets_start_at_sixteen_tokens_and_end_at_the_step_budget():
+    assert chunk_buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert chunk_buckets(100) == [16, 32, 64, 100]
+    assert chunk_buckets(8) == [8]
+
+
+def test_mixed_step_graphs_flag_is_a_boolean():
+    assert EngineConfig().cuda_graph_mixed_steps is True
+    with pytest.raises(EngineConfigError, match="cuda_graph_mixed_steps must be true or false"):
+        EngineConfig(cuda_graph_mixed_steps=1)
 
 
 def test_cuda_graphs_on_the_cpu_are_refused_naming_the_flag():
@@ -52,10 +64,18 @@ def test_cuda_graphs_flag_parses_true_and_false():
         parser.parse_args(["--use-cuda-graphs", "maybe"])
 
 
-def test_decode_graphs_need_a_cuda_model(tiny_models):
+def test_step_graphs_need_a_cuda_model(tiny_models):
     model = tiny_models["llama-tiny"].loaded.model
     with pytest.raises(ValueError, match="CUDA device"):
-        DecodeGraphs(model, [], max_batch_size=2, max_seq_len=64, block_size=16, null_block=0)
+        StepGraphs(
+            model,
+            [],
+            max_batch_size=2,
+            max_seq_len=64,
+            max_num_batched_tokens=64,
+            block_size=16,
+            null_block=0,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -67,17 +87,28 @@ def cuda_tiny(tmp_path_factory):
     }
 
 
+GRAPH_MODES = {
+    "eager": dict(use_cuda_graphs=False),
+    "decode-graphs": dict(use_cuda_graphs=True, cuda_graph_mixed_steps=False),
+    "step-graphs": dict(use_cuda_graphs=True, cuda_graph_mixed_steps=True),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny", "gemma3-tiny"])
-def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(cuda_tiny, preset):
+@pytest.mark.parametrize("chunk_size", [None, 32], ids=["whole-prompts", "chunks-of-32"])
+def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(cuda_tiny, preset, chunk_size):
     loaded = cuda_tiny[preset]
     rng = random.Random(0)
     # Five requests for four rows (a later one joins), decode batches of 1 to 4 rows, and 14 blocks
     # of 16 tokens where the first four together need 20: the youngest is preempted and recomputed.
+    # Prompt steps: several prompts in one step, prompts beside decodes, and with chunks of 32
+    # the 150-token prompt in five steps.
     prompts = [[rng.randrange(1, loaded.config.vocab_size) for _ in range(n)] for n in (3, 150, 40, 9, 17)]
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    chunking = dict(use_chunked_prefill=True, prefill_chunk_size=chunk_size) if chunk_size else {}
     results = {}
-    for use_cuda_graphs in (False, True):
+    for mode, graph_settings in GRAPH_MODES.items():
         config = EngineConfig(
             device="cuda",
             max_batch_size=4,
@@ -85,7 +116,8 @@ def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(cuda_tiny, pr
             max_seq_len=256,
             block_size=16,
             num_gpu_blocks=14,
-            use_cuda_graphs=use_cuda_graphs,
+            **chunking,
+            **graph_settings,
         )
         engine = Engine(config, loaded_model=loaded)
         ids = [engine.add_request(prompt, params) for prompt in prompts]
@@ -94,11 +126,20 @@ def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(cuda_tiny, pr
             for output in engine.step():
                 if output.token_id is not None:
                     tokens[output.request_id].append(output.token_id)
-        results[use_cuda_graphs] = [tokens[request_id] for request_id in ids]
-        if use_cuda_graphs:
-            assert engine.runner.decode_graphs.num_captured == 3  # batch 1, 2 and 4
+        results[mode] = [tokens[request_id] for request_id in ids]
+        graphs = engine.runner.graphs
+        if mode == "decode-graphs":
+            assert graphs.num_captured == 3  # batch 1, 2 and 4
+            assert graphs.num_replays["decode"] > 0 and graphs.num_replays["mixed"] == 0
+        if mode == "step-graphs":
+            assert graphs.num_captured == 3 + 6  # and chunk buckets 16, 32, ..., 512
+            # Every step that held a prompt was a replay: the budget holds them all, and no
+            # step holds more than 16 prompt rows.
+            assert graphs.num_replays["mixed"] > 0
+            assert sum(graphs.num_replays.values()) == engine.stats().num_steps
         assert engine.stats().num_preempted > 0
-    assert results[True] == results[False]
+    assert results["decode-graphs"] == results["eager"]
+    assert results["step-graphs"] == results["eager"]
 
 
 @pytest.mark.gpu
@@ -123,15 +164,9 @@ def test_graph_logits_equal_the_eager_forward_at_real_shape_in_bf16(tmp_path):
     decision = engine.scheduler.schedule()
     runner.input_batch.apply(decision)
     step = runner.input_batch.prepare(decision)
-    graph_logits = (
-        runner.decode_graphs.logits(
-            step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.block_tables
-        )[0]
-        .float()
-        .clone()
-    )
+    graph_logits = runner.graphs.logits(step)[0].float().clone()
     with torch.inference_mode():
-        eager_logits = loaded.model.compute_logits(loaded.model(runner.decode_graphs._batch(1)))[0].float()
+        eager_logits = loaded.model.compute_logits(loaded.model(runner.graphs._decode_batch(1)))[0].float()
     assert torch.allclose(graph_logits, eager_logits, atol=0.1, rtol=0.02), (
         (graph_logits - eager_logits).abs().max().item()
     )
@@ -150,3 +185,51 @@ def test_one_request_with_graphs_gives_the_tokens_without(cuda_tiny):
         )
         results.append(generate(Engine(config, loaded_model=loaded), prompt, params).token_ids)
     assert results[0] == results[1]
+
+
+@pytest.mark.gpu
+def test_mixed_step_graph_logits_equal_the_eager_forward_at_real_shape_in_bf16(tmp_path):
+    """A step of two decode rows (300 and 40 cached tokens) and the last 36-token chunk of a
+    100-token prompt, at Llama 3.2 1B shapes: the replayed graph (pad
+    rows, the chunks moved behind max_batch_size decode rows, a tile map) and the eager forward of
+    the same step give the same logits within bf16's tolerance and pick the same tokens."""
+    folder = make_random_checkpoint("llama-3.2-1b", tmp_path / "llama", dtype=torch.bfloat16)
+    loaded = load_model(folder, dtype=torch.bfloat16, device="cuda")
+    engine = Engine(
+        EngineConfig(
+            device="cuda",
+            dtype="bfloat16",
+            max_batch_size=4,
+            max_seq_len=512,
+            use_cuda_graphs=True,
+            use_chunked_prefill=True,
+            prefill_chunk_size=64,
+            max_num_batched_tokens=256,
+        ),
+        loaded_model=loaded,
+    )
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    engine.add_request(torch.randint(0, 32000, (300,), generator=gen).tolist(), params, request_id="a")
+    while not any(output.token_id is not None for output in engine.step()):
+        pass  # a's prompt, in chunks of 64
+    for request_id, length in (("b", 40), ("c", 100)):
+        prompt = torch.randint(0, 32000, (length,), generator=gen).tolist()
+        engine.add_request(prompt, params, request_id=request_id)
+    engine.step()  # a decodes, b runs whole, c its first 64 tokens
+    # The step under test: a and b decode, c's last 36 tokens; all three sample.
+    runner = engine.runner
+    decision = engine.scheduler.schedule()
+    runner.input_batch.apply(decision)
+    step = runner.input_batch.prepare(decision)
+    assert (step.num_decode_rows, len(step.request_ids), len(step.sampling_rows)) == (2, 3, 3)
+    graph_logits = runner.graphs.logits(step).float().clone()
+    assert runner.graphs.num_replays["mixed"] >= 1
+    with torch.inference_mode():
+        batch = runner.forward_batch(step, logits_indices=step.logits_indices)
+        eager_logits = loaded.model.compute_logits(loaded.model(batch)).float()
+    assert graph_logits.shape == eager_logits.shape == (len(step.sampling_rows), loaded.config.vocab_size)
+    assert torch.allclose(graph_logits, eager_logits, atol=0.1, rtol=0.02), (
+        (graph_logits - eager_logits).abs().max().item()
+    )
+    assert torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))

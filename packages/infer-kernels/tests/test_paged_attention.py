@@ -188,6 +188,42 @@ def test_kernel_interpreted_splits_past_a_rows_length_leave_it_alone(triton_on_c
     )
 
 
+def shuffled_tile_map(kwargs, tile_size, num_slots, seed):
+    """The extend rows' (row, tile) pairs in a random order among empty slots (row -1)."""
+    bounds = kwargs["query_start_loc"].tolist()
+    first_row = kwargs["num_decode_rows"]
+    pairs = [
+        (row, tile)
+        for row in range(first_row, len(bounds) - 1)
+        for tile in range(math.ceil((bounds[row + 1] - bounds[row]) / tile_size))
+    ]
+    pairs += [(-1, 0)] * (num_slots - len(pairs))
+    order = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.tensor([pairs[i] for i in order], dtype=torch.int32).T.contiguous()
+
+
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_kernel_interpreted_extend_rows_from_a_tile_map(triton_on_cpu, short_splits, sliding_window):
+    # A CUDA graph's launch plan: the extend rows' tiles in any order, empty slots between.
+    q, k_cache, v_cache, kwargs = make_batch(
+        [70, 1], [(40, 140), (17, 17), (1, 9)], (4, 2, 64), 16, torch.float32, "cpu", seed=15
+    )
+    tile_size = paged_attention_module.extend_tile_size(64)
+    assert tile_size == 16  # short_splits' tiles
+    tiles = shuffled_tile_map(kwargs, tile_size, num_slots=9, seed=16)  # 3 + 2 + 1 tiles, 3 empty
+    out = paged_attention(q, k_cache, v_cache, sliding_window=sliding_window, extend_tiles=tiles, **kwargs)
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs))
+
+
+def test_kernel_interpreted_extend_tokens_no_tile_names_are_left_alone(triton_on_cpu, short_splits):
+    q, k_cache, v_cache, kwargs = make_batch([30], [(20, 25)], (4, 2, 64), 16, torch.float32, "cpu", seed=17)
+    tiles = torch.tensor([[-1, -1], [0, 0]], dtype=torch.int32)  # two slots, both empty
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, k_cache, v_cache, out=out, extend_tiles=tiles, **kwargs)
+    assert_close(out[:1], paged_attention_ref(q, k_cache, v_cache, **kwargs)[:1])  # the decode row
+    assert out[1:].isnan().all()
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     decode=st.lists(st.integers(1, 140), max_size=3),
@@ -281,3 +317,39 @@ def test_kernel_in_a_cuda_graph_follows_new_lengths_and_block_tables(cuda, block
         q.copy_(torch.randn(q.shape, generator=gen))
         graph.replay()
         assert_close(out, paged_attention_ref(q, k_cache, v_cache, **kwargs))
+
+
+@pytest.mark.gpu
+def test_kernel_in_a_cuda_graph_follows_new_prompt_chunks_through_a_tile_map(cuda):
+    """One capture, replayed for other chunk lengths, rows and block tables: the grid is the
+    map's length, and the map, lengths and tables are read on the device."""
+    heads, max_len = (32, 8, 64), 1024
+    tile_size = paged_attention_module.extend_tile_size(heads[2])
+    decode, num_chunk_tokens, num_extend_rows = [700, 5, 300], 512, 4
+    # Capture-time rows: the chunk tokens split evenly; replays split them otherwise.
+    extend = [(num_chunk_tokens // num_extend_rows, max_len)] * num_extend_rows
+    q, k_cache, v_cache, kwargs = make_batch(decode, extend, heads, 16, torch.bfloat16, cuda, 18)
+    kwargs.update(max_query_len=num_chunk_tokens, max_seq_len=max_len)
+    num_slots = num_chunk_tokens // tile_size + num_extend_rows
+    tiles = shuffled_tile_map(kwargs, tile_size, num_slots, seed=19).to(cuda)
+    paged_attention(q, k_cache, v_cache, extend_tiles=tiles, **kwargs)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention(q, k_cache, v_cache, extend_tiles=tiles, **kwargs)
+    gen = torch.Generator().manual_seed(20)
+    for chunks in ([(500, 900), (1, 1), (11, 11)], [(256, 256), (256, 1024)], [(3, 700)]):
+        # Unused extend rows get no tokens; their tokens follow the last real row's as padding.
+        chunks = chunks + [(0, 0)] * (num_extend_rows - len(chunks))
+        query_lens = [1] * len(decode) + [query_len for query_len, _ in chunks]
+        starts = torch.tensor([0, *query_lens]).cumsum(0)
+        kwargs["query_start_loc"].copy_(starts.clamp(max=q.shape[0]))
+        new_lens = torch.randint(1, max_len + 1, (len(decode),), generator=gen).tolist()
+        kwargs["seq_lens"].copy_(torch.tensor(new_lens + [seq_len for _, seq_len in chunks]))
+        kwargs["block_tables"].copy_(
+            torch.randint(0, k_cache.shape[0], kwargs["block_tables"].shape, generator=gen)
+        )
+        tiles.copy_(shuffled_tile_map(kwargs, tile_size, num_slots, seed=len(chunks)))
+        q.copy_(torch.randn(q.shape, generator=gen))
+        graph.replay()
+        used = int(starts[-1])
+        assert_close(out[:used], paged_attention_ref(q, k_cache, v_cache, **kwargs)[:used])

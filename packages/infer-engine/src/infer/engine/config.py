@@ -100,7 +100,13 @@ class EngineConfig:
     max_queue_len: int = _flag(1024, "waiting requests beyond which add_request raises QueueFullError")
     use_cuda_graphs: bool = _flag(
         False,
-        "replay decode-only steps from CUDA graphs captured per batch bucket (CUDA only): true or false",
+        "replay steps from CUDA graphs captured at start-up (CUDA only): decode-only steps per batch "
+        "bucket, and see cuda_graph_mixed_steps: true or false",
+    )
+    cuda_graph_mixed_steps: bool = _flag(
+        True,
+        "with use_cuda_graphs, also replay steps that hold prompt chunks, from graphs captured per "
+        "bucket of chunk tokens: true or false",
     )
 
     def __post_init__(self):
@@ -131,7 +137,7 @@ class EngineConfig:
             raise EngineConfigError(
                 "set num_gpu_blocks or kv_cache_memory_fraction, not both: each sizes the KV pool"
             )
-        for name in ("use_chunked_prefill", "use_cuda_graphs"):
+        for name in ("use_chunked_prefill", "use_cuda_graphs", "cuda_graph_mixed_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _check_choice(self, "kv_cache_backend", KV_CACHE_BACKENDS)

@@ -113,14 +113,16 @@ class Engine:
             self.kv_pool,
             max_batch_size=config.max_batch_size,
             max_seq_len=self.max_seq_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             use_cuda_graphs=config.use_cuda_graphs,
+            cuda_graph_mixed_steps=config.cuda_graph_mixed_steps,
             eos_token_ids=self.eos_token_ids,
         )
         # At start-up, not on first use: a kernel compile or a graph capture would land on the
         # latency of whichever request first needs it, and of every request in its step.
         self.runner.warm_up()
-        if self.runner.decode_graphs is not None:
-            self.runner.decode_graphs.capture_all()
+        if self.runner.graphs is not None:
+            self.runner.graphs.capture_all()
         self._vocab_size = model.config.vocab_size
         # Guards the inbox and the live set, which other threads touch through add_request/abort.
         self._lock = threading.Lock()

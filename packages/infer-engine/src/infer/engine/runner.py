@@ -1,11 +1,11 @@
 """ModelRunner.execute(decision) -> RunnerOutput: every scheduled token of a step in one forward.
 
 Prompt chunks and decodes go through the same flat forward (`ForwardBatch`, decode rows first);
-a decode-only step that fits the captured buckets replays a CUDA graph instead
-(`EngineConfig.use_cuda_graphs`). Rows whose last scheduled token is their last known token
-sample one token each, with the batched sampler; a mid-prompt chunk samples nothing. The runner
-keeps each request's tokens in its `InputBatch` and appends what it samples, so the next
-decision only says how many tokens to run.
+a step that fits the captured buckets replays a CUDA graph instead (`EngineConfig.use_cuda_graphs`,
+and `cuda_graph_mixed_steps` for steps with prompt chunks). Rows whose last scheduled token is
+their last known token sample one token each, with the batched sampler; a mid-prompt chunk
+samples nothing. The runner keeps each request's tokens in its `InputBatch` and appends what it
+samples, so the next decision only says how many tokens to run.
 """
 
 from collections.abc import Collection, Sequence
@@ -13,7 +13,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
-from infer.engine.cuda_graphs import DecodeGraphs
+from infer.engine.cuda_graphs import StepGraphs
 from infer.engine.decision import RunnerOutput, ScheduleDecision
 from infer.engine.input_batch import InputBatch, StepInputs
 from infer.engine.sampler import SamplingTensors, sample
@@ -28,11 +28,15 @@ class ModelRunner:
         *,
         max_batch_size: int,
         max_seq_len: int,
+        max_num_batched_tokens: int | None = None,
         use_cuda_graphs: bool = False,
+        cuda_graph_mixed_steps: bool = True,
         eos_token_ids: Collection[int] = (),
     ):
         """`kv_pool`: an infer.cache.KVPool (its kv_layers, block_size and null_block are used).
-        `eos_token_ids`: the model's EOS set, which a request's min_tokens keeps out."""
+        `max_num_batched_tokens`: the most tokens a step holds (sizes the mixed-step graphs;
+        None: max_seq_len). `eos_token_ids`: the model's EOS set, which a request's min_tokens
+        keeps out."""
         self.eos_token_ids = tuple(eos_token_ids)
         self.model = model
         self.kv_layers = kv_pool.kv_layers
@@ -47,22 +51,25 @@ class ModelRunner:
         self.max_seq_len = max_seq_len
         # (request ids that sampled last step, their SamplingTensors)
         self._sampling: tuple[tuple[str, ...], SamplingTensors] | None = None
-        self.decode_graphs = None
+        self.graphs = None
         if use_cuda_graphs:
-            self.decode_graphs = DecodeGraphs(
+            self.graphs = StepGraphs(
                 model,
                 self.kv_layers,
                 max_batch_size=max_batch_size,
                 max_seq_len=max_seq_len,
+                max_num_batched_tokens=max_num_batched_tokens or max_seq_len,
                 block_size=kv_pool.block_size,
                 null_block=kv_pool.null_block,
+                mixed_steps=cuda_graph_mixed_steps,
             )
 
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Runs eager forwards shaped like the steps serving will run, so that every Triton kernel
         variant (one-split and split decode rows, prompt chunks after decode rows) is compiled
-        now and not on the step of whichever request first needs it. Only the null block is
+        now and not on the step of whichever request first needs it (graph capture compiles the
+        graphs' own; a step no graph holds runs eagerly). Only the null block is
         written. CPU runs the kernels' PyTorch references and has nothing to compile."""
         if self.device.type != "cuda":
             return
@@ -83,7 +90,7 @@ class ModelRunner:
                 sampling_rows=[0, 1],
                 logits_indices=np.array([0, 2], dtype=np.int64),
             )
-            self._logits(step)
+            self._eager_logits(step)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
@@ -107,15 +114,13 @@ class ModelRunner:
 
     def _logits(self, step: StepInputs) -> torch.Tensor:
         """Logits of the sampling rows, in order."""
-        num_rows = len(step.request_ids)
-        graphs = self.decode_graphs
-        if graphs is not None and step.num_decode_rows == num_rows and num_rows <= graphs.max_batch_size:
-            logits = graphs.logits(
-                step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.block_tables
-            )
-            if len(step.sampling_rows) == num_rows:
+        if self.graphs is not None:
+            logits = self.graphs.logits(step)
+            if logits is not None:
                 return logits
-            return logits[torch.tensor(step.sampling_rows, device=self.device)]
+        return self._eager_logits(step)
+
+    def _eager_logits(self, step: StepInputs) -> torch.Tensor:
         if not step.sampling_rows:
             # Mid-prompt chunks only: the forward still fills the cache.
             self.model(self.forward_batch(step, logits_indices=np.zeros(1, dtype=np.int64)))

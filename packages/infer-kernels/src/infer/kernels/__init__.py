@@ -6,7 +6,7 @@ plain PyTorch that is both the test oracle and the CPU path.
 
 from infer.kernels._version import INTERFACE_VERSION, __version__
 from infer.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
-from infer.kernels.paged_attention import paged_attention, paged_attention_ref
+from infer.kernels.paged_attention import extend_tile_size, paged_attention, paged_attention_ref
 from infer.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from infer.kernels.rope import rope, rope_ref, rope_tables
 from infer.kernels.store_kv import store_kv, store_kv_ref
@@ -20,6 +20,7 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_ref",
     "assert_close",
+    "extend_tile_size",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_ref",
     "paged_attention",

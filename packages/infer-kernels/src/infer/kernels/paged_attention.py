@@ -21,7 +21,9 @@ Two Triton kernels, one per kind of row:
 - Extend rows (prompt chunks): flash attention, one program per (tile of BLOCK_M queries of one
   row, query head), over key tiles up to the tile's last position, with causal and sliding-window
   masks and an online softmax. Grid from host ints too: (tiles of max_query_len, extend rows,
-  heads); tiles past a row's length exit.
+  heads); tiles past a row's length exit. A CUDA graph that replays for any mix of prompt chunks
+  passes `extend_tiles` instead, a device map of (row, tile) per program (`extend_tile_size`
+  queries a tile) whose grid is the map's length: the graph fixes only how many tiles fit.
 
 Scores, softmax and accumulators are fp32. Dots run in tf32 for bf16/fp16 inputs (tf32 holds
 them exactly, on tensor cores) and in full fp32 for fp32 inputs; the
@@ -228,6 +230,7 @@ def _extend_kernel(
     out_stride_head,
     block_table_stride,
     first_row,
+    tile_map_ptr,
     scale,
     sliding_window,
     GROUP: tl.constexpr,
@@ -239,13 +242,23 @@ def _extend_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NATIVE_QK: tl.constexpr,
+    USE_TILE_MAP: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    row = first_row + tl.program_id(1).to(tl.int64)
+    if USE_TILE_MAP:
+        # Program p serves the tile the map names in slot p: (row, tile of that row); an empty
+        # slot has row -1.
+        mapped_row = tl.load(tile_map_ptr + tl.program_id(0))
+        tile = tl.load(tile_map_ptr + tl.num_programs(0) + tl.program_id(0))
+        has_tile = mapped_row >= 0
+        row = tl.maximum(mapped_row, 0).to(tl.int64)
+    else:
+        tile = tl.program_id(0)
+        has_tile = tile >= 0
+        row = first_row + tl.program_id(1).to(tl.int64)
     head = tl.program_id(2).to(tl.int64)
     query_start = tl.load(query_start_ptr + row).to(tl.int64)
     query_len = (tl.load(query_start_ptr + row + 1) - query_start).to(tl.int32)
-    if tile * BLOCK_M < query_len:
+    if has_tile & (tile * BLOCK_M < query_len):
         seq_len = tl.load(seq_len_ptr + row).to(tl.int32)
         queries = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         query_mask = queries < query_len
@@ -309,6 +322,17 @@ def _extend_kernel(
         )
 
 
+def extend_tile_size(head_dim: int) -> int:
+    """Queries per program of the extend kernel: the tile of `extend_tiles` maps."""
+    return _extend_config(head_dim)[0]
+
+
+def _extend_config(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) of the extend kernel."""
+    dim_pad = max(_MIN_DOT, triton.next_power_of_2(head_dim))
+    return _EXTEND_CONFIG if dim_pad <= 128 else (32, 32, 8, 2)
+
+
 def decode_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, block_n: int) -> tuple[int, int]:
     """(num_splits, split_size) for the decode kernel: host ints only, so a graph captured at
     one (batch, max_seq_len) replays with the same grid."""
@@ -332,6 +356,7 @@ def _launch(
     max_seq_len,
     scale,
     sliding_window,
+    extend_tiles,
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -402,8 +427,12 @@ def _launch(
             )
     num_extend_rows = seq_lens.shape[0] - num_decode_rows
     if num_extend_rows and num_tokens > num_decode_rows:
-        block_m, block_n, num_warps, num_stages = _EXTEND_CONFIG if dim_pad <= 128 else (32, 32, 8, 2)
-        _extend_kernel[(triton.cdiv(max_query_len, block_m), num_extend_rows, num_q_heads)](
+        block_m, block_n, num_warps, num_stages = _extend_config(head_dim)
+        if extend_tiles is None:
+            grid = (triton.cdiv(max_query_len, block_m), num_extend_rows, num_q_heads)
+        else:
+            grid = (extend_tiles.shape[1], 1, num_q_heads)
+        _extend_kernel[grid](
             q,
             k_cache,
             v_cache,
@@ -414,6 +443,8 @@ def _launch(
             q.stride(0),
             q.stride(1),
             first_row=num_decode_rows,
+            # Any pointer when there is no map: the kernel does not read it then.
+            tile_map_ptr=extend_tiles if extend_tiles is not None else seq_lens,
             scale=scale,
             GROUP=group,
             BLOCK_M=block_m,
@@ -422,6 +453,7 @@ def _launch(
             # tf32, at twice the tensor-core rate. Triton's interpreter gets bf16 dots wrong
             # (numpy has no bf16), so interpreted runs take the fp32 path.
             NATIVE_QK=q.is_cuda and q.dtype != torch.float32,
+            USE_TILE_MAP=extend_tiles is not None,
             num_warps=num_warps,
             num_stages=num_stages,
             **common,
@@ -442,9 +474,11 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    extend_tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference (and CPU path): per row, gather its keys through the block table and run one
-    grouped matmul over all its queries, masked softmax in fp32. Reads lengths on the host."""
+    grouped matmul over all its queries, masked softmax in fp32. Reads lengths on the host, so
+    `extend_tiles` (a launch plan) changes nothing here."""
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -490,6 +524,7 @@ def _check(
     max_seq_len,
     scale,
     sliding_window,
+    extend_tiles,
 ) -> None:
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_dtype(name, t)
@@ -497,6 +532,13 @@ def _check(
     tensors.update(seq_lens=seq_lens, block_tables=block_tables)
     if out is not None:
         tensors["out"] = out
+    if extend_tiles is not None:
+        tensors["extend_tiles"] = extend_tiles
+        if extend_tiles.dim() != 2 or extend_tiles.shape[0] != 2 or extend_tiles.dtype != torch.int32:
+            raise ValueError(
+                f"extend_tiles must be an int32 tensor [2, slots] (rows, tiles), "
+                f"got {extend_tiles.dtype} {tuple(extend_tiles.shape)}"
+            )
     check_same_device(**tensors)
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(
@@ -565,6 +607,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    extend_tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q `[N, Hq, D]`, the tokens of B rows back to back (`query_start_loc` `[B+1]`), against
     each row's keys 0..seq_lens[b]-1 in the caches `[num_blocks, block_size, Hkv, D]` through
@@ -575,6 +618,11 @@ def paged_attention(
     sizes only). The lengths and block ids themselves are read on the device (no host sync), so
     they are not checked: keep `q_len_b <= seq_lens[b] <= max_seq_len`, `q_len_b <=
     max_query_len` and every block id in range.
+
+    `extend_tiles` (int32 `[2, S]`, for CUDA graphs): the extend rows' launch plan, slot s
+    serving tile `extend_tiles[1, s]` (of `extend_tile_size(D)` queries) of row
+    `extend_tiles[0, s]` (an absolute row, -1 for none); it must name every tile of every extend
+    row once. None: the grid covers every extend row up to max_query_len.
     """
     kwargs = dict(
         query_start_loc=query_start_loc,
@@ -585,6 +633,7 @@ def paged_attention(
         max_seq_len=max_seq_len,
         scale=scale,
         sliding_window=sliding_window,
+        extend_tiles=extend_tiles,
     )
     _check(q, k_cache, v_cache, out, **kwargs)
     if not use_triton(q):

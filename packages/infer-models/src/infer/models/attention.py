@@ -45,6 +45,7 @@ def attention(
         max_seq_len=metadata.max_seq_len,
         scale=scale,
         sliding_window=sliding_window,
+        extend_tiles=metadata.extend_tiles,
     )
 
 

@@ -39,6 +39,9 @@ class AttentionMetadata:
     # The longest row's token count and key count this step (host ints: kernel launch sizes).
     max_query_len: int
     max_seq_len: int
+    # [2, S] int32, CUDA graphs only: the extend rows' launch plan (paged_attention's
+    # extend_tiles); None: the kernel sizes its grid from max_query_len.
+    extend_tiles: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

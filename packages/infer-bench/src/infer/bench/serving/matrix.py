@@ -57,6 +57,11 @@ MATRIX_ROWS = (
         "paged-cuda_graphs",
         {"batching_mode": "continuous", "kv_cache_backend": "paged", "use_cuda_graphs": True},
     ),
+    # Graphs for decode-only steps alone: steps with prompt chunks run eagerly.
+    ConfigRow(
+        "paged-chunked-decode_graphs",
+        {**_PAGED_CHUNKED, "use_cuda_graphs": True, "cuda_graph_mixed_steps": False},
+    ),
     ConfigRow("paged-chunked-cuda_graphs", {**_PAGED_CHUNKED, "use_cuda_graphs": True}),
 )
 
