@@ -47,7 +47,7 @@ CASES = [
         "temperature",
     ),
     refusal(CHAT, {"model": "$MODEL", "messages": HI, "top_p": 0}, 400, "invalid_value", "top_p"),
-    refusal(COMPLETIONS, {"model": "$MODEL", "prompt": "Hi", "n": 2}, 400, "unsupported_value", "n"),
+    refusal(COMPLETIONS, {"model": "$MODEL", "prompt": "Hi", "n": 0}, 400, "invalid_value", "n"),
     refusal(
         CHAT,
         {"model": "$MODEL", "messages": HI, "response_format": {"type": "json_object"}},

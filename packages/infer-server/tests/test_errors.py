@@ -46,8 +46,9 @@ CASES = [
     ("stop-number", CompletionRequest, {"stop": ["a", 1]}, 400, "stop.1", "invalid_value", "string"),
     ("seed-below-int64", CompletionRequest, {"seed": -(2**63) - 1}, 400, "seed", "invalid_value", str(-(2**63) - 1)),
     ("seed-too-big", CompletionRequest, {"seed": 2**63}, 400, "seed", "invalid_value", str(2**63)),
-    ("n-two", CompletionRequest, {"n": 2}, 400, "n", "unsupported_value", "leave n out or send 1 or null"),
-    ("n-true", CompletionRequest, {"n": True}, 400, "n", "unsupported_value", "True"),
+    ("n-zero", CompletionRequest, {"n": 0}, 400, "n", "invalid_value", "greater than or equal to 1"),
+    ("n-above-openai-limit", CompletionRequest, {"n": 129}, 400, "n", "invalid_value", "less than or equal to 128"),
+    ("n-true", CompletionRequest, {"n": True}, 400, "n", "invalid_value", "True"),
     ("echo", CompletionRequest, {"echo": True}, 400, "echo", "unsupported_value", "echo"),
     ("logprobs", CompletionRequest, {"logprobs": 1}, 400, "logprobs", "unsupported_value", "logprobs"),
     ("best-of", CompletionRequest, {"best_of": 2}, 400, "best_of", "unsupported_value", "best_of"),
@@ -75,7 +76,7 @@ CASES = [
     ("token-limits-disagree", ChatCompletionRequest, {"max_tokens": 5, "max_completion_tokens": 6}, 400, "max_completion_tokens", "invalid_value", "disagrees with max_tokens"),
     ("chat-logprobs", ChatCompletionRequest, {"logprobs": True}, 400, "logprobs", "unsupported_value", "logprobs"),
     ("chat-top-logprobs", ChatCompletionRequest, {"top_logprobs": 3}, 400, "top_logprobs", "unsupported_value", "top_logprobs"),
-    ("chat-n-two", ChatCompletionRequest, {"n": 2}, 400, "n", "unsupported_value", "n"),
+    ("chat-n-zero", ChatCompletionRequest, {"n": 0}, 400, "n", "invalid_value", "greater than or equal to 1"),
 ]  # fmt: skip
 
 
@@ -124,7 +125,9 @@ def test_a_body_that_is_not_an_object_is_400(raw):
 
 def test_the_message_counts_the_errors_it_does_not_show():
     with pytest.raises(ApiError) as caught:
-        parse_request(CompletionRequest, '{"model": "m", "prompt": "x", "n": 2, "echo": true, "foo": 1}')
+        parse_request(
+            CompletionRequest, '{"model": "m", "prompt": "x", "best_of": 2, "echo": true, "foo": 1}'
+        )
     assert caught.value.message.endswith("(and 2 more errors)")
 
 

@@ -1,13 +1,19 @@
 """The part of a generation request that /v1/completions and /v1/chat/completions share.
 
-prompt ids -> `sampling_params` (the token limit checked against the context) -> `submit` (engine
-errors become API errors) -> either `collect` (one body; the request is aborted if the client
-hangs up while it waits) or `EventStreamResponse` over `stream_events` (SSE; aborted when the
-client goes away). A chat answer that is parsed (tools, thinking) streams through
-`parsed_chat_events` instead, which feeds its text to an `infer.server.chat_output` parser.
+prompt ids -> `sampling_params` (the token limit checked against the context) -> `submit` (one
+engine request per choice, `n` of them; engine errors become API errors) -> either `collect` (one
+body; the requests are aborted if the client hangs up while it waits) or `EventStreamResponse`
+over `answer_events` (SSE; aborted when the client goes away), which interleaves each choice's
+`choice_events` as they come. A chat answer that is parsed (tools, thinking) streams each choice
+through `parsed_choice_events` instead, which feeds its text to an `infer.server.chat_output`
+parser.
+
+`n > 1` is n independent requests for the same prompt, as vLLM runs it: with a `seed`, choice i
+draws from seed + i, so the choices differ and the answer is reproducible.
 """
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +63,37 @@ def sampling_params(
 
 
 def submit(
+    engine_loop: EngineLoop,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    request_id: str,
+    prompt_field: str,
+    n: int = 1,
+) -> list[RequestHandle]:
+    """One engine request per choice, all or none: when one cannot be queued, those queued
+    before it are aborted and the error is raised."""
+    handles: list[RequestHandle] = []
+    try:
+        for index in range(n):
+            choice_id = request_id if n == 1 else f"{request_id}-{index}"
+            handles.append(
+                _submit_one(engine_loop, prompt_ids, _choice_params(params, index), choice_id, prompt_field)
+            )
+    except ApiError:
+        for handle in handles:
+            engine_loop.abort(handle, client_gone=False)
+        raise
+    return handles
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s settings: seed + index when seeded (wrapped into int64)."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
+
+
+def _submit_one(
     engine_loop: EngineLoop, prompt_ids: list[int], params: SamplingParams, request_id: str, prompt_field: str
 ) -> RequestHandle:
     try:
@@ -83,29 +120,48 @@ class Collected:
     final: StepOutput | None = None
 
 
-async def collect(request: Request, engine_loop: EngineLoop, handle: RequestHandle) -> Collected | None:
-    """Waits for the whole answer. None when the client hung up first: the request is aborted
-    then, so a client that gives up does not keep a slot busy."""
+async def collect(
+    request: Request, engine_loop: EngineLoop, handles: Sequence[RequestHandle]
+) -> list[Collected] | None:
+    """Waits for every choice's whole answer. None when the client hung up first: the requests
+    are aborted then, so a client that gives up does not keep slots busy."""
     gone = asyncio.ensure_future(_client_disconnect(request.receive))
+    # asyncio.wait, not gather: the handles' futures belong to the engine loop, which resolves
+    # them later; nothing here may cancel them.
+    pending = {handle.done for handle in handles}
     try:
-        await asyncio.wait({handle.done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        while pending and not gone.done():
+            finished, _ = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
+            pending -= finished
     finally:
         gone.cancel()
-        if not handle.finished:  # the client went away, or this handler was cancelled
-            engine_loop.abort(handle, client_gone=True)
-    if not handle.finished:
+        for handle in handles:
+            if not handle.finished:  # the client went away, or this handler was cancelled
+                engine_loop.abort(handle, client_gone=True)
+    if not all(handle.finished for handle in handles):
         return None
-    outputs = [handle.outputs.get_nowait() for _ in range(handle.outputs.qsize())]
-    final = outputs[-1]
-    if final.error is not None:
-        raise errors.internal_error(final.error)
-    if final.finish_reason == FINISH_ABORT:  # the client is still here: the server cancelled it
-        raise errors.cancelled_by_server()
-    return Collected(
-        text="".join(output.text_delta for output in outputs),
-        token_ids=[output.token_id for output in outputs if output.token_id is not None],
-        final=final,
-    )
+    collected = []
+    for handle in handles:
+        outputs = [handle.outputs.get_nowait() for _ in range(handle.outputs.qsize())]
+        final = outputs[-1]
+        if final.error is not None:
+            raise errors.internal_error(final.error)
+        if final.finish_reason == FINISH_ABORT:  # the client is still here: the server cancelled it
+            raise errors.cancelled_by_server()
+        collected.append(
+            Collected(
+                text="".join(output.text_delta for output in outputs),
+                token_ids=[output.token_id for output in outputs if output.token_id is not None],
+                final=final,
+            )
+        )
+    return collected
+
+
+def total_usage(finals: Sequence[StepOutput]) -> dict:
+    """The usage of one answer: its prompt once (every choice shares it), the tokens of every
+    choice."""
+    return responses.usage(finals[0].prompt_tokens, sum(final.completion_tokens for final in finals))
 
 
 async def _client_disconnect(receive: Receive) -> None:
@@ -117,12 +173,71 @@ async def _client_disconnect(receive: Receive) -> None:
 # -- a stream -------------------------------------------------------------------------------------
 
 
-async def stream_events(
-    handle: RequestHandle, stream: CompletionStream | ChatStream, *, include_usage: bool
+class _Unfinished(Exception):
+    """A choice ended without an answer: the engine failed, or the server cancelled it."""
+
+    def __init__(self, error: ApiError):
+        super().__init__(error.message)
+        self.error = error
+
+
+async def answer_events(
+    choices: Sequence[AsyncIterator[bytes]],
+    handles: Sequence[RequestHandle],
+    usage_stream: CompletionStream | ChatStream | None,
 ) -> AsyncIterator[bytes]:
-    """The SSE events of one answer: (chat: the role chunk), a chunk per piece of text with the
-    token ids since the last piece, one terminal chunk with finish_reason (then the usage chunk
-    if asked for), and [DONE]. An engine failure ends it with one error event, then [DONE]."""
+    """The SSE events of one answer: every choice's chunks as they come, then the usage chunk
+    (when `usage_stream` is given: the client asked for it) and [DONE]. A choice that ends
+    without an answer ends the whole answer with one error event, then [DONE]."""
+    try:
+        async for event_bytes in _interleaved(choices):
+            yield event_bytes
+    except _Unfinished as unfinished:
+        yield error_event(unfinished.error)
+    else:
+        if usage_stream is not None:
+            yield usage_stream.usage(total_usage([handle.done.result() for handle in handles]))
+    yield DONE
+
+
+async def _interleaved(sources: Sequence[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """The items of every source in the order they come; the first _Unfinished ends it."""
+    if len(sources) == 1:  # n = 1, the common case: no tasks
+        async for item in sources[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    source_done = object()
+
+    async def pump(source: AsyncIterator[bytes]) -> None:
+        try:
+            async for item in source:
+                queue.put_nowait(item)
+        except _Unfinished as unfinished:
+            queue.put_nowait(unfinished)
+        finally:
+            queue.put_nowait(source_done)
+
+    tasks = [asyncio.ensure_future(pump(source)) for source in sources]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is source_done:
+                remaining -= 1
+            elif isinstance(item, _Unfinished):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def choice_events(handle: RequestHandle, stream: CompletionStream | ChatStream) -> AsyncIterator[bytes]:
+    """The chunks of one choice: (chat: the role chunk), a chunk per piece of text with the token
+    ids since the last piece, and one terminal chunk with finish_reason. Raises _Unfinished when
+    the choice ends without an answer."""
     is_chat = isinstance(stream, ChatStream)
     piece_event = stream.content if is_chat else stream.text
     if is_chat:
@@ -139,18 +254,14 @@ async def stream_events(
             yield piece_event(output.text_delta, pending_ids)
             pending_ids = []
     if output.error is not None or output.finish_reason == FINISH_ABORT:
-        yield error_event(_unfinished(output))
-    else:
-        yield stream.finish(output.finish_reason, output.text_delta, pending_ids)
-        if include_usage:
-            yield stream.usage(responses.usage(output.prompt_tokens, output.completion_tokens))
-    yield DONE
+        raise _Unfinished(_unfinished(output))
+    yield stream.finish(output.finish_reason, output.text_delta, pending_ids)
 
 
-async def parsed_chat_events(
-    handle: RequestHandle, stream: ChatStream, chat_output: ChatOutputParser, *, include_usage: bool
+async def parsed_choice_events(
+    handle: RequestHandle, stream: ChatStream, chat_output: ChatOutputParser
 ) -> AsyncIterator[bytes]:
-    """`stream_events` for a chat answer whose text goes through `chat_output`: content,
+    """`choice_events` for a chat choice whose text goes through `chat_output`: content,
     reasoning and whole tool calls each in their own chunks, text that may open a tool call held
     back until it is decided, finish_reason "tool_calls" when a call was made."""
     yield stream.role()
@@ -167,16 +278,12 @@ async def parsed_chat_events(
             num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
             pending_ids = []
     if output.error is not None or output.finish_reason == FINISH_ABORT:
-        yield error_event(_unfinished(output))
-    else:
-        for piece in chat_output.feed(output.text_delta) + chat_output.finish():
-            yield _piece_event(stream, piece, num_calls_sent, pending_ids)
-            num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
-            pending_ids = []
-        yield stream.finish(finish_reason(output.finish_reason, chat_output.num_tool_calls), "", pending_ids)
-        if include_usage:
-            yield stream.usage(responses.usage(output.prompt_tokens, output.completion_tokens))
-    yield DONE
+        raise _Unfinished(_unfinished(output))
+    for piece in chat_output.feed(output.text_delta) + chat_output.finish():
+        yield _piece_event(stream, piece, num_calls_sent, pending_ids)
+        num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
+        pending_ids = []
+    yield stream.finish(finish_reason(output.finish_reason, chat_output.num_tool_calls), "", pending_ids)
 
 
 def _unfinished(output: StepOutput) -> ApiError:
@@ -194,18 +301,22 @@ def _piece_event(stream: ChatStream, piece: ChatPiece, call_index: int, token_id
 
 
 class EventStreamResponse(StreamingResponse):
-    """A text/event-stream response that aborts its request when it ends before the request
-    did: the client hung up (Starlette stops the stream on http.disconnect) or the send failed."""
+    """A text/event-stream response that aborts its requests when it ends before they did: the
+    client hung up (Starlette stops the stream on http.disconnect), the send failed, or one
+    choice failed and ended the answer."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], engine_loop: EngineLoop, handle: RequestHandle):
+    def __init__(
+        self, events: AsyncIterator[bytes], engine_loop: EngineLoop, handles: Sequence[RequestHandle]
+    ):
         # no-cache and X-Accel-Buffering: proxies must pass each event on as it comes.
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._engine_loop, self._handle = engine_loop, handle
+        self._engine_loop, self._handles = engine_loop, handles
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._engine_loop.abort(self._handle, client_gone=True)  # a no-op once it finished
+            for handle in self._handles:
+                self._engine_loop.abort(handle, client_gone=True)  # a no-op once it finished

@@ -39,14 +39,15 @@ def completion(
     finish_reason: str,
     usage: dict[str, Any],
     token_ids: list[int] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """A whole /v1/completions response (one choice)."""
+    """A whole /v1/completions response with one choice (`merge_choices` joins several)."""
     return {
         "id": id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [_completion_choice(text, finish_reason, token_ids)],
+        "choices": [_completion_choice(text, finish_reason, token_ids, index)],
         "usage": usage,
     }
 
@@ -61,9 +62,11 @@ def chat_completion(
     tool_calls: list[dict[str, Any]] | None = None,
     token_ids: list[int] | None = None,
     reasoning_content: str | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """A whole /v1/chat/completions response (one choice). `tool_calls` as `tool_call` builds
-    them; `reasoning_content` (vLLM's field for a thinking model's reasoning) only when given."""
+    """A whole /v1/chat/completions response with one choice (`merge_choices` joins several).
+    `tool_calls` as `tool_call` builds them; `reasoning_content` (vLLM's field for a thinking
+    model's reasoning) only when given."""
     # `refusal` is required by OpenAI's schema (null: the model did not refuse).
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if reasoning_content is not None:
@@ -71,7 +74,7 @@ def chat_completion(
     if tool_calls:
         message["tool_calls"] = tool_calls
     choice: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "message": message,
         "logprobs": None,
         "finish_reason": finish_reason,
@@ -86,6 +89,12 @@ def chat_completion(
         "choices": [choice],
         "usage": usage,
     }
+
+
+def merge_choices(bodies: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+    """One response holding the choices of single-choice responses of one request (n > 1),
+    in order, with the usage of them all."""
+    return {**bodies[0], "choices": [body["choices"][0] for body in bodies], "usage": usage}
 
 
 def new_tool_call_id() -> str:
@@ -111,15 +120,17 @@ def completion_chunk(
     finish_reason: str | None = None,
     token_ids: list[int] | None = None,
     include_usage: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed /v1/completions chunk. With `include_usage` every chunk but the last carries
-    `"usage": null`, as OpenAI does when the client asked for `stream_options.include_usage`."""
+    """One streamed /v1/completions chunk of choice `index`. With `include_usage` every chunk but
+    the last carries `"usage": null`, as OpenAI does when the client asked for
+    `stream_options.include_usage`."""
     chunk: dict[str, Any] = {
         "id": id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [_completion_choice(text, finish_reason, token_ids)],
+        "choices": [_completion_choice(text, finish_reason, token_ids, index)],
     }
     if include_usage:
         chunk["usage"] = None
@@ -134,11 +145,17 @@ def chat_chunk(
     finish_reason: str | None = None,
     token_ids: list[int] | None = None,
     include_usage: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed /v1/chat/completions chunk; `delta` is e.g. {"content": "Hi"},
+    """One streamed /v1/chat/completions chunk of choice `index`; `delta` is e.g. {"content": "Hi"},
     {"reasoning_content": "..."}, a `tool_call_delta`, {"role": "assistant", "content": ""} (the
     first chunk) or {} (the finishing one)."""
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice: dict[str, Any] = {
+        "index": index,
+        "delta": delta,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
     if token_ids is not None:
         choice["token_ids"] = token_ids
     chunk: dict[str, Any] = {
@@ -179,8 +196,10 @@ def model(model_id: str, max_model_len: int, created: int, owned_by: str = "infe
     }
 
 
-def _completion_choice(text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def _completion_choice(
+    text: str, finish_reason: str | None, token_ids: list[int] | None, index: int
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice

@@ -22,11 +22,13 @@ from infer.server.chat_output import ChatAnswer, ChatOutputParser, finish_reason
 from infer.server.errors import ApiError, parse_request
 from infer.server.generation import (
     EventStreamResponse,
+    answer_events,
+    choice_events,
     collect,
-    parsed_chat_events,
+    parsed_choice_events,
     sampling_params,
-    stream_events,
     submit,
+    total_usage,
 )
 from infer.server.limits import check_prompt_chars, read_body
 from infer.server.reasoning import prompt_opens_reasoning
@@ -62,39 +64,50 @@ async def create_chat_completion(request: Request) -> Response:
         prompt_field="messages",
         extra_stop=tools.stop(tool_format) if tools is not None else (),
     )
-    chat_output = _output_parser(family, body, prompt, tools, tool_format, call_prefix)
+    # One parser per choice: each reads its own text.
+    chat_outputs = [
+        _output_parser(family, body, prompt, tools, tool_format, call_prefix) for _ in range(body.n)
+    ]
     request_id, created = responses.new_request_id("chatcmpl"), int(time.time())
-    handle = submit(engine_loop, prompt_ids, params, request_id, prompt_field="messages")
+    handles = submit(engine_loop, prompt_ids, params, request_id, prompt_field="messages", n=body.n)
     if body.stream:
-        stream = ChatStream(request_id, created, body.model, include_usage=body.include_usage)
-        if chat_output is None:
-            events = stream_events(handle, stream, include_usage=body.include_usage)
-        else:
-            events = parsed_chat_events(handle, stream, chat_output, include_usage=body.include_usage)
-        return EventStreamResponse(events, engine_loop, handle)
-    collected = await collect(request, engine_loop, handle)
+        choices = []
+        for index, (handle, chat_output) in enumerate(zip(handles, chat_outputs, strict=True)):
+            stream = ChatStream(
+                request_id, created, body.model, include_usage=body.include_usage, index=index
+            )
+            if chat_output is None:
+                choices.append(choice_events(handle, stream))
+            else:
+                choices.append(parsed_choice_events(handle, stream, chat_output))
+        usage_stream = ChatStream(request_id, created, body.model) if body.include_usage else None
+        return EventStreamResponse(answer_events(choices, handles, usage_stream), engine_loop, handles)
+    collected = await collect(request, engine_loop, handles)
     if collected is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    final = collected.final
-    usage = responses.usage(final.prompt_tokens, final.completion_tokens)
-    answer = chat_output.parse(collected.text) if chat_output else ChatAnswer(collected.text, None)
-    tool_calls = [
-        responses.tool_call(responses.new_tool_call_id(), call.name, call.arguments)
-        for call in answer.tool_calls
-    ]
-    return JSONResponse(
-        responses.chat_completion(
-            request_id,
-            created,
-            body.model,
-            answer.content,
-            finish_reason(final.finish_reason, len(tool_calls)),
-            usage,
-            tool_calls=tool_calls,
-            token_ids=collected.token_ids,
-            reasoning_content=answer.reasoning_content,
+    usage = total_usage([choice.final for choice in collected])
+    bodies = []
+    for index, (choice, chat_output) in enumerate(zip(collected, chat_outputs, strict=True)):
+        answer = chat_output.parse(choice.text) if chat_output else ChatAnswer(choice.text, None)
+        tool_calls = [
+            responses.tool_call(responses.new_tool_call_id(), call.name, call.arguments)
+            for call in answer.tool_calls
+        ]
+        bodies.append(
+            responses.chat_completion(
+                request_id,
+                created,
+                body.model,
+                answer.content,
+                finish_reason(choice.final.finish_reason, len(tool_calls)),
+                usage,
+                tool_calls=tool_calls,
+                token_ids=choice.token_ids,
+                reasoning_content=answer.reasoning_content,
+                index=index,
+            )
         )
-    )
+    return JSONResponse(responses.merge_choices(bodies, usage))
 
 
 def _output_parser(

@@ -1,4 +1,4 @@
-"""POST /v1/completions: one prompt (text or token ids), one choice, streamed or in one body."""
+"""POST /v1/completions: one prompt (text or token ids), `n` choices, streamed or in one body."""
 
 import time
 
@@ -8,7 +8,15 @@ from starlette.concurrency import run_in_threadpool
 
 from infer.server import responses
 from infer.server.errors import parse_request
-from infer.server.generation import EventStreamResponse, collect, sampling_params, stream_events, submit
+from infer.server.generation import (
+    EventStreamResponse,
+    answer_events,
+    choice_events,
+    collect,
+    sampling_params,
+    submit,
+    total_usage,
+)
 from infer.server.limits import check_prompt_chars, read_body
 from infer.server.schemas import CompletionRequest
 from infer.server.server_state import ServerState
@@ -46,18 +54,30 @@ async def create_completion(request: Request) -> Response:
         prompt_ids = list(body.prompt)
     params = sampling_params(body, len(prompt_ids), server.max_model_len, prompt_field="prompt")
     request_id, created = responses.new_request_id("cmpl"), int(time.time())
-    handle = submit(engine_loop, prompt_ids, params, request_id, prompt_field="prompt")
+    handles = submit(engine_loop, prompt_ids, params, request_id, prompt_field="prompt", n=body.n)
     if body.stream:
-        stream = CompletionStream(request_id, created, body.model, include_usage=body.include_usage)
-        events = stream_events(handle, stream, include_usage=body.include_usage)
-        return EventStreamResponse(events, engine_loop, handle)
-    collected = await collect(request, engine_loop, handle)
+        streams = [
+            CompletionStream(request_id, created, body.model, include_usage=body.include_usage, index=index)
+            for index in range(body.n)
+        ]
+        choices = [choice_events(handle, stream) for handle, stream in zip(handles, streams, strict=True)]
+        events = answer_events(choices, handles, streams[0] if body.include_usage else None)
+        return EventStreamResponse(events, engine_loop, handles)
+    collected = await collect(request, engine_loop, handles)
     if collected is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    final = collected.final
-    usage = responses.usage(final.prompt_tokens, final.completion_tokens)
-    return JSONResponse(
+    usage = total_usage([choice.final for choice in collected])
+    bodies = [
         responses.completion(
-            request_id, created, body.model, collected.text, final.finish_reason, usage, collected.token_ids
+            request_id,
+            created,
+            body.model,
+            choice.text,
+            choice.final.finish_reason,
+            usage,
+            choice.token_ids,
+            index=index,
         )
-    )
+        for index, choice in enumerate(collected)
+    ]
+    return JSONResponse(responses.merge_choices(bodies, usage))

@@ -9,7 +9,7 @@ pydantic error into an OpenAI error body and picks the HTTP status):
 
 - An unknown field is rejected (400), never silently ignored: a typo such as `max_token` would
   otherwise quietly change the output.
-- An OpenAI field we do not implement (`n`, `echo`, `logprobs`, `best_of`, `suffix`,
+- An OpenAI field we do not implement (`echo`, `logprobs`, `best_of`, `suffix`,
   `top_logprobs`) is accepted only at its neutral value, because common clients send `n=1` on
   every call; any other value is rejected (400) naming the field.
 - A required field that is missing, or an empty `messages` list or empty token-id `prompt`, is
@@ -40,6 +40,7 @@ INVALID_VALUE = "invalid_value"  # a value the API does not allow: 400
 
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1
+MAX_CHOICES = 128
 MIN_SEED = -(2**63)
 # OpenAI request fields for the provider's bookkeeping, not the output: accepted, logged, ignored.
 METADATA_FIELDS = ("store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "user")
@@ -91,9 +92,7 @@ class _SamplingRequest(_Strict):
     """The fields that /v1/completions and /v1/chat/completions share."""
 
     # OpenAI fields we accept only at their neutral values: field -> the values that mean "off".
-    NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "n": (1, None),
-    }
+    NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -122,7 +121,8 @@ class _SamplingRequest(_Strict):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    n: Any = None
+    # Choices to generate for the prompt, each its own engine request (OpenAI's limit: 128).
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
 
     @model_validator(mode="after")
     def _log_ignored_metadata(self):
@@ -172,13 +172,12 @@ class _SamplingRequest(_Strict):
         return value
 
     @field_validator(
-        "n",
         "echo",
         "logprobs",
         "best_of",
         "suffix",
         "top_logprobs",
-        check_fields=False,  # the last five exist only on one of the two endpoints
+        check_fields=False,  # each exists on one of the two endpoints only
     )
     @classmethod
     def _neutral_values_only(cls, value: Any, info) -> Any:

@@ -70,8 +70,10 @@ def _split_once(line: bytes, slot: bytes) -> tuple[bytes, bytes]:
 class _Stream:
     object: str
 
-    def __init__(self, id: str, created: int, model: str, *, include_usage: bool = False):
+    def __init__(self, id: str, created: int, model: str, *, include_usage: bool = False, index: int = 0):
+        """`index`: the choice this stream's chunks belong to (n > 1 streams one per choice)."""
         self.id, self.created, self.model, self.include_usage = id, created, model, include_usage
+        self.index = index
 
     def _build_templates(self, chunk_with_slots) -> None:
         # The text-only path is the hot one: its two constant byte strings live on self.
@@ -89,11 +91,11 @@ class CompletionStream(_Stream):
 
     object = "text_completion"
 
-    def __init__(self, id: str, created: int, model: str, *, include_usage: bool = False):
-        super().__init__(id, created, model, include_usage=include_usage)
+    def __init__(self, id: str, created: int, model: str, *, include_usage: bool = False, index: int = 0):
+        super().__init__(id, created, model, include_usage=include_usage, index=index)
         self._build_templates(
             lambda token_ids: responses.completion_chunk(
-                id, created, model, _TEXT_SLOT, None, token_ids, include_usage
+                id, created, model, _TEXT_SLOT, None, token_ids, include_usage, index
             )
         )
 
@@ -106,7 +108,7 @@ class CompletionStream(_Stream):
     def finish(self, finish_reason: str, text: str = "", token_ids: list[int] | None = None) -> bytes:
         """The chunk that ends the choice, with any text the last step produced."""
         chunk = responses.completion_chunk(
-            self.id, self.created, self.model, text, finish_reason, token_ids, self.include_usage
+            self.id, self.created, self.model, text, finish_reason, token_ids, self.include_usage, self.index
         )
         return event(chunk)
 
@@ -116,18 +118,25 @@ class ChatStream(_Stream):
 
     object = "chat.completion.chunk"
 
-    def __init__(self, id: str, created: int, model: str, *, include_usage: bool = False):
-        super().__init__(id, created, model, include_usage=include_usage)
+    def __init__(self, id: str, created: int, model: str, *, include_usage: bool = False, index: int = 0):
+        super().__init__(id, created, model, include_usage=include_usage, index=index)
         self._build_templates(
             lambda token_ids: responses.chat_chunk(
-                id, created, model, {"content": _TEXT_SLOT}, None, token_ids, include_usage
+                id, created, model, {"content": _TEXT_SLOT}, None, token_ids, include_usage, index
             )
         )
         # A thinking model streams reasoning as fast as content: it gets the fast path too.
         self._reasoning_plain, self._reasoning_with_ids = (
             _SlottedChunk(
                 responses.chat_chunk(
-                    id, created, model, {"reasoning_content": _TEXT_SLOT}, None, token_ids, include_usage
+                    id,
+                    created,
+                    model,
+                    {"reasoning_content": _TEXT_SLOT},
+                    None,
+                    token_ids,
+                    include_usage,
+                    index,
                 )
             )
             for token_ids in (None, _TOKEN_IDS_SLOT)
@@ -136,7 +145,9 @@ class ChatStream(_Stream):
     def role(self, role: str = "assistant") -> bytes:
         """The first chunk: the role, and empty content (what OpenAI sends first)."""
         delta = {"role": role, "content": ""}
-        chunk = responses.chat_chunk(self.id, self.created, self.model, delta, None, None, self.include_usage)
+        chunk = responses.chat_chunk(
+            self.id, self.created, self.model, delta, None, None, self.include_usage, self.index
+        )
         return event(chunk)
 
     def content(self, text: str, token_ids: list[int] | None = None) -> bytes:
@@ -158,7 +169,7 @@ class ChatStream(_Stream):
         """A chunk carrying one whole tool call, the answer's `index`-th (rare: plain json.dumps)."""
         delta = responses.tool_call_delta(index, call_id, name, arguments)
         chunk = responses.chat_chunk(
-            self.id, self.created, self.model, delta, None, token_ids, self.include_usage
+            self.id, self.created, self.model, delta, None, token_ids, self.include_usage, self.index
         )
         return event(chunk)
 
@@ -166,6 +177,6 @@ class ChatStream(_Stream):
         """The chunk that ends the choice: delta {} or, if the last step produced text, its content."""
         delta = {"content": text} if text else {}
         chunk = responses.chat_chunk(
-            self.id, self.created, self.model, delta, finish_reason, token_ids, self.include_usage
+            self.id, self.created, self.model, delta, finish_reason, token_ids, self.include_usage, self.index
         )
         return event(chunk)
