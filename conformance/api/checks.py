@@ -412,12 +412,15 @@ def _first_model(client: httpx.Client) -> str:
 
 
 def _materialize(value, model: str):
-    """Replaces "$MODEL" and expands {"$repeat": text, "times": n} anywhere in a case value."""
+    """Replaces "$MODEL" and expands {"$repeat": text, "times": n} (the text n times over) and
+    {"$repeat_list": item, "times": n} (a list of n items) anywhere in a case value."""
     if value == "$MODEL":
         return model
     if isinstance(value, dict):
         if "$repeat" in value:
             return value["$repeat"] * value["times"]
+        if "$repeat_list" in value:
+            return [value["$repeat_list"]] * value["times"]
         return {k: _materialize(v, model) for k, v in value.items()}
     if isinstance(value, list):
         return [_materialize(v, model) for v in value]

@@ -1,9 +1,10 @@
-"""`n` choices on a real server, through the real `openai` client.
+"""`n` choices, batches of prompts and `echo` on a real server, through the real `openai` client.
 
 Oracle: `n > 1` is defined as n independent requests, choice i seeded with seed + i (vLLM's
-rule). So each choice of an n-choice answer must be exactly the answer of an `n = 1` request with
-seed + i, which the same server computes on its own; the usage counts the prompt once and every
-choice's tokens.
+rule), and a batch as one request per prompt. So each choice must be exactly the answer of a
+single-prompt `n = 1` request with its seed, which the same server computes on its own; the
+usage counts each prompt once and every choice's tokens. `echo` is checked against the same
+request without it and the tokenizer's own decoding of a token-id prompt.
 """
 
 import collections
@@ -69,3 +70,47 @@ def test_each_chat_choice_is_the_single_answer_of_its_seed(server):
         for choice in chunk.choices:
             streamed[choice.index] += choice.delta.content or ""
     assert dict(streamed) == {choice.index: choice.message.content for choice in answer.choices}
+
+
+def test_a_batch_of_prompts_is_each_prompts_single_answers_in_order(server):
+    """Prompt i's choice j is the answer of prompt i alone with seed + j, at index i x n + j;
+    usage counts each prompt once."""
+    client = server.openai_client()
+    prompts = ["Hello", [504, 3213, 314], "The sky is"]
+    settings = dict(model=server.model, max_tokens=5, temperature=1.0, seed=SEED)
+    answer = client.completions.create(prompt=prompts, n=2, **settings)
+    assert [choice.index for choice in answer.choices] == list(range(6))
+    prompt_tokens = completion_tokens = 0
+    for i, prompt in enumerate(prompts):
+        singles = [
+            client.completions.create(prompt=prompt, **{**settings, "seed": SEED + j}) for j in range(2)
+        ]
+        for j, single in enumerate(singles):
+            choice = answer.choices[i * 2 + j]
+            assert (choice.text, choice.token_ids) == (single.choices[0].text, single.choices[0].token_ids)
+            completion_tokens += single.usage.completion_tokens
+        prompt_tokens += singles[0].usage.prompt_tokens
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, completion_tokens)
+
+
+def test_echo_puts_each_prompts_text_before_its_answer(server, smollm2_loaded):
+    client = server.openai_client()
+    token_prompt = [504, 3213, 314, 3316]
+    settings = dict(model=server.model, max_tokens=6, temperature=0)
+    plain = client.completions.create(prompt=["The capital of France is", token_prompt], **settings)
+    echoed = client.completions.create(
+        prompt=["The capital of France is", token_prompt], echo=True, **settings
+    )
+    token_text = smollm2_loaded.tokenizer.decode(token_prompt)
+    assert echoed.choices[0].text == "The capital of France is" + plain.choices[0].text
+    assert echoed.choices[1].text == token_text + plain.choices[1].text
+    # The generated tokens and their count are the answer's alone.
+    assert echoed.choices[0].token_ids == plain.choices[0].token_ids
+    assert echoed.usage == plain.usage
+    streamed = collections.defaultdict(str)
+    for chunk in client.completions.create(
+        prompt=["The capital of France is", token_prompt], echo=True, stream=True, **settings
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert dict(streamed) == {choice.index: choice.text for choice in echoed.choices}

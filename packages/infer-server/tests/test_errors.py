@@ -21,11 +21,11 @@ DROP = object()  # in a case's fields: remove this field from the base body
 
 # (case id, request model, fields over the base body, status, param, code, text the message must hold)
 CASES = [
-    ("prompt-batch", CompletionRequest, {"prompt": ["a", "b"]}, 400, "prompt", "unsupported_value", "only one prompt per request is supported"),
-    ("prompt-id-batch", CompletionRequest, {"prompt": [[1], [2]]}, 400, "prompt", "unsupported_value", "only one prompt"),
+    ("prompt-batch-too-long", CompletionRequest, {"prompt": ["a"] * 129}, 400, "prompt", "invalid_value", "at most 128 prompts"),
+    ("prompt-batch-with-an-empty-one", CompletionRequest, {"prompt": [[1], []]}, 400, "prompt", "empty_input", "must not be empty"),
     ("prompt-empty-ids", CompletionRequest, {"prompt": []}, 400, "prompt", "empty_input", "must not be empty"),
     ("prompt-empty-batch-of-one", CompletionRequest, {"prompt": [[]]}, 400, "prompt", "empty_input", "must not be empty"),
-    ("prompt-number", CompletionRequest, {"prompt": 5}, 400, "prompt", "invalid_value", "string or a list of token ids"),
+    ("prompt-number", CompletionRequest, {"prompt": 5}, 400, "prompt", "invalid_value", "a string, a list of token ids"),
     ("prompt-negative-id", CompletionRequest, {"prompt": [1, -2]}, 400, "prompt", "invalid_value", "token ids"),
     ("prompt-bool-id", CompletionRequest, {"prompt": [True]}, 400, "prompt", "invalid_value", "token ids"),
     ("prompt-missing", CompletionRequest, {"prompt": DROP}, 400, "prompt", "missing_required_parameter", "missing required field 'prompt'"),
@@ -49,7 +49,7 @@ CASES = [
     ("n-zero", CompletionRequest, {"n": 0}, 400, "n", "invalid_value", "greater than or equal to 1"),
     ("n-above-openai-limit", CompletionRequest, {"n": 129}, 400, "n", "invalid_value", "less than or equal to 128"),
     ("n-true", CompletionRequest, {"n": True}, 400, "n", "invalid_value", "True"),
-    ("echo", CompletionRequest, {"echo": True}, 400, "echo", "unsupported_value", "echo"),
+    ("echo-not-a-bool", CompletionRequest, {"echo": "yes"}, 400, "echo", "invalid_value", "boolean"),
     ("logprobs", CompletionRequest, {"logprobs": 1}, 400, "logprobs", "unsupported_value", "logprobs"),
     ("best-of", CompletionRequest, {"best_of": 2}, 400, "best_of", "unsupported_value", "best_of"),
     ("suffix", CompletionRequest, {"suffix": "}"}, 400, "suffix", "unsupported_value", "suffix"),
@@ -126,7 +126,7 @@ def test_a_body_that_is_not_an_object_is_400(raw):
 def test_the_message_counts_the_errors_it_does_not_show():
     with pytest.raises(ApiError) as caught:
         parse_request(
-            CompletionRequest, '{"model": "m", "prompt": "x", "best_of": 2, "echo": true, "foo": 1}'
+            CompletionRequest, '{"model": "m", "prompt": "x", "best_of": 2, "suffix": "}", "foo": 1}'
         )
     assert caught.value.message.endswith("(and 2 more errors)")
 

@@ -69,13 +69,18 @@ def submit(
     request_id: str,
     prompt_field: str,
     n: int = 1,
+    first_index: int = 0,
+    num_choices: int | None = None,
 ) -> list[RequestHandle]:
-    """One engine request per choice, all or none: when one cannot be queued, those queued
-    before it are aborted and the error is raised."""
+    """One engine request per choice of one prompt, all or none: when one cannot be queued,
+    those queued before it are aborted and the error is raised. `first_index`: the answer's
+    index of the prompt's first choice; `num_choices`: the answer's choices in all (default n),
+    so that every engine request of the answer gets its own id."""
+    many = (num_choices or n) > 1
     handles: list[RequestHandle] = []
     try:
         for index in range(n):
-            choice_id = request_id if n == 1 else f"{request_id}-{index}"
+            choice_id = f"{request_id}-{first_index + index}" if many else request_id
             handles.append(
                 _submit_one(engine_loop, prompt_ids, _choice_params(params, index), choice_id, prompt_field)
             )
@@ -158,10 +163,11 @@ async def collect(
     return collected
 
 
-def total_usage(finals: Sequence[StepOutput]) -> dict:
-    """The usage of one answer: its prompt once (every choice shares it), the tokens of every
-    choice."""
-    return responses.usage(finals[0].prompt_tokens, sum(final.completion_tokens for final in finals))
+def total_usage(finals: Sequence[StepOutput], choices_per_prompt: int = 1) -> dict:
+    """The usage of one answer: each prompt once (its n choices share it), the tokens of every
+    choice. `finals` are in answer order: prompt by prompt, `choices_per_prompt` each."""
+    prompt_tokens = sum(final.prompt_tokens for final in finals[::choices_per_prompt])
+    return responses.usage(prompt_tokens, sum(final.completion_tokens for final in finals))
 
 
 async def _client_disconnect(receive: Receive) -> None:
@@ -185,6 +191,7 @@ async def answer_events(
     choices: Sequence[AsyncIterator[bytes]],
     handles: Sequence[RequestHandle],
     usage_stream: CompletionStream | ChatStream | None,
+    choices_per_prompt: int = 1,
 ) -> AsyncIterator[bytes]:
     """The SSE events of one answer: every choice's chunks as they come, then the usage chunk
     (when `usage_stream` is given: the client asked for it) and [DONE]. A choice that ends
@@ -196,7 +203,8 @@ async def answer_events(
         yield error_event(unfinished.error)
     else:
         if usage_stream is not None:
-            yield usage_stream.usage(total_usage([handle.done.result() for handle in handles]))
+            finals = [handle.done.result() for handle in handles]
+            yield usage_stream.usage(total_usage(finals, choices_per_prompt))
     yield DONE
 
 
@@ -234,14 +242,19 @@ async def _interleaved(sources: Sequence[AsyncIterator[bytes]]) -> AsyncIterator
             task.cancel()
 
 
-async def choice_events(handle: RequestHandle, stream: CompletionStream | ChatStream) -> AsyncIterator[bytes]:
-    """The chunks of one choice: (chat: the role chunk), a chunk per piece of text with the token
-    ids since the last piece, and one terminal chunk with finish_reason. Raises _Unfinished when
-    the choice ends without an answer."""
+async def choice_events(
+    handle: RequestHandle, stream: CompletionStream | ChatStream, prefix: str = ""
+) -> AsyncIterator[bytes]:
+    """The chunks of one choice: (chat: the role chunk), `prefix` if any (echo's prompt text, in
+    a chunk of its own), a chunk per piece of text with the token ids since the last piece, and
+    one terminal chunk with finish_reason. Raises _Unfinished when the choice ends without an
+    answer."""
     is_chat = isinstance(stream, ChatStream)
     piece_event = stream.content if is_chat else stream.text
     if is_chat:
         yield stream.role()
+    if prefix:
+        yield piece_event(prefix)
     # Token ids whose text is still held back (a partial character or a possible stop string).
     pending_ids: list[int] = []
     while True:

@@ -1,4 +1,5 @@
-"""POST /v1/completions: one prompt (text or token ids), `n` choices, streamed or in one body."""
+"""POST /v1/completions: a prompt (text or token ids) or a batch of them, `n` choices each,
+streamed or in one body; with `echo` each choice's text starts with its prompt's."""
 
 import time
 
@@ -7,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from infer.server import responses
-from infer.server.errors import parse_request
+from infer.server.errors import ApiError, parse_request
 from infer.server.generation import (
     EventStreamResponse,
     answer_events,
@@ -41,43 +42,82 @@ async def create_completion(request: Request) -> Response:
     body = parse_request(CompletionRequest, await read_body(request, server.limits.max_request_bytes))
     engine_loop = server.require_ready()
     server.check_model(body.model)
-    if isinstance(body.prompt, str):
-        check_prompt_chars(len(body.prompt), server.max_prompt_chars, "prompt")
-        # A plain-text prompt gets the tokenizer's special tokens (BOS), as the engine's own
-        # add_request and `infer generate` do; token-id prompts are taken as they are.
-        prompt_ids = await run_in_threadpool(
-            server.engine.tokenizer.encode, body.prompt, add_special_tokens=True
-        )
-        if not prompt_ids:  # prompt "" on a tokenizer that adds no BOS: start a new document
-            prompt_ids = [_document_start_id(server.engine.tokenizer)]
-    else:
-        prompt_ids = list(body.prompt)
-    params = sampling_params(body, len(prompt_ids), server.max_model_len, prompt_field="prompt")
+    prompts_ids = [await _prompt_ids(server, prompt) for prompt in body.prompts]
+    # One SamplingParams per prompt: the default token limit is what each prompt's context leaves.
+    params = [
+        sampling_params(body, len(prompt_ids), server.max_model_len, prompt_field="prompt")
+        for prompt_ids in prompts_ids
+    ]
+    echoes = [
+        await _echo_text(server, prompt, prompt_ids) if body.echo else ""
+        for prompt, prompt_ids in zip(body.prompts, prompts_ids, strict=True)
+    ]
     request_id, created = responses.new_request_id("cmpl"), int(time.time())
-    handles = submit(engine_loop, prompt_ids, params, request_id, prompt_field="prompt", n=body.n)
+    # Choices in OpenAI's order: prompt by prompt, n per prompt; all queued or none.
+    handles = []
+    try:
+        for prompt_index, (prompt_ids, prompt_params) in enumerate(zip(prompts_ids, params, strict=True)):
+            handles += submit(
+                engine_loop,
+                prompt_ids,
+                prompt_params,
+                request_id,
+                prompt_field="prompt",
+                n=body.n,
+                first_index=prompt_index * body.n,
+                num_choices=len(prompts_ids) * body.n,
+            )
+    except ApiError:
+        for handle in handles:
+            engine_loop.abort(handle, client_gone=False)
+        raise
+    choice_echoes = [echo for echo in echoes for _ in range(body.n)]
     if body.stream:
         streams = [
             CompletionStream(request_id, created, body.model, include_usage=body.include_usage, index=index)
-            for index in range(body.n)
+            for index in range(len(handles))
         ]
-        choices = [choice_events(handle, stream) for handle, stream in zip(handles, streams, strict=True)]
-        events = answer_events(choices, handles, streams[0] if body.include_usage else None)
+        choices = [
+            choice_events(handle, stream, prefix=echo)
+            for handle, stream, echo in zip(handles, streams, choice_echoes, strict=True)
+        ]
+        usage_stream = streams[0] if body.include_usage else None
+        events = answer_events(choices, handles, usage_stream, choices_per_prompt=body.n)
         return EventStreamResponse(events, engine_loop, handles)
     collected = await collect(request, engine_loop, handles)
     if collected is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    usage = total_usage([choice.final for choice in collected])
+    usage = total_usage([choice.final for choice in collected], choices_per_prompt=body.n)
     bodies = [
         responses.completion(
             request_id,
             created,
             body.model,
-            choice.text,
+            echo + choice.text,
             choice.final.finish_reason,
             usage,
             choice.token_ids,
             index=index,
         )
-        for index, choice in enumerate(collected)
+        for index, (choice, echo) in enumerate(zip(collected, choice_echoes, strict=True))
     ]
     return JSONResponse(responses.merge_choices(bodies, usage))
+
+
+async def _prompt_ids(server: ServerState, prompt: str | list[int]) -> list[int]:
+    if not isinstance(prompt, str):
+        return list(prompt)
+    check_prompt_chars(len(prompt), server.max_prompt_chars, "prompt")
+    # A plain-text prompt gets the tokenizer's special tokens (BOS), as the engine's own
+    # add_request and `infer generate` do; token-id prompts are taken as they are.
+    prompt_ids = await run_in_threadpool(server.engine.tokenizer.encode, prompt, add_special_tokens=True)
+    if not prompt_ids:  # prompt "" on a tokenizer that adds no BOS: start a new document
+        prompt_ids = [_document_start_id(server.engine.tokenizer)]
+    return prompt_ids
+
+
+async def _echo_text(server: ServerState, prompt: str | list[int], prompt_ids: list[int]) -> str:
+    """What `echo` puts before the completion: the prompt as sent, or its token ids' text."""
+    if isinstance(prompt, str):
+        return prompt
+    return await run_in_threadpool(server.engine.tokenizer.decode, prompt_ids)

@@ -9,7 +9,7 @@ pydantic error into an OpenAI error body and picks the HTTP status):
 
 - An unknown field is rejected (400), never silently ignored: a typo such as `max_token` would
   otherwise quietly change the output.
-- An OpenAI field we do not implement (`echo`, `logprobs`, `best_of`, `suffix`,
+- An OpenAI field we do not implement (`logprobs`, `best_of`, `suffix`,
   `top_logprobs`) is accepted only at its neutral value, because common clients send `n=1` on
   every call; any other value is rejected (400) naming the field.
 - A required field that is missing, or an empty `messages` list or empty token-id `prompt`, is
@@ -41,6 +41,8 @@ INVALID_VALUE = "invalid_value"  # a value the API does not allow: 400
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1
 MAX_CHOICES = 128
+# Prompts in one /v1/completions batch.
+MAX_PROMPTS = 128
 MIN_SEED = -(2**63)
 # OpenAI request fields for the provider's bookkeeping, not the output: accepted, logged, ignored.
 METADATA_FIELDS = ("store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "user")
@@ -172,7 +174,6 @@ class _SamplingRequest(_Strict):
         return value
 
     @field_validator(
-        "echo",
         "logprobs",
         "best_of",
         "suffix",
@@ -236,44 +237,56 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    """POST /v1/completions. `prompt` is kept as given: a string, or token ids."""
+    """POST /v1/completions. `prompt` is kept as given: a string, token ids, or a batch of
+    either (`prompts` lists them in every case)."""
 
     NEUTRAL_VALUES = {
         **_SamplingRequest.NEUTRAL_VALUES,
-        "echo": (False, None),
         "logprobs": (None,),
         "best_of": (1, None),
         "suffix": (None, ""),
     }
 
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str | list[int]]
     # OpenAI's default for the legacy completions endpoint; null means "as many as fit".
     max_tokens: int | None = Field(16, ge=1)
-    echo: Any = None
+    # Each choice's text starts with its prompt's text.
+    echo: bool = False
     logprobs: Any = None
     best_of: Any = None
     suffix: Any = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
+    def _prompt_or_batch(cls, value: Any) -> Any:
         # OpenAI takes a string, token ids, or a batch of either; a batch of one is just its prompt.
         if isinstance(value, list) and value and all(isinstance(item, str | list) for item in value):
-            if len(value) > 1:
-                raise _unsupported(
-                    f"only one prompt per request is supported, got a batch of {len(value)}; "
-                    "send one request per prompt"
+            if len(value) > MAX_PROMPTS:
+                raise PydanticCustomError(
+                    INVALID_VALUE, f"a batch holds at most {MAX_PROMPTS} prompts, got {len(value)}"
                 )
-            value = value[0]
+            batch = [cls._one_prompt(item) for item in value]
+            return batch[0] if len(batch) == 1 else batch
+        return cls._one_prompt(value)
+
+    @staticmethod
+    def _one_prompt(value: Any) -> str | list[int]:
         if isinstance(value, str):
             return value
         if not isinstance(value, list) or not all(_is_token_id(item) for item in value):
             raise PydanticCustomError(
-                INVALID_VALUE, "prompt must be a string or a list of token ids (integers >= 0)"
+                INVALID_VALUE,
+                "prompt must be a string, a list of token ids (integers >= 0), or a batch of either",
             )
         if not value:
             raise PydanticCustomError(EMPTY_INPUT, "prompt must not be empty")
         return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request, one or a batch, in order."""
+        is_batch = isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
+        return list(self.prompt) if is_batch else [self.prompt]
 
     def _max_new_tokens(self) -> int | None:
         return self.max_tokens
