@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from infer.bench.serving import cli as serving_cli
+from infer.bench.serving import matrix as serving_matrix
 from infer.bench.serving.matrix import MATRIX_ROWS, free_port, run_matrix, select_rows, server_process
 
 PEER = Path(__file__).with_name("bench_peer.py")
@@ -112,3 +113,51 @@ def test_rows_are_selected_by_name_and_unknown_names_are_refused():
     assert select_rows(None) == MATRIX_ROWS
     with pytest.raises(ValueError, match="unknown matrix rows \\['nope'\\]"):
         select_rows("static,nope")
+
+
+def _stats(tokens_per_s, ttft_p50, ttft_p99, itl_p50, itl_p99, e2e_p50, errors=0):
+    return {
+        "output_tokens_per_s": tokens_per_s,
+        "ttft_s": {"p50": ttft_p50, "p99": ttft_p99},
+        "itl_s": {"p50": itl_p50, "p99": itl_p99},
+        "e2e_s": {"p50": e2e_p50},
+        "num_errors": errors,
+    }
+
+
+def test_matrix_table_puts_each_row_beside_the_first_rows_run_of_its_workload():
+    """Expected lines written out by hand from the numbers below, not from the code's output."""
+    summary = {
+        "model": "m",
+        "settings": {"seed": 0},
+        "rows": ["static", "paged"],
+        "runs": [
+            {
+                "row": "static",
+                "workload": "W2",
+                "concurrency": 4,
+                "stats": _stats(100.0, 0.2, 0.4, 0.01, 0.03, 2.0),
+            },
+            {
+                "row": "paged",
+                "workload": "W2",
+                "concurrency": 4,
+                "stats": _stats(250.0, 0.05, 0.1, 0.008, 0.02, 1.0),
+            },
+            # The baseline's run of W3 failed: its ratios have nothing to compare with.
+            {
+                "row": "paged",
+                "workload": "W3",
+                "concurrency": 4,
+                "stats": _stats(80.0, 0.5, 0.9, 0.02, 0.05, 3.0, 1),
+            },
+        ],
+        "failed_rows": [{"row": "static", "error": "W3 failed: the server died\ntraceback..."}],
+    }
+    lines = serving_matrix.matrix_markdown(summary).splitlines()
+    assert lines[0] == "# infer bench matrix: m"
+    assert "settings: seed=0" in lines
+    assert "| W2 | 4 | static | 100.0 | 1.00 | 200.0 | 400.0 | 1.00 | 10.0 | 30.0 | 2000.0 | 0 |" in lines
+    assert "| W2 | 4 | paged | 250.0 | 2.50 | 50.0 | 100.0 | 0.25 | 8.0 | 20.0 | 1000.0 | 0 |" in lines
+    assert "| W3 | 4 | paged | 80.0 | - | 500.0 | 900.0 | - | 20.0 | 50.0 | 3000.0 | 1 |" in lines
+    assert lines[-1] == "- static failed: W3 failed: the server died"
