@@ -1,6 +1,7 @@
 """Every way to build, test, benchmark and run `infer`, for developers and CI alike.
 
-nox -s tests          every CPU test of every package, plus the conformance suites
+nox -s tests          every CPU test of every package, plus the conformance suites, then the api
+                      suite again through --base-url against a separately started `infer serve`
 nox -s conformance    the spec-generated suites alone, with their clause table
 nox -s lint           ruff
 nox -s kernels-bench  kernel benchmarks (meaningful on a CUDA GPU)
@@ -48,6 +49,49 @@ def tests(session: nox.Session) -> None:
     for alias in ("smollm2-135m-instruct", "gemma-3-270m"):
         session.run("infer", "models", "fetch", alias, env=env)
     session.run("pytest", "-m", "not gpu", *session.posargs, env=env)
+    if not session.posargs:
+        api_suite_against_infer_serve(session, env)
+
+
+def api_suite_against_infer_serve(session: nox.Session, env: dict) -> None:
+    """The api contract through `--base-url`, as a user runs it against any server, here against
+    an `infer serve` started on its own (the conformance server's settings: the cases' limits are
+    written for them). Planned clauses stay skipped: this server lacks their features."""
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    command = [
+        os.path.join(session.bin, "infer"), "serve", "--model", "smollm2-135m-instruct",
+        "--max-seq-len", "2048", "--max-batch-size", "4", "--port", str(port), "--log-level", "warning",
+    ]  # fmt: skip
+    server = subprocess.Popen(command, env={**os.environ, **env})
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if server.poll() is not None:
+                session.error(f"infer serve exited with {server.returncode} before it was healthy")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                session.error("infer serve was not healthy within 300 s")
+            time.sleep(1)
+        session.run(
+            "pytest", "conformance", "--contract", "api", "--base-url", url, "--skip-planned",
+            "-p", "no:cacheprovider", env=env,
+        )  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
 
 
 @nox.session(python=PYTHON)
