@@ -64,26 +64,22 @@ def sampling_params(
 
 def submit(
     engine_loop: EngineLoop,
-    prompt_ids: list[int],
-    params: SamplingParams,
+    prompts: Sequence[tuple[list[int], SamplingParams]],
     request_id: str,
     prompt_field: str,
     n: int = 1,
-    first_index: int = 0,
-    num_choices: int | None = None,
 ) -> list[RequestHandle]:
-    """One engine request per choice of one prompt, all or none: when one cannot be queued,
-    those queued before it are aborted and the error is raised. `first_index`: the answer's
-    index of the prompt's first choice; `num_choices`: the answer's choices in all (default n),
-    so that every engine request of the answer gets its own id."""
-    many = (num_choices or n) > 1
+    """One engine request per choice: `n` per (prompt ids, params), in the answer's order
+    (prompt by prompt, n each). All or none: when one cannot be queued, those queued before it
+    are aborted and the error is raised."""
+    many = len(prompts) * n > 1
     handles: list[RequestHandle] = []
     try:
-        for index in range(n):
-            choice_id = f"{request_id}-{first_index + index}" if many else request_id
-            handles.append(
-                _submit_one(engine_loop, prompt_ids, _choice_params(params, index), choice_id, prompt_field)
-            )
+        for prompt_ids, params in prompts:
+            for index in range(n):
+                choice_id = f"{request_id}-{len(handles)}" if many else request_id
+                choice_params = _choice_params(params, index)
+                handles.append(_submit_one(engine_loop, prompt_ids, choice_params, choice_id, prompt_field))
     except ApiError:
         for handle in handles:
             engine_loop.abort(handle, client_gone=False)

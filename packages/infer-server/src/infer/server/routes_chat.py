@@ -69,7 +69,7 @@ async def create_chat_completion(request: Request) -> Response:
         _output_parser(family, body, prompt, tools, tool_format, call_prefix) for _ in range(body.n)
     ]
     request_id, created = responses.new_request_id("chatcmpl"), int(time.time())
-    handles = submit(engine_loop, prompt_ids, params, request_id, prompt_field="messages", n=body.n)
+    handles = submit(engine_loop, [(prompt_ids, params)], request_id, prompt_field="messages", n=body.n)
     if body.stream:
         choices = []
         for index, (handle, chat_output) in enumerate(zip(handles, chat_outputs, strict=True)):

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from infer.server import responses
-from infer.server.errors import ApiError, parse_request
+from infer.server.errors import parse_request
 from infer.server.generation import (
     EventStreamResponse,
     answer_events,
@@ -54,23 +54,8 @@ async def create_completion(request: Request) -> Response:
     ]
     request_id, created = responses.new_request_id("cmpl"), int(time.time())
     # Choices in OpenAI's order: prompt by prompt, n per prompt; all queued or none.
-    handles = []
-    try:
-        for prompt_index, (prompt_ids, prompt_params) in enumerate(zip(prompts_ids, params, strict=True)):
-            handles += submit(
-                engine_loop,
-                prompt_ids,
-                prompt_params,
-                request_id,
-                prompt_field="prompt",
-                n=body.n,
-                first_index=prompt_index * body.n,
-                num_choices=len(prompts_ids) * body.n,
-            )
-    except ApiError:
-        for handle in handles:
-            engine_loop.abort(handle, client_gone=False)
-        raise
+    prompts = list(zip(prompts_ids, params, strict=True))
+    handles = submit(engine_loop, prompts, request_id, prompt_field="prompt", n=body.n)
     choice_echoes = [echo for echo in echoes for _ in range(body.n)]
     if body.stream:
         streams = [
