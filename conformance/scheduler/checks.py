@@ -21,7 +21,7 @@ import os
 import random
 import subprocess
 import sys
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,13 +181,24 @@ def make_scheduler(case: dict, policy: str, scheduler_class=Scheduler) -> Schedu
     )
 
 
+ASYNC_SUFFIX = "-async"
+
+
 def simulate(case: dict, policy: str, *, scheduler_class=Scheduler) -> Simulation:
-    """Runs the case to the end; fails as a livelock if requests remain after max_steps."""
+    """Runs the case to the end; fails as a livelock if requests remain after max_steps.
+
+    A policy name ending in ASYNC_SUFFIX runs as the engine's async scheduling does: each step's
+    update() comes after the next step's schedule(), so the scheduler plans with the previous
+    step's tokens still pending (and the finishes they cause one step late)."""
+    async_scheduling = policy.endswith(ASYNC_SUFFIX)
+    policy = policy.removesuffix(ASYNC_SUFFIX)
     scheduler = make_scheduler(case, policy, scheduler_class)
     allocator = scheduler.kv_manager.allocator
     arrivals = arrivals_of(case)
     sim = Simulation(case, policy, arrivals, allocator)
     runner = FakeRunner()
+    # Decisions run by the fake runner whose outputs update() has not taken yet.
+    launched: deque[tuple[ScheduleDecision, RunnerOutput]] = deque()
     by_step: dict[int, list[Arrival]] = defaultdict(list)
     for arrival in sorted(arrivals, key=lambda a: (a.at_step, a.index)):
         by_step[arrival.at_step].append(arrival)
@@ -217,14 +228,16 @@ def simulate(case: dict, policy: str, *, scheduler_class=Scheduler) -> Simulatio
             owners_after_step=set(),
             memory_calls=list(memory_calls),
         )
-        for request, new_token_ids in scheduler.update(decision, runner.execute(decision)):
-            sim.outputs[request.request_id] += new_token_ids
-            if len(sim.outputs[request.request_id]) >= sim.arrival(request.request_id).num_output_tokens:
-                scheduler.finish(request.request_id)
-                record.finished.append(request.request_id)
+        launched.append((decision, runner.execute(decision)))
+        while len(launched) > (1 if async_scheduling and not decision.is_empty else 0):
+            for request, new_token_ids in scheduler.update(*launched.popleft()):
+                sim.outputs[request.request_id] += new_token_ids
+                if len(sim.outputs[request.request_id]) >= sim.arrival(request.request_id).num_output_tokens:
+                    scheduler.finish(request.request_id)
+                    record.finished.append(request.request_id)
         record.owners_after_step = set(_blocks_by_owner(allocator))
         sim.records.append(record)
-        if step >= last_arrival and not scheduler.has_work():
+        if step >= last_arrival and not scheduler.has_work() and not launched:
             sim.final_decision = scheduler.schedule()
             return sim
     raise AssertionError(
@@ -541,11 +554,13 @@ def decisions_digest(case: dict, policy: str) -> str:
 
 @functools.cache
 def _digests_in_subprocess(case_json: str) -> dict[str, str]:
-    """Every policy's digest from one interpreter (starting one costs seconds: torch's import)."""
+    """Every policy's digest, each also with async scheduling, from one interpreter (starting one
+    costs seconds: torch's import)."""
     code = (
         "import json, sys; from conformance.scheduler.checks import decisions_digest; "
         "from infer.engine.scheduling_policy import POLICIES; case = json.loads(sys.argv[1]); "
-        "print(json.dumps({policy: decisions_digest(case, policy) for policy in POLICIES}))"
+        f"impls = [*POLICIES, *(p + {ASYNC_SUFFIX!r} for p in POLICIES)]; "
+        "print(json.dumps({impl: decisions_digest(case, impl) for impl in impls}))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code, case_json],

@@ -2,11 +2,14 @@
 step (decode-only, or holding prompt chunks) is launched, never what it computes."""
 
 import argparse
+import dataclasses
 import random
 
+import numpy as np
 import pytest
 import torch
 
+from conformance.oracles import RecomputeOracle
 from infer.engine import SamplingParams, generate
 from infer.engine.config import EngineConfig, EngineConfigError, add_cli_arguments, from_cli_args
 from infer.engine.cuda_graphs import StepGraphs, batch_buckets, chunk_buckets
@@ -91,6 +94,8 @@ GRAPH_MODES = {
     "eager": dict(use_cuda_graphs=False),
     "decode-graphs": dict(use_cuda_graphs=True, cuda_graph_mixed_steps=False),
     "step-graphs": dict(use_cuda_graphs=True, cuda_graph_mixed_steps=True),
+    # The graphs read decode inputs that are placeholders for the previous step's tokens.
+    "step-graphs-async": dict(use_cuda_graphs=True, cuda_graph_mixed_steps=True, async_scheduling=True),
 }
 
 
@@ -137,9 +142,12 @@ def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(cuda_tiny, pr
             # step holds more than 16 prompt rows.
             assert graphs.num_replays["mixed"] > 0
             assert sum(graphs.num_replays.values()) == engine.stats().num_steps
+        if mode == "step-graphs-async":
+            assert graphs.num_replays["mixed"] > 0 and graphs.num_replays["decode"] > 0
         assert engine.stats().num_preempted > 0
     assert results["decode-graphs"] == results["eager"]
     assert results["step-graphs"] == results["eager"]
+    assert results["step-graphs-async"] == results["eager"]
 
 
 @pytest.mark.gpu
@@ -192,7 +200,13 @@ def test_mixed_step_graph_logits_equal_the_eager_forward_at_real_shape_in_bf16(t
     """A step of two decode rows (300 and 40 cached tokens) and the last 36-token chunk of a
     100-token prompt, at Llama 3.2 1B shapes: the replayed graph (pad
     rows, the chunks moved behind max_batch_size decode rows, a tile map) and the eager forward of
-    the same step give the same logits within bf16's tolerance and pick the same tokens."""
+    the same step give the same logits within bf16's tolerance and pick the same tokens. The eager
+    forward is launched as the graph is (decode splits sized for max_seq_len), so that the two
+    sum attention in the same order; the engine tests compare tokens across launch sizes.
+
+    The step follows prompt chunks that sample nothing: the graphs' pinned inputs must not be
+    overwritten before the previous step's copies ran (this once gave request a wrong first
+    token), so a's tokens are checked against the recompute oracle too."""
     folder = make_random_checkpoint("llama-3.2-1b", tmp_path / "llama", dtype=torch.bfloat16)
     loaded = load_model(folder, dtype=torch.bfloat16, device="cuda")
     engine = Engine(
@@ -210,9 +224,13 @@ def test_mixed_step_graph_logits_equal_the_eager_forward_at_real_shape_in_bf16(t
     )
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-    engine.add_request(torch.randint(0, 32000, (300,), generator=gen).tolist(), params, request_id="a")
-    while not any(output.token_id is not None for output in engine.step()):
-        pass  # a's prompt, in chunks of 64
+    prompt_a = torch.randint(0, 32000, (300,), generator=gen).tolist()
+    engine.add_request(prompt_a, params, request_id="a")
+    first_tokens = []
+    while not first_tokens:
+        # a's prompt, in chunks of 64
+        first_tokens = [output.token_id for output in engine.step() if output.token_id is not None]
+    assert first_tokens == RecomputeOracle(loaded).generate(prompt_a, params).token_ids[:1]
     for request_id, length in (("b", 40), ("c", 100)):
         prompt = torch.randint(0, 32000, (length,), generator=gen).tolist()
         engine.add_request(prompt, params, request_id=request_id)
@@ -226,7 +244,14 @@ def test_mixed_step_graph_logits_equal_the_eager_forward_at_real_shape_in_bf16(t
     graph_logits = runner.graphs.logits(step).float().clone()
     assert runner.graphs.num_replays["mixed"] >= 1
     with torch.inference_mode():
-        batch = runner.forward_batch(step, logits_indices=step.logits_indices)
+        # The graph's launch: block tables as wide as max_seq_len (null blocks past each row's).
+        tables = np.full((len(step.request_ids), runner.graphs.max_blocks), runner.null_block, np.int32)
+        tables[:, : step.block_tables.shape[1]] = step.block_tables
+        wide_step = dataclasses.replace(step, block_tables=tables)
+        batch = runner.forward_batch(wide_step, logits_indices=step.logits_indices)
+        batch = dataclasses.replace(
+            batch, attention=dataclasses.replace(batch.attention, max_seq_len=runner.graphs.max_seq_len)
+        )
         eager_logits = loaded.model.compute_logits(loaded.model(batch)).float()
     assert graph_logits.shape == eager_logits.shape == (len(step.sampling_rows), loaded.config.vocab_size)
     assert torch.allclose(graph_logits, eager_logits, atol=0.1, rtol=0.02), (

@@ -25,6 +25,16 @@ MODES = {
     "preempted": dict(block_size=4, num_gpu_blocks=30, use_chunked_prefill=True, prefill_chunk_size=16),
     "static-contiguous": dict(batching_mode="static", kv_cache_backend="contiguous"),
     "static-paged": dict(batching_mode="static", kv_cache_backend="paged", block_size=4),
+    # Each step launched before the previous step's tokens are read: decodes feed back tokens
+    # whose ids are still placeholders on the host.
+    "async": dict(block_size=4, async_scheduling=True),
+    "async-preempted": dict(
+        block_size=4,
+        num_gpu_blocks=30,
+        use_chunked_prefill=True,
+        prefill_chunk_size=16,
+        async_scheduling=True,
+    ),
 }
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
 
@@ -63,7 +73,7 @@ def test_mixed_prompt_lengths_batched_give_each_request_its_tokens_alone(tiny_mo
     engine = make_engine(tiny, **MODES[mode])
     ids = [engine.add_request(prompt, GREEDY) for prompt in prompts]
     outputs = run_to_completion(engine)
-    if mode == "preempted":
+    if mode.endswith("preempted"):
         assert engine.stats().num_preempted > 0, "the tiny pool should have forced a preemption"
     for request_id, prompt in zip(ids, prompts, strict=True):
         alone = tiny.oracle.generate(prompt, GREEDY)
@@ -99,7 +109,7 @@ def test_smollm2_batched_chat_equals_each_request_alone(smollm2, smollm2_alone, 
         assert token_ids(outputs[request_id]) == smollm2_alone[prompt]
 
 
-@pytest.mark.parametrize("mode", ["paged", "static-contiguous"])
+@pytest.mark.parametrize("mode", ["paged", "static-contiguous", "async"])
 def test_a_request_stopping_mid_batch_does_not_disturb_the_others(tiny_models, mode):
     # llama-tiny: its untied head gives varied greedy tokens (the tied tiny models repeat one).
     tiny = tiny_models["llama-tiny"]
@@ -120,14 +130,14 @@ def test_a_request_stopping_mid_batch_does_not_disturb_the_others(tiny_models, m
         assert token_ids(outputs[request_id]) == expected
 
 
-def test_abort_mid_decode_frees_the_blocks_by_the_end_of_the_next_step(tiny_models):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_abort_mid_decode_frees_the_blocks_by_the_end_of_the_next_step(tiny_models, async_scheduling):
     tiny = tiny_models["llama-tiny"]
     prompts = random_prompts([6, 10], tiny.loaded.config.vocab_size, seed=2)
     params = SamplingParams(temperature=0.0, max_new_tokens=20)
-    engine = make_engine(tiny)
+    engine = make_engine(tiny, async_scheduling=async_scheduling)
     victim, survivor = (engine.add_request(prompt, params) for prompt in prompts)
-    for _ in range(3):
-        engine.step()
+    early = [output for _ in range(3) for output in engine.step()]
     assert engine.scheduler.get(victim).state is RequestState.RUNNING
     assert not engine.scheduler.get(victim).is_prefilling
     allocator = engine.kv_pool.allocator
@@ -148,8 +158,10 @@ def test_abort_mid_decode_frees_the_blocks_by_the_end_of_the_next_step(tiny_mode
     assert not engine.abort(victim)  # already gone
     rest = run_to_completion(engine)
     assert victim not in rest
-    survivor_tokens = [o.token_id for o in outputs if o.request_id == survivor] + token_ids(rest[survivor])
-    assert len(survivor_tokens) == 20 - 3
+    survivor_tokens = [o.token_id for o in early + outputs if o.request_id == survivor] + token_ids(
+        rest[survivor]
+    )
+    assert survivor_tokens == tiny.oracle.generate(prompts[1], params).token_ids
     assert allocator.num_used == 0
     assert engine.stats().num_aborted == 1
 
@@ -166,8 +178,8 @@ def test_abort_of_a_queued_request_answers_abort_and_never_runs_it(tiny_models):
     assert token_ids(first + outputs["running"]) == tiny.oracle.generate([1, 2, 3], GREEDY).token_ids
 
 
-def _sampled_run(tiny, seed: int) -> list:
-    engine = make_engine(tiny, seed=seed)
+def _sampled_run(tiny, seed: int, **settings) -> list:
+    engine = make_engine(tiny, seed=seed, **settings)
     params = SamplingParams(temperature=1.0, top_k=50, max_new_tokens=8)
     for prompt in random_prompts([4, 11, 7], tiny.loaded.config.vocab_size, seed=3):
         engine.add_request(prompt, params)
@@ -175,6 +187,22 @@ def _sampled_run(tiny, seed: int) -> list:
     while engine.has_work():
         outputs.append(engine.step())
     return outputs
+
+
+def test_async_scheduling_samples_the_same_tokens_one_step_later(tiny_models):
+    tiny = tiny_models["llama-tiny"]
+    steps = _sampled_run(tiny, 0)
+    async_steps = _sampled_run(tiny, 0, async_scheduling=True)
+    assert async_steps[0] == []  # the first step's tokens come with the second
+    by_request = defaultdict(list)
+    for step in steps:
+        for output in step:
+            by_request[output.request_id].append(output)
+    async_by_request = defaultdict(list)
+    for step in async_steps:
+        for output in step:
+            async_by_request[output.request_id].append(output)
+    assert async_by_request == by_request
 
 
 def test_same_seed_and_queue_give_identical_steps_and_another_seed_differs(tiny_models):
@@ -264,7 +292,10 @@ def test_the_prompt_rate_is_over_prefill_steps_so_decoding_does_not_dilute_it(ti
     ],
     ids=["presence+frequency", "frequency", "bias+negative-presence"],
 )
-def test_penalties_and_logit_bias_give_transformers_greedy_with_openais_formula(tiny_models, settings):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_penalties_and_logit_bias_give_transformers_greedy_with_openais_formula(
+    tiny_models, settings, async_scheduling
+):
     """The oracle: transformers' logits of the whole sequence each step, adjusted in Python by
     OpenAI's definitions (penalties over the generated ids only, never the prompt), then argmax."""
     tiny = tiny_models["llama-tiny"]
@@ -273,7 +304,8 @@ def test_penalties_and_logit_bias_give_transformers_greedy_with_openais_formula(
     # OpenAI's penalties do not) would change the answer.
     prompt = start + tiny.transformers_greedy(start, 12)
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, **settings)
-    engine = make_engine(tiny, max_num_batched_tokens=64)
+    # Async: the penalties read the previous step's ids on the host before they are otherwise read.
+    engine = make_engine(tiny, max_num_batched_tokens=64, async_scheduling=async_scheduling)
     # A second request in the batch with none of the settings must keep its own tokens.
     plain = engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
     steered = engine.add_request(prompt, params)
@@ -293,13 +325,16 @@ def test_penalties_and_logit_bias_give_transformers_greedy_with_openais_formula(
     assert generated != tiny.transformers_greedy(prompt, 12)  # the settings did change something
 
 
-def test_min_tokens_keeps_a_stop_token_out_until_then_as_transformers_greedy_with_it_masked(tiny_models):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_min_tokens_keeps_a_stop_token_out_until_then_as_transformers_greedy_with_it_masked(
+    tiny_models, async_scheduling
+):
     tiny = tiny_models["llama-tiny"]
     prompt = random_prompts([7], tiny.loaded.config.vocab_size, seed=8)[0]
     natural = tiny.transformers_greedy(prompt, 12)
     stop_id = natural[1]  # without min_tokens the request stops at its second token
     base = dict(temperature=0, max_new_tokens=12, stop_token_ids=[stop_id], ignore_eos=True)
-    engine = make_engine(tiny, max_num_batched_tokens=64)
+    engine = make_engine(tiny, max_num_batched_tokens=64, async_scheduling=async_scheduling)
     plain = engine.add_request(prompt, SamplingParams(**base))
     held = engine.add_request(prompt, SamplingParams(**base, min_tokens=6))
     outputs = run_to_completion(engine)
@@ -319,9 +354,10 @@ def test_min_tokens_keeps_a_stop_token_out_until_then_as_transformers_greedy_wit
     assert stop_id not in generated[:6] and len(generated) > 2
 
 
-def test_a_failing_forward_fails_its_step_frees_blocks_and_the_engine_goes_on(tiny_models):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_failing_forward_fails_its_step_frees_blocks_and_the_engine_goes_on(tiny_models, async_scheduling):
     tiny = tiny_models["llama-tiny"]
-    engine = make_engine(tiny)
+    engine = make_engine(tiny, async_scheduling=async_scheduling)
     ids = [engine.add_request(prompt, GREEDY) for prompt in random_prompts([4, 6], 384, seed=4)]
     engine.step()  # both prefilled; the next step decodes them together
     real_logits = engine.runner._logits

@@ -38,6 +38,12 @@ CONFIGS = {
     # 45 blocks of 16 for three requests of up to 632 tokens (40 blocks): decodes outgrow it.
     "preempted": dict(num_gpu_blocks=45, use_chunked_prefill=True, prefill_chunk_size=64),
     "graphs": dict(use_cuda_graphs=True, use_chunked_prefill=True, prefill_chunk_size=64),
+    "graphs-async": dict(
+        use_cuda_graphs=True, use_chunked_prefill=True, prefill_chunk_size=64, async_scheduling=True
+    ),
+    "preempted-async": dict(
+        num_gpu_blocks=45, use_chunked_prefill=True, prefill_chunk_size=64, async_scheduling=True
+    ),
 }
 
 
@@ -72,7 +78,7 @@ def test_engine_greedy_equals_recompute_in_bf16_up_to_a_near_tie(real_shape, con
             assert output.error is None, output.error
             if output.token_id is not None:
                 tokens[output.request_id].append(output.token_id)
-    if config_name == "preempted":
+    if config_name.startswith("preempted"):
         assert engine.stats().num_preempted > 0
     for request_id, prompt, oracle_tokens in zip(ids, prompts, expected, strict=True):
         assert_equal_up_to_a_near_tie(

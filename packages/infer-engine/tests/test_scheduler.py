@@ -33,9 +33,10 @@ def run_step(scheduler: Scheduler, *, finish_at_max_tokens: bool = True) -> Sche
     known token, update(), and finish() for the requests that reached max_new_tokens."""
     decision = scheduler.schedule()
     sampled = []
-    for request_id, num_tokens in decision.num_scheduled_tokens.items():
+    for request_id in decision.num_scheduled_tokens:
         r = scheduler.get(request_id)
-        reaches_the_end = r.num_computed_tokens + num_tokens == r.num_tokens
+        # schedule() counts the step as run: it computed the last known token, or not.
+        reaches_the_end = r.num_computed_tokens == len(r.all_token_ids)
         sampled.append((greedy_token(r.all_token_ids),) if reaches_the_end else ())
     outputs = scheduler.update(decision, RunnerOutput(tuple(decision.num_scheduled_tokens), tuple(sampled)))
     for r, _ in outputs:

@@ -84,6 +84,7 @@ def run_bench_generate(args: argparse.Namespace) -> int:
             **ours.as_dict(),
             "kv_cache_backend": engine.config.kv_cache_backend,
             "use_cuda_graphs": args.use_cuda_graphs,
+            "async_scheduling": args.async_scheduling,
             "runs": [r.as_dict() for r in runs],
         },
         "memory": {**memory, "runtime_rss_bytes_before_load": runtime_rss if device.type == "cpu" else None},
@@ -281,7 +282,11 @@ def markdown_report(report: dict) -> str:
         "| engine | KV pool | prompt | generated | prefill s | prefill tok/s | decode tok/s | total s |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
         _timing_row(
-            "infer, CUDA graphs" if report["infer"]["use_cuda_graphs"] else "infer",
+            ", ".join(
+                ["infer"]
+                + ["CUDA graphs"] * report["infer"]["use_cuda_graphs"]
+                + ["async scheduling"] * report["infer"].get("async_scheduling", False)
+            ),
             report["infer"]["kv_cache_backend"],
             report["infer"],
         ),

@@ -54,6 +54,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--use-cuda-graphs", action="store_true", help="decode by replaying CUDA graphs (CUDA only)"
     )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="launch each step before the previous step's token reaches the host (overlaps host and GPU)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (EOS ids, loading)")
 
 
@@ -88,6 +93,7 @@ def load_engine(args: argparse.Namespace, *, max_batch_size: int = 1):
         max_seq_len=args.max_seq_len,
         max_batch_size=max_batch_size,
         use_cuda_graphs=args.use_cuda_graphs,
+        async_scheduling=args.async_scheduling,
     )
     return loaded, Engine(config, loaded_model=loaded)
 

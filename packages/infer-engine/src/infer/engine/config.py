@@ -108,6 +108,11 @@ class EngineConfig:
         "with use_cuda_graphs, also replay steps that hold prompt chunks, from graphs captured per "
         "bucket of chunk tokens: true or false",
     )
+    async_scheduling: bool = _flag(
+        False,
+        "launch each step before the previous step's tokens reach the host, so that scheduling, "
+        "stop checks and input building overlap the forward: true or false",
+    )
 
     def __post_init__(self):
         _check_str(self, "model")
@@ -137,7 +142,7 @@ class EngineConfig:
             raise EngineConfigError(
                 "set num_gpu_blocks or kv_cache_memory_fraction, not both: each sizes the KV pool"
             )
-        for name in ("use_chunked_prefill", "use_cuda_graphs", "cuda_graph_mixed_steps"):
+        for name in ("use_chunked_prefill", "use_cuda_graphs", "cuda_graph_mixed_steps", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _check_choice(self, "kv_cache_backend", KV_CACHE_BACKENDS)

@@ -22,6 +22,13 @@ step's have no tokens and no tiles; tokens past the step's are such pad tokens t
 reads each row's keys through its block table with lengths on the device, and its decode launch
 is sized for `max_seq_len`, so one graph serves every context length.
 
+Async scheduling: a decode row's input may be a placeholder for a token the previous step
+sampled on the device (see runner.py); with `last_sampled` given, every graph first resolves the
+placeholders from it.
+
+The host fills its pinned input buffers for a step only once the previous step's copies out of
+them have run (an event): a step that samples nothing, or async scheduling, leaves them queued.
+
 Sampling stays outside the graph (per-request generators, data-dependent paths).
 """
 
@@ -30,7 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from infer.engine.input_batch import StepInputs
+from infer.engine.input_batch import StepInputs, resolve_pending_tokens
 from infer.kernels import extend_tile_size
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
 
@@ -75,8 +82,12 @@ class StepGraphs:
         block_size: int,
         null_block: int,
         mixed_steps: bool = True,
+        last_sampled: torch.Tensor | None = None,
     ):
+        """`last_sampled`: the runner's device copy of the previous step's sampled tokens, which
+        placeholder input ids point into (runner.py)."""
         self.model = model
+        self.last_sampled = last_sampled
         self.kv_layers = kv_layers
         self.max_seq_len = max_seq_len
         self.block_size = block_size
@@ -130,6 +141,8 @@ class StepGraphs:
         # Mixed-step graphs write their logits here (one buffer for all of them, not one each:
         # with Gemma's 262k vocabulary each would hold 80 MiB).
         self._mixed_logits: torch.Tensor | None = None
+        # Recorded after the latest copies out of the pinned input buffers.
+        self._inputs_sent: torch.cuda.Event | None = None
         # One memory pool for every graph: only one runs at a time and its logits are consumed
         # before the next replay.
         self._pool = torch.cuda.graph_pool_handle()
@@ -184,6 +197,7 @@ class StepGraphs:
         if batch_size not in self._decode_graphs:
             self._decode_graphs[batch_size] = self._capture(self._decode_batch(batch_size))
         graph, logits = self._decode_graphs[batch_size]
+        self._wait_inputs_sent()
         inputs = self._host_inputs
         inputs[0, :num_rows] = step.input_ids
         inputs[1, :num_rows] = step.positions
@@ -224,6 +238,7 @@ class StepGraphs:
         num_decode = step.num_decode_rows
         num_chunk_rows = len(step.request_ids) - num_decode
         num_tokens = rows + bucket
+        self._wait_inputs_sent()
         # Tokens: the step's decode tokens, pad decode tokens up to `rows`, the chunk tokens,
         # then pad tokens up to the bucket.
         inputs = self._host_inputs
@@ -302,6 +317,7 @@ class StepGraphs:
         logits = self._mixed_logits
 
         def forward() -> None:
+            self._resolve_pending(batch)
             logits.copy_(self.model.compute_logits(self.model(batch)))
 
         graph, _ = self._capture(batch, forward)
@@ -323,11 +339,26 @@ class StepGraphs:
 
     def _send(self, num_rows: int) -> None:
         """Queues the host buffers' copies to the device, block table rows 0..num_rows-1 only.
-        Pinned sources: both copies are queued without waiting, and the host buffers are not
-        written again before the step's sampled tokens are read, which waits for the copies."""
+        Pinned sources: both copies are queued without waiting; the next step waits for them
+        before it writes the host buffers again (`_wait_inputs_sent`)."""
         self._long.copy_(self._host_long, non_blocking=True)
         num_ints = self._table_start + num_rows * self.max_blocks
         self._int[:num_ints].copy_(self._host_int[:num_ints], non_blocking=True)
+        if self._inputs_sent is None:
+            self._inputs_sent = torch.cuda.Event()
+        self._inputs_sent.record()
+
+    def _wait_inputs_sent(self) -> None:
+        # Reading a step's sampled tokens waits for its copies, but a step of mid-prompt chunks
+        # samples nothing, and async scheduling fills the next step before reading: without
+        # this wait a copy still queued would send the next step's inputs (it once gave a
+        # request a wrong first token after its prompt chunks).
+        if self._inputs_sent is not None:
+            self._inputs_sent.synchronize()
+
+    def _resolve_pending(self, batch: ForwardBatch) -> None:
+        if self.last_sampled is not None:
+            resolve_pending_tokens(batch.input_ids, self.last_sampled)
 
     def _pad_everything(self) -> None:
         """Every row and token a pad (warm-up and capture): decode rows read the null block,
@@ -348,6 +379,7 @@ class StepGraphs:
         if forward is None:
 
             def forward() -> torch.Tensor:
+                self._resolve_pending(batch)
                 return self.model.compute_logits(self.model(batch))
 
         self._pad_everything()

@@ -7,10 +7,14 @@ the scheduler, the KV pool and the requests are touched by the stepping thread a
 
 A step: take in new requests and aborts (an aborted request's blocks are free before anything
 is scheduled, and it gets a final StepOutput with finish_reason "abort"), ask the scheduler for a
-decision (`infer.engine.decision`), run every scheduled token in one forward
-(`ModelRunner.execute`), push each sampled token through the request's StopChecker, then retire
-whatever finished. A forward that raises fails only the requests of its step (FAILED, error
-set, blocks freed); the engine goes on.
+decision (`infer.engine.decision`), launch every scheduled token in one forward
+(`ModelRunner.launch`), collect the sampled tokens (`ModelRunner.collect`), push each through
+the request's StopChecker, then retire whatever finished. With `async_scheduling` a step
+collects the previous step's tokens instead of its own, after launching its own: the device
+runs step k while the host checks step k-1's tokens and schedules step k + 1. A request that
+stops on a token is then already scheduled once more; that step's token for it is dropped.
+A forward that raises fails only the requests of its step (FAILED, error set, blocks freed);
+the engine goes on.
 """
 
 import logging
@@ -116,6 +120,7 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             use_cuda_graphs=config.use_cuda_graphs,
             cuda_graph_mixed_steps=config.cuda_graph_mixed_steps,
+            async_scheduling=config.async_scheduling,
             eos_token_ids=self.eos_token_ids,
         )
         # At start-up, not on first use: a kernel compile or a graph capture would land on the
@@ -129,6 +134,9 @@ class Engine:
         self._incoming: deque[Request] = deque()
         self._abort_ids: list[str] = []
         self._live: dict[str, Request] = {}
+        # Decisions launched on the runner whose outputs are not collected yet (async scheduling
+        # keeps one).
+        self._launched: deque = deque()
         self._num_added = 0
         self._counters = dict.fromkeys(
             ["num_steps", "prompt_tokens", "generation_tokens", "finished", "aborted", "failed", "preempted"],
@@ -197,11 +205,13 @@ class Engine:
     def has_work(self) -> bool:
         with self._lock:
             pending = bool(self._incoming or self._abort_ids)
-        return pending or self.scheduler.has_work()
+        return pending or self.scheduler.has_work() or bool(self._launched)
 
     def step(self) -> list[StepOutput]:
         """One scheduler iteration; returns every StepOutput it produced (one per new token, plus
-        final outputs of aborted and failed requests), in a deterministic order."""
+        final outputs of aborted and failed requests), in a deterministic order. With
+        config.async_scheduling the tokens are those of the previous step: this step is launched
+        on the device first, so that the host's work overlaps the device's."""
         started = time.perf_counter()
         with self._lock:
             incoming, self._incoming = list(self._incoming), deque()
@@ -218,17 +228,17 @@ class Engine:
         finished: list[str] = []
         num_prompt_tokens = self._num_prompt_tokens(decision)
         try:
-            runner_output = self.runner.execute(decision)
+            self.runner.launch(decision)
         except Exception as error:  # noqa: BLE001 - a failed forward fails its step's requests, not the engine
-            scheduled = [self.scheduler.get(request_id) for request_id in decision.scheduled_request_ids]
-            outputs += self._fail(scheduled, error, finished)
+            outputs += self._fail(decision, error, finished)
         else:
+            self._launched.append(decision)
             self._counters["prompt_tokens"] += num_prompt_tokens
-            for request, token_ids in self.scheduler.update(decision, runner_output):
-                for token_id in token_ids:
-                    outputs.append(self._accept_token(request, token_id, finished))
-                    if request.state is RequestState.FINISHED:
-                        break
+        # Async scheduling leaves the latest step running while it has work; otherwise, and to
+        # drain, every launched step is collected.
+        keep = 1 if self.config.async_scheduling and not decision.is_empty else 0
+        while len(self._launched) > keep:
+            outputs += self._collect(self._launched.popleft(), finished)
         for request_id in finished:
             self.scheduler.finish(request_id)
         with self._lock:
@@ -270,12 +280,32 @@ class Engine:
 
     def _num_prompt_tokens(self, decision) -> int:
         """Scheduled tokens that are prompt (or recompute) work: all but decodes of a sampled token."""
+        computed_before = {
+            running.request_id: running.num_computed_tokens for running in decision.running_requests
+        }
         total = 0
         for request_id, n in decision.num_scheduled_tokens.items():
-            request = self.scheduler.get(request_id)
-            is_decode = n == 1 and request.num_computed_tokens >= request.num_prompt_tokens
+            # A new or resumed request (not in running_requests) computes prompt or recompute work.
+            computed = computed_before.get(request_id, 0)
+            is_decode = n == 1 and computed >= self.scheduler.get(request_id).num_prompt_tokens
             total += 0 if is_decode else n
         return total
+
+    def _collect(self, decision, finished: list[str]) -> list[StepOutput]:
+        """The StepOutputs of a launched step: its tokens through the stop checks."""
+        try:
+            runner_output = self.runner.collect()
+        except Exception as error:  # noqa: BLE001 - as a failed launch
+            return self._fail(decision, error, finished)
+        outputs = []
+        for request, token_ids in self.scheduler.update(decision, runner_output):
+            if request.request_id in finished:
+                continue  # it failed or stopped in this step() already
+            for token_id in token_ids:
+                outputs.append(self._accept_token(request, token_id, finished))
+                if request.state is RequestState.FINISHED:
+                    break
+        return outputs
 
     def _prepare(self, request: Request) -> None:
         from infer.models.loader.tokenizer import IncrementalDetokenizer
@@ -305,7 +335,13 @@ class Engine:
         self._counters["aborted"] += 1
         return _step_output(request, None, finish_reason=FINISH_ABORT)
 
-    def _fail(self, requests: list[Request], error: Exception, finished: list[str]) -> list[StepOutput]:
+    def _fail(self, decision, error: Exception, finished: list[str]) -> list[StepOutput]:
+        """Fails the decision's requests that are still live."""
+        requests = [
+            request
+            for request_id in decision.scheduled_request_ids
+            if (request := self.scheduler.get(request_id)) is not None and request_id not in finished
+        ]
         message = f"{type(error).__name__}: {error}"
         logger.exception("forward failed for %s", [request.request_id for request in requests])
         outputs = []

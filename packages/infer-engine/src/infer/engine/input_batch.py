@@ -6,7 +6,9 @@ turns one step's scheduled tokens into the flat arrays of a ForwardBatch with a 
 gathers: decode rows (one token) first, then the others, each in the decision's order.
 
 Token ids live here, not in the scheduler's Request: the runner appends what it samples, so a
-decode needs nothing from the scheduler but "one more token for this request".
+decode needs nothing from the scheduler but "one more token for this request". A sampled token
+whose id is still on the device is a placeholder here, -(1 + j) for the j-th token its step
+sampled; `resolve_pending_tokens` swaps placeholders for the ids on the device (runner.py).
 """
 
 from dataclasses import dataclass
@@ -17,6 +19,13 @@ import torch
 from infer.engine.decision import NewRequest, RunningRequest, ScheduleDecision
 from infer.engine.sampler import make_generator
 from infer.engine.sampling_params import SamplingParams
+
+
+def resolve_pending_tokens(input_ids: torch.Tensor, last_sampled: torch.Tensor) -> None:
+    """In place: each placeholder id -(1 + j) becomes last_sampled[j]; other ids stay. Graph-safe
+    (no host sync), so the step graphs run it as their first node."""
+    index = (-1 - input_ids).clamp_(min=0)
+    input_ids.copy_(torch.where(input_ids < 0, last_sampled[index], input_ids))
 
 
 @dataclass
@@ -97,10 +106,14 @@ class InputBatch:
         if state is not None:
             self._free_rows.append(state.row)
 
-    def append_token(self, request_id: str, token_id: int) -> None:
+    def append_token(self, request_id: str, token_id: int) -> int:
+        """Appends a token (or a placeholder, see runner.py) to the request's row; returns its
+        position."""
         row = self.states[request_id].row
-        self.token_ids[row, self.num_tokens[row]] = token_id
-        self.num_tokens[row] += 1
+        position = int(self.num_tokens[row])
+        self.token_ids[row, position] = token_id
+        self.num_tokens[row] = position + 1
+        return position
 
     def history(self, request_id: str) -> np.ndarray:
         """Every token of the request so far (prompt and generated)."""

@@ -10,7 +10,11 @@
 
 A request is `num_computed_tokens` (tokens whose K/V are in its blocks) chasing `num_tokens`
 (prompt + every token sampled so far). While prefilling, several known tokens are uncomputed;
-while decoding, exactly one: the token it sampled last, fed back in the next step. A waiting or
+while decoding, exactly one: the token it sampled last, fed back in the next step. A step that
+computes a request's last known token samples the next one: from the scheduling of that step
+until the runner's output arrives, the token is pending (counted in `num_tokens`, its id not yet
+in `output_ids`). With async scheduling the next step is scheduled, and can feed the pending
+token back, before its id is known. A waiting or
 preempted request is FINISHED by an abort too. FINISHED carries finish_reason "stop" (EOS, a stop
 token id, a stop string), "length" (max_new_tokens) or "abort"; FAILED carries the error of the
 forward that raised.
@@ -63,6 +67,9 @@ class Request:
     arrival_index: int = 0
     state: RequestState = RequestState.WAITING
     output_ids: list[int] = field(default_factory=list)
+    # Tokens a scheduled step samples whose ids have not come back yet (0 or 1; see the module
+    # docstring).
+    num_pending_tokens: int = 0
     # Tokens whose K and V are in the request's blocks (0 again after a preemption).
     num_computed_tokens: int = 0
     # The request's KV blocks in order: token i lives in block_ids[i // block_size]. Grows as
@@ -93,12 +100,17 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Every token known so far: the prompt, then each sampled token."""
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Every token known so far: the prompt, then each sampled token, pending ones included."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far, pending ones included: what max_new_tokens bounds."""
+        return len(self.output_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
-        """A new list: the prompt, then each sampled token."""
+        """A new list: the prompt, then each sampled token whose id is known."""
         return self.prompt_ids + self.output_ids
 
     @property
@@ -111,6 +123,7 @@ class Request:
         return (
             f"Request({self.request_id!r}, {self.state.value}, prompt={self.num_prompt_tokens}, "
             f"computed={self.num_computed_tokens}, generated={len(self.output_ids)}, "
+            f"pending={self.num_pending_tokens}, "
             f"blocks={len(self.block_ids)})"
         )
 

@@ -6,18 +6,42 @@ and `cuda_graph_mixed_steps` for steps with prompt chunks). Rows whose last sche
 their last known token sample one token each, with the batched sampler; a mid-prompt chunk
 samples nothing. The runner keeps each request's tokens in its `InputBatch` and appends what it
 samples, so the next decision only says how many tokens to run.
+
+`execute` is `launch` then `collect`. Async scheduling (`EngineConfig.async_scheduling`) calls
+them apart: `launch(decision)` queues the forward and the sampling on the device and returns at
+once; `collect()` waits for the oldest launched step and returns its RunnerOutput. Between the
+two the host schedules and launches the next step while the device runs this one. A sampled
+token's id is then unknown to the host when the next step feeds it back: the InputBatch holds
+a placeholder, -(1 + j) for the j-th token the previous step sampled, and the forward reads the
+id from `last_sampled`, the device copy of that step's tokens (`resolve_pending_tokens`).
 """
 
+from collections import deque
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from infer.engine.cuda_graphs import StepGraphs
 from infer.engine.decision import RunnerOutput, ScheduleDecision
-from infer.engine.input_batch import InputBatch, StepInputs
+from infer.engine.input_batch import InputBatch, RowState, StepInputs, resolve_pending_tokens
 from infer.engine.sampler import SamplingTensors, sample
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
+
+
+@dataclass
+class _LaunchedStep:
+    """A step whose sampled tokens are on their way to the host."""
+
+    request_ids: tuple[str, ...]
+    # Per sampled token: its request, that request's row then (the row may be gone or lent to
+    # another request by the time the ids arrive), and the token's position in the row.
+    sampled: list[tuple[str, RowState, int]]
+    host_tokens: torch.Tensor  # [len(sampled)] int64, filled by a copy queued on the device
+    done: torch.cuda.Event | None  # recorded after that copy (None on CPU: already done)
+    # Filled once the ids are read (`_read`).
+    token_ids: list[int] | None = None
 
 
 class ModelRunner:
@@ -31,12 +55,15 @@ class ModelRunner:
         max_num_batched_tokens: int | None = None,
         use_cuda_graphs: bool = False,
         cuda_graph_mixed_steps: bool = True,
+        async_scheduling: bool = False,
         eos_token_ids: Collection[int] = (),
     ):
         """`kv_pool`: an infer.cache.KVPool (its kv_layers, block_size and null_block are used).
         `max_num_batched_tokens`: the most tokens a step holds (sizes the mixed-step graphs;
-        None: max_seq_len). `eos_token_ids`: the model's EOS set, which a request's min_tokens
-        keeps out."""
+        None: max_seq_len). `async_scheduling`: a step may be launched before the previous one is
+        collected (the graphs then resolve placeholders). `eos_token_ids`: the model's EOS set,
+        which a request's min_tokens keeps out."""
+        self.async_scheduling = async_scheduling
         self.eos_token_ids = tuple(eos_token_ids)
         self.model = model
         self.kv_layers = kv_pool.kv_layers
@@ -51,6 +78,15 @@ class ModelRunner:
         self.max_seq_len = max_seq_len
         # (request ids that sampled last step, their SamplingTensors)
         self._sampling: tuple[tuple[str, ...], SamplingTensors] | None = None
+        # The tokens the latest launched step sampled, in its sampling order, on the device: the
+        # next step's placeholders read them (see the module docstring).
+        self.last_sampled = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
+        # Two pinned host buffers for sampled ids, used in turn: a step's ids are read before
+        # the step after next is launched, so one launch never overwrites ids still unread.
+        pinned = self.device.type == "cuda"
+        self._host_tokens = torch.zeros((2, max_batch_size), dtype=torch.long, pin_memory=pinned)
+        self._num_launched = 0
+        self._launched: deque[_LaunchedStep] = deque()
         self.graphs = None
         if use_cuda_graphs:
             self.graphs = StepGraphs(
@@ -62,6 +98,7 @@ class ModelRunner:
                 block_size=kv_pool.block_size,
                 null_block=kv_pool.null_block,
                 mixed_steps=cuda_graph_mixed_steps,
+                last_sampled=self.last_sampled if async_scheduling else None,
             )
 
     @torch.inference_mode()
@@ -95,22 +132,67 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, decision: ScheduleDecision) -> RunnerOutput:
+        """Runs the step and returns what it sampled (`launch`, then `collect`)."""
+        self.launch(decision)
+        return self.collect()
+
+    @torch.inference_mode()
+    def launch(self, decision: ScheduleDecision) -> None:
+        """Queues the step's forward and sampling on the device without waiting for them; its
+        RunnerOutput comes from a later `collect()`, in launch order."""
+        if self._launched and not self.async_scheduling:
+            raise RuntimeError("a step is launched and not collected; only async_scheduling launches ahead")
         self.input_batch.apply(decision)
         if decision.new_requests or decision.finished_request_ids or decision.preempted_request_ids:
             self._sampling = None
         if decision.is_empty:
-            return RunnerOutput((), ())
+            self._launched.append(_LaunchedStep((), [], self._host_tokens[0, :0], None))
+            return
         step = self.input_batch.prepare(decision)
         logits = self._logits(step)
         sampling_ids = [step.request_ids[row] for row in step.sampling_rows]
-        tokens = self._sample(logits, sampling_ids) if sampling_ids else []
-        sampled = dict(zip(sampling_ids, tokens, strict=True))
-        for request_id, token in sampled.items():
-            self.input_batch.append_token(request_id, token)
+        host_tokens = self._host_tokens[self._num_launched % 2, : len(sampling_ids)]
+        self._num_launched += 1
+        done = None
+        if sampling_ids:
+            tokens = self._sample(logits, sampling_ids)
+            self.last_sampled[: len(tokens)].copy_(tokens)
+            host_tokens.copy_(tokens, non_blocking=True)
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+        # Each sampling row's next token is a placeholder until its id is read.
+        sampled = []
+        for index, request_id in enumerate(sampling_ids):
+            state = self.input_batch.states[request_id]
+            sampled.append((request_id, state, self.input_batch.append_token(request_id, -1 - index)))
+        self._launched.append(_LaunchedStep(tuple(step.request_ids), sampled, host_tokens, done))
+
+    def collect(self) -> RunnerOutput:
+        """The output of the oldest launched step not collected yet; waits for its tokens."""
+        launched = self._launched.popleft()
+        token_ids = self._read(launched)
+        request_ids = [request_id for request_id, _, _ in launched.sampled]
+        sampled = {request_id: (token,) for request_id, token in zip(request_ids, token_ids, strict=True)}
         return RunnerOutput(
-            request_ids=tuple(step.request_ids),
-            sampled_token_ids=tuple((sampled[rid],) if rid in sampled else () for rid in step.request_ids),
+            request_ids=launched.request_ids,
+            sampled_token_ids=tuple(sampled.get(request_id, ()) for request_id in launched.request_ids),
         )
+
+    def _read(self, launched: _LaunchedStep) -> list[int]:
+        """Waits for the step's sampled ids and writes them over their placeholders (in rows
+        that still hold the same request)."""
+        if launched.token_ids is None:
+            if launched.done is not None:
+                launched.done.synchronize()
+            launched.token_ids = launched.host_tokens.tolist()
+            states = self.input_batch.states
+            for (request_id, state, position), token in zip(
+                launched.sampled, launched.token_ids, strict=True
+            ):
+                if states.get(request_id) is state:
+                    self.input_batch.token_ids[state.row, position] = token
+        return launched.token_ids
 
     def _logits(self, step: StepInputs) -> torch.Tensor:
         """Logits of the sampling rows, in order."""
@@ -141,17 +223,24 @@ class ModelRunner:
             max_query_len=int(np.diff(step.query_start_loc).max()),
             max_seq_len=int(step.seq_lens.max()),
         )
+        input_ids = device(step.input_ids)
+        if step.input_ids.min(initial=0) < 0:
+            resolve_pending_tokens(input_ids, self.last_sampled)
         return ForwardBatch(
-            input_ids=device(step.input_ids),
+            input_ids=input_ids,
             positions=device(step.positions),
             attention=metadata,
             kv_layers=self.kv_layers,
             logits_indices=device(logits_indices),
         )
 
-    def _sample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> torch.Tensor:
         tensors = self._sampling_tensors(tuple(request_ids))
         batch = self.input_batch
+        if tensors.reads_token_ids or tensors.reads_output_ids:
+            # Penalties and min_tokens read the rows' ids on the host: no placeholders there.
+            for launched in self._launched:
+                self._read(launched)
         # The repetition penalty reads prompt + generated ids, which grow every step.
         histories = (
             [
@@ -162,7 +251,7 @@ class ModelRunner:
             else ()
         )
         outputs = [batch.output_ids(rid) for rid in request_ids] if tensors.reads_output_ids else ()
-        return sample(logits, tensors, histories, outputs).tolist()
+        return sample(logits, tensors, histories, outputs)
 
     def _sampling_tensors(self, request_ids: tuple[str, ...]) -> SamplingTensors:
         """The batch's SamplingTensors, rebuilt when other requests (or the same ones in another

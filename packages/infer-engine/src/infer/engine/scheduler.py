@@ -13,6 +13,13 @@ decides "run n more tokens of this request". The loop, with the engine or a simu
         ...                                   # the engine checks stops; for each that ends:
     scheduler.finish(request_id)              # finished, aborted or failed: blocks freed at once
 
+schedule() counts the step as run: the scheduled tokens are computed, and a request whose step
+reaches its last known token gains a pending token (Request.num_pending_tokens), which update()
+replaces with the sampled id. So the next schedule() may come before the previous update() (async
+scheduling): a request then decodes its pending token, whose id only the runner's device holds;
+one that may generate no more (max_new_tokens) is not scheduled; one that stops on its pending
+token is finished by the engine after that next step ran, whose token for it is then dropped.
+
 Budgets: at most max_batch_size requests run at once, at most max_num_batched_tokens tokens per
 step (a prefill chunk counts its tokens, a decode counts one), and the KV pool behind
 `kv_manager`. Blocks are taken as tokens are scheduled (`kv_manager.allocate(request, n)`), never
@@ -28,8 +35,10 @@ other prefill (that step then exceeds max_num_batched_tokens by the prompt's exc
 Preemption (recompute): when a running request cannot get the blocks for its tokens, the
 lowest-priority running request is preempted: the most recently admitted one not already
 scheduled in this step (the requester itself when it is that one). Its blocks are all freed,
-num_computed_tokens drops to 0, it waits again (state PREEMPTED) ahead of every request that
-never ran, and the decision lists it in `preempted_request_ids`; then the allocation is retried.
+num_computed_tokens drops to 0 (a pending token stays pending: update() adds it to the
+waiting request, which is admitted again only once no token is pending), it waits again (state
+PREEMPTED) ahead of every request that never ran, and the decision lists it in
+`preempted_request_ids`; then the allocation is retried.
 Admitted again, it goes out as a NewRequest with every token it knows (prompt + outputs) and
 recomputes them; the runner samples its next token once its last known token is computed, so
 greedy output is the same as if it had never been preempted. A step that preempts admits no one.
@@ -233,34 +242,39 @@ class Scheduler:
                     self._admit(plan)
             else:
                 self._serve(entry, plan)
-        return self._decision(plan)
+        decision = self._decision(plan)
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self._requests[request_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens:
+                request.num_pending_tokens += 1  # this step samples its next token
+        return decision
 
     def update(
         self, decision: ScheduleDecision, runner_output: RunnerOutput
     ) -> list[tuple[Request, list[int]]]:
-        """Records that `decision` ran: each scheduled request's tokens are computed, and the
-        tokens the runner sampled join its output_ids. Returns (request, new token ids) for each
-        request that got at least one token, in decision order; the caller checks stops and calls
-        finish() for those that end. Requests finished since schedule() are skipped.
+        """Records what `decision`'s step sampled: each token replaces a pending token of its
+        request and joins its output_ids. Returns (request, new token ids) for each request that
+        got at least one token, in decision order; the caller checks stops and calls finish() for
+        those that end, running or preempted since. Requests finished since are skipped.
 
         After a failed forward, call finish() for its requests instead of update()."""
         sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
         outputs: list[tuple[Request, list[int]]] = []
-        for request_id, num_tokens in decision.num_scheduled_tokens.items():
-            request = self._requests.get(request_id)
-            if request is None or request.state is not RequestState.RUNNING:
-                continue
-            request.num_computed_tokens += num_tokens
+        for request_id in decision.num_scheduled_tokens:
             new_token_ids = list(sampled.get(request_id, ()))
-            if new_token_ids and request.num_computed_tokens < request.num_tokens:
+            request = self._requests.get(request_id)
+            if not new_token_ids or request is None:
+                continue  # nothing sampled, or finished since
+            if len(new_token_ids) > request.num_pending_tokens:
                 raise ValueError(
-                    f"the runner sampled {new_token_ids} for {request_id!r} after a chunk that ends at "
-                    f"token {request.num_computed_tokens} of {request.num_tokens}; a row samples only "
-                    "once its last known token is computed"
+                    f"the runner sampled {new_token_ids} for {request_id!r}, which has "
+                    f"{request.num_pending_tokens} pending tokens; a row samples only once its last "
+                    "known token is computed"
                 )
-            if new_token_ids:
-                request.output_ids.extend(new_token_ids)
-                outputs.append((request, new_token_ids))
+            request.num_pending_tokens -= len(new_token_ids)
+            request.output_ids.extend(new_token_ids)
+            outputs.append((request, new_token_ids))
         return outputs
 
     def finish(self, request_id: str) -> Request | None:
@@ -299,6 +313,9 @@ class Scheduler:
         """How many of the request's uncomputed tokens this step can take (0: none, it waits)."""
         remaining = request.num_tokens - request.num_computed_tokens
         if not request.is_prefilling:
+            # Its pending token may be its last; the stop check ends it once the id is known.
+            if request.num_output_tokens >= request.max_new_tokens:
+                return 0
             return min(remaining, plan.budget)
         if self.use_chunked_prefill:
             cap = self.max_prefill_chunks_per_step
@@ -366,6 +383,8 @@ class Scheduler:
         # Strict FCFS: when the head of the queue cannot start, nobody behind it is considered.
         while self._waiting and len(self._running) < self.max_batch_size:
             request = self._waiting[0]
+            if request.num_pending_tokens:
+                return  # preempted with a token on its way (async scheduling): resumed with it
             num_tokens = self._num_tokens_to_schedule(request, plan)
             # Continuous batching admits only requests that start this step; a static batch is
             # admitted whole and its members start as the budget allows.

@@ -63,6 +63,11 @@ MATRIX_ROWS = (
         {**_PAGED_CHUNKED, "use_cuda_graphs": True, "cuda_graph_mixed_steps": False},
     ),
     ConfigRow("paged-chunked-cuda_graphs", {**_PAGED_CHUNKED, "use_cuda_graphs": True}),
+    # Each step launched before the previous step's tokens reach the host.
+    ConfigRow(
+        "paged-chunked-cuda_graphs-async",
+        {**_PAGED_CHUNKED, "use_cuda_graphs": True, "async_scheduling": True},
+    ),
 )
 
 
