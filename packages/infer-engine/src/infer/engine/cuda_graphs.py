@@ -32,7 +32,7 @@ them have run (an event): a step that samples nothing, or async scheduling, leav
 Sampling stays outside the graph (per-request generators, data-dependent paths).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -103,7 +103,7 @@ class StepGraphs:
         max_chunk_tokens = self.chunk_buckets[-1] if mixed_steps else 0
         self.max_rows = rows + chunk_rows
         self.max_tokens = rows + max_chunk_tokens
-        self.max_blocks = -(-max_seq_len // block_size)
+        self.max_blocks = _cdiv(max_seq_len, block_size)
         max_tiles = _cdiv(max_chunk_tokens, self.tile_size) + chunk_rows
 
         # The graphs' inputs live in two device buffers with a pinned host twin each, so that a
@@ -161,7 +161,7 @@ class StepGraphs:
         """Captures every bucket now (at start-up), so that no request pays for a capture."""
         for batch_size in self.decode_buckets:
             if batch_size not in self._decode_graphs:
-                self._decode_graphs[batch_size] = self._capture(self._decode_batch(batch_size))
+                self._decode_graphs[batch_size] = self._capture_decode(batch_size)
         for num_chunk_tokens in self.chunk_buckets:
             if num_chunk_tokens not in self._mixed_graphs:
                 self._mixed_graphs[num_chunk_tokens] = self._capture_mixed(num_chunk_tokens)
@@ -195,7 +195,7 @@ class StepGraphs:
         num_rows = len(step.request_ids)
         batch_size = next(bucket for bucket in self.decode_buckets if bucket >= num_rows)
         if batch_size not in self._decode_graphs:
-            self._decode_graphs[batch_size] = self._capture(self._decode_batch(batch_size))
+            self._decode_graphs[batch_size] = self._capture_decode(batch_size)
         graph, logits = self._decode_graphs[batch_size]
         self._wait_inputs_sent()
         inputs = self._host_inputs
@@ -209,6 +209,16 @@ class StepGraphs:
         graph.replay()
         self.num_replays["decode"] += 1
         return logits[:num_rows]
+
+    def _capture_decode(self, batch_size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of a decode-only step of batch_size rows, and the logits tensor it fills."""
+        batch = self._decode_batch(batch_size)
+
+        def forward() -> torch.Tensor:
+            self._resolve_pending(batch)
+            return self.model.compute_logits(self.model(batch))
+
+        return self._capture(forward)
 
     def _decode_batch(self, batch_size: int) -> ForwardBatch:
         metadata = AttentionMetadata(
@@ -260,7 +270,7 @@ class StepGraphs:
         self._host_query_start_loc[rows : rows + num_chunk_rows + 1] = chunk_starts
         self._host_query_start_loc[rows + num_chunk_rows + 1 :] = chunk_starts[-1]
         # The extend kernel's launch plan: every tile of every chunk row, then empty slots.
-        tile_counts = -(-np.diff(chunk_starts) // self.tile_size)
+        tile_counts = _cdiv(np.diff(chunk_starts), self.tile_size)
         num_tiles = int(tile_counts.sum())
         slots = self._num_tile_slots(bucket)
         tile_rows, tile_ids = self._host_tiles[: 2 * slots].reshape(2, slots)
@@ -320,7 +330,7 @@ class StepGraphs:
             self._resolve_pending(batch)
             logits.copy_(self.model.compute_logits(self.model(batch)))
 
-        graph, _ = self._capture(batch, forward)
+        graph, _ = self._capture(forward)
         return graph
 
     # -- shared --------------------------------------------------------------------------------
@@ -373,15 +383,11 @@ class StepGraphs:
         self._long.copy_(self._host_long)
         self._int.copy_(self._host_int)
 
-    def _capture(self, batch: ForwardBatch, forward=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
-        """Captures `forward` (default: the batch's logits) after two warm-up runs; returns the
-        graph and what the forward returned."""
-        if forward is None:
-
-            def forward() -> torch.Tensor:
-                self._resolve_pending(batch)
-                return self.model.compute_logits(self.model(batch))
-
+    def _capture(
+        self, forward: Callable[[], torch.Tensor | None]
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+        """Captures `forward` after two warm-up runs; returns the graph and what the forward
+        returned (tensors it fills on every replay)."""
         self._pad_everything()
         # Warm-up on a side stream, as torch.cuda.graphs asks: compiles Triton kernels and lets
         # the allocator settle before capture.

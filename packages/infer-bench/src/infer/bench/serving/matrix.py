@@ -65,6 +65,15 @@ MATRIX_ROWS = (
     ConfigRow("paged-chunked-cuda_graphs", {**_PAGED_CHUNKED, "use_cuda_graphs": True}),
     # Each step launched before the previous step's tokens reach the host.
     ConfigRow(
+        "paged-cuda_graphs-async",
+        {
+            "batching_mode": "continuous",
+            "kv_cache_backend": "paged",
+            "use_cuda_graphs": True,
+            "async_scheduling": True,
+        },
+    ),
+    ConfigRow(
         "paged-chunked-cuda_graphs-async",
         {**_PAGED_CHUNKED, "use_cuda_graphs": True, "async_scheduling": True},
     ),
