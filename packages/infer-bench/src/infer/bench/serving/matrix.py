@@ -42,21 +42,19 @@ class ConfigRow:
 
 # The first design document's baseline matrix (static, +continuous, +paged, +chunked), then the
 # scheduler policies and CUDA graphs on the last of them.
-_PAGED_CHUNKED = {"batching_mode": "continuous", "kv_cache_backend": "paged", "use_chunked_prefill": True}
+_PAGED = {"batching_mode": "continuous", "kv_cache_backend": "paged"}
+_PAGED_CHUNKED = {**_PAGED, "use_chunked_prefill": True}
 MATRIX_ROWS = (
     ConfigRow("static", {"batching_mode": "static", "kv_cache_backend": "contiguous"}),
     ConfigRow("continuous-contiguous", {"batching_mode": "continuous", "kv_cache_backend": "contiguous"}),
-    ConfigRow("continuous-paged", {"batching_mode": "continuous", "kv_cache_backend": "paged"}),
+    ConfigRow("continuous-paged", _PAGED),
     ConfigRow("paged-chunked", _PAGED_CHUNKED),
     ConfigRow("paged-chunked-prefill_first", {**_PAGED_CHUNKED, "scheduler_policy": "prefill_first"}),
     ConfigRow(
         "paged-chunked-decode_round_robin", {**_PAGED_CHUNKED, "scheduler_policy": "decode_round_robin"}
     ),
     # Need CUDA: on a CPU run these rows are listed under failed_rows with the config's reason.
-    ConfigRow(
-        "paged-cuda_graphs",
-        {"batching_mode": "continuous", "kv_cache_backend": "paged", "use_cuda_graphs": True},
-    ),
+    ConfigRow("paged-cuda_graphs", {**_PAGED, "use_cuda_graphs": True}),
     # Graphs for decode-only steps alone: steps with prompt chunks run eagerly.
     ConfigRow(
         "paged-chunked-decode_graphs",
@@ -64,15 +62,7 @@ MATRIX_ROWS = (
     ),
     ConfigRow("paged-chunked-cuda_graphs", {**_PAGED_CHUNKED, "use_cuda_graphs": True}),
     # Each step launched before the previous step's tokens reach the host.
-    ConfigRow(
-        "paged-cuda_graphs-async",
-        {
-            "batching_mode": "continuous",
-            "kv_cache_backend": "paged",
-            "use_cuda_graphs": True,
-            "async_scheduling": True,
-        },
-    ),
+    ConfigRow("paged-cuda_graphs-async", {**_PAGED, "use_cuda_graphs": True, "async_scheduling": True}),
     ConfigRow(
         "paged-chunked-cuda_graphs-async",
         {**_PAGED_CHUNKED, "use_cuda_graphs": True, "async_scheduling": True},
