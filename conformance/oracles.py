@@ -15,7 +15,7 @@ from infer.engine.eos import eos_token_ids_of
 from infer.engine.generate import GenerationResult
 from infer.engine.sampler import make_generator, sample_next_tokens
 from infer.engine.sampling_params import SamplingParams
-from infer.engine.stop import StopChecker
+from infer.engine.stop import StopChecker, stop_token_ids_of, token_finish_reason
 from infer.models.forward_batch import ForwardBatch
 
 
@@ -33,7 +33,8 @@ class RecomputeOracle:
 
         tokens = list(prompt_ids)
         detokenizer = IncrementalDetokenizer(self.loaded.tokenizer, prompt_ids=tokens)
-        checker = StopChecker(params, self.eos_token_ids, detokenizer)
+        checker = StopChecker(params, detokenizer)
+        stop_token_ids = stop_token_ids_of(params, self.eos_token_ids)
         generator = make_generator(params.seed, self.device)
         generated, text = [], []
         while True:
@@ -42,7 +43,8 @@ class RecomputeOracle:
             token_id = int(sample_next_tokens(logits, [params], [tokens], [generator])[0])
             tokens.append(token_id)
             generated.append(token_id)
-            delta, finish_reason = checker.push(token_id)
+            core_finish = token_finish_reason(params, stop_token_ids, len(generated), token_id)
+            delta, finish_reason = checker.push(token_id, core_finish)
             text.append(delta)
             if finish_reason is not None:
                 return GenerationResult(token_ids=generated, text="".join(text), finish_reason=finish_reason)

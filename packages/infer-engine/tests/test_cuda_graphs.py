@@ -132,7 +132,7 @@ def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(cuda_tiny, pr
                 if output.token_id is not None:
                     tokens[output.request_id].append(output.token_id)
         results[mode] = [tokens[request_id] for request_id in ids]
-        graphs = engine.runner.graphs
+        graphs = engine.core.runner.graphs
         if mode == "decode-graphs":
             assert graphs.num_captured == 3  # batch 1, 2 and 4
             assert graphs.num_replays["decode"] > 0 and graphs.num_replays["mixed"] == 0
@@ -168,8 +168,8 @@ def test_graph_logits_equal_the_eager_forward_at_real_shape_in_bf16(tmp_path):
     params = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
     engine.add_request(prompt, params, request_id="r")
     engine.step()  # the prompt: eager; its first token is sampled
-    runner = engine.runner
-    decision = engine.scheduler.schedule()
+    runner = engine.core.runner
+    decision = engine.core.scheduler.schedule()
     runner.input_batch.apply(decision)
     step = runner.input_batch.prepare(decision)
     graph_logits = runner.graphs.logits(step)[0].float().clone()
@@ -236,8 +236,8 @@ def test_mixed_step_graph_logits_equal_the_eager_forward_at_real_shape_in_bf16(t
         engine.add_request(prompt, params, request_id=request_id)
     engine.step()  # a decodes, b runs whole, c its first 64 tokens
     # The step under test: a and b decode, c's last 36 tokens; all three sample.
-    runner = engine.runner
-    decision = engine.scheduler.schedule()
+    runner = engine.core.runner
+    decision = engine.core.scheduler.schedule()
     runner.input_batch.apply(decision)
     step = runner.input_batch.prepare(decision)
     assert (step.num_decode_rows, len(step.request_ids), len(step.sampling_rows)) == (2, 3, 3)

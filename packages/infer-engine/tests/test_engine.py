@@ -82,8 +82,8 @@ def test_mixed_prompt_lengths_batched_give_each_request_its_tokens_alone(tiny_mo
         )
         assert "".join(o.text_delta for o in outputs[request_id]) == alone.text
         assert outputs[request_id][-1].finish_reason == alone.finish_reason
-    assert engine.kv_pool.allocator.num_used == 0
-    assert engine.kv_pool.allocator.audit([]) == []
+    assert engine.core.kv_pool.allocator.num_used == 0
+    assert engine.core.kv_pool.allocator.audit([]) == []
 
 
 SMOLLM2_PARAMS = SamplingParams(temperature=0.0, max_new_tokens=5)
@@ -138,9 +138,9 @@ def test_abort_mid_decode_frees_the_blocks_by_the_end_of_the_next_step(tiny_mode
     engine = make_engine(tiny, async_scheduling=async_scheduling)
     victim, survivor = (engine.add_request(prompt, params) for prompt in prompts)
     early = [output for _ in range(3) for output in engine.step()]
-    assert engine.scheduler.get(victim).state is RequestState.RUNNING
-    assert not engine.scheduler.get(victim).is_prefilling
-    allocator = engine.kv_pool.allocator
+    assert engine.core.scheduler.get(victim).state is RequestState.RUNNING
+    assert not engine.core.scheduler.get(victim).is_prefilling
+    allocator = engine.core.kv_pool.allocator
     survivor_blocks = allocator.owned_by(survivor)
     assert allocator.owned_by(victim) and survivor_blocks
     assert engine.abort(victim)
@@ -218,16 +218,16 @@ def test_sampling_tensors_are_built_when_the_batch_changes_not_every_step(tiny_m
     params = SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_new_tokens=6)
     first = engine.add_request([1, 2, 3], params)
     engine.step()  # prefill
-    built = engine.runner._sampling[1]
+    built = engine.core.runner._sampling[1]
     engine.step()  # decode, same batch
-    assert engine.runner._sampling[1] is built
+    assert engine.core.runner._sampling[1] is built
     engine.add_request([4, 5], params)
     engine.step()  # a second request joins
-    rebuilt = engine.runner._sampling[1]
+    rebuilt = engine.core.runner._sampling[1]
     assert rebuilt is not built and rebuilt.num_rows == 2
     engine.abort(first)
     engine.step()
-    assert engine.runner._sampling[1].num_rows == 1
+    assert engine.core.runner._sampling[1].num_rows == 1
 
 
 def test_a_request_id_used_again_after_its_request_ended_samples_with_its_own_settings(tiny_models):
@@ -360,18 +360,18 @@ def test_a_failing_forward_fails_its_step_frees_blocks_and_the_engine_goes_on(ti
     engine = make_engine(tiny, async_scheduling=async_scheduling)
     ids = [engine.add_request(prompt, GREEDY) for prompt in random_prompts([4, 6], 384, seed=4)]
     engine.step()  # both prefilled; the next step decodes them together
-    real_logits = engine.runner._logits
+    real_logits = engine.core.runner._logits
 
     def forward_that_raises(step):
-        engine.runner._logits = real_logits
+        engine.core.runner._logits = real_logits
         raise RuntimeError("CUDA error: simulated")
 
-    engine.runner._logits = forward_that_raises
+    engine.core.runner._logits = forward_that_raises
     outputs = engine.step()
     assert sorted(o.request_id for o in outputs) == sorted(ids)
     assert all(o.finished and o.finish_reason is None and "simulated" in o.error for o in outputs)
-    assert all(engine.scheduler.get(i) is None for i in ids)
-    assert engine.kv_pool.allocator.num_used == 0
+    assert all(engine.core.scheduler.get(i) is None for i in ids)
+    assert engine.core.kv_pool.allocator.num_used == 0
     assert engine.stats().num_failed == 2
     later = engine.add_request([7, 8, 9], GREEDY)
     assert token_ids(run_to_completion(engine)[later]) == tiny.oracle.generate([7, 8, 9], GREEDY).token_ids
@@ -403,10 +403,10 @@ def test_text_prompts_and_stats(tiny_models):
     request_id = engine.add_request("hello world", GREEDY)
     first = engine.step()
     running = engine.stats()
-    allocator = engine.kv_pool.allocator
+    allocator = engine.core.kv_pool.allocator
     assert running.num_running == 1 and allocator.num_used > 0
-    assert running.kv_usage_ratio == allocator.num_used / engine.kv_pool.num_blocks
-    assert running.kv_bytes_used == allocator.num_used * engine.kv_pool.shape.bytes_per_block()
+    assert running.kv_usage_ratio == allocator.num_used / engine.core.kv_pool.num_blocks
+    assert running.kv_bytes_used == allocator.num_used * engine.core.kv_pool.shape.bytes_per_block()
     outputs = run_to_completion(engine)
     prompt_ids = tiny.loaded.tokenizer.encode("hello world", add_special_tokens=True)
     assert token_ids(first + outputs[request_id]) == tiny.oracle.generate(prompt_ids, GREEDY).token_ids

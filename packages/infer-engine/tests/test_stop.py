@@ -13,6 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from infer.engine import SamplingParams, StopChecker, StopStringMatcher, collect_eos_token_ids
+from infer.engine.protocol import FinishReason
+from infer.engine.stop import stop_token_ids_of, token_finish_reason
 
 
 def run_matcher(stop: list[str], deltas: list[str]) -> tuple[list[str], bool]:
@@ -95,10 +97,12 @@ PIECES = {0: "<eos>", 1: "Hello", 2: " wor", 3: "ld", 4: "!", 5: "<eot>"}
 
 
 def run_checker(params: SamplingParams, tokens: list[int], eos=(0, 5)) -> list[tuple[str, str | None]]:
-    checker = StopChecker(params, eos, ListDetokenizer(PIECES))
+    """The core's token verdict, then the frontend's text, token by token, as they run split."""
+    checker = StopChecker(params, ListDetokenizer(PIECES))
+    stop_token_ids = stop_token_ids_of(params, eos)
     steps = []
-    for token in tokens:
-        steps.append(checker.push(token))
+    for num_generated, token in enumerate(tokens, 1):
+        steps.append(checker.push(token, token_finish_reason(params, stop_token_ids, num_generated, token)))
         if steps[-1][1] is not None:
             break
     return steps
@@ -142,8 +146,8 @@ def test_min_tokens_defers_every_stop_until_it_is_reached():
 
 
 def test_pushing_after_finish_is_an_error():
-    checker = StopChecker(SamplingParams(max_new_tokens=1), {0}, ListDetokenizer(PIECES))
-    checker.push(1)
+    checker = StopChecker(SamplingParams(max_new_tokens=1), ListDetokenizer(PIECES))
+    checker.push(1, FinishReason.LENGTH)
     with pytest.raises(RuntimeError, match="after the request finished"):
         checker.push(1)
 

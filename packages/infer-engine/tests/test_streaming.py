@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from infer.engine import SamplingParams, StopChecker, eos_token_ids_of, stream
+from infer.engine.stop import stop_token_ids_of, token_finish_reason
 from infer.models.load import load_model
 from infer.models.loader.fetch import fetch_model
 from infer.models.loader.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -27,10 +28,10 @@ def tokenizer(request) -> Tokenizer:
 def stream_text(
     tokenizer: Tokenizer, token_ids: list[int], params: SamplingParams
 ) -> tuple[list[str], str | None]:
-    checker = StopChecker(params, eos_token_ids=set(), detokenizer=IncrementalDetokenizer(tokenizer))
+    checker = StopChecker(params, IncrementalDetokenizer(tokenizer))
     deltas, finish_reason = [], None
-    for token_id in token_ids:
-        text, finish_reason = checker.push(token_id)
+    for num_generated, token_id in enumerate(token_ids, 1):
+        text, finish_reason = checker.push(token_id, token_finish_reason(params, (), num_generated, token_id))
         deltas.append(text)
         if finish_reason is not None:
             break
@@ -83,10 +84,16 @@ def test_qwen_chat_stops_at_im_end_even_though_eos_token_is_endoftext(qwen_style
     eos_token_ids = eos_token_ids_of(loaded)
     im_end, endoftext = loaded.tokenizer.token_id("<|im_end|>"), loaded.tokenizer.token_id("<|endoftext|>")
     assert {im_end, endoftext} <= eos_token_ids
-    # The stop loop honours the set: a stream ends on <|im_end|> and shows none of its text.
-    checker = StopChecker(SamplingParams(), eos_token_ids, IncrementalDetokenizer(loaded.tokenizer))
+    # The stop rules honour the set: a stream ends on <|im_end|> and shows none of its text.
+    params = SamplingParams()
+    stop_token_ids = stop_token_ids_of(params, eos_token_ids)
+    checker = StopChecker(params, IncrementalDetokenizer(loaded.tokenizer))
     hello = loaded.tokenizer.encode("Hi", add_special_tokens=False)
-    assert [checker.push(token) for token in [*hello, im_end]][-1] == ("", "stop")
+    pushed = [
+        checker.push(token, token_finish_reason(params, stop_token_ids, n, token))
+        for n, token in enumerate([*hello, im_end], 1)
+    ]
+    assert pushed[-1] == ("", "stop")
 
 
 def test_stop_string_across_tokens_in_a_real_generation(smollm2):

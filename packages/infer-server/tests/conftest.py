@@ -78,13 +78,31 @@ def make_engine(smollm2_loaded):
 
 
 @pytest.fixture(scope="session")
-def start_server(make_engine):
-    """start_server(drain_timeout_s=..., limits=..., **EngineConfig fields) -> a RunningServer,
-    healthy; stopped at the end of the session unless the test stops it first."""
+def spawn_engine():
+    """spawn_engine(client_options=None, **EngineConfig fields) -> an Engine whose core runs in a
+    child process of its own (`Engine.spawn`, `infer serve`'s default), which loads SmolLM2
+    there; `client_options` go to its ProcClient."""
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+
+    def spawn(*, client_options: dict | None = None, **config):
+        config = {"model": SERVED_MODEL, "max_seq_len": 512, **config}
+        return Engine.spawn(EngineConfig(**config), **(client_options or {}))
+
+    return spawn
+
+
+@pytest.fixture(scope="session")
+def start_server(make_engine, spawn_engine):
+    """start_server(drain_timeout_s=..., limits=..., engine_process=False, **EngineConfig fields)
+    -> a RunningServer, healthy; stopped at the end of the session unless the test stops it
+    first. `engine_process`: the engine core in a child process (as `infer serve` runs it), not
+    in the server's process."""
     started = []
 
-    def start(*, drain_timeout_s: float = 30.0, limits=None, **config) -> RunningServer:
-        running = RunningServer(make_engine(**config), drain_timeout_s=drain_timeout_s, limits=limits)
+    def start(*, drain_timeout_s: float = 30.0, limits=None, engine_process: bool = False, **config):
+        engine = spawn_engine(**config) if engine_process else make_engine(**config)
+        running = RunningServer(engine, drain_timeout_s=drain_timeout_s, limits=limits)
         started.append(running)
         return running
 

@@ -1,5 +1,7 @@
 """A client that hangs up aborts its request, streaming or not: the engine stops generating for
-it within a step, its KV blocks are freed, it is counted as a disconnect, and others still finish."""
+it within a step, its KV blocks are freed, it is counted as a disconnect, and others still finish;
+with the engine core in the server's process and in a process of its own (`infer serve`'s
+default)."""
 
 import socket
 import time
@@ -16,10 +18,17 @@ def wait_until(condition, timeout_s: float = 20.0, what: str = "condition") -> N
         time.sleep(0.02)
 
 
+@pytest.fixture(scope="module", params=["in_process", "engine_process"])
+def server(request, start_server):
+    running = start_server(max_batch_size=4, engine_process=request.param == "engine_process")
+    yield running
+    running.stop()
+
+
 def engine_idle(server) -> bool:
+    # The core's own statistics, sent with its steps (from a child process too).
     stats = server.engine.stats()
-    pool = server.engine.kv_pool
-    return stats.num_running == stats.num_waiting == 0 and pool.allocator.num_used == 0
+    return stats.num_running == stats.num_waiting == stats.kv_bytes_used == 0
 
 
 def long_request(server, stream: bool) -> dict:

@@ -65,4 +65,4 @@ def test_gauges_show_an_idle_engine_and_its_kv_pool(server):
     samples = scrape(server)
     assert samples["infer_requests_running"] == samples["infer_requests_waiting"] == 0
     assert samples["infer_kv_cache_usage_ratio"] == 0
-    assert samples["infer_kv_cache_total_bytes"] == server.engine.kv_pool.kv_bytes
+    assert samples["infer_kv_cache_total_bytes"] == server.engine.core.kv_pool.kv_bytes

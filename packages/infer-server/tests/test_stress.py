@@ -53,8 +53,8 @@ def test_many_clients_with_random_hang_ups_leave_nothing_behind(server):
     while engine.stats().num_running or engine.stats().num_waiting or server.state.engine_loop.num_live:
         assert time.monotonic() < deadline, f"not idle after the load: {engine.stats()}"
         time.sleep(0.05)
-    assert engine.kv_pool.allocator.num_used == 0, "a KV block leaked"
-    assert engine.kv_pool.allocator.audit([]) == []
+    assert engine.core.kv_pool.allocator.num_used == 0, "a KV block leaked"
+    assert engine.core.kv_pool.allocator.audit([]) == []
     assert metrics.queue_depth.value() == 0
     # A hang-up after the answer was complete aborts nothing, so it is not counted.
     assert metrics.client_disconnects_total.value() - disconnects_before <= len(hung_up)

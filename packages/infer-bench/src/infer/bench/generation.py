@@ -118,7 +118,7 @@ def random_prompt(loaded, num_tokens: int, *, seed: int) -> list[int]:
 def time_generation(
     engine: Engine, prompt_ids: list[int], params: SamplingParams
 ) -> tuple[GenerationTiming, list[int]]:
-    _synchronize(engine.device)
+    _synchronize(engine.core.device)
     start = time.perf_counter()
     chunks = stream(engine, prompt_ids, params)
     token_ids = [next(chunks).token_id]
@@ -198,7 +198,7 @@ class PeakMemoryProbe:
 def memory_split(model: torch.nn.Module, engine: Engine, probe: dict, device) -> dict:
     tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
     weights = sum(t.numel() * t.element_size() for t in tensors.values())
-    kv = engine.kv_pool.kv_bytes
+    kv = engine.core.kv_pool.kv_bytes
     if device.type == "cuda":
         method = "torch.cuda.max_memory_allocated; other = peak - weights - KV"
         other = probe["peak_bytes"] - weights - kv

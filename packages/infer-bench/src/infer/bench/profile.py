@@ -30,7 +30,7 @@ PREFILL = "infer.prefill"
 
 def run_profile(args: argparse.Namespace) -> int:
     loaded, engine = load_engine(args)
-    on_cuda = engine.device.type == "cuda"
+    on_cuda = engine.core.device.type == "cuda"
     prompt_ids = random_prompt(loaded, args.prompt_tokens, seed=0)
     params = SamplingParams(temperature=0, max_new_tokens=args.gen_tokens, ignore_eos=True)
     generate(engine, prompt_ids, params)  # warm-up, outside the trace

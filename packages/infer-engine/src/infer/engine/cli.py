@@ -156,7 +156,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(
         f"[{num_tokens} tokens, finish {finish_reason}; prompt {len(prompt_ids)} tokens in {prefill_s:.3f} s "
         f"({len(prompt_ids) / prefill_s:.0f} tokens/s); decode {decode_rate}; "
-        f"{'CUDA graphs' if engine.config.use_cuda_graphs else 'eager'}, {engine.device}, "
+        f"{'CUDA graphs' if engine.config.use_cuda_graphs else 'eager'}, {engine.core.device}, "
         f"{next(loaded.model.parameters()).dtype}]",
         file=sys.stderr,
     )

@@ -1,4 +1,4 @@
-"""One request's life in the engine, and what each step reports about it.
+"""One request's life in the engine core.
 
     WAITING ---admitted---> RUNNING ---last token, or abort---> FINISHED
        |                    |   ^  |
@@ -15,16 +15,18 @@ computes a request's last known token samples the next one: from the scheduling 
 until the runner's output arrives, the token is pending (counted in `num_tokens`, its id not yet
 in `output_ids`). With async scheduling the next step is scheduled, and can feed the pending
 token back, before its id is known. A waiting or
-preempted request is FINISHED by an abort too. FINISHED carries finish_reason "stop" (EOS, a stop
-token id, a stop string), "length" (max_new_tokens) or "abort"; FAILED carries the error of the
-forward that raised.
+preempted request is FINISHED by an abort too. FINISHED carries a FinishReason: STOP (EOS or a stop
+token id), LENGTH (max_new_tokens) or ABORT; FAILED carries the error of the forward that raised.
 """
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from infer.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from infer.engine.protocol import FinishReason
 
 FINISH_ABORT = "abort"
 
@@ -57,8 +59,8 @@ class RequestState(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """The scheduler owns the counters and block ids; the engine owns the per-request objects
-    (stop_checker, generator) and sets state, finish_reason and error when a request ends."""
+    """The scheduler owns the counters and block ids; the engine core sets stop_token_ids, and
+    state, finish_reason and error when a request ends."""
 
     request_id: str
     prompt_ids: list[int]
@@ -80,11 +82,12 @@ class Request:
     admitted_step: int | None = None
     # The last step that gave this request a token (prefill completion or decode): decode fairness.
     last_served_step: int | None = None
-    finish_reason: str | None = None
+    finish_reason: "FinishReason | None" = None
     error: str | None = None
-    # Set by the engine: the StopChecker (owns the detokenizer). The request's torch.Generator
-    # lives in the runner's InputBatch, made from NewRequest.generator_seed.
-    stop_checker: Any = None
+    # Set by the engine core: the token ids that end this request (its stop_token_ids, and the
+    # model's EOS set unless ignore_eos). The request's torch.Generator lives in the runner's
+    # InputBatch, made from NewRequest.generator_seed.
+    stop_token_ids: frozenset[int] = frozenset()
     # time.monotonic() at add_request, and at the first step that scheduled the request: its
     # queue time (set by the engine; the scheduler keeps no clock).
     arrival_s: float = 0.0
@@ -126,23 +129,3 @@ class Request:
             f"pending={self.num_pending_tokens}, "
             f"blocks={len(self.block_ids)})"
         )
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """One new token of one request (or its final word: an abort or a failure carries no token)."""
-
-    request_id: str
-    token_id: int | None
-    # Text this token releases; "" while a multi-byte character or a possible stop string is pending.
-    text_delta: str
-    finished: bool
-    # "stop" | "length" | "abort" when finished normally; None while running and on failure.
-    finish_reason: str | None
-    # Set when the request FAILED: what went wrong in its batch's forward.
-    error: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    # On a request's first token: seconds from add_request to the step that first scheduled it.
-    # A measurement, not part of what was generated: outputs compare equal without it.
-    queue_time_s: float | None = field(default=None, compare=False)

@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 
 from infer.engine.decision import NewRequest, RunnerOutput, RunningRequest, ScheduleDecision
 from infer.engine.kv_manager import KVCacheManager
-from infer.engine.request import QueueFullError, Request, RequestState, RequestTooLongError
+from infer.engine.protocol import check_fits
+from infer.engine.request import QueueFullError, Request, RequestState
 from infer.engine.scheduling_policy import ADMIT, policy_named
 
 
@@ -189,19 +190,8 @@ class Scheduler:
 
     def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
         """Raises RequestTooLongError when such a request could never run, whatever the load."""
-        total = num_prompt_tokens + max_new_tokens
-        if total > self.max_seq_len:
-            raise RequestTooLongError(
-                f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
-                f"max_seq_len ({self.max_seq_len}); shorten the prompt or lower max_new_tokens"
-            )
-        num_blocks = self.kv_manager.blocks_for_tokens(total)
-        if num_blocks > self.kv_manager.num_blocks:
-            raise RequestTooLongError(
-                f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} needs "
-                f"{num_blocks} KV blocks of {self.kv_manager.block_size} tokens but the whole pool has "
-                f"{self.kv_manager.num_blocks}; shorten the request or build a larger pool"
-            )
+        kv = self.kv_manager
+        check_fits(num_prompt_tokens, max_new_tokens, self.max_seq_len, kv.block_size, kv.num_blocks)
 
     # -- changes ----------------------------------------------------------------------------
 

@@ -1,15 +1,18 @@
 """When a request ends, and which text it may show before it does.
 
-`StopStringMatcher` works on text alone: stop strings may span several tokens, so it holds back
-the longest tail of the pending text that could still grow into a stop string, and never emits
-the stop string or anything after it. `StopChecker` runs one request's generated tokens through
-its detokenizer and the matcher, and decides the finish reason: "stop" (an EOS token, a stop
-token id, a stop string) or "length" (max_new_tokens).
+The rules are split where the process boundary is: the core decides on token ids alone
+(`token_finish_reason`: an EOS token or a stop token id, or max_new_tokens), the frontend on text
+(`StopChecker`: the detokenizer's text through `StopStringMatcher`, which works on text alone:
+stop strings may span several tokens, so it holds back the longest tail of the pending text
+that could still grow into a stop string, and never emits the stop string or anything after
+it). A stop string found by the frontend ends the request there, and the frontend aborts it in
+the core.
 """
 
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
+from infer.engine.protocol import FinishReason
 from infer.engine.sampling_params import SamplingParams
 
 FINISH_STOP = "stop"
@@ -71,41 +74,59 @@ class Detokenizer(Protocol):
     def flush(self) -> str: ...
 
 
-class StopChecker:
-    """One request's stop rules, applied token by token in the order they were generated."""
+def stop_token_ids_of(params: SamplingParams, eos_token_ids: Collection[int]) -> frozenset[int]:
+    """The ids that end a request: its own stop_token_ids, and the model's EOS set unless
+    ignore_eos (which never ignores the request's own stop_token_ids)."""
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
 
-    def __init__(self, params: SamplingParams, eos_token_ids: Collection[int], detokenizer: Detokenizer):
+
+def token_finish_reason(
+    params: SamplingParams, stop_token_ids: Collection[int], num_generated: int, token_id: int
+) -> FinishReason | None:
+    """The core's stop rules for the `num_generated`-th token (1-based): a stop token ends the
+    request once min_tokens are out (the sampler keeps them out until then), max_new_tokens ends
+    it at length. Stop strings are text: the frontend's StopChecker looks for them."""
+    if num_generated > params.min_tokens and token_id in stop_token_ids:
+        return FinishReason.STOP
+    if num_generated >= params.max_new_tokens:
+        return FinishReason.LENGTH
+    return None
+
+
+class StopChecker:
+    """One request's text, token by token in the order they were generated: the detokenizer's
+    text through the stop-string matcher, and the finish reason the text decides. `push` takes
+    the core's verdict on the same token (`token_finish_reason`): STOP means the token is a stop
+    token, whose own text is never shown; LENGTH means it is the last one."""
+
+    def __init__(self, params: SamplingParams, detokenizer: Detokenizer):
         self.params = params
-        # ignore_eos ignores the model's EOS set, never the request's own stop_token_ids.
-        self.stop_token_ids = set(params.stop_token_ids) | (
-            set() if params.ignore_eos else set(eos_token_ids)
-        )
         self.detokenizer = detokenizer
         self.matcher = StopStringMatcher(params.stop)
         self.num_generated = 0
         self.finish_reason: str | None = None
 
-    def push(self, token_id: int) -> tuple[str, str | None]:
+    def push(self, token_id: int, core_finish: FinishReason | None = None) -> tuple[str, str | None]:
         """Returns (text to emit for this token, finish reason or None while the request goes on)."""
         if self.finish_reason is not None:
             raise RuntimeError(f"token {token_id} pushed after the request finished ({self.finish_reason})")
         self.num_generated += 1
+        if core_finish is FinishReason.STOP:
+            # Text held for a stop string is released (or completes one).
+            return self._finish(FINISH_STOP, tail=self.detokenizer.flush())
         if self.num_generated <= self.params.min_tokens:
-            # No stop yet (the sampler keeps stop tokens out until then); the text goes out as it
-            # comes, and stop strings are looked for from the next token on.
+            # Stop strings are looked for from the token after min_tokens on; the text goes out
+            # as it comes.
             text = self.detokenizer.push(token_id)
-            if self.num_generated >= self.params.max_new_tokens:
+            if core_finish is FinishReason.LENGTH:
                 self.finish_reason = FINISH_LENGTH
                 return text + self.detokenizer.flush(), FINISH_LENGTH
             return text, None
-        if token_id in self.stop_token_ids:
-            # The stop token's own text is never shown; text held for a stop string is released.
-            return self._finish(FINISH_STOP, tail=self.detokenizer.flush())
         emitted, stopped = self.matcher.push(self.detokenizer.push(token_id))
         if stopped:
             self.finish_reason = FINISH_STOP
             return emitted, FINISH_STOP
-        if self.num_generated >= self.params.max_new_tokens:
+        if core_finish is FinishReason.LENGTH:
             text, reason = self._finish(FINISH_LENGTH, tail=self.detokenizer.flush())
             return emitted + text, reason
         return emitted, None

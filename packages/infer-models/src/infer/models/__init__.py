@@ -26,7 +26,7 @@ from infer.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, 
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
 from infer.models.gemma3 import Gemma3ForCausalLM
 from infer.models.llama import LlamaForCausalLM
-from infer.models.load import LoadedModel, load_causal_lm, load_model
+from infer.models.load import LoadedModel, ModelInfo, load_causal_lm, load_model, load_model_info
 from infer.models.loader.fetch import (
     DEFAULT_MODEL,
     KNOWN_MODELS,
@@ -67,6 +67,7 @@ __all__ = [
     "LoadedModel",
     "ModelConfig",
     "ModelFolderError",
+    "ModelInfo",
     "Qwen3ForCausalLM",
     "RopeConfig",
     "Tokenizer",
@@ -83,6 +84,7 @@ __all__ = [
     "list_cached_models",
     "load_causal_lm",
     "load_model",
+    "load_model_info",
     "load_weights",
     "make_random_checkpoint",
     "models_dir",

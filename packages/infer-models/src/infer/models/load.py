@@ -15,6 +15,20 @@ from infer.models.registry import architecture_for
 
 
 @dataclass
+class ModelInfo:
+    """What a frontend needs of a model without its weights: the tokenizer, the chat template,
+    the config (context length, vocabulary) and the folder (EOS declarations)."""
+
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    config: ModelConfig
+    path: Path
+    # Whether the checkpoint ships a chat template of its own (instruction-tuned models do; a
+    # base model does not, and `chat_template` is then only its family's).
+    ships_chat_template: bool = True
+
+
+@dataclass
 class LoadedModel:
     model: CausalLM
     tokenizer: Tokenizer
@@ -24,6 +38,10 @@ class LoadedModel:
     # Whether the checkpoint ships a chat template of its own (instruction-tuned models do; a
     # base model does not, and `chat_template` is then only its family's).
     ships_chat_template: bool = True
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(self.tokenizer, self.chat_template, self.config, self.path, self.ships_chat_template)
 
 
 def load_causal_lm(
@@ -49,19 +67,37 @@ def load_causal_lm(
     return model.eval()
 
 
+def load_model_info(path_or_alias: str | Path) -> ModelInfo:
+    """Resolves an alias (or takes a folder) and reads the tokenizer, chat template and config,
+    not the weights."""
+    folder = fetch_model(path_or_alias)
+    return _model_info(folder, ModelConfig.from_file(folder))
+
+
 def load_model(
     path_or_alias: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
 ) -> LoadedModel:
     """Resolves an alias (or takes a folder), loads the weights, the tokenizer and the chat template."""
     folder = fetch_model(path_or_alias)
     model = load_causal_lm(folder, dtype=dtype, device=device)
-    tokenizer_config = read_tokenizer_config(folder)
-    family = detect_family(tokenizer_config, model.config.model_type)
+    info = _model_info(folder, model.config)
     return LoadedModel(
         model=model,
+        tokenizer=info.tokenizer,
+        chat_template=info.chat_template,
+        config=info.config,
+        path=folder,
+        ships_chat_template=info.ships_chat_template,
+    )
+
+
+def _model_info(folder: Path, config: ModelConfig) -> ModelInfo:
+    tokenizer_config = read_tokenizer_config(folder)
+    family = detect_family(tokenizer_config, config.model_type)
+    return ModelInfo(
         tokenizer=Tokenizer(folder),
         chat_template=chat_template_for(family),
-        config=model.config,
+        config=config,
         path=folder,
         ships_chat_template=bool(tokenizer_config.get("chat_template")),
     )

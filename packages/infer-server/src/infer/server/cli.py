@@ -8,6 +8,7 @@ infer bench generate | serve | matrix | hf-baseline, infer profile
 """
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import logging
@@ -88,8 +89,12 @@ def serve_main(argv: list[str] | None = None) -> int:
     except OSError as error:
         print(f"infer serve: cannot listen on {args.host}:{args.port}: {error.strerror}", file=sys.stderr)
         return 2
+    if args.engine_in_process:
+        engine_factory = functools.partial(Engine, config)
+    else:
+        engine_factory = functools.partial(Engine.spawn, config, unresponsive_timeout_s=args.engine_timeout_s)
     server = build_server(
-        lambda: Engine(config),
+        engine_factory,
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name or config.model,
@@ -104,6 +109,7 @@ def serve_main(argv: list[str] | None = None) -> int:
 
 def build_serve_parser() -> argparse.ArgumentParser:
     from infer.engine.config import add_cli_arguments
+    from infer.engine.engine_process import DEFAULT_UNRESPONSIVE_TIMEOUT_S
     from infer.server.limits import DEFAULT_MAX_REQUEST_BYTES
     from infer.server.serve import DEFAULT_DRAIN_TIMEOUT_S
 
@@ -134,6 +140,19 @@ def build_serve_parser() -> argparse.ArgumentParser:
         default=None,
         help="most characters of one prompt; longer ones get 413 before tokenizing (default: "
         "max_seq_len x the longest token, the most that could ever fit the context)",
+    )
+    parser.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine core in a thread of the server's process instead of a child process "
+        "of its own (one GIL for both: slower under load; for debugging)",
+    )
+    parser.add_argument(
+        "--engine-timeout-s",
+        type=float,
+        default=DEFAULT_UNRESPONSIVE_TIMEOUT_S,
+        help="the engine process is taken for hung, killed, and the server exits 1 after this long "
+        "without a word from it (default %(default)s)",
     )
     parser.add_argument(
         "--log-level",

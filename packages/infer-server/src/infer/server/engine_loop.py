@@ -1,16 +1,17 @@
-"""The one thread that drives the engine, and the channel from it to each request's HTTP handler.
+"""The one thread that reads the engine's steps, and the channel from it to each request's HTTP handler.
 
-The engine is synchronous: `Engine.step()` runs one scheduler iteration and returns a StepOutput
-per new token. `EngineLoop` calls it in a loop on a dedicated thread, so a forward never blocks
-the asyncio event loop. Requests and aborts go in through the engine's own inbox
-(`Engine.add_request` / `Engine.abort` only validate and append under a lock; the next `step()`,
-on this thread, takes them in), so the scheduler, the KV pool and the requests are touched by
-this thread alone. Outputs come back once per step through `loop.call_soon_threadsafe`, and
-`_dispatch` (on the event loop) puts each into its request's `RequestHandle`.
+`Engine.step(wait_s)` returns the StepOutputs of the core's next step (one per new token), with
+the text already made by the engine's output processor. `EngineLoop` calls it in a loop on a
+dedicated thread, so neither a forward (a core in this process) nor detokenizing blocks the
+asyncio event loop. With the core in a child process (`Engine.spawn`, `infer serve`'s default)
+this thread only reads what the core sent and makes text, while the core steps on by itself.
+Requests and aborts go in through `Engine.add_request` / `Engine.abort`, which only check and
+send. Outputs come back once per step through `loop.call_soon_threadsafe`, and `_dispatch` (on
+the event loop) puts each into its request's `RequestHandle`.
 
 The metrics of a request (time to first token, inter-token latency, finish reason, token counts)
-are recorded in `_dispatch` from the step's own timestamp; the gauges (running, waiting, KV use)
-from `engine.stats()` after every step.
+are recorded in `_dispatch` from the step's arrival time; the gauges (running, waiting, KV use)
+from the statistics the core sends with every step.
 """
 
 import asyncio
@@ -18,15 +19,16 @@ import logging
 import threading
 import time
 
-from infer.engine.request import StepOutput
+from infer.engine.client import EngineDeadError
+from infer.engine.output_processor import StepOutput
 from infer.engine.sampling_params import SamplingParams
 from infer.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-# How long the idle thread sleeps between checks; `submit` and `abort` wake it at once, so this
+# How long one read waits for a step when the core is idle; new work wakes it at once, so this
 # only bounds how late a stop request is noticed.
-IDLE_WAIT_S = 0.5
+IDLE_WAIT_S = 0.1
 # Reported as the finish reason of a request whose batch failed in the engine.
 FINISH_ERROR = "error"
 
@@ -42,6 +44,8 @@ class RequestHandle:
         self.done: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
         self.last_token_s: float | None = None
         self.client_gone = False
+        # Set when the request ended because the engine itself failed (not its batch's forward).
+        self.engine_failed = False
 
     @property
     def finished(self) -> bool:
@@ -56,7 +60,6 @@ class EngineLoop:
         self.metrics = metrics
         self._loop = loop
         self._handles: dict[str, RequestHandle] = {}
-        self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="infer-engine-loop", daemon=True)
         # Set (on the event loop) when step() itself raised: the engine's state is unknown, so
@@ -69,8 +72,8 @@ class EngineLoop:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping.set()
-        self._wake.set()
         self._thread.join(timeout_s)
+        self.engine.shutdown()
 
     @property
     def num_live(self) -> int:
@@ -84,7 +87,6 @@ class EngineLoop:
         self.engine.add_request(prompt_ids, params, request_id=request_id)
         self._handles[request_id] = handle
         self.metrics.queue_depth.set(len(self._handles))
-        self._wake.set()
         return handle
 
     def abort(self, handle: RequestHandle, *, client_gone: bool) -> None:
@@ -96,7 +98,6 @@ class EngineLoop:
             handle.client_gone = True
             self.metrics.client_disconnects_total.inc()
         self.engine.abort(handle.request_id)
-        self._wake.set()
 
     def abort_all(self) -> int:
         """Aborts every live request (the end of a drain); returns how many."""
@@ -109,13 +110,12 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            # Cleared before asking for work: a submit between the two calls sets it again.
-            self._wake.clear()
-            if not self.engine.has_work():
-                self._wake.wait(IDLE_WAIT_S)
-                continue
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(wait_s=IDLE_WAIT_S)
+            except EngineDeadError as error:  # its process died or hung: reported by /health
+                logger.info("the engine is gone (%s); the server stops serving", error)
+                self._call_soon(self._fail_all, str(error))
+                return
             except Exception as error:  # noqa: BLE001 - reported to every waiting request, then stop
                 logger.exception("engine step failed; the server stops serving")
                 self._call_soon(self._fail_all, f"{type(error).__name__}: {error}")
@@ -170,5 +170,7 @@ class EngineLoop:
 
     def _fail_all(self, message: str) -> None:
         self.failure = message
+        for handle in self._handles.values():
+            handle.engine_failed = True
         finals = [StepOutput(request_id, None, "", True, None, message, 0, 0) for request_id in self._handles]
         self._dispatch(finals, time.monotonic())

@@ -139,6 +139,13 @@ def cancelled_by_server() -> ApiError:
     )
 
 
+def engine_unavailable(what: str) -> ApiError:
+    """The engine (its process) died or stopped answering while the request ran: the server
+    cannot answer it, and will exit for its supervisor to restart it."""
+    message = f"the engine stopped before this request finished: {_shorten(what)}"
+    return ApiError(503, message, SERVER_ERROR, None, "engine_failed")
+
+
 def internal_error(what: str) -> ApiError:
     return ApiError(500, f"internal server error: {what}", SERVER_ERROR, None, "internal_error")
 

@@ -21,13 +21,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from infer.engine.request import (
-    FINISH_ABORT,
-    InvalidParamError,
-    QueueFullError,
-    RequestTooLongError,
-    StepOutput,
-)
+from infer.engine.output_processor import StepOutput
+from infer.engine.request import FINISH_ABORT, InvalidParamError, QueueFullError, RequestTooLongError
 from infer.engine.sampling_params import SamplingParams
 from infer.server import errors, responses
 from infer.server.chat_output import ChatOutputParser, ChatPiece, ContentPiece, ReasoningPiece, finish_reason
@@ -145,10 +140,8 @@ async def collect(
     for handle in handles:
         outputs = [handle.outputs.get_nowait() for _ in range(handle.outputs.qsize())]
         final = outputs[-1]
-        if final.error is not None:
-            raise errors.internal_error(final.error)
-        if final.finish_reason == FINISH_ABORT:  # the client is still here: the server cancelled it
-            raise errors.cancelled_by_server()
+        if final.error is not None or final.finish_reason == FINISH_ABORT:
+            raise _unfinished(handle, final)
         collected.append(
             Collected(
                 text="".join(output.text_delta for output in outputs),
@@ -263,7 +256,7 @@ async def choice_events(
             yield piece_event(output.text_delta, pending_ids)
             pending_ids = []
     if output.error is not None or output.finish_reason == FINISH_ABORT:
-        raise _Unfinished(_unfinished(output))
+        raise _Unfinished(_unfinished(handle, output))
     yield stream.finish(output.finish_reason, output.text_delta, pending_ids)
 
 
@@ -287,7 +280,7 @@ async def parsed_choice_events(
             num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
             pending_ids = []
     if output.error is not None or output.finish_reason == FINISH_ABORT:
-        raise _Unfinished(_unfinished(output))
+        raise _Unfinished(_unfinished(handle, output))
     for piece in chat_output.feed(output.text_delta) + chat_output.finish():
         yield _piece_event(stream, piece, num_calls_sent, pending_ids)
         num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
@@ -295,10 +288,15 @@ async def parsed_choice_events(
     yield stream.finish(finish_reason(output.finish_reason, chat_output.num_tool_calls), "", pending_ids)
 
 
-def _unfinished(output: StepOutput) -> ApiError:
-    """Why a stream ends without an answer: the engine failed, or the server cancelled it (a
-    client that went away reads no more events)."""
-    return errors.internal_error(output.error) if output.error is not None else errors.cancelled_by_server()
+def _unfinished(handle: RequestHandle, final: StepOutput) -> ApiError:
+    """Why a choice ends without an answer: the engine died (503: retry once it is back), its
+    batch's forward failed (500), or the server cancelled it (503; a client that went away reads
+    no more events)."""
+    if handle.engine_failed:
+        return errors.engine_unavailable(final.error or "")
+    if final.error is not None:
+        return errors.internal_error(final.error)
+    return errors.cancelled_by_server()
 
 
 def _piece_event(stream: ChatStream, piece: ChatPiece, call_index: int, token_ids: list[int]) -> bytes:

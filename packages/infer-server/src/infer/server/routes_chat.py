@@ -51,7 +51,7 @@ async def create_chat_completion(request: Request) -> Response:
     engine_loop = server.require_ready()
     server.check_model(body.model)
     tools = chat_tools.tool_use(body)
-    family = server.engine.loaded.chat_template.family
+    family = server.engine.model_info.chat_template.family
     tool_format = tool_call_format(family) if tools is not None else None
     call_prefix = tools.call_prefix(tool_format) if tools is not None else ""
     prompt = await run_in_threadpool(_render, server, body, tools)
@@ -142,7 +142,7 @@ def _render(server: ServerState, body: ChatCompletionRequest, tools: chat_tools.
             "chat_template_kwargs",
             "invalid_value",
         )
-    template = server.engine.loaded.chat_template
+    template = server.engine.model_info.chat_template
     try:
         return template.render(
             body.template_messages(),

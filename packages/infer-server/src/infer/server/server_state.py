@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from functools import cached_property
 
+from infer.engine.engine_process import EngineStartError
 from infer.server import errors
 from infer.server.engine_loop import EngineLoop
 from infer.server.errors import ApiError
@@ -64,9 +65,9 @@ class ServerState:
             return
         if task.exception() is not None:
             error = task.exception()
-            # A bad value or a missing file is the user's to fix and its message says how; a
-            # traceback is for everything else.
-            if not isinstance(error, ValueError | OSError):
+            # A bad value or a missing file is the user's to fix and its message says how; an
+            # engine process that failed says why itself; a traceback is for everything else.
+            if not isinstance(error, ValueError | OSError | EngineStartError):
                 logger.error("loading the engine failed", exc_info=error)
             self.phase, self.failure = FAILED, f"loading the model failed: {type(error).__name__}: {error}"
             return

@@ -34,10 +34,12 @@ DEFAULT_SERVER_COMMAND = f"{sys.executable} -m infer.server.cli serve"
 
 @dataclass(frozen=True)
 class ConfigRow:
-    """One server configuration: a name and the EngineConfig fields it sets."""
+    """One server configuration: a name, the EngineConfig fields it sets, and `infer serve`
+    flags beyond the engine's."""
 
     name: str
     engine_settings: dict
+    server_args: tuple[str, ...] = ()
 
 
 # The first design document's baseline matrix (static, +continuous, +paged, +chunked), then the
@@ -66,6 +68,13 @@ MATRIX_ROWS = (
     ConfigRow(
         "paged-chunked-cuda_graphs-async",
         {**_PAGED_CHUNKED, "use_cuda_graphs": True, "async_scheduling": True},
+    ),
+    # The same with the engine core in the server's process (a thread), as before it had one of
+    # its own: the baseline of the process split.
+    ConfigRow(
+        "paged-chunked-cuda_graphs-async-in_process",
+        {**_PAGED_CHUNKED, "use_cuda_graphs": True, "async_scheduling": True},
+        ("--engine-in-process",),
     ),
 )
 
@@ -185,7 +194,7 @@ def run_matrix(
         command = [
             *shlex.split(server_command),
             "--engine-config", str(config_path), "--host", "127.0.0.1", "--port", str(port),
-            *(extra_server_args or []),
+            *row.server_args, *(extra_server_args or []),
         ]  # fmt: skip
         try:
             with server_process(

@@ -1,0 +1,339 @@
+"""EngineCore: token ids in, token ids out, one scheduler iteration per `step()`.
+
+Single-threaded and lock-free: whoever owns a core calls `add`, `abort` and `step` from one
+thread (`infer.engine.client` puts it in the frontend's thread or in a child process). It knows
+no text: requests come tokenized (`EngineRequest`), and each step answers `EngineOutputs`, the
+new token ids of every request that got some, the requests that ended and why, and the core's
+statistics. Stop strings are the frontend's; the token rules (EOS, stop token ids,
+max_new_tokens) are the core's (`infer.engine.stop.token_finish_reason`).
+
+A step: ask the scheduler for a decision (`infer.engine.decision`), launch every scheduled token
+in one forward (`ModelRunner.launch`), collect the sampled tokens (`ModelRunner.collect`), apply
+the token rules, then retire whatever finished. With `async_scheduling` a step collects the
+previous step's tokens instead of its own, after launching its own: the device runs step k while
+the host applies step k-1's tokens and schedules step k + 1. A request that stops on a token is
+then already scheduled once more; that step's token for it is dropped. A forward that raises
+fails only the requests of its step (FinishReason.ERROR, error set, blocks freed); the core goes
+on. A request the core refuses (too long, queue full, bad ids) ends the same way in the next step.
+"""
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from infer.cache import KVCacheShape, PagedKVPool, kv_budget_from_free_memory, num_blocks_for_memory
+from infer.engine.config import EngineConfig, EngineConfigError, resolve_device, resolve_dtype
+from infer.engine.eos import eos_token_ids_of
+from infer.engine.kv_manager import KVCacheManager
+from infer.engine.protocol import (
+    CoreLimits,
+    EngineOutput,
+    EngineOutputs,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+)
+from infer.engine.request import Request, RequestState
+from infer.engine.runner import ModelRunner
+from infer.engine.scheduler import Scheduler
+from infer.engine.stop import stop_token_ids_of, token_finish_reason
+
+logger = logging.getLogger(__name__)
+
+# The default max_seq_len when the config gives none: the model's context, at most this, so the
+# default pool (room for max_batch_size sequences of max_seq_len) stays small for small models.
+DEFAULT_MAX_SEQ_LEN_CAP = 4096
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded_model=None):
+        """`loaded_model`: an infer.models.LoadedModel; None loads config.model (its dtype and
+        device then come from the config; a given model keeps its own)."""
+        self.config = config
+        if loaded_model is None:
+            from infer.models.load import load_model
+
+            device = resolve_device(config.device)
+            loaded_model = load_model(config.model, dtype=resolve_dtype(config.dtype, device), device=device)
+        else:
+            logger.info(
+                "engine uses the given model from %s; config.model/dtype/device are not used",
+                loaded_model.path,
+            )
+        # Kept for the frontend that shares this process (its tokenizer and template); the core
+        # itself reads only the model and the folder's EOS declarations.
+        self.loaded = loaded_model
+        model = loaded_model.model
+        self.device = next(model.parameters()).device
+        self.max_seq_len = _resolve_max_seq_len(config, model.config.max_position_embeddings)
+        self.kv_pool = _build_kv_pool(config, model, self.max_seq_len, self.device)
+        logger.info(
+            "KV pool: %d blocks of %d tokens (%.1f MiB)",
+            self.kv_pool.num_blocks,
+            self.kv_pool.block_size,
+            self.kv_pool.kv_bytes / 2**20,
+        )
+        self.scheduler = Scheduler.from_engine_config(
+            config,
+            kv_manager=KVCacheManager(self.kv_pool.allocator, self.kv_pool.block_size),
+            max_seq_len=self.max_seq_len,
+        )
+        if config.use_cuda_graphs and self.device.type != "cuda":
+            raise EngineConfigError(
+                f"use_cuda_graphs=True needs a CUDA device, the model is on {self.device}"
+            )
+        eos_token_ids = eos_token_ids_of(loaded_model)
+        self.limits = CoreLimits(
+            max_seq_len=self.max_seq_len,
+            block_size=self.kv_pool.block_size,
+            num_blocks=self.kv_pool.num_blocks,
+            max_queue_len=config.max_queue_len,
+            vocab_size=model.config.vocab_size,
+            eos_token_ids=eos_token_ids,
+        )
+        self.runner = ModelRunner(
+            model,
+            self.kv_pool,
+            max_batch_size=config.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            use_cuda_graphs=config.use_cuda_graphs,
+            cuda_graph_mixed_steps=config.cuda_graph_mixed_steps,
+            async_scheduling=config.async_scheduling,
+            eos_token_ids=eos_token_ids,
+        )
+        # At start-up, not on first use: a kernel compile or a graph capture would land on the
+        # latency of whichever request first needs it, and of every request in its step.
+        self.runner.warm_up()
+        if self.runner.graphs is not None:
+            self.runner.graphs.capture_all()
+        # Final outputs decided outside a step (aborts, refusals), sent with the next step's.
+        self._early_outputs: list[EngineOutput] = []
+        # Decisions launched on the runner whose outputs are not collected yet (async scheduling
+        # keeps one).
+        self._launched: deque = deque()
+        self._num_added = 0
+        self._counters = dict.fromkeys(
+            ["num_steps", "prompt_tokens", "generation_tokens", "finished", "aborted", "failed", "preempted"],
+            0,
+        )
+        self._busy_time_s = 0.0
+        # Busy time of the steps that ran prompt tokens (a mixed step counts whole).
+        self._prefill_time_s = 0.0
+
+    # -- what the owner calls -----------------------------------------------------------------
+
+    def add(self, engine_request: EngineRequest) -> None:
+        """Queues a request. One the core cannot take (see CoreLimits.check_request, a full queue,
+        an id in use) ends with FinishReason.ERROR in the next step's outputs."""
+        prompt_ids = list(engine_request.prompt_token_ids)
+        request = Request(
+            engine_request.request_id,
+            prompt_ids,
+            engine_request.sampling,
+            arrival_index=self._num_added,
+            arrival_s=engine_request.arrival_s,
+            stop_token_ids=stop_token_ids_of(engine_request.sampling, self.limits.eos_token_ids),
+        )
+        self._num_added += 1
+        try:
+            self.limits.check_request(prompt_ids, engine_request.sampling)
+            self.scheduler.add(request)
+        except (ValueError, RuntimeError) as error:  # QueueFullError is a RuntimeError
+            logger.info("refused request %s: %s", request.request_id, error)
+            request.error = f"{type(error).__name__}: {error}"
+            self._early_outputs.append(_output(request, [], FinishReason.ERROR))
+
+    def abort(self, request_ids) -> None:
+        """Ends these requests now (their blocks are free at once); each gets a final output
+        (FinishReason.ABORT) with the next step. Ids unknown or finished are ignored."""
+        for request_id in request_ids:
+            request = self.scheduler.finish(request_id)
+            if request is None:
+                continue  # finished in an earlier step, or never here
+            request.state = RequestState.FINISHED
+            request.finish_reason = FinishReason.ABORT
+            self._counters["aborted"] += 1
+            self._early_outputs.append(_output(request, [], FinishReason.ABORT))
+
+    def has_work(self) -> bool:
+        return bool(self._early_outputs) or self.scheduler.has_work() or bool(self._launched)
+
+    def step(self) -> EngineOutputs:
+        """One scheduler iteration: the outputs it produced, in a deterministic order, and the
+        statistics after it. With config.async_scheduling the tokens are those of the previous
+        step: this step is launched on the device first, so that the host's work overlaps it."""
+        started = time.perf_counter()
+        outputs, self._early_outputs = self._early_outputs, []
+        decision = self.scheduler.schedule()
+        self._counters["preempted"] += len(decision.preempted_request_ids)
+        for new_request in decision.new_requests:
+            request = self.scheduler.get(new_request.request_id)
+            if request.first_scheduled_s is None:  # not a preempted request coming back
+                request.first_scheduled_s = time.monotonic()
+        finished: list[str] = []
+        num_prompt_tokens = self._num_prompt_tokens(decision)
+        try:
+            self.runner.launch(decision)
+        except Exception as error:  # noqa: BLE001 - a failed forward fails its step's requests, not the engine
+            outputs += self._fail(decision, error, finished)
+        else:
+            self._launched.append(decision)
+            self._counters["prompt_tokens"] += num_prompt_tokens
+        # Async scheduling leaves the latest step running while it has work; otherwise, and to
+        # drain, every launched step is collected.
+        keep = 1 if self.config.async_scheduling and not decision.is_empty else 0
+        while len(self._launched) > keep:
+            outputs += self._collect(self._launched.popleft(), finished)
+        for request_id in finished:
+            self.scheduler.finish(request_id)
+        if outputs or not decision.is_empty:
+            self._counters["num_steps"] += 1
+            step_time_s = time.perf_counter() - started
+            self._busy_time_s += step_time_s
+            if num_prompt_tokens:
+                self._prefill_time_s += step_time_s
+        return EngineOutputs(outputs, self.stats())
+
+    def stats(self) -> EngineStats:
+        allocator = self.kv_pool.allocator
+        busy, prefill = self._busy_time_s, self._prefill_time_s
+        counters = self._counters
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_usage_ratio=allocator.usage_ratio,
+            kv_bytes_used=allocator.num_used * self.kv_pool.shape.bytes_per_block(),
+            kv_bytes_total=self.kv_pool.kv_bytes,
+            num_steps=counters["num_steps"],
+            num_added=self._num_added,
+            num_prompt_tokens_total=counters["prompt_tokens"],
+            num_generation_tokens_total=counters["generation_tokens"],
+            num_finished=counters["finished"],
+            num_aborted=counters["aborted"],
+            num_failed=counters["failed"],
+            num_preempted=counters["preempted"],
+            busy_time_s=busy,
+            prompt_tokens_per_s=counters["prompt_tokens"] / prefill if prefill else 0.0,
+            generation_tokens_per_s=counters["generation_tokens"] / busy if busy else 0.0,
+        )
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _num_prompt_tokens(self, decision) -> int:
+        """Scheduled tokens that are prompt (or recompute) work: all but decodes of a sampled token."""
+        computed_before = {
+            running.request_id: running.num_computed_tokens for running in decision.running_requests
+        }
+        total = 0
+        for request_id, n in decision.num_scheduled_tokens.items():
+            # A new or resumed request (not in running_requests) computes prompt or recompute work.
+            computed = computed_before.get(request_id, 0)
+            is_decode = n == 1 and computed >= self.scheduler.get(request_id).num_prompt_tokens
+            total += 0 if is_decode else n
+        return total
+
+    def _collect(self, decision, finished: list[str]) -> list[EngineOutput]:
+        """The outputs of a launched step: its tokens through the token rules."""
+        try:
+            runner_output = self.runner.collect()
+        except Exception as error:  # noqa: BLE001 - as a failed launch
+            return self._fail(decision, error, finished)
+        outputs = []
+        for request, token_ids in self.scheduler.update(decision, runner_output):
+            if request.request_id in finished:
+                continue  # it failed or stopped in this step() already
+            outputs.append(self._accept_tokens(request, token_ids, finished))
+        return outputs
+
+    def _accept_tokens(self, request: Request, token_ids: list[int], finished: list[str]) -> EngineOutput:
+        """`token_ids` are already in request.output_ids (Scheduler.update); the token rules
+        decide whether the request ends on one of them (what follows it is dropped)."""
+        first = len(request.output_ids) - len(token_ids)
+        accepted: list[int] = []
+        reason = None
+        for index, token_id in enumerate(token_ids):
+            accepted.append(token_id)
+            reason = token_finish_reason(request.params, request.stop_token_ids, first + index + 1, token_id)
+            if reason is not None:
+                break
+        self._counters["generation_tokens"] += len(accepted)
+        if reason is not None:
+            request.state = RequestState.FINISHED
+            request.finish_reason = reason
+            finished.append(request.request_id)
+            self._counters["finished"] += 1
+        return _output(request, accepted, reason, first_token=first == 0)
+
+    def _fail(self, decision, error: Exception, finished: list[str]) -> list[EngineOutput]:
+        """Fails the decision's requests that are still live."""
+        requests = [
+            request
+            for request_id in decision.scheduled_request_ids
+            if (request := self.scheduler.get(request_id)) is not None and request_id not in finished
+        ]
+        message = f"{type(error).__name__}: {error}"
+        logger.exception("forward failed for %s", [request.request_id for request in requests])
+        outputs = []
+        for request in requests:
+            request.state = RequestState.FAILED
+            request.error = message
+            finished.append(request.request_id)
+            self._counters["failed"] += 1
+            outputs.append(_output(request, [], FinishReason.ERROR))
+        return outputs
+
+
+def _output(
+    request: Request, token_ids: list[int], finish_reason: FinishReason | None, *, first_token: bool = False
+) -> EngineOutput:
+    """The one EngineOutput builder: tokens, a final word, or both."""
+    return EngineOutput(
+        request_id=request.request_id,
+        new_token_ids=token_ids,
+        finish_reason=finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        error=request.error if finish_reason is FinishReason.ERROR else None,
+        # The first token's step scheduled the request before, so the time is known by then.
+        queue_time_s=(
+            request.first_scheduled_s - request.arrival_s
+            if first_token and token_ids and request.first_scheduled_s is not None
+            else None
+        ),
+    )
+
+
+def _resolve_max_seq_len(config: EngineConfig, model_max_positions: int) -> int:
+    if config.max_seq_len is None:
+        return min(model_max_positions, DEFAULT_MAX_SEQ_LEN_CAP)
+    if config.max_seq_len > model_max_positions:
+        raise EngineConfigError(
+            f"max_seq_len ({config.max_seq_len}) exceeds the model's max_position_embeddings "
+            f"({model_max_positions}); lower max_seq_len"
+        )
+    return config.max_seq_len
+
+
+def _build_kv_pool(config: EngineConfig, model, max_seq_len: int, device: torch.device) -> PagedKVPool:
+    """The pool the config asks for: blocks of block_size (paged) or of max_seq_len (contiguous)."""
+    block_size = config.block_size if config.kv_cache_backend == "paged" else max_seq_len
+    shape = KVCacheShape(
+        num_layers=model.config.num_layers,
+        num_kv_heads=model.config.num_kv_heads,
+        head_dim=model.config.head_dim,
+        dtype=next(model.parameters()).dtype,
+        block_size=block_size,
+    )
+    if config.num_gpu_blocks is not None:
+        num_blocks = config.num_gpu_blocks
+    elif config.kv_cache_memory_fraction is not None:
+        budget = kv_budget_from_free_memory(device, config.kv_cache_memory_fraction)
+        num_blocks = num_blocks_for_memory(shape, budget)
+    else:
+        # The memory of max_batch_size whole sequences, as the slotted pool had.
+        num_blocks = config.max_batch_size * shape.blocks_for_tokens(max_seq_len)
+    if num_blocks < 1:
+        raise EngineConfigError(f"the KV pool would hold {num_blocks} blocks; give it more memory")
+    return PagedKVPool(shape, num_blocks=num_blocks, device=device)

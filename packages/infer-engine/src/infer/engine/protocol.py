@@ -1,0 +1,153 @@
+"""What crosses between the frontend and the engine core: plain, picklable data, no text.
+
+The frontend (the server, `infer generate`) tokenizes, sends an `EngineRequest` per request and
+an abort by request id; the core answers once per step with `EngineOutputs`: for each request
+that got tokens or ended, an `EngineOutput` with its new token ids, and the core's statistics
+after that step. Text (detokenization, stop strings) is the frontend's
+(`infer.engine.output_processor`). The core runs in the frontend's process or in a child
+process of its own (`infer.engine.client`); these types are all that travels either way.
+
+Errors are outputs: a request the core refuses or whose forward failed ends with
+`FinishReason.ERROR` and `error` set; no exception crosses.
+"""
+
+import enum
+from dataclasses import dataclass, field
+
+from infer.engine.request import InvalidParamError, RequestTooLongError
+from infer.engine.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended: the one vocabulary from the core to the API's finish_reason."""
+
+    STOP = 0  # an EOS token or a stop token id (the core), a stop string (the frontend)
+    LENGTH = 1  # max_new_tokens
+    ABORT = 2  # asked for by the frontend (client gone, drain, a stop string found)
+    ERROR = 3  # refused by the core, or its step's forward raised: `error` says why
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """Frontend -> core: one request, already tokenized and checked."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    # time.monotonic() when the frontend took the request (its queue time starts there).
+    arrival_s: float
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """Core -> frontend: what one request got in one step."""
+
+    request_id: str
+    # Tokens sampled this step (0 or 1 today; 1 + k with speculative decoding). When
+    # finish_reason is STOP, the last one is the stop token (EOS or a stop token id).
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    # Prompt tokens whose KV came from a cache instead of a forward.
+    num_cached_tokens: int = 0
+    error: str | None = None
+    # On a request's first token: seconds from arrival to the step that first scheduled it.
+    queue_time_s: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The core's counters and gauges after a step (metrics cross with the outputs, not polled)."""
+
+    num_running: int
+    num_waiting: int
+    # Fraction of the pool's KV blocks in use; bytes count whole blocks.
+    kv_usage_ratio: float
+    kv_bytes_used: int
+    kv_bytes_total: int
+    num_steps: int
+    # Requests the core has taken in since it started: the frontend's queue count is what it
+    # sent beyond this plus num_waiting.
+    num_added: int
+    num_prompt_tokens_total: int
+    num_generation_tokens_total: int
+    num_finished: int
+    num_aborted: int
+    num_failed: int
+    # Preemptions so far (a request preempted twice counts twice).
+    num_preempted: int
+    # Wall time spent inside step() with work to do.
+    busy_time_s: float
+    # Prompt tokens over the busy time of the steps that ran prompt tokens (a step that also
+    # decodes counts whole), so decoding stretches do not dilute it.
+    prompt_tokens_per_s: float
+    # Generated tokens over all busy time.
+    generation_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class EngineOutputs:
+    """Everything one core step produced, and the core's state after it."""
+
+    outputs: list[EngineOutput] = field(default_factory=list)
+    stats: EngineStats | None = None
+
+
+@dataclass(frozen=True)
+class CoreLimits:
+    """What the frontend must know of a built core to check requests before sending them."""
+
+    max_seq_len: int
+    block_size: int
+    num_blocks: int
+    max_queue_len: int
+    # Rows of the model's embedding: token ids (prompts, logit_bias) must be below this.
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises what makes a request impossible: ValueError for an empty prompt or an id
+        outside the vocabulary, InvalidParamError for a logit_bias id outside it,
+        RequestTooLongError when it can never fit. The frontend checks before sending, and the
+        core again when it takes the request in."""
+        if not prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+        bad = [token_id for token_id in prompt_ids if not 0 <= token_id < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        outside = [token_id for token_id in params.logit_bias if token_id >= self.vocab_size]
+        if outside:
+            raise InvalidParamError(
+                "logit_bias", f"logit_bias token ids must be in [0, {self.vocab_size}), got {outside[:5]}"
+            )
+        self.check_fits(len(prompt_ids), params.max_new_tokens)
+
+    def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        check_fits(num_prompt_tokens, max_new_tokens, self.max_seq_len, self.block_size, self.num_blocks)
+
+
+def check_fits(
+    num_prompt_tokens: int, max_new_tokens: int, max_seq_len: int, block_size: int, num_blocks: int
+) -> None:
+    """Raises RequestTooLongError when such a request could never run, whatever the load."""
+    total = num_prompt_tokens + max_new_tokens
+    if total > max_seq_len:
+        raise RequestTooLongError(
+            f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+            f"max_seq_len ({max_seq_len}); shorten the prompt or lower max_new_tokens"
+        )
+    needed = -(-total // block_size)
+    if needed > num_blocks:
+        raise RequestTooLongError(
+            f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} needs "
+            f"{needed} KV blocks of {block_size} tokens but the whole pool has "
+            f"{num_blocks}; shorten the request or build a larger pool"
+        )
