@@ -322,8 +322,9 @@ def stream_equals_non_stream(case: dict, impl, options) -> None:
 
 def sse_tool_calls(case: dict, impl, options) -> None:
     """A streamed answer with tools: tool-call deltas assemble (by index) into calls with an id,
-    type function, a name and arguments that join to a JSON object; one finish_reason, tool_calls
-    exactly when a call was sent; [DONE] once, last; the same calls and content as the body."""
+    type function, a name and arguments that join to a JSON object; at least one call (to the
+    named function) when tool_choice forces one; one finish_reason, tool_calls exactly when a call
+    was sent; [DONE] once, last; the same calls and content as the body."""
     client, model = _connect(case, options)
     request = _materialize(case["request"], model)
     response = client.post(request["path"], json=request["json"])
@@ -355,6 +356,15 @@ def sse_tool_calls(case: dict, impl, options) -> None:
                 call["arguments"] += function.get("arguments") or ""
             if choice.get("finish_reason") is not None:
                 finishes.append(choice["finish_reason"])
+    # A named tool_choice or "required" means a call (OpenAI's own wording: "forces the model to
+    # call"); without this a server that ignores tool_choice would pass.
+    forced = request["json"].get("tool_choice")
+    if forced == "required" or isinstance(forced, dict):
+        wanted = forced["function"]["name"] if isinstance(forced, dict) else None
+        names = [call["name"] for _, call in sorted(calls.items())]
+        if not names or (wanted is not None and set(names) != {wanted}):
+            target = f" to {wanted}" if wanted else ""
+            problems.append(f"tool_choice {forced} forces a call{target}; got calls to {names}")
     if len(finishes) != 1:
         problems.append(f"finish_reason sent {len(finishes)} times: {finishes}")
     elif (finishes[0] == "tool_calls") != bool(calls):
