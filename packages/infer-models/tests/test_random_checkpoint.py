@@ -51,6 +51,14 @@ def test_special_tokens_sit_at_the_real_ids(preset):
     assert {token: specials.ids[token] for token in REAL_SPECIAL_IDS[preset]} == REAL_SPECIAL_IDS[preset]
 
 
+def test_qwen3_thinking_tags_are_text_that_decoding_keeps_as_qwens_tokenizer_has_them(tmp_path):
+    # Qwen 3's tokenizer adds <think> and </think> with "special": false, so a server decoding
+    # with skip_special_tokens still reads them; <|im_end|> is special and is skipped.
+    tokenizer = AutoTokenizer.from_pretrained(make_random_checkpoint("qwen3-tiny", tmp_path))
+    ids = tokenizer.convert_tokens_to_ids(["<think>", "</think>", "<|im_end|>"])
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "<think></think>"
+
+
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny", "gemma3-tiny"])
 def test_tiny_checkpoint_is_a_complete_transformers_checkpoint(preset, tmp_path):
     folder = make_random_checkpoint(preset, tmp_path, dtype=torch.float32)

@@ -2,7 +2,8 @@
 
 Oracles: our chat template rendered and tokenized by hand (usage.prompt_tokens counts exactly
 those tokens), and the OpenAI wire format (SSE events read raw with httpx). SmolLM2 (ChatML, the
-Hermes tool format) serves the tool tests; a random tiny Qwen 3 checkpoint the thinking test.
+Hermes tool format) serves the tool tests; a tiny Qwen 3 checkpoint whose greedy answer is set by
+construction (a think block, then content) the thinking tests.
 """
 
 import json
@@ -201,7 +202,40 @@ def test_streaming_with_tools_ends_with_one_finish_chunk_then_done_and_matches_t
     assert [call["index"] for call in streamed_calls] == list(range(len(whole_calls)))
 
 
-# -- thinking, on a random tiny Qwen 3 ---------------------------------------------------------
+# -- thinking, on a tiny Qwen 3 whose greedy answer is known -----------------------------------
+
+# What the model answers after the generation prompt (whose last token is "\n"), token by token:
+# Qwen 3's thinking form, without the newlines, which the script cannot repeat (see below).
+THINKING_ANSWER = ["<think>", "H", "m", "</think>", "O", "K", "<|im_end|>"]
+
+
+def _make_greedy_answer(folder, after: str, answer: list[str]) -> None:
+    """Rewrites the random tiny Qwen 3 in `folder` so that, greedily, the token `after` is followed
+    by the tokens of `answer`, each by the next, whatever came before (so the tokens must differ).
+
+    Every layer's o_proj and down_proj are zeroed, so the last hidden state is the last token's
+    embedding and the logits are RMSNorm(e_t) . e_j (tied embeddings). The chain's k-th token
+    gets embedding s * 4**k * (u_k + u_k+1) / sqrt(2), u the unit vectors: its successor scores
+    sqrt(d) * s * 4**(k+1) / 2, twice what the token itself scores, and every other token of the
+    chain 0; the untouched random tokens score about N(0, 4**2), far below at s = 4.
+    """
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    encoded = [tokenizer.encode(text, add_special_tokens=False).ids for text in [after, *answer]]
+    chain = [token_id for (token_id,) in encoded]  # one token each
+    assert len(set(chain)) == len(chain), chain
+    weights = load_file(folder / "model.safetensors")
+    for name, tensor in weights.items():
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            tensor.zero_()
+    weights["model.norm.weight"].fill_(1.0)
+    embedding = weights["model.embed_tokens.weight"]
+    for k, token_id in enumerate(chain):
+        embedding[token_id] = 0.0
+        embedding[token_id, k] = embedding[token_id, k + 1] = 4.0 * 4.0**k / 2**0.5
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +249,7 @@ def qwen3_server(tmp_path_factory):
     from infer.server.serve import BackgroundServer
 
     folder = make_random_checkpoint("qwen3-tiny", tmp_path_factory.mktemp("qwen3"), dtype=torch.float32)
+    _make_greedy_answer(folder, "\n", THINKING_ANSWER)
     loaded = load_model(folder, dtype=torch.float32, device="cpu")
     engine = Engine(EngineConfig(model=str(folder), max_seq_len=256), loaded_model=loaded)
     background = BackgroundServer(engine, served_model_name="qwen3-tiny", log_level="warning")
@@ -222,22 +257,52 @@ def qwen3_server(tmp_path_factory):
     background.stop()
 
 
+def _qwen3_chat(background, *, thinking: bool, **options):
+    client = openai.OpenAI(api_key="unused", base_url=f"{background.base_url}/v1", max_retries=0)
+    return client.chat.completions.create(
+        model="qwen3-tiny",
+        messages=QUESTION,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": thinking}},
+        **options,
+    )
+
+
+def test_thinking_on_splits_the_generated_think_block_into_reasoning_content(qwen3_server):
+    background, _ = qwen3_server
+    choice = _qwen3_chat(background, thinking=True).choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.model_extra.get("reasoning_content") == "Hm"
+    assert choice.message.content == "OK"
+
+
+def test_thinking_off_leaves_the_answer_whole_in_content(qwen3_server):
+    background, _ = qwen3_server
+    message = _qwen3_chat(background, thinking=False).choices[0].message
+    assert message.model_extra.get("reasoning_content") is None
+    assert message.content == "<think>Hm</think>OK"
+
+
+def test_streamed_thinking_sends_reasoning_deltas_before_content_deltas(qwen3_server):
+    background, _ = qwen3_server
+    kinds, texts = [], {"reasoning_content": "", "content": ""}
+    for chunk in _qwen3_chat(background, thinking=True, stream=True):
+        delta = chunk.choices[0].delta
+        for kind in texts:
+            piece = delta.content if kind == "content" else (delta.model_extra or {}).get(kind)
+            if piece:
+                kinds.append(kind)
+                texts[kind] += piece
+    assert texts == {"reasoning_content": "Hm", "content": "OK"}
+    assert kinds == sorted(kinds, key=["reasoning_content", "content"].index)
+
+
 def test_thinking_off_adds_the_empty_think_block_to_the_prompt(qwen3_server):
     background, loaded = qwen3_server
-    client = openai.OpenAI(api_key="unused", base_url=f"{background.base_url}/v1", max_retries=0)
-    usage = {}
-    for thinking in (True, False):
-        answer = client.chat.completions.create(
-            model="qwen3-tiny",
-            messages=QUESTION,
-            max_tokens=8,
-            temperature=0,
-            extra_body={"chat_template_kwargs": {"enable_thinking": thinking}},
-        )
-        usage[thinking] = answer.usage.prompt_tokens
-        message = answer.choices[0].message
-        reasoning = message.model_extra.get("reasoning_content")
-        assert reasoning is None or thinking, "reasoning is split only while thinking is on"
+    usage = {
+        thinking: _qwen3_chat(background, thinking=thinking).usage.prompt_tokens for thinking in (True, False)
+    }
     empty_block = loaded.tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
     assert usage[False] - usage[True] == len(empty_block)
     assert usage[True] == _prompt_tokens(loaded, QUESTION)

@@ -259,6 +259,11 @@ def _special_tokens(arch: str, vocab_size: int) -> _Specials:
     return _Specials(ids, 2, [1, 106], 0, add_bos=True)
 
 
+# Added tokens that are not special in the real tokenizer: decoding keeps them (skip_special_tokens
+# drops only special ones), so a server reads Qwen 3's thinking tags in the answer's text.
+_TEXT_TOKENS = frozenset({"<think>", "</think>"})
+
+
 def _write_tokenizer(out: Path, arch: str, vocab_size: int, specials: _Specials) -> None:
     """A byte-level BPE without merges (one token per byte), padded with filler tokens to exactly
     `vocab_size`, so any text round-trips and every model id decodes."""
@@ -284,7 +289,12 @@ def _write_tokenizer(out: Path, arch: str, vocab_size: int, specials: _Specials)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials.ids])
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in specials.ids if t not in _TEXT_TOKENS]
+    )
+    tokenizer.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t in specials.ids if t in _TEXT_TOKENS]
+    )
     bos = next((t for t, i in specials.ids.items() if i == specials.bos_id), None)
     if specials.add_bos:
         tokenizer.post_processor = processors.TemplateProcessing(
