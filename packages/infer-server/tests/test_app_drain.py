@@ -1,7 +1,9 @@
 """Draining: after SIGTERM (or `request_drain()`) new generation requests get 503, requests in
 flight finish, and what is still running at the deadline is cancelled: a stream gets an error
 event (then [DONE]), a body a 503, never a 200 with partial text or finish_reason "abort".
-The SIGTERM test runs the real `infer serve` command in a subprocess and wants exit status 0."""
+The SIGTERM test runs the real `infer serve` command in a subprocess and wants exit status 0; the
+Ctrl-C test sends SIGINT mid-stream and wants the stream's error event, a prompt exit with status
+130 and no traceback in the server's stderr."""
 
 import json
 import os
@@ -117,3 +119,40 @@ def test_infer_serve_drains_on_sigterm_and_exits_zero():
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_stream_ends_it_with_an_error_event_and_exits_at_once_without_tracebacks(tmp_path):
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "infer.server.cli", "serve", "--port", str(port), "--max-seq-len", "256"]
+    command += ["--max-batch-size", "2", "--log-level", "warning"]
+    stderr_path = tmp_path / "stderr.txt"
+    with stderr_path.open("w") as stderr:
+        process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=stderr)
+    try:
+        wait_for_health(base_url, 200, timeout_s=120)
+        # Long enough to be mid-stream when the signal lands (~200 steps of a few ms each).
+        body = {"model": "smollm2-135m-instruct", "prompt": "Count:", "max_tokens": 200, "ignore_eos": True}
+        with (
+            httpx.Client(base_url=base_url, timeout=60.0) as client,
+            client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response,
+        ):
+            events = data_events(response)
+            next(events)
+            interrupted_at = time.monotonic()
+            process.send_signal(signal.SIGINT)
+            rest = list(events)  # a cut connection raises httpx.RemoteProtocolError here
+        exit_code = process.wait(timeout=30)
+        exit_took_s = time.monotonic() - interrupted_at
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert rest[-1] == "[DONE]"
+    assert json.loads(rest[-2])["error"]["code"] == "server_draining", rest[-2]
+    # uvicorn's own graceful stop waits up to 5 s for open streams before it cancels them.
+    assert exit_took_s < 5.0, f"exited {exit_took_s:.1f} s after Ctrl-C"
+    logged = stderr_path.read_text()
+    assert "Traceback" not in logged and "CancelledError" not in logged, logged
+    assert exit_code == 130, "128 + SIGINT, as a shell reports a command stopped by Ctrl-C"

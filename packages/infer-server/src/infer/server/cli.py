@@ -104,7 +104,9 @@ def serve_main(argv: list[str] | None = None) -> int:
         exit_on_failure=True,
     )
     server.run(sockets=[listening])
-    return 1 if server.failure is not None else 0  # the failure was logged as it happened
+    if server.failure is not None:
+        return 1  # the failure was logged as it happened
+    return 130 if server.interrupted else 0  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 def build_serve_parser() -> argparse.ArgumentParser:

@@ -7,8 +7,9 @@ event first. Servers built for tests (`BackgroundServer`) stay up in the failed 
 SIGTERM (what Kubernetes and systemd send): the server keeps its socket open and answers new
 generation requests with 503 (a load balancer moves on), lets the requests in flight finish for
 up to `drain_timeout_s`, aborts what is left (its clients still get a terminal event), then shuts
-uvicorn down and returns, so the process exits 0. SIGINT (Ctrl-C) keeps uvicorn's behaviour: a
-graceful stop, and a second Ctrl-C forces it.
+uvicorn down and returns, so the process exits 0. SIGINT (Ctrl-C) is the same drain without the
+wait: what is in flight is aborted at once (each client gets its error event and [DONE]) and
+`infer serve` exits 130; a second Ctrl-C forces the exit.
 """
 
 import asyncio
@@ -46,26 +47,44 @@ class DrainingServer(uvicorn.Server):
         self.exit_on_failure = exit_on_failure
         # Set when the server stopped because the engine failed (to load, or in a step).
         self.failure: str | None = None
+        # Set by Ctrl-C (SIGINT): the server stopped at the user's request, not cleanly drained.
+        self.interrupted = False
         self._drain_requested = False
+        self._drain_timeout_s: float | None = None  # of the latest drain requested
         self._drain_task: asyncio.Task | None = None
 
-    def request_drain(self) -> None:
-        """Starts the drain at the next tick (safe from a signal handler or another thread)."""
-        self._drain_requested = True
+    def request_drain(self, timeout_s: float | None = None) -> None:
+        """Starts the drain at the next tick (safe from a signal handler or another thread).
+        `timeout_s` (default drain_timeout_s): how long the requests in flight may still run; a
+        later request only ever shortens it."""
+        timeout_s = self.drain_timeout_s if timeout_s is None else timeout_s
+        if self._drain_timeout_s is None or timeout_s < self._drain_timeout_s:
+            self._drain_timeout_s = timeout_s
+            self._drain_requested = True
 
     def handle_exit(self, sig: int, frame) -> None:
+        # Neither signal is passed to uvicorn: it would record the signal and re-raise it after
+        # shutdown, and the process would die of it (SIGINT: a KeyboardInterrupt traceback).
         if sig == signal.SIGTERM and not self.should_exit:
-            # Not passed to uvicorn: it would record the signal and re-raise it after shutdown,
-            # and the process would die of SIGTERM instead of exiting 0.
             self.request_drain()
+        elif sig == signal.SIGINT and not self.interrupted:
+            # uvicorn's own graceful stop would wait up to _GRACEFUL_SHUTDOWN_S for open streams,
+            # then cancel them mid-response: a cut connection for the client and a CancelledError
+            # traceback in the log. Aborted first, each stream ends with its terminal event.
+            self.interrupted = True
+            self.request_drain(timeout_s=0.0)
+        elif sig == signal.SIGINT:
+            self.should_exit = self.force_exit = True  # a second Ctrl-C: stop without waiting
         else:
             super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
         # uvicorn calls this every 0.1 s on the event loop: the place to start and watch the drain.
-        if self._drain_requested and self._drain_task is None:
-            logger.info("SIGTERM: draining for up to %.1f s", self.drain_timeout_s)
-            self._drain_task = asyncio.create_task(self.infer_state.drain(self.drain_timeout_s))
+        if self._drain_requested:
+            self._drain_requested = False
+            logger.info("stopping: draining for up to %.1f s", self._drain_timeout_s)
+            # A drain already running (SIGTERM, then Ctrl-C) finishes once this one has aborted.
+            self._drain_task = asyncio.create_task(self.infer_state.drain(self._drain_timeout_s))
         if self._drain_task is not None and self._drain_task.done():
             self.should_exit = True
         if self.exit_on_failure and self.failure is None and self._engine_failed():
