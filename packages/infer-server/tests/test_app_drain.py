@@ -129,7 +129,11 @@ def test_ctrl_c_during_a_stream_ends_it_with_an_error_event_and_exits_at_once_wi
     command += ["--max-batch-size", "2", "--log-level", "warning"]
     stderr_path = tmp_path / "stderr.txt"
     with stderr_path.open("w") as stderr:
-        process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=stderr)
+        # A group of its own, as a shell gives a foreground job: Ctrl-C signals the whole group,
+        # the engine's child process too.
+        process = subprocess.Popen(
+            command, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=stderr, start_new_session=True
+        )
     try:
         wait_for_health(base_url, 200, timeout_s=120)
         # Long enough to be mid-stream when the signal lands (~200 steps of a few ms each).
@@ -141,7 +145,7 @@ def test_ctrl_c_during_a_stream_ends_it_with_an_error_event_and_exits_at_once_wi
             events = data_events(response)
             next(events)
             interrupted_at = time.monotonic()
-            process.send_signal(signal.SIGINT)
+            os.killpg(process.pid, signal.SIGINT)
             rest = list(events)  # a cut connection raises httpx.RemoteProtocolError here
         exit_code = process.wait(timeout=30)
         exit_took_s = time.monotonic() - interrupted_at

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -167,6 +168,9 @@ class ProcClient:
 def run_engine_core(config: EngineConfig, inbox, outbox, log_level: int = logging.INFO) -> None:
     """The child's whole life: build the core, then step it while it has work, taking what the
     frontend sent before each step (see the module doc)."""
+    # Ctrl-C in a terminal signals the whole process group: the frontend decides what it means
+    # (drain, then shutdown), and this process follows it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=log_level, format=f"%(asctime)s %(levelname)s %(name)s[core {os.getpid()}]: %(message)s"
     )
