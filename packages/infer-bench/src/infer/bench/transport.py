@@ -82,7 +82,8 @@ class Codec:
 
 
 class PickleCodec(Codec):
-    """The dataclasses pickled as they are, exactly as `Connection.send` / `recv` do."""
+    """The protocol's objects pickled as `Connection.send` / `recv` do (the engine process's
+    transport; EngineOutputs crosses as plain rows through its `__reduce__`)."""
 
     def encode_outputs(self, outputs):
         return ForkingPickler.dumps(("outputs", outputs))

@@ -1,0 +1,23 @@
+"""What crosses between the frontend and the core comes out of a pickle as it went in (the child
+process's pipe pickles it), finish reasons and statistics included."""
+
+import pickle
+
+from infer.engine.protocol import EngineOutput, EngineOutputs, EngineStats, FinishReason
+
+
+def test_engine_outputs_cross_a_pickle_unchanged():
+    stats = EngineStats(*range(16))
+    outputs = EngineOutputs(
+        [
+            EngineOutput("a", [5, 6], FinishReason.STOP, 3, num_cached_tokens=2, queue_time_s=0.25),
+            EngineOutput("b", [7], None, 4),
+            EngineOutput("c", [], FinishReason.ERROR, 9, error="RuntimeError: boom"),
+        ],
+        stats,
+    )
+    crossed = pickle.loads(pickle.dumps(outputs))
+    assert crossed == outputs
+    finish_types = [type(output.finish_reason) for output in crossed.outputs]
+    assert finish_types == [FinishReason, type(None), FinishReason]
+    assert crossed.stats == stats
