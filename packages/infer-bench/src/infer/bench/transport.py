@@ -44,7 +44,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import MISSING, fields
 from multiprocessing.reduction import ForkingPickler
-from operator import attrgetter
 from typing import NamedTuple
 
 from infer.engine.protocol import EngineOutput, EngineOutputs, EngineRequest, EngineStats, FinishReason
@@ -57,7 +56,6 @@ ADD_BURSTS = 10
 # (transport, encoding) pairs, in table order.
 COMBINATIONS = [
     ("pipe", "pickle"),
-    ("pipe", "tuple"),
     ("pipe", "msgspec Struct"),
     ("zmq", "pickle"),
     ("zmq", "msgspec dataclass"),
@@ -96,62 +94,6 @@ class PickleCodec(Codec):
 
     def decode_add(self, data):
         return pickle.loads(data)
-
-
-_stats_values = attrgetter(*(f.name for f in fields(EngineStats)))
-_finish_reasons = tuple(FinishReason)
-
-
-class TupleCodec(PickleCodec):
-    """Hand-packed plain tuples (finish reasons as ints), pickled; decoded back into the
-    dataclasses. SamplingParams stays a pickled dataclass (adds are rare)."""
-
-    def encode_outputs(self, outputs):
-        rows = [
-            (
-                out.request_id,
-                out.new_token_ids,
-                None if out.finish_reason is None else int(out.finish_reason),
-                out.num_prompt_tokens,
-                out.num_cached_tokens,
-                out.error,
-                out.queue_time_s,
-            )
-            for out in outputs.outputs
-        ]
-        return pickle.dumps(("outputs", rows, _stats_values(outputs.stats)), pickle.HIGHEST_PROTOCOL)
-
-    def decode_outputs(self, data):
-        _, rows, stats = pickle.loads(data)
-        return EngineOutputs(
-            [
-                EngineOutput(
-                    rid,
-                    tokens,
-                    None if reason is None else _finish_reasons[reason],
-                    prompt,
-                    cached,
-                    error,
-                    queue,
-                )
-                for rid, tokens, reason, prompt, cached, error, queue in rows
-            ],
-            EngineStats(*stats),
-        )
-
-    def encode_add(self, request):
-        packed = (
-            request.request_id,
-            request.prompt_token_ids,
-            request.sampling,
-            request.arrival_s,
-            request.cache_salt,
-        )
-        return pickle.dumps(("add", packed), pickle.HIGHEST_PROTOCOL)
-
-    def decode_add(self, data):
-        kind, packed = pickle.loads(data)
-        return kind, EngineRequest(*packed)
 
 
 def _msgspec_dataclass_codec() -> Codec:
@@ -226,7 +168,6 @@ def _msgspec_struct_codec() -> Codec:
 
 CODECS: dict[str, Callable[[], Codec]] = {
     "pickle": PickleCodec,
-    "tuple": TupleCodec,
     "msgspec dataclass": _msgspec_dataclass_codec,
     "msgspec Struct": _msgspec_struct_codec,
 }

@@ -13,7 +13,6 @@ and raises before sending anything; the core checks again.
 """
 
 import dataclasses
-import logging
 import time
 
 from infer.engine.client import EngineClient, InProcClient
@@ -24,8 +23,6 @@ from infer.engine.protocol import EngineRequest, EngineStats
 from infer.engine.request import QueueFullError
 from infer.engine.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
-
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded_model=None):
@@ -33,7 +30,7 @@ class Engine:
         config.model (its dtype and device then come from the config; a given model keeps its
         own)."""
         core = EngineCore(config, loaded_model)
-        self._start(config, InProcClient(core), core.loaded.info, core.stats())
+        self._connect(config, InProcClient(core), core.loaded.info, core.stats())
         self.core: EngineCore | None = core
 
     @classmethod
@@ -47,11 +44,11 @@ class Engine:
         model_info = load_model_info(config.model)
         client = ProcClient(config, **client_options)
         engine = cls.__new__(cls)
-        engine._start(config, client, model_info, client.initial_stats)
+        engine._connect(config, client, model_info, client.initial_stats)
         engine.core = None
         return engine
 
-    def _start(self, config: EngineConfig, client: EngineClient, model_info, stats: EngineStats) -> None:
+    def _connect(self, config: EngineConfig, client: EngineClient, model_info, stats: EngineStats) -> None:
         self.config = config
         self.client = client
         self.model_info = model_info
