@@ -143,7 +143,8 @@ def test_a_hung_engine_process_is_killed_and_its_requests_end_within_seconds(sta
         server, lambda: os.kill(pid, signal.SIGSTOP)
     )
     assert_ended_with_engine_errors(rest, body_answer)
-    assert timeout_s <= took_s < timeout_s + 5
+    # Silence counts from the last message read, a moment before the signal.
+    assert timeout_s - 1 < took_s < timeout_s + 5
     assert "did not answer" in httpx.get(server.base_url + "/health").json()["error"]
     server.engine.client.process.join(5)
     assert not server.engine.client.process.is_alive(), "the hung process was not killed"
