@@ -3,7 +3,7 @@ process's pipe pickles it), finish reasons and statistics included."""
 
 import pickle
 
-from infer.engine.protocol import EngineOutput, EngineOutputs, EngineStats, FinishReason
+from infer.engine.protocol import EngineOutput, EngineOutputs, EngineStats, FinishReason, TokenLogprobs
 
 
 def test_engine_outputs_cross_a_pickle_unchanged():
@@ -11,7 +11,7 @@ def test_engine_outputs_cross_a_pickle_unchanged():
     outputs = EngineOutputs(
         [
             EngineOutput("a", [5, 6], FinishReason.STOP, 3, num_cached_tokens=2, queue_time_s=0.25),
-            EngineOutput("b", [7], None, 4),
+            EngineOutput("b", [7], None, 4, logprobs=[TokenLogprobs(-0.5, [7, 2], [-0.5, -1.25])]),
             EngineOutput("c", [], FinishReason.ERROR, 9, error="RuntimeError: boom"),
         ],
         stats,

@@ -29,6 +29,9 @@ def test_defaults_are_valid_and_sample_at_temperature_one():
         ("stop", [""], "every stop string must be a non-empty str, got ''"),
         ("stop_token_ids", [-1], "every stop_token_id must be an integer >= 0, got -1"),
         ("seed", "42", "seed must be an integer or None, got '42'"),
+        ("logprobs", 21, "logprobs must be None or an integer in [0, 20], got 21"),
+        ("logprobs", -1, "logprobs must be None or an integer in [0, 20], got -1"),
+        ("logprobs", True, "logprobs must be None or an integer in [0, 20], got True"),
     ],
 )
 def test_bad_field_is_named_with_its_rule(field, value, message):

@@ -7,9 +7,19 @@ forward. No `Request` object crosses: a request the runner has not seen (new, or
 preemption) comes whole as a `NewRequest`; one it holds comes as a `RunningRequest` diff.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from infer.engine.sampling_params import SamplingParams
+
+
+class TokenLogprobs(NamedTuple):
+    """A sampled token's logprob and its request's `logprobs` most likely alternatives (ids and
+    logprobs, most likely first), of the model's raw distribution. Runner -> scheduler -> frontend."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass(frozen=True)
@@ -74,3 +84,6 @@ class RunnerOutput:
 
     request_ids: tuple[str, ...]
     sampled_token_ids: tuple[tuple[int, ...], ...]
+    # Per request that asked for logprobs (SamplingParams.logprobs) and sampled this step: one
+    # entry per sampled token.
+    logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)

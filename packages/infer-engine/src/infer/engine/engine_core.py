@@ -20,6 +20,7 @@ on. A request the core refuses (too long, queue full, bad ids) ends the same way
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 
@@ -34,6 +35,7 @@ from infer.engine.protocol import (
     EngineRequest,
     EngineStats,
     FinishReason,
+    TokenLogprobs,
 )
 from infer.engine.request import Request, RequestState
 from infer.engine.runner import ModelRunner
@@ -245,12 +247,20 @@ class EngineCore:
         for request, token_ids in self.scheduler.update(decision, runner_output):
             if request.request_id in finished:
                 continue  # it failed or stopped in this step() already
-            outputs.append(self._accept_tokens(request, token_ids, finished))
+            logprobs = runner_output.logprobs.get(request.request_id)
+            outputs.append(self._accept_tokens(request, token_ids, finished, logprobs))
         return outputs
 
-    def _accept_tokens(self, request: Request, token_ids: list[int], finished: list[str]) -> EngineOutput:
+    def _accept_tokens(
+        self,
+        request: Request,
+        token_ids: list[int],
+        finished: list[str],
+        logprobs: Sequence[TokenLogprobs] | None = None,
+    ) -> EngineOutput:
         """`token_ids` are already in request.output_ids (Scheduler.update); the token rules
-        decide whether the request ends on one of them (what follows it is dropped)."""
+        decide whether the request ends on one of them (what follows it is dropped).
+        `logprobs`: one per token, when the request asked for them."""
         first = len(request.output_ids) - len(token_ids)
         accepted: list[int] = []
         reason = None
@@ -265,7 +275,8 @@ class EngineCore:
             request.finish_reason = reason
             finished.append(request.request_id)
             self._counters["finished"] += 1
-        return _output(request, accepted, reason, first_token=first == 0)
+        accepted_logprobs = list(logprobs[: len(accepted)]) if logprobs is not None else None
+        return _output(request, accepted, reason, first_token=first == 0, logprobs=accepted_logprobs)
 
     def _fail(self, decision, error: Exception, finished: list[str]) -> list[EngineOutput]:
         """Fails the decision's requests that are still live."""
@@ -287,7 +298,12 @@ class EngineCore:
 
 
 def _output(
-    request: Request, token_ids: list[int], finish_reason: FinishReason | None, *, first_token: bool = False
+    request: Request,
+    token_ids: list[int],
+    finish_reason: FinishReason | None,
+    *,
+    first_token: bool = False,
+    logprobs: list[TokenLogprobs] | None = None,
 ) -> EngineOutput:
     """The one EngineOutput builder: tokens, a final word, or both."""
     return EngineOutput(
@@ -302,6 +318,7 @@ def _output(
             if first_token and token_ids and request.first_scheduled_s is not None
             else None
         ),
+        logprobs=logprobs,
     )
 
 

@@ -14,7 +14,7 @@ It lives in infer-engine, not infer-server, because `infer generate` makes text 
 
 from dataclasses import dataclass, field
 
-from infer.engine.protocol import EngineOutput, EngineOutputs, FinishReason
+from infer.engine.protocol import EngineOutput, EngineOutputs, FinishReason, TokenLogprobs
 from infer.engine.sampling_params import SamplingParams
 from infer.engine.stop import StopChecker
 
@@ -37,6 +37,8 @@ class StepOutput:
     # On a request's first token: seconds from add_request to the step that first scheduled it.
     # A measurement, not part of what was generated: outputs compare equal without it.
     queue_time_s: float | None = field(default=None, compare=False)
+    # The token's logprob and alternatives, when the request asked for them.
+    logprobs: TokenLogprobs | None = None
 
 
 class _RequestText:
@@ -105,6 +107,7 @@ class OutputProcessor:
                     prompt_tokens=output.num_prompt_tokens,
                     completion_tokens=state.num_generated,
                     queue_time_s=output.queue_time_s if index == 0 else None,
+                    logprobs=output.logprobs[index] if output.logprobs is not None else None,
                 )
             )
             if finish_reason is not None:

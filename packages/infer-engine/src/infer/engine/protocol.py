@@ -2,10 +2,11 @@
 
 The frontend (the server, `infer generate`) tokenizes, sends an `EngineRequest` per request and
 an abort by request id; the core answers once per step with `EngineOutputs`: for each request
-that got tokens or ended, an `EngineOutput` with its new token ids, and the core's statistics
-after that step. Text (detokenization, stop strings) is the frontend's
-(`infer.engine.output_processor`). The core runs in the frontend's process or in a child
-process of its own (`infer.engine.client`); these types are all that travels either way.
+that got tokens or ended, an `EngineOutput` with its new token ids (and their logprobs, when
+the request asked), and the core's statistics after that step. Text (detokenization, stop
+strings) is the frontend's (`infer.engine.output_processor`). The core runs in the frontend's
+process or in a child process of its own (`infer.engine.client`); these types are all that
+travels either way.
 
 Errors are outputs: a request the core refuses or whose forward failed ends with
 `FinishReason.ERROR` and `error` set; no exception crosses.
@@ -14,6 +15,7 @@ Errors are outputs: a request the core refuses or whose forward failed ends with
 import enum
 from dataclasses import dataclass, field
 
+from infer.engine.decision import TokenLogprobs
 from infer.engine.request import InvalidParamError, RequestTooLongError
 from infer.engine.sampling_params import SamplingParams
 
@@ -62,6 +64,8 @@ class EngineOutput:
     error: str | None = None
     # On a request's first token: seconds from arrival to the step that first scheduled it.
     queue_time_s: float | None = None
+    # One per new token when the request asked for logprobs (SamplingParams.logprobs), else None.
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -115,6 +119,7 @@ class EngineOutputs:
                 output.num_cached_tokens,
                 output.error,
                 output.queue_time_s,
+                output.logprobs,
             )
             for output in self.outputs
         ]
@@ -123,10 +128,12 @@ class EngineOutputs:
 
 def _engine_outputs_from_rows(rows: list[tuple], stats: EngineStats | None) -> EngineOutputs:
     outputs = []
-    for request_id, token_ids, finish, num_prompt, num_cached, error, queue_time_s in rows:
+    for request_id, token_ids, finish, num_prompt, num_cached, error, queue_time_s, logprobs in rows:
         finish_reason = None if finish is None else FinishReason(finish)
         outputs.append(
-            EngineOutput(request_id, token_ids, finish_reason, num_prompt, num_cached, error, queue_time_s)
+            EngineOutput(
+                request_id, token_ids, finish_reason, num_prompt, num_cached, error, queue_time_s, logprobs
+            )
         )
     return EngineOutputs(outputs, stats)
 

@@ -24,10 +24,34 @@ import numpy as np
 import torch
 
 from infer.engine.cuda_graphs import StepGraphs
-from infer.engine.decision import RunnerOutput, ScheduleDecision
+from infer.engine.decision import RunnerOutput, ScheduleDecision, TokenLogprobs
 from infer.engine.input_batch import InputBatch, RowState, StepInputs, resolve_pending_tokens
-from infer.engine.sampler import SamplingTensors, sample
+from infer.engine.sampler import SamplingTensors, compute_logprobs, sample
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
+
+
+@dataclass
+class _LaunchedLogprobs:
+    """The logprobs a step computed for its rows that asked, in that order, on their way to the
+    host (tensors filled by copies queued before the step's `done` event)."""
+
+    request_ids: list[str]
+    num_top_logprobs: tuple[int, ...]
+    sampled_logprobs: torch.Tensor  # [R] float32
+    top_token_ids: torch.Tensor  # [R, K] int64
+    top_logprobs: torch.Tensor  # [R, K] float32
+
+    def entries(self) -> dict[str, tuple[TokenLogprobs, ...]]:
+        """Per request, its token's TokenLogprobs; read only once the step's copies are done."""
+        sampled, top_ids, top_values = (
+            self.sampled_logprobs.tolist(),
+            self.top_token_ids.tolist(),
+            self.top_logprobs.tolist(),
+        )
+        return {
+            request_id: (TokenLogprobs(sampled[i], top_ids[i][:k], top_values[i][:k]),)
+            for i, (request_id, k) in enumerate(zip(self.request_ids, self.num_top_logprobs, strict=True))
+        }
 
 
 @dataclass
@@ -42,6 +66,8 @@ class _LaunchedStep:
     done: torch.cuda.Event | None  # recorded after that copy (None on CPU: already done)
     # Filled once the ids are read (`_read`).
     token_ids: list[int] | None = None
+    # Set when a sampling row asked for logprobs.
+    logprobs: _LaunchedLogprobs | None = None
 
 
 class ModelRunner:
@@ -154,10 +180,17 @@ class ModelRunner:
         host_tokens = self._host_tokens[self._num_launched % 2, : len(sampling_ids)]
         self._num_launched += 1
         done = None
+        logprobs = None
         if sampling_ids:
             tokens = self._sample(logits, sampling_ids)
             self.last_sampled[: len(tokens)].copy_(tokens)
             host_tokens.copy_(tokens, non_blocking=True)
+            tensors = self._sampling_tensors(tuple(sampling_ids))
+            if tensors.logprobs_rows:
+                # `logits` are still the model's (sample() transforms copies); with CUDA graphs
+                # they are the graph's output buffer, which the next replay, queued after this
+                # on the same stream, overwrites only once these kernels have read it.
+                logprobs = self._launch_logprobs(logits, tokens, tensors, sampling_ids)
             if self.device.type == "cuda":
                 done = torch.cuda.Event()
                 done.record()
@@ -166,7 +199,26 @@ class ModelRunner:
         for index, request_id in enumerate(sampling_ids):
             state = self.input_batch.states[request_id]
             sampled.append((request_id, state, self.input_batch.append_token(request_id, -1 - index)))
-        self._launched.append(_LaunchedStep(tuple(step.request_ids), sampled, host_tokens, done))
+        self._launched.append(
+            _LaunchedStep(tuple(step.request_ids), sampled, host_tokens, done, logprobs=logprobs)
+        )
+
+    def _launch_logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, tensors: SamplingTensors, sampling_ids: list[str]
+    ) -> _LaunchedLogprobs:
+        """Queues the logprobs of the rows that asked and their copies to the host."""
+        # to("cpu", non_blocking=True) from a CUDA tensor lands in pinned memory: an
+        # asynchronous copy, complete once the step's `done` event (recorded after it) is.
+        sampled_logprobs, top_ids, top_logprobs = (
+            tensor.to("cpu", non_blocking=True) for tensor in compute_logprobs(logits, tokens, tensors)
+        )
+        return _LaunchedLogprobs(
+            request_ids=[sampling_ids[row] for row in tensors.logprobs_rows],
+            num_top_logprobs=tensors.num_top_logprobs,
+            sampled_logprobs=sampled_logprobs,
+            top_token_ids=top_ids,
+            top_logprobs=top_logprobs,
+        )
 
     def collect(self) -> RunnerOutput:
         """The output of the oldest launched step not collected yet; waits for its tokens."""
@@ -177,6 +229,7 @@ class ModelRunner:
         return RunnerOutput(
             request_ids=launched.request_ids,
             sampled_token_ids=tuple(sampled.get(request_id, ()) for request_id in launched.request_ids),
+            logprobs=launched.logprobs.entries() if launched.logprobs is not None else {},
         )
 
     def _read(self, launched: _LaunchedStep) -> list[int]:

@@ -8,6 +8,11 @@ the same settings is a valid oracle):
 
 The logit bias and the three penalties come before the argmax, so they change greedy rows too.
 
+Logprobs (`compute_logprobs`, for the rows whose SamplingParams ask) are of the logits as the
+model gave them, before any of these transforms: the model's own distribution, whatever the
+request's temperature or penalties, which is vLLM's default ("raw_logprobs"). A batch where no
+row asks computes none.
+
 Each transform takes float32 logits [B, V] and one value per row, and returns new logits in
 which removed tokens are -inf; a row whose value means "off" comes back unchanged. A transform
 that no row uses is skipped, so a batch of plain greedy rows costs one argmax. The per-row values
@@ -61,6 +66,10 @@ class SamplingTensors:
     min_ps: torch.Tensor | None  # [S]
     # One per sampled row: its own generator, or None for the process-wide RNG.
     generators: tuple[torch.Generator | None, ...]
+    # The rows that asked for logprobs, and each one's number of alternatives; () when none did.
+    logprobs_rows: tuple[int, ...] = ()
+    num_top_logprobs: tuple[int, ...] = ()
+    logprobs_rows_index: torch.Tensor | None = None  # [R] int64
 
     @classmethod
     def build(
@@ -75,6 +84,7 @@ class SamplingTensors:
             raise ValueError(f"one generator per row: got {len(generators)} for {len(params)} rows")
         sampled_rows = tuple(row for row, p in enumerate(params) if not p.is_greedy)
         drawn = [params[row] for row in sampled_rows]
+        logprobs_rows = tuple(row for row, p in enumerate(params) if p.logprobs is not None)
 
         def per_sampled_row(values: list, used: bool) -> torch.Tensor | None:
             return torch.tensor(values, device=device) if used else None
@@ -115,6 +125,9 @@ class SamplingTensors:
             top_ps=per_sampled_row([p.top_p for p in drawn], any(p.top_p < 1.0 for p in drawn)),
             min_ps=per_sampled_row([p.min_p for p in drawn], any(p.min_p > 0.0 for p in drawn)),
             generators=tuple(generators[row] for row in sampled_rows),
+            logprobs_rows=logprobs_rows,
+            num_top_logprobs=tuple(params[row].logprobs for row in logprobs_rows),
+            logprobs_rows_index=torch.tensor(logprobs_rows, device=device) if logprobs_rows else None,
         )
 
     @property
@@ -198,6 +211,22 @@ def sample(
         ]
     )
     return greedy_tokens.index_copy(0, rows, drawn)
+
+
+def compute_logprobs(
+    logits: torch.Tensor, sampled_token_ids: torch.Tensor, tensors: SamplingTensors
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the rows in `tensors.logprobs_rows`, in that order: the logprob of the token each
+    sampled [R], and the ids [R, K] and logprobs [R, K] of its K most likely tokens, most likely
+    first (K: the largest number of alternatives a row asked for; a row keeps its own first ones).
+    `logits` [B, V] as the model gave them (see the module docstring); `sampled_token_ids` [B]."""
+    if tensors.logprobs_rows_index is None:
+        raise ValueError("no row of this batch asked for logprobs")
+    rows = tensors.logprobs_rows_index
+    logprobs = logits[rows].float().log_softmax(dim=-1)
+    sampled_logprobs = logprobs.gather(1, sampled_token_ids[rows, None]).squeeze(1)
+    top = logprobs.topk(max(tensors.num_top_logprobs), dim=-1)
+    return sampled_logprobs, top.indices, top.values
 
 
 def sample_next_tokens(

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 # Temperatures below this sample greedily, as in vLLM: dividing logits by them overflows float32
 # (1e-37), or they round to 0 in float32 (1e-300), and either way the distribution is the argmax.
 SAMPLING_EPS = 1e-5
+# The most alternatives a sampled token's logprobs may list (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -43,6 +45,10 @@ class SamplingParams:
     seed: int | None = None
     # Keep generating through EOS tokens until max_new_tokens (benchmarks use this).
     ignore_eos: bool = False
+    # Return each sampled token's logprob and this many most likely alternatives (0..MAX_LOGPROBS);
+    # None: no logprobs. They are of the model's raw distribution (log_softmax of its logits,
+    # before logit bias, penalties, temperature and truncation), as vLLM returns by default.
+    logprobs: int | None = None
 
     def __post_init__(self):
         _require(_is_number(self.temperature), "temperature must be a number", self.temperature)
@@ -100,6 +106,11 @@ class SamplingParams:
                 _is_int(token_id) and token_id >= 0, "every stop_token_id must be an integer >= 0", token_id
             )
         _require(self.seed is None or _is_int(self.seed), "seed must be an integer or None", self.seed)
+        _require(
+            self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
+            f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}]",
+            self.logprobs,
+        )
 
     @property
     def is_greedy(self) -> bool:
