@@ -320,6 +320,35 @@ def stream_equals_non_stream(case: dict, impl, options) -> None:
     assert chunks[-1].get("usage") == plain["usage"], f"usage {chunks[-1].get('usage')} vs {plain['usage']}"
 
 
+def stream_logprobs_equal_non_stream(case: dict, impl, options) -> None:
+    """Each chunk with tokens carries their logprobs; joined, they are the non-streamed answer's."""
+    client, model = _connect(case, options)
+    request = _stream_request(case)
+    _, events, _ = _stream(case, options)
+    pieces = [
+        choice["logprobs"]
+        for chunk in _chunks(events)
+        for choice in chunk.get("choices", [])
+        if choice.get("logprobs")
+    ]
+    plain_json = {k: v for k, v in request["json"].items() if k not in ("stream", "stream_options")}
+    plain = _send(client, {**request, "json": plain_json}, model).json()["choices"][0]["logprobs"]
+    assert plain, "the non-streamed answer carries no logprobs"
+    if case["endpoint"] == "chat":
+        streamed = [entry for piece in pieces for entry in piece["content"]]
+        assert [e["token"] for e in streamed] == [e["token"] for e in plain["content"]], "chat tokens differ"
+        pairs = zip([e["logprob"] for e in streamed], [e["logprob"] for e in plain["content"]], strict=True)
+    else:
+        joined = {key: [value for piece in pieces for value in piece[key]] for key in plain}
+        assert joined["tokens"] == plain["tokens"], f"tokens {joined['tokens']} vs {plain['tokens']}"
+        assert joined["text_offset"] == plain["text_offset"], (
+            f"offsets {joined['text_offset']} vs {plain['text_offset']}"
+        )
+        pairs = zip(joined["token_logprobs"], plain["token_logprobs"], strict=True)
+    for streamed_logprob, plain_logprob in pairs:
+        assert abs(streamed_logprob - plain_logprob) <= 1e-3, f"logprob {streamed_logprob} vs {plain_logprob}"
+
+
 def sse_tool_calls(case: dict, impl, options) -> None:
     """A streamed answer with tools: tool-call deltas assemble (by index) into calls with an id,
     type function, a name and arguments that join to a JSON object; at least one call (to the

@@ -151,6 +151,44 @@ def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(cuda_tiny, pr
 
 
 @pytest.mark.gpu
+def test_logprobs_through_graphs_and_async_steps_are_the_eager_engines(cuda_tiny):
+    """Logprobs read the graphs' logits buffer after sampling, and with async scheduling before
+    the next step's replay overwrites it: the values must be the eager engine's. Two of four
+    requests ask, so the rows that ask are a subset of each step's sampling rows."""
+    loaded = cuda_tiny["llama-tiny"]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, loaded.config.vocab_size) for _ in range(n)] for n in (3, 60, 17, 9)]
+    asking = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True, logprobs=4)
+    silent = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    results = {}
+    for mode, graph_settings in GRAPH_MODES.items():
+        config = EngineConfig(
+            device="cuda", max_batch_size=4, max_num_batched_tokens=512, max_seq_len=128, **graph_settings
+        )
+        engine = Engine(config, loaded_model=loaded)
+        ids = [engine.add_request(p, asking if i % 2 == 0 else silent) for i, p in enumerate(prompts)]
+        outputs = {request_id: [] for request_id in ids}
+        while engine.has_work():
+            for output in engine.step():
+                if output.token_id is not None:
+                    outputs[output.request_id].append(output)
+        results[mode] = [outputs[request_id] for request_id in ids]
+        if engine.core.runner.graphs is not None:
+            assert sum(engine.core.runner.graphs.num_replays.values()) > 0
+    eager = results.pop("eager")
+    for mode, outputs in results.items():
+        for index, (expected, got) in enumerate(zip(eager, outputs, strict=True)):
+            assert [o.token_id for o in got] == [o.token_id for o in expected], (mode, index)
+            if index % 2:
+                assert all(o.logprobs is None for o in got), (mode, index)
+                continue
+            for want, have in zip(expected, got, strict=True):
+                assert have.logprobs.top_token_ids == want.logprobs.top_token_ids, (mode, index)
+                assert have.logprobs.logprob == pytest.approx(want.logprobs.logprob, abs=1e-4), (mode, index)
+                assert have.logprobs.top_logprobs == pytest.approx(want.logprobs.top_logprobs, abs=1e-4)
+
+
+@pytest.mark.gpu
 def test_graph_logits_equal_the_eager_forward_at_real_shape_in_bf16(tmp_path):
     """One decode step of a 1B model over a 300-token cache: the replayed graph and an eager
     forward of the very batch it replays (its static buffers, the same launch sizes) agree and

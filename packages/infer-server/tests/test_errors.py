@@ -50,7 +50,8 @@ CASES = [
     ("n-above-openai-limit", CompletionRequest, {"n": 129}, 400, "n", "invalid_value", "less than or equal to 128"),
     ("n-true", CompletionRequest, {"n": True}, 400, "n", "invalid_value", "True"),
     ("echo-not-a-bool", CompletionRequest, {"echo": "yes"}, 400, "echo", "invalid_value", "boolean"),
-    ("logprobs", CompletionRequest, {"logprobs": 1}, 400, "logprobs", "unsupported_value", "logprobs"),
+    ("logprobs-above-5", CompletionRequest, {"logprobs": 6}, 400, "logprobs", "invalid_value", "less than or equal to 5"),
+    ("logprobs-with-echo", CompletionRequest, {"logprobs": 1, "echo": True}, 400, "logprobs", "unsupported_value", "echo"),
     ("best-of", CompletionRequest, {"best_of": 2}, 400, "best_of", "unsupported_value", "best_of"),
     ("suffix", CompletionRequest, {"suffix": "}"}, 400, "suffix", "unsupported_value", "suffix"),
     ("presence-penalty-high", CompletionRequest, {"presence_penalty": 2.5}, 400, "presence_penalty", "invalid_value", "2.5"),
@@ -74,8 +75,9 @@ CASES = [
     ("tool-missing-name", ChatCompletionRequest, {"tools": [{"type": "function", "function": {}}]}, 400, "tools.0.function.name", "missing_required_parameter", "'tools.0.function.name'"),
     ("response-format-json", ChatCompletionRequest, {"response_format": {"type": "json_object"}}, 400, "response_format", "unsupported_value", "not supported until structured output exists"),
     ("token-limits-disagree", ChatCompletionRequest, {"max_tokens": 5, "max_completion_tokens": 6}, 400, "max_completion_tokens", "invalid_value", "disagrees with max_tokens"),
-    ("chat-logprobs", ChatCompletionRequest, {"logprobs": True}, 400, "logprobs", "unsupported_value", "logprobs"),
-    ("chat-top-logprobs", ChatCompletionRequest, {"top_logprobs": 3}, 400, "top_logprobs", "unsupported_value", "top_logprobs"),
+    ("chat-logprobs-not-bool", ChatCompletionRequest, {"logprobs": 1}, 400, "logprobs", "invalid_value", "boolean"),
+    ("chat-top-logprobs-alone", ChatCompletionRequest, {"top_logprobs": 3}, 400, "top_logprobs", "invalid_value", "needs logprobs: true"),
+    ("chat-top-logprobs-above-20", ChatCompletionRequest, {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "invalid_value", "less than or equal to 20"),
     ("chat-n-zero", ChatCompletionRequest, {"n": 0}, 400, "n", "invalid_value", "greater than or equal to 1"),
 ]  # fmt: skip
 

@@ -22,12 +22,14 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from infer.engine.output_processor import StepOutput
+from infer.engine.protocol import TokenLogprobs
 from infer.engine.request import FINISH_ABORT, InvalidParamError, QueueFullError, RequestTooLongError
 from infer.engine.sampling_params import SamplingParams
 from infer.server import errors, responses
 from infer.server.chat_output import ChatOutputParser, ChatPiece, ContentPiece, ReasoningPiece, finish_reason
 from infer.server.engine_loop import EngineLoop, RequestHandle
 from infer.server.errors import ApiError
+from infer.server.logprobs import ChoiceLogprobs
 from infer.server.schemas import ChatCompletionRequest, CompletionRequest
 from infer.server.sse import DONE, ChatStream, CompletionStream, error_event
 
@@ -114,6 +116,8 @@ class Collected:
     text: str
     token_ids: list[int] = field(default_factory=list)
     final: StepOutput | None = None
+    # One per token: its TokenLogprobs when the request asked for them, else None.
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 async def collect(
@@ -142,11 +146,13 @@ async def collect(
         final = outputs[-1]
         if final.error is not None or final.finish_reason == FINISH_ABORT:
             raise _unfinished(handle, final)
+        tokens = [output for output in outputs if output.token_id is not None]
         collected.append(
             Collected(
                 text="".join(output.text_delta for output in outputs),
-                token_ids=[output.token_id for output in outputs if output.token_id is not None],
+                token_ids=[output.token_id for output in tokens],
                 final=final,
+                logprobs=[output.logprobs for output in tokens],
             )
         )
     return collected
@@ -231,61 +237,87 @@ async def _interleaved(sources: Sequence[AsyncIterator[bytes]]) -> AsyncIterator
             task.cancel()
 
 
+class _PendingTokens:
+    """A streamed choice's tokens not yet sent with a chunk (their text is held back, or is the
+    next chunk's), and their logprobs when the client asked for them."""
+
+    def __init__(self, logprobs: ChoiceLogprobs | None):
+        self.token_ids: list[int] = []
+        self._logprobs: list[TokenLogprobs] = []
+        self._renderer = logprobs
+
+    def add(self, output: StepOutput) -> None:
+        if output.token_id is not None:
+            self.token_ids.append(output.token_id)
+            if self._renderer is not None:
+                self._logprobs.append(output.logprobs)
+
+    def take(self) -> tuple[list[int], dict | None]:
+        """(the token ids, their rendered logprobs or None) for the next chunk; empties."""
+        token_ids, self.token_ids = self.token_ids, []
+        logprobs, self._logprobs = self._logprobs, []
+        rendered = self._renderer.render(token_ids, logprobs) if self._renderer is not None else None
+        return token_ids, rendered
+
+
 async def choice_events(
-    handle: RequestHandle, stream: CompletionStream | ChatStream, prefix: str = ""
+    handle: RequestHandle,
+    stream: CompletionStream | ChatStream,
+    prefix: str = "",
+    logprobs: ChoiceLogprobs | None = None,
 ) -> AsyncIterator[bytes]:
     """The chunks of one choice: (chat: the role chunk), `prefix` if any (echo's prompt text, in
-    a chunk of its own), a chunk per piece of text with the token ids since the last piece, and
-    one terminal chunk with finish_reason. Raises _Unfinished when the choice ends without an
-    answer."""
+    a chunk of its own), a chunk per piece of text with the token ids since the last piece (and
+    their logprobs, rendered by `logprobs` when given), and one terminal chunk with
+    finish_reason. Raises _Unfinished when the choice ends without an answer."""
     is_chat = isinstance(stream, ChatStream)
     piece_event = stream.content if is_chat else stream.text
     if is_chat:
         yield stream.role()
     if prefix:
         yield piece_event(prefix)
-    # Token ids whose text is still held back (a partial character or a possible stop string).
-    pending_ids: list[int] = []
+    # Tokens whose text is still held back (a partial character or a possible stop string).
+    pending = _PendingTokens(logprobs)
     while True:
         output = await handle.outputs.get()
-        if output.token_id is not None:
-            pending_ids.append(output.token_id)
+        pending.add(output)
         if output.finished:
             break
         if output.text_delta:
-            yield piece_event(output.text_delta, pending_ids)
-            pending_ids = []
+            yield piece_event(output.text_delta, *pending.take())
     if output.error is not None or output.finish_reason == FINISH_ABORT:
         raise _Unfinished(_unfinished(handle, output))
-    yield stream.finish(output.finish_reason, output.text_delta, pending_ids)
+    yield stream.finish(output.finish_reason, output.text_delta, *pending.take())
 
 
 async def parsed_choice_events(
-    handle: RequestHandle, stream: ChatStream, chat_output: ChatOutputParser
+    handle: RequestHandle,
+    stream: ChatStream,
+    chat_output: ChatOutputParser,
+    logprobs: ChoiceLogprobs | None = None,
 ) -> AsyncIterator[bytes]:
     """`choice_events` for a chat choice whose text goes through `chat_output`: content,
     reasoning and whole tool calls each in their own chunks, text that may open a tool call held
-    back until it is decided, finish_reason "tool_calls" when a call was made."""
+    back until it is decided, finish_reason "tool_calls" when a call was made. A chunk carries
+    the tokens (and logprobs) that came since the previous chunk."""
     yield stream.role()
-    pending_ids: list[int] = []  # token ids not yet sent with a chunk
+    pending = _PendingTokens(logprobs)
     num_calls_sent = 0
     while True:
         output = await handle.outputs.get()
-        if output.token_id is not None:
-            pending_ids.append(output.token_id)
+        pending.add(output)
         if output.finished:
             break
         for piece in chat_output.feed(output.text_delta):
-            yield _piece_event(stream, piece, num_calls_sent, pending_ids)
+            yield _piece_event(stream, piece, num_calls_sent, *pending.take())
             num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
-            pending_ids = []
     if output.error is not None or output.finish_reason == FINISH_ABORT:
         raise _Unfinished(_unfinished(handle, output))
     for piece in chat_output.feed(output.text_delta) + chat_output.finish():
-        yield _piece_event(stream, piece, num_calls_sent, pending_ids)
+        yield _piece_event(stream, piece, num_calls_sent, *pending.take())
         num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
-        pending_ids = []
-    yield stream.finish(finish_reason(output.finish_reason, chat_output.num_tool_calls), "", pending_ids)
+    reason = finish_reason(output.finish_reason, chat_output.num_tool_calls)
+    yield stream.finish(reason, "", *pending.take())
 
 
 def _unfinished(handle: RequestHandle, final: StepOutput) -> ApiError:
@@ -299,12 +331,15 @@ def _unfinished(handle: RequestHandle, final: StepOutput) -> ApiError:
     return errors.cancelled_by_server()
 
 
-def _piece_event(stream: ChatStream, piece: ChatPiece, call_index: int, token_ids: list[int]) -> bytes:
+def _piece_event(
+    stream: ChatStream, piece: ChatPiece, call_index: int, token_ids: list[int], logprobs: dict | None
+) -> bytes:
     if isinstance(piece, ContentPiece):
-        return stream.content(piece.text, token_ids)
+        return stream.content(piece.text, token_ids, logprobs)
     if isinstance(piece, ReasoningPiece):
-        return stream.reasoning(piece.text, token_ids)
-    return stream.tool_call(call_index, responses.new_tool_call_id(), piece.name, piece.arguments, token_ids)
+        return stream.reasoning(piece.text, token_ids, logprobs)
+    call_id = responses.new_tool_call_id()
+    return stream.tool_call(call_index, call_id, piece.name, piece.arguments, token_ids, logprobs)
 
 
 class EventStreamResponse(StreamingResponse):

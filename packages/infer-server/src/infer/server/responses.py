@@ -40,14 +40,16 @@ def completion(
     usage: dict[str, Any],
     token_ids: list[int] | None = None,
     index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A whole /v1/completions response with one choice (`merge_choices` joins several)."""
+    """A whole /v1/completions response with one choice (`merge_choices` joins several);
+    `logprobs` as `infer.server.logprobs` renders them, when the client asked."""
     return {
         "id": id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [_completion_choice(text, finish_reason, token_ids, index)],
+        "choices": [_completion_choice(text, finish_reason, token_ids, index, logprobs)],
         "usage": usage,
     }
 
@@ -63,10 +65,11 @@ def chat_completion(
     token_ids: list[int] | None = None,
     reasoning_content: str | None = None,
     index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A whole /v1/chat/completions response with one choice (`merge_choices` joins several).
     `tool_calls` as `tool_call` builds them; `reasoning_content` (vLLM's field for a thinking
-    model's reasoning) only when given."""
+    model's reasoning) only when given; `logprobs` as `infer.server.logprobs` renders them."""
     # `refusal` is required by OpenAI's schema (null: the model did not refuse).
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if reasoning_content is not None:
@@ -76,7 +79,7 @@ def chat_completion(
     choice: dict[str, Any] = {
         "index": index,
         "message": message,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
     if token_ids is not None:
@@ -121,6 +124,7 @@ def completion_chunk(
     token_ids: list[int] | None = None,
     include_usage: bool = False,
     index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed /v1/completions chunk of choice `index`. With `include_usage` every chunk but
     the last carries `"usage": null`, as OpenAI does when the client asked for
@@ -130,7 +134,7 @@ def completion_chunk(
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [_completion_choice(text, finish_reason, token_ids, index)],
+        "choices": [_completion_choice(text, finish_reason, token_ids, index, logprobs)],
     }
     if include_usage:
         chunk["usage"] = None
@@ -146,6 +150,7 @@ def chat_chunk(
     token_ids: list[int] | None = None,
     include_usage: bool = False,
     index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed /v1/chat/completions chunk of choice `index`; `delta` is e.g. {"content": "Hi"},
     {"reasoning_content": "..."}, a `tool_call_delta`, {"role": "assistant", "content": ""} (the
@@ -153,7 +158,7 @@ def chat_chunk(
     choice: dict[str, Any] = {
         "index": index,
         "delta": delta,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
     if token_ids is not None:
@@ -197,9 +202,18 @@ def model(model_id: str, max_model_len: int, created: int, owned_by: str = "infe
 
 
 def _completion_choice(
-    text: str, finish_reason: str | None, token_ids: list[int] | None, index: int
+    text: str,
+    finish_reason: str | None,
+    token_ids: list[int] | None,
+    index: int,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return choice

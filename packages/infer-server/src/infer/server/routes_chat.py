@@ -31,6 +31,7 @@ from infer.server.generation import (
     total_usage,
 )
 from infer.server.limits import check_prompt_chars, read_body
+from infer.server.logprobs import ChoiceLogprobs
 from infer.server.reasoning import prompt_opens_reasoning
 from infer.server.routes_completions import CLIENT_CLOSED_REQUEST
 from infer.server.schemas import ChatCompletionRequest
@@ -70,16 +71,21 @@ async def create_chat_completion(request: Request) -> Response:
     ]
     request_id, created = responses.new_request_id("chatcmpl"), int(time.time())
     handles = submit(engine_loop, [(prompt_ids, params)], request_id, prompt_field="messages", n=body.n)
+    choice_logprobs = [
+        ChoiceLogprobs(server.engine.tokenizer, chat=True) if body.logprobs else None for _ in handles
+    ]
     if body.stream:
         choices = []
-        for index, (handle, chat_output) in enumerate(zip(handles, chat_outputs, strict=True)):
+        for index, (handle, chat_output, logprobs) in enumerate(
+            zip(handles, chat_outputs, choice_logprobs, strict=True)
+        ):
             stream = ChatStream(
                 request_id, created, body.model, include_usage=body.include_usage, index=index
             )
             if chat_output is None:
-                choices.append(choice_events(handle, stream))
+                choices.append(choice_events(handle, stream, logprobs=logprobs))
             else:
-                choices.append(parsed_choice_events(handle, stream, chat_output))
+                choices.append(parsed_choice_events(handle, stream, chat_output, logprobs))
         usage_stream = ChatStream(request_id, created, body.model) if body.include_usage else None
         return EventStreamResponse(answer_events(choices, handles, usage_stream), engine_loop, handles)
     collected = await collect(request, engine_loop, handles)
@@ -87,7 +93,9 @@ async def create_chat_completion(request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     usage = total_usage([choice.final for choice in collected])
     bodies = []
-    for index, (choice, chat_output) in enumerate(zip(collected, chat_outputs, strict=True)):
+    for index, (choice, chat_output, logprobs) in enumerate(
+        zip(collected, chat_outputs, choice_logprobs, strict=True)
+    ):
         answer = chat_output.parse(choice.text) if chat_output else ChatAnswer(choice.text, None)
         tool_calls = [
             responses.tool_call(responses.new_tool_call_id(), call.name, call.arguments)
@@ -105,6 +113,7 @@ async def create_chat_completion(request: Request) -> Response:
                 token_ids=choice.token_ids,
                 reasoning_content=answer.reasoning_content,
                 index=index,
+                logprobs=logprobs.render(choice.token_ids, choice.logprobs) if logprobs is not None else None,
             )
         )
     return JSONResponse(responses.merge_choices(bodies, usage))

@@ -19,6 +19,7 @@ from infer.server.generation import (
     total_usage,
 )
 from infer.server.limits import check_prompt_chars, read_body
+from infer.server.logprobs import ChoiceLogprobs
 from infer.server.schemas import CompletionRequest
 from infer.server.server_state import ServerState
 from infer.server.sse import CompletionStream
@@ -57,14 +58,20 @@ async def create_completion(request: Request) -> Response:
     prompts = list(zip(prompts_ids, params, strict=True))
     handles = submit(engine_loop, prompts, request_id, prompt_field="prompt", n=body.n)
     choice_echoes = [echo for echo in echoes for _ in range(body.n)]
+    choice_logprobs = [
+        ChoiceLogprobs(server.engine.tokenizer, chat=False) if body.logprobs is not None else None
+        for _ in handles
+    ]
     if body.stream:
         streams = [
             CompletionStream(request_id, created, body.model, include_usage=body.include_usage, index=index)
             for index in range(len(handles))
         ]
         choices = [
-            choice_events(handle, stream, prefix=echo)
-            for handle, stream, echo in zip(handles, streams, choice_echoes, strict=True)
+            choice_events(handle, stream, prefix=echo, logprobs=logprobs)
+            for handle, stream, echo, logprobs in zip(
+                handles, streams, choice_echoes, choice_logprobs, strict=True
+            )
         ]
         usage_stream = streams[0] if body.include_usage else None
         events = answer_events(choices, handles, usage_stream, choices_per_prompt=body.n)
@@ -83,8 +90,11 @@ async def create_completion(request: Request) -> Response:
             usage,
             choice.token_ids,
             index=index,
+            logprobs=logprobs.render(choice.token_ids, choice.logprobs) if logprobs is not None else None,
         )
-        for index, (choice, echo) in enumerate(zip(collected, choice_echoes, strict=True))
+        for index, (choice, echo, logprobs) in enumerate(
+            zip(collected, choice_echoes, choice_logprobs, strict=True)
+        )
     ]
     return JSONResponse(responses.merge_choices(bodies, usage))
 

@@ -9,9 +9,12 @@ pydantic error into an OpenAI error body and picks the HTTP status):
 
 - An unknown field is rejected (400), never silently ignored: a typo such as `max_token` would
   otherwise quietly change the output.
-- An OpenAI field we do not implement (`logprobs`, `best_of`, `suffix`,
-  `top_logprobs`) is accepted only at its neutral value, because common clients send `n=1` on
-  every call; any other value is rejected (400) naming the field.
+- An OpenAI field we do not implement (`best_of`, `suffix`) is accepted only at its neutral
+  value, because common clients send such fields at their defaults on every call; any other
+  value is rejected (400) naming the field.
+- Logprobs follow OpenAI's limits: chat's `top_logprobs` in [0, 20] and only with
+  `logprobs: true`; completions' `logprobs` in [0, 5], not with `echo` (that would need the
+  prompt's logprobs, which the engine does not compute).
 - A required field that is missing, or an empty `messages` list or empty token-id `prompt`, is
   a 400 (there is nothing to run), like OpenAI; so are wrong values (every refusal is a 400).
 - `top_k` follows vLLM: an integer >= 1 keeps the k most likely tokens; 0 or -1 turns it off.
@@ -39,6 +42,9 @@ UNSUPPORTED_VALUE = "unsupported_value"  # a valid OpenAI value this server does
 INVALID_VALUE = "invalid_value"  # a value the API does not allow: 400
 
 MAX_STOP_STRINGS = 4
+# OpenAI's limits on the alternatives per token: chat's top_logprobs, completions' logprobs.
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 MAX_SEED = 2**63 - 1
 MAX_CHOICES = 128
 # Prompts in one /v1/completions batch.
@@ -92,9 +98,6 @@ class StreamOptions(_Strict):
 
 class _SamplingRequest(_Strict):
     """The fields that /v1/completions and /v1/chat/completions share."""
-
-    # OpenAI fields we accept only at their neutral values: field -> the values that mean "off".
-    NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -173,22 +176,6 @@ class _SamplingRequest(_Strict):
             raise PydanticCustomError(INVALID_VALUE, "logit_bias values must be in [-100, 100]")
         return value
 
-    @field_validator(
-        "logprobs",
-        "best_of",
-        "suffix",
-        "top_logprobs",
-        check_fields=False,  # each exists on one of the two endpoints only
-    )
-    @classmethod
-    def _neutral_values_only(cls, value: Any, info) -> Any:
-        neutral = cls.NEUTRAL_VALUES[info.field_name]
-        # `True == 1` and `False == 0` in Python: a bool matches only a bool (echo=false, not n=true).
-        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
-            shown = " or ".join("null" if v is None else repr(v) for v in neutral)
-            raise _unsupported(f"{value!r} is not supported; leave {info.field_name} out or send {shown}")
-        return value
-
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, value: StreamOptions | None, info) -> StreamOptions | None:
@@ -203,6 +190,10 @@ class _SamplingRequest(_Strict):
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
     def _max_new_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def _num_logprobs(self) -> int | None:
+        """Alternatives per token for SamplingParams.logprobs; None: no logprobs."""
         raise NotImplementedError
 
     def to_sampling_kwargs(self, *, max_new_tokens_default: int | None = None) -> dict[str, Any]:
@@ -227,6 +218,7 @@ class _SamplingRequest(_Strict):
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
+            "logprobs": self._num_logprobs(),
         }
         max_new_tokens = self._max_new_tokens()
         if max_new_tokens is None:
@@ -240,19 +232,17 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions. `prompt` is kept as given: a string, token ids, or a batch of
     either (`prompts` lists them in every case)."""
 
-    NEUTRAL_VALUES = {
-        **_SamplingRequest.NEUTRAL_VALUES,
-        "logprobs": (None,),
-        "best_of": (1, None),
-        "suffix": (None, ""),
-    }
+    # OpenAI fields we accept only at their neutral values: field -> the values that mean "off".
+    NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {"best_of": (1, None), "suffix": (None, "")}
 
     prompt: str | list[int] | list[str | list[int]]
     # OpenAI's default for the legacy completions endpoint; null means "as many as fit".
     max_tokens: int | None = Field(16, ge=1)
     # Each choice's text starts with its prompt's text.
     echo: bool = False
-    logprobs: Any = None
+    # The sampled token's logprob and this many most likely alternatives per token (OpenAI's
+    # legacy format: tokens, token_logprobs, top_logprobs, text_offset).
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     best_of: Any = None
     suffix: Any = None
 
@@ -288,8 +278,31 @@ class CompletionRequest(_SamplingRequest):
         is_batch = isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
         return list(self.prompt) if is_batch else [self.prompt]
 
+    @field_validator("best_of", "suffix")
+    @classmethod
+    def _neutral_values_only(cls, value: Any, info) -> Any:
+        neutral = cls.NEUTRAL_VALUES[info.field_name]
+        # `True == 1` and `False == 0` in Python: a bool matches only a bool (best_of=true is not 1).
+        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
+            shown = " or ".join("null" if v is None else repr(v) for v in neutral)
+            raise _unsupported(f"{value!r} is not supported; leave {info.field_name} out or send {shown}")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_without_echo(cls, value: int | None, info) -> int | None:
+        if value is not None and info.data.get("echo", False):
+            raise _unsupported(
+                "logprobs with echo would need the prompt's logprobs, which are not supported; "
+                "send one of them"
+            )
+        return value
+
     def _max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+    def _num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 # ----------------------------------------------------------------------------- chat
@@ -407,12 +420,6 @@ class ResponseFormat(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
-    NEUTRAL_VALUES = {
-        **_SamplingRequest.NEUTRAL_VALUES,
-        "logprobs": (False, None),
-        "top_logprobs": (None, 0),
-    }
-
     messages: list[ChatMessage]
     # `max_completion_tokens` is OpenAI's newer name for `max_tokens`; either may be sent.
     max_tokens: int | None = Field(None, ge=1)
@@ -429,8 +436,9 @@ class ChatCompletionRequest(_SamplingRequest):
     # OpenAI's reasoning knob, mapped onto thinking where the model has it (Qwen 3): "none" and
     # "minimal" turn it off, the others on; an explicit chat_template_kwargs enable_thinking wins.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
+    # Each content token's logprob (choices[].logprobs.content), with top_logprobs alternatives.
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("messages")
     @classmethod
@@ -488,8 +496,19 @@ class ChatCompletionRequest(_SamplingRequest):
             )
         return value
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info) -> int | None:
+        # As OpenAI and vLLM: alternatives without the logprobs they belong to are a mistake.
+        if value is not None and not info.data.get("logprobs", False):
+            raise PydanticCustomError(INVALID_VALUE, "top_logprobs needs logprobs: true")
+        return value
+
     def _max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_kwargs(self) -> dict[str, Any]:
         """The chat template's variables: chat_template_kwargs, with enable_thinking from

@@ -6,6 +6,9 @@ the whole stream. So each stream serializes its chunk once with placeholder slot
 at the slots, and per token only escapes the text with the C escaper json.dumps itself uses
 (`json.encoder.encode_basestring`, the ensure_ascii=False one) and joins byte strings.
 
+A chunk that carries logprobs (the client asked for them) is built whole and serialized with
+`event`: it is not the hot path, and its token texts would need slots of their own.
+
 The output is byte-for-byte `event(chunk)` for the chunk dict that `infer.server.responses` builds
 (tests/test_sse.py proves it over arbitrary text). Text with a lone surrogate cannot be UTF-8
 encoded: both paths raise UnicodeEncodeError (tokenizer output never holds one; decoding replaces
@@ -99,16 +102,39 @@ class CompletionStream(_Stream):
             )
         )
 
-    def text(self, text: str, token_ids: list[int] | None = None) -> bytes:
-        """A chunk with the next piece of text (and, if given, the token ids it came from)."""
+    def text(self, text: str, token_ids: list[int] | None = None, logprobs: dict | None = None) -> bytes:
+        """A chunk with the next piece of text (and, if given, the token ids it came from and
+        their logprobs)."""
+        if logprobs is not None:
+            return self._chunk(text, None, token_ids, logprobs)
         if token_ids is None:
             return self._head + encode_basestring(text).encode() + self._tail
         return self._with_ids.splice(text, token_ids)
 
-    def finish(self, finish_reason: str, text: str = "", token_ids: list[int] | None = None) -> bytes:
+    def finish(
+        self,
+        finish_reason: str,
+        text: str = "",
+        token_ids: list[int] | None = None,
+        logprobs: dict | None = None,
+    ) -> bytes:
         """The chunk that ends the choice, with any text the last step produced."""
+        return self._chunk(text, finish_reason, token_ids, logprobs)
+
+    def _chunk(
+        self, text: str, finish_reason: str | None, token_ids: list[int] | None, logprobs: dict | None
+    ) -> bytes:
+        """Any chunk, built whole (the slow path)."""
         chunk = responses.completion_chunk(
-            self.id, self.created, self.model, text, finish_reason, token_ids, self.include_usage, self.index
+            self.id,
+            self.created,
+            self.model,
+            text,
+            finish_reason,
+            token_ids,
+            self.include_usage,
+            self.index,
+            logprobs=logprobs,
         )
         return event(chunk)
 
@@ -150,33 +176,61 @@ class ChatStream(_Stream):
         )
         return event(chunk)
 
-    def content(self, text: str, token_ids: list[int] | None = None) -> bytes:
-        """A chunk with the next piece of content (and, if given, the token ids it came from)."""
+    def content(self, text: str, token_ids: list[int] | None = None, logprobs: dict | None = None) -> bytes:
+        """A chunk with the next piece of content (and, if given, the token ids it came from and
+        their logprobs)."""
+        if logprobs is not None:
+            return self._chunk({"content": text}, None, token_ids, logprobs)
         if token_ids is None:
             return self._head + encode_basestring(text).encode() + self._tail
         return self._with_ids.splice(text, token_ids)
 
-    def reasoning(self, text: str, token_ids: list[int] | None = None) -> bytes:
+    def reasoning(self, text: str, token_ids: list[int] | None = None, logprobs: dict | None = None) -> bytes:
         """A chunk with the next piece of reasoning (`delta.reasoning_content`)."""
+        if logprobs is not None:
+            return self._chunk({"reasoning_content": text}, None, token_ids, logprobs)
         if token_ids is None:
             plain = self._reasoning_plain
             return plain.head + encode_basestring(text).encode() + plain.tail
         return self._reasoning_with_ids.splice(text, token_ids)
 
     def tool_call(
-        self, index: int, call_id: str, name: str, arguments: str, token_ids: list[int] | None = None
+        self,
+        index: int,
+        call_id: str,
+        name: str,
+        arguments: str,
+        token_ids: list[int] | None = None,
+        logprobs: dict | None = None,
     ) -> bytes:
         """A chunk carrying one whole tool call, the answer's `index`-th (rare: plain json.dumps)."""
         delta = responses.tool_call_delta(index, call_id, name, arguments)
-        chunk = responses.chat_chunk(
-            self.id, self.created, self.model, delta, None, token_ids, self.include_usage, self.index
-        )
-        return event(chunk)
+        return self._chunk(delta, None, token_ids, logprobs)
 
-    def finish(self, finish_reason: str, text: str = "", token_ids: list[int] | None = None) -> bytes:
+    def finish(
+        self,
+        finish_reason: str,
+        text: str = "",
+        token_ids: list[int] | None = None,
+        logprobs: dict | None = None,
+    ) -> bytes:
         """The chunk that ends the choice: delta {} or, if the last step produced text, its content."""
         delta = {"content": text} if text else {}
+        return self._chunk(delta, finish_reason, token_ids, logprobs)
+
+    def _chunk(
+        self, delta: dict, finish_reason: str | None, token_ids: list[int] | None, logprobs: dict | None
+    ) -> bytes:
+        """Any chunk, built whole (the slow path)."""
         chunk = responses.chat_chunk(
-            self.id, self.created, self.model, delta, finish_reason, token_ids, self.include_usage, self.index
+            self.id,
+            self.created,
+            self.model,
+            delta,
+            finish_reason,
+            token_ids,
+            self.include_usage,
+            self.index,
+            logprobs=logprobs,
         )
         return event(chunk)
