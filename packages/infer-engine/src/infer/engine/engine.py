@@ -12,10 +12,11 @@ frontend's HTTP, tokenizing and detokenizing.
 and raises before sending anything; the core checks again.
 """
 
+import contextlib
 import dataclasses
 import time
 
-from infer.engine.client import EngineClient, InProcClient
+from infer.engine.client import EngineClient, EngineDeadError, InProcClient
 from infer.engine.config import EngineConfig
 from infer.engine.engine_core import EngineCore
 from infer.engine.output_processor import OutputProcessor, StepOutput
@@ -86,8 +87,12 @@ class Engine:
                 f"{self.limits.max_queue_len}; retry later"
             )
         self.processor.add(request_id, prompt_ids, params)
+        try:
+            self.client.add(EngineRequest(request_id, prompt_ids, params, arrival_s=time.monotonic()))
+        except BaseException:  # the core is gone (EngineDeadError): nothing was queued
+            self.processor.forget(request_id)
+            raise
         self._num_sent += 1
-        self.client.add(EngineRequest(request_id, prompt_ids, params, arrival_s=time.monotonic()))
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -95,7 +100,10 @@ class Engine:
         StepOutput (finish_reason "abort"). False when the id is unknown or already finished."""
         if request_id not in self.processor:
             return False
-        self.client.abort([request_id])
+        # A core that is gone has stopped every request already; its failure is reported by
+        # step(), not by every abort that follows it.
+        with contextlib.suppress(EngineDeadError):
+            self.client.abort([request_id])
         return True
 
     def has_work(self) -> bool:

@@ -113,8 +113,8 @@ class ProcClient:
         return False
 
     def get_outputs(self, wait_s: float = 0.0) -> EngineOutputs | None:
-        """The next outputs the core sent, or None when none came within `wait_s` (a heartbeat
-        counts as none). Raises EngineDeadError once the core is gone."""
+        """The next outputs the core sent (a heartbeat: none, with the core's statistics), or None
+        when nothing came within `wait_s`. Raises EngineDeadError once the core is gone."""
         if self.failure is not None:
             raise EngineDeadError(self.failure)
         try:

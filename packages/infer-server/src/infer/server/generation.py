@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from infer.engine.client import EngineDeadError
 from infer.engine.output_processor import StepOutput
 from infer.engine.protocol import TokenLogprobs
 from infer.engine.request import FINISH_ABORT, InvalidParamError, QueueFullError, RequestTooLongError
@@ -98,6 +99,8 @@ def _submit_one(
         return engine_loop.submit(prompt_ids, params, request_id)
     except QueueFullError:
         raise errors.queue_full(engine_loop.engine.config.max_queue_len) from None
+    except EngineDeadError as error:  # it died since the route checked /health's state
+        raise errors.engine_unavailable(str(error)) from None
     except RequestTooLongError as error:
         raise ApiError(
             400, str(error), errors.INVALID_REQUEST, prompt_field, "context_length_exceeded"
