@@ -182,10 +182,10 @@ class ModelRunner:
         done = None
         logprobs = None
         if sampling_ids:
-            tokens = self._sample(logits, sampling_ids)
+            tensors = self._sampling_tensors(tuple(sampling_ids))
+            tokens = self._sample(logits, sampling_ids, tensors)
             self.last_sampled[: len(tokens)].copy_(tokens)
             host_tokens.copy_(tokens, non_blocking=True)
-            tensors = self._sampling_tensors(tuple(sampling_ids))
             if tensors.logprobs_rows:
                 # `logits` are still the model's (sample() transforms copies); with CUDA graphs
                 # they are the graph's output buffer, which the next replay, queued after this
@@ -287,8 +287,9 @@ class ModelRunner:
             logits_indices=device(logits_indices),
         )
 
-    def _sample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> torch.Tensor:
-        tensors = self._sampling_tensors(tuple(request_ids))
+    def _sample(
+        self, logits: torch.Tensor, request_ids: Sequence[str], tensors: SamplingTensors
+    ) -> torch.Tensor:
         batch = self.input_batch
         if tensors.reads_token_ids or tensors.reads_output_ids:
             # Penalties and min_tokens read the rows' ids on the host: no placeholders there.
