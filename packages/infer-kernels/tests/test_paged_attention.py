@@ -268,11 +268,27 @@ def test_rejects_mismatched_inputs():
 
 
 def test_decode_splits_fill_the_gpu_from_host_ints():
-    # Llama 3.2 1B at batch 64 x 4096 keys: 8 splits of 512; at batch 1: 16 splits of 256.
-    assert paged_attention_module.decode_splits(64, 8, 4096, 64) == (8, 512)
-    assert paged_attention_module.decode_splits(1, 8, 4096, 64) == (16, 256)
+    # Llama 3.2 1B at batch 64: 8 splits per (row, KV head); at batch 1 and 4096 keys: 16.
+    assert paged_attention_module.decode_num_splits(64, 8, 4096) == 8
+    assert paged_attention_module.decode_num_splits(1, 8, 4096) == 16
     # Short rows take one split (no merge pass).
-    assert paged_attention_module.decode_splits(64, 8, 200, 64) == (1, 256)
+    assert paged_attention_module.decode_num_splits(64, 8, 200) == 1
+
+
+@pytest.mark.parametrize("sliding_window", [None, 100])
+def test_kernel_interpreted_rows_far_below_the_launch_bound(triton_on_cpu, sliding_window):
+    """A CUDA graph's launch is sized for the model's longest row (here 2048 keys: 8 splits);
+    each row cuts its own keys into those splits: 1100 keys into 8 of 3 tiles, the short rows
+    into single tiles."""
+    q, k_cache, v_cache, kwargs = make_batch(
+        [70, 1, 1100, 129], [(5, 80)], (4, 2, 64), 16, torch.float32, "cpu", 6
+    )
+    tables = kwargs["block_tables"]
+    kwargs["block_tables"] = torch.cat([tables, tables[:, :1].expand(-1, 2048 // 16)], dim=1)
+    kwargs["max_seq_len"] = 2048
+    assert paged_attention_module.decode_num_splits(4, 2, 2048) == 8
+    out = paged_attention(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs))
 
 
 # --- CUDA: realistic shapes, and a CUDA graph replayed with new lengths and block tables ----------

@@ -11,13 +11,16 @@ contiguous pool uses one block of max_seq_len per row), so each key's address is
 
 Two Triton kernels, one per kind of row:
 - Decode rows (one query each, rows 0..num_decode_rows-1): flash-decoding. The keys of a row are
-  cut into splits of `split_size` keys and one program per (row, KV head, split) serves all
-  query heads of the KV head's group together (padded to 16 for tl.dot), so every key and value
-  is read once. Each split writes its running max, sum and unnormalised output in fp32; a small
-  second kernel merges the splits of each (row, head). The grid depends on host ints only (rows,
-  KV heads, and splits from `max_seq_len`); lengths are read on the device, and splits past a
-  row's length exit at once, so a CUDA graph captured at the model's longest length replays for
-  any lengths and block tables. With one split the first kernel writes the output itself.
+  cut into `num_splits` equal splits (whole tiles of BLOCK_N keys) and one program per (row, KV
+  head, split) serves all query heads of the KV head's group together (padded to 16 for tl.dot),
+  so every key and value is read once. Each split writes its running max, sum and unnormalised
+  output in fp32; a small second kernel merges the splits of each (row, head). The grid depends
+  on host ints only (rows, KV heads, and `num_splits` from the batch size); a split's length is
+  computed on the device from the row's own length, so every row's keys are spread over all
+  splits however far below `max_seq_len` it is (a graph is captured at the longest length, and
+  splits cut from that would leave most programs idle and the rest looping over long splits),
+  and a CUDA graph replays for any lengths and block tables. Splits past a short row's last tile
+  exit at once. With one split the first kernel writes the output itself.
 - Extend rows (prompt chunks): flash attention, one program per (tile of BLOCK_M queries of one
   row, query head), over key tiles up to the tile's last position, with causal and sliding-window
   masks and an online softmax. Grid from host ints too: (tiles of max_query_len, extend rows,
@@ -38,10 +41,10 @@ from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
 
 # tl.dot needs every dim to be at least 16: the query heads of a group (1-8) are padded to it.
 _MIN_DOT = 16
-# Decode: splits of at least this many keys, and about this many programs in all. At batch 64 x
-# 8 KV heads x 4096 keys that is 8 splits of 512 keys (4096 programs over 132 SMs); at batch 1,
-# 16 splits of 256. Fewer, longer splits would leave SMs idle at small batches; shorter ones
-# make the partial results (fp32, per query head) a larger share of the traffic.
+# Decode: about this many programs in all, and no more splits than a row of max_seq_len keys
+# cut into splits of _MIN_SPLIT_KEYS. At batch 64 x 8 KV heads that is 8 splits (4096 programs
+# over 132 SMs); at batch 1 and 4096 keys, 16. Fewer splits would leave SMs idle at small
+# batches; more make the partial results (fp32, per query head) a larger share of the traffic.
 _MIN_SPLIT_KEYS = 256
 _TARGET_DECODE_PROGRAMS = 4096
 # Keys per loop step of the decode kernel (halved for head_dim > 128 to bound registers).
@@ -69,7 +72,16 @@ def _key_slots(block_table_row_ptr, keys_at, in_range, BLOCK_SIZE: tl.constexpr)
     return block_ids * BLOCK_SIZE + keys_at % BLOCK_SIZE
 
 
-@triton.jit(do_not_specialize=["block_table_stride", "num_splits", "split_size"])
+@triton.jit
+def _split_span(seq_len, first, num_splits, BLOCK_N: tl.constexpr):
+    """(first key of split 0, keys per split) of a decode row: its visible keys (from the tile of
+    `first` on) cut into num_splits whole tiles each, at least one."""
+    span_start = (first // BLOCK_N) * BLOCK_N
+    tiles = tl.cdiv(tl.maximum(seq_len - span_start, 1), BLOCK_N)
+    return span_start, tl.cdiv(tiles, num_splits) * BLOCK_N
+
+
+@triton.jit(do_not_specialize=["block_table_stride", "num_splits"])
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -90,7 +102,6 @@ def _decode_split_kernel(
     out_stride_head,
     block_table_stride,
     num_splits,
-    split_size,
     scale,
     sliding_window,
     GROUP: tl.constexpr,
@@ -110,11 +121,11 @@ def _decode_split_kernel(
     first = 0
     if HAS_WINDOW:
         first = tl.maximum(seq_len - sliding_window, 0)
-    split_start = split * split_size
-    end = tl.minimum(split_start + split_size, seq_len)
-    # Key tiles start at multiples of BLOCK_N (split_size is one): every tile the loop visits
-    # holds a visible key, so the running maximum is finite from the first tile on.
-    start = (tl.maximum(split_start, first) // BLOCK_N) * BLOCK_N
+    span_start, split_size = _split_span(seq_len, first, num_splits, BLOCK_N)
+    # Key tiles start at multiples of BLOCK_N (span_start and split_size are): every tile the
+    # loop visits holds a visible key, so the running maximum is finite from the first tile on.
+    start = span_start + split * split_size
+    end = tl.minimum(start + split_size, seq_len)
     if start < end:
         heads = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, DIM_PAD)
@@ -165,7 +176,7 @@ def _decode_split_kernel(
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=store_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "split_size"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     out_ptr,
     part_max_ptr,
@@ -175,11 +186,11 @@ def _decode_merge_kernel(
     out_stride_token,
     out_stride_head,
     num_splits,
-    split_size,
     sliding_window,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -190,12 +201,13 @@ def _decode_merge_kernel(
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
     part_row = (row * tl.num_programs(1) + head) * num_splits
-    # Exactly the splits that held a visible key wrote partials: from the window's first key's
-    # split to the last key's.
+    # Exactly the splits that held a visible key wrote partials: the first ones, up to the one
+    # of the last key.
+    span_start, split_size = _split_span(seq_len, first, num_splits, BLOCK_N)
     running_max = float("-inf")
     denominator = 0.0
     acc = tl.zeros([DIM_PAD], tl.float32)
-    for split in range(first // split_size, (seq_len - 1) // split_size + 1):
+    for split in range(0, tl.cdiv(seq_len - span_start, split_size)):
         split_max = tl.load(part_max_ptr + part_row + split)
         new_max = tl.maximum(running_max, split_max)
         old_weight = tl.exp(running_max - new_max)
@@ -333,13 +345,11 @@ def _extend_config(head_dim: int) -> tuple[int, int, int, int]:
     return _EXTEND_CONFIG if dim_pad <= 128 else (32, 32, 8, 2)
 
 
-def decode_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, block_n: int) -> tuple[int, int]:
-    """(num_splits, split_size) for the decode kernel: host ints only, so a graph captured at
-    one (batch, max_seq_len) replays with the same grid."""
+def decode_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Splits per (row, KV head) of the decode kernel: host ints only, so a graph captured at
+    one (batch, max_seq_len) replays with the same grid. The keys per split are the row's own."""
     wanted = triton.cdiv(_TARGET_DECODE_PROGRAMS, max(batch_size * num_kv_heads, 1))
-    num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, _MIN_SPLIT_KEYS)))
-    split_size = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
-    return triton.cdiv(max(max_seq_len, 1), split_size), split_size
+    return max(1, min(wanted, triton.cdiv(max_seq_len, _MIN_SPLIT_KEYS)))
 
 
 def _launch(
@@ -380,7 +390,7 @@ def _launch(
     seq_lens = seq_lens.contiguous()
     if num_decode_rows:
         block_n = _DECODE_BLOCK_N if dim_pad <= 128 else _DECODE_BLOCK_N // 2
-        num_splits, split_size = decode_splits(num_decode_rows, num_kv_heads, max_seq_len, block_n)
+        num_splits = decode_num_splits(num_decode_rows, num_kv_heads, max_seq_len)
         parts = num_decode_rows * num_q_heads * num_splits if num_splits > 1 else 1
         part_max = torch.empty(parts, dtype=torch.float32, device=q.device)
         part_sum = torch.empty(parts, dtype=torch.float32, device=q.device)
@@ -398,7 +408,6 @@ def _launch(
             q.stride(0),
             q.stride(1),
             num_splits=num_splits,
-            split_size=split_size,
             scale=scale,
             GROUP=group,
             GROUP_PAD=max(_MIN_DOT, triton.next_power_of_2(group)),
@@ -418,11 +427,11 @@ def _launch(
                 out.stride(0),
                 out.stride(1),
                 num_splits,
-                split_size,
                 sliding_window or 0,
                 HEAD_DIM=head_dim,
                 DIM_PAD=dim_pad,
                 HAS_WINDOW=sliding_window is not None,
+                BLOCK_N=block_n,
                 num_warps=1,
             )
     num_extend_rows = seq_lens.shape[0] - num_decode_rows
