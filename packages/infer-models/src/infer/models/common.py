@@ -114,9 +114,8 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        else:
-            # rope rotates in place; the split views share one buffer, so give q and k their own.
-            q, k = q.contiguous(), k.contiguous()
+        # Otherwise q and k stay views of the projection's output: rope rotates them in place
+        # through their strides, and attention reads them the same way (no copy per layer).
         self.rotary(q, k, batch.positions)
         out = attention(q, k, v, batch, self.layer_idx, scale=self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, -1))
