@@ -263,6 +263,23 @@ class _PendingTokens:
         return token_ids, rendered
 
 
+async def _next_outputs(handle: RequestHandle, pending: _PendingTokens) -> tuple[str, StepOutput]:
+    """Waits for the choice's next output, then takes every output already queued behind it (up
+    to the final one): (their text, the last of them); their tokens go to `pending`. A stream
+    that keeps up sends a chunk per token; one that fell behind (the server busy with many
+    streams) catches up in one chunk instead of a chunk per token, as vLLM's streams do."""
+    output = await handle.outputs.get()
+    pending.add(output)
+    if output.finished or handle.outputs.empty():
+        return output.text_delta, output
+    pieces = [output.text_delta]
+    while not output.finished and not handle.outputs.empty():
+        output = handle.outputs.get_nowait()
+        pending.add(output)
+        pieces.append(output.text_delta)
+    return "".join(pieces), output
+
+
 async def choice_events(
     handle: RequestHandle,
     stream: CompletionStream | ChatStream,
@@ -282,15 +299,14 @@ async def choice_events(
     # Tokens whose text is still held back (a partial character or a possible stop string).
     pending = _PendingTokens(logprobs)
     while True:
-        output = await handle.outputs.get()
-        pending.add(output)
+        text, output = await _next_outputs(handle, pending)
         if output.finished:
             break
-        if output.text_delta:
-            yield piece_event(output.text_delta, *pending.take())
+        if text:
+            yield piece_event(text, *pending.take())
     if output.error is not None or output.finish_reason == FINISH_ABORT:
         raise _Unfinished(_unfinished(handle, output))
-    yield stream.finish(output.finish_reason, output.text_delta, *pending.take())
+    yield stream.finish(output.finish_reason, text, *pending.take())
 
 
 async def parsed_choice_events(
@@ -307,16 +323,15 @@ async def parsed_choice_events(
     pending = _PendingTokens(logprobs)
     num_calls_sent = 0
     while True:
-        output = await handle.outputs.get()
-        pending.add(output)
+        text, output = await _next_outputs(handle, pending)
         if output.finished:
             break
-        for piece in chat_output.feed(output.text_delta):
+        for piece in chat_output.feed(text):
             yield _piece_event(stream, piece, num_calls_sent, *pending.take())
             num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
     if output.error is not None or output.finish_reason == FINISH_ABORT:
         raise _Unfinished(_unfinished(handle, output))
-    for piece in chat_output.feed(output.text_delta) + chat_output.finish():
+    for piece in chat_output.feed(text) + chat_output.finish():
         yield _piece_event(stream, piece, num_calls_sent, *pending.take())
         num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
     reason = finish_reason(output.finish_reason, chat_output.num_tool_calls)
