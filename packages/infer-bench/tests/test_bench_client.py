@@ -59,11 +59,19 @@ def _peer(**options):
     return app, ThreadedServer(app)
 
 
-def test_records_match_what_the_server_sent_and_received():
+@pytest.mark.parametrize("client_processes", [1, 2], ids=["one-process", "two-processes"])
+def test_records_match_what_the_server_sent_and_received(client_processes):
+    """Also with the timed streams read by two client processes (2 + 1 workers) that take
+    requests from one shared counter."""
     workload = make_workload("tiny", shape=TINY_COMPLETIONS, concurrency=3, num_requests=7, vocab_size=100)
     app, server = _peer()
     with server:
-        run = asyncio.run(run_workload(workload, base_url=server.base_url, model="peer-model"))
+        run = asyncio.run(
+            run_workload(
+                workload, base_url=server.base_url, model="peer-model", client_processes=client_processes
+            )
+        )
+    assert run.client_processes == client_processes
     peer = app.state.peer
     # The peer saw warm-up, probe, then every request once with its exact token ids.
     timed = peer["received"][2:]

@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-records", action="store_true", help="leave per-request records out of the JSON")
     serve.add_argument("--json", dest="json_path", type=Path, help="write the full report here")
     serve.add_argument("--md", dest="md_path", type=Path, help="write the markdown table here")
+    _add_client_processes_argument(serve)
     serve.set_defaults(run=_run_serve)
 
     matrix = commands.add_parser("matrix", help="start our server per config row and compare against static")
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     matrix.add_argument(
         "--out", type=Path, required=True, help="folder for matrix.md, matrix.json, per-run JSON"
     )
+    _add_client_processes_argument(matrix)
     matrix.set_defaults(run=_run_matrix)
 
     hf = commands.add_parser("hf-baseline", help="transformers' continuous batching on the same prompts")
@@ -100,6 +102,15 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_client_processes_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help="processes that read the timed streams (default: one per 16 of the concurrency)",
+    )
+
+
 def _workload(args):
     from infer.bench.serving.workloads import make_workload
 
@@ -125,6 +136,7 @@ def _run_serve(args) -> int:
             timeout_s=args.timeout_s,
             ignore_eos=not args.no_ignore_eos,
             include_records=not args.no_records,
+            client_processes=args.client_processes,
         )
     )
     markdown = serve_markdown(report)
@@ -163,6 +175,7 @@ def _run_matrix(args) -> int:
         base_settings=settings,
         server_command=args.server_command or DEFAULT_SERVER_COMMAND,
         extra_server_args=args.server_arg,
+        client_processes=args.client_processes,
         seed=args.seed,
         num_requests=args.num_requests,
         vocab_size=args.vocab_size,

@@ -16,10 +16,20 @@ Before the timed run, two untimed requests go out alone:
 
 Concurrency is a closed loop: `workload.concurrency` workers take requests in index order from
 one queue, each sending its next request when its previous one has finished.
+
+The timed requests may be read by several client processes (`client_processes`; by default one
+per STREAMS_PER_PROCESS streams), their workers taking requests from the same queue: one Python
+process reading 64 streams at about 14k events a second was busy all of an H100 run, so it, not
+the server, set the pace. Every process times on the same clock (`time.perf_counter`, the
+system's monotonic clock on Linux and macOS).
 """
 
 import asyncio
+import itertools
 import json
+import math
+import multiprocessing
+import queue
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -28,6 +38,8 @@ import httpx
 
 from infer.bench.serving.workloads import BenchRequest, Workload
 
+# Streams one client process reads: few enough that it keeps up with a fast server.
+STREAMS_PER_PROCESS = 16
 WARMUP_MAX_TOKENS = 4
 
 
@@ -89,6 +101,7 @@ class RunResult:
     ignore_eos_sent: bool
     probe: RequestRecord | None = None
     notes: list[str] = field(default_factory=list)
+    client_processes: int = 1
 
     @property
     def wall_s(self) -> float:
@@ -179,6 +192,41 @@ def _names_ignore_eos(record: RequestRecord) -> bool:
     return record.error is not None and "ignore_eos" in record.error
 
 
+def default_client_processes(concurrency: int) -> int:
+    return max(1, math.ceil(concurrency / STREAMS_PER_PROCESS))
+
+
+def _client(base_url: str, headers: dict, concurrency: int, timeout_s: float) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
+    return httpx.AsyncClient(
+        base_url=base_url.rstrip("/"), headers=headers, limits=limits, timeout=httpx.Timeout(timeout_s)
+    )
+
+
+async def _client_loops(
+    client: httpx.AsyncClient,
+    requests: list[BenchRequest],
+    take_index: Callable[[], int],
+    concurrency: int,
+    model: str,
+    ignore_eos: bool,
+) -> list[RequestRecord]:
+    """`concurrency` workers, each sending the request of the next index `take_index` gives when
+    its previous one has finished, until the indices run past the requests."""
+    records: list[RequestRecord] = []
+
+    async def client_loop() -> None:
+        while (index := take_index()) < len(requests):
+            request = requests[index]
+            record, _ = await stream_request(
+                client, request, request_body(request, model, ignore_eos=ignore_eos)
+            )
+            records.append(record)
+
+    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    return records
+
+
 async def run_workload(
     workload: Workload,
     *,
@@ -189,47 +237,138 @@ async def run_workload(
     warmup: bool = True,
     api_key: str | None = None,
     before_timed_run: Callable[[], Awaitable[None]] | None = None,
+    client_processes: int | None = None,
 ) -> RunResult:
     """Runs `workload` against the server at `base_url` (e.g. http://127.0.0.1:8000).
 
     `before_timed_run` is awaited after the warm-up and probe, just before the timed requests
     (the runner scrapes /metrics there, so server-side counters cover the timed requests only).
+    `client_processes`: how many processes read the timed streams (None: one per
+    STREAMS_PER_PROCESS of the concurrency; 1: this one).
     """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(
-        max_connections=workload.concurrency + 1, max_keepalive_connections=workload.concurrency + 1
+    num_processes = min(
+        client_processes or default_client_processes(workload.concurrency), workload.concurrency
     )
+    if num_processes < 1:
+        raise ValueError(f"client_processes must be >= 1, got {client_processes}")
     notes: list[str] = []
-    async with httpx.AsyncClient(
-        base_url=base_url.rstrip("/"), headers=headers, limits=limits, timeout=httpx.Timeout(timeout_s)
-    ) as client:
+    async with _client(base_url, headers, workload.concurrency, timeout_s) as client:
         probe = None
         if warmup:
             ignore_eos = await _warm_up(client, workload, model, ignore_eos, notes)
             probe = await _prefill_probe(client, workload, model, ignore_eos)
-        queue: asyncio.Queue[BenchRequest] = asyncio.Queue()
-        for request in workload.requests:
-            queue.put_nowait(request)
-        records: list[RequestRecord] = []
+        if num_processes > 1:
+            timed = _ProcessPool(workload, num_processes, (base_url, headers, model, ignore_eos, timeout_s))
+            try:
+                await asyncio.to_thread(timed.wait_ready)
+                if before_timed_run is not None:
+                    await before_timed_run()
+                start = time.perf_counter()
+                records = await asyncio.to_thread(timed.run)
+            finally:
+                timed.close()
+            end = max([start] + [record.end_time for record in records])
+        else:
+            if before_timed_run is not None:
+                await before_timed_run()
+            start = time.perf_counter()
+            records = await _client_loops(
+                client, workload.requests, itertools.count().__next__, workload.concurrency, model, ignore_eos
+            )
+            end = time.perf_counter()
+    records.sort(key=lambda record: record.index)
+    return RunResult(
+        workload,
+        start,
+        end,
+        records,
+        ignore_eos_sent=ignore_eos,
+        probe=probe,
+        notes=notes,
+        client_processes=num_processes,
+    )
 
-        async def client_loop() -> None:
+
+class _ProcessPool:
+    """Client processes for the timed requests: each builds its client and waits; `run` lets
+    them go and returns every record. Their workers share one counter of the next request index."""
+
+    def __init__(self, workload: Workload, num_processes: int, client_args: tuple):
+        context = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
+        self._next_index = context.Value("q", 0)
+        self._ready = context.Barrier(num_processes + 1)
+        self._go = context.Event()
+        self._results = context.Queue()
+        base, extra = divmod(workload.concurrency, num_processes)
+        self._processes = [
+            context.Process(
+                target=_client_process,
+                args=(
+                    workload.requests,
+                    base + (i < extra),
+                    self._next_index,
+                    self._ready,
+                    self._go,
+                    self._results,
+                    *client_args,
+                ),
+                daemon=True,
+            )
+            for i in range(num_processes)
+        ]
+        for process in self._processes:
+            process.start()
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        self._ready.wait(timeout_s)
+
+    def run(self) -> list[RequestRecord]:
+        self._go.set()
+        records: list[RequestRecord] = []
+        for _ in self._processes:
             while True:
                 try:
-                    request = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                record, _ = await stream_request(
-                    client, request, request_body(request, model, ignore_eos=ignore_eos)
-                )
-                records.append(record)
+                    outcome = self._results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    if any(process.exitcode not in (None, 0) for process in self._processes):
+                        raise RuntimeError("a bench client process died") from None
+            if isinstance(outcome, str):
+                raise RuntimeError(f"a bench client process failed: {outcome}")
+            records.extend(outcome)
+        return records
 
-        if before_timed_run is not None:
-            await before_timed_run()
-        start = time.perf_counter()
-        await asyncio.gather(*(client_loop() for _ in range(workload.concurrency)))
-        end = time.perf_counter()
-    records.sort(key=lambda record: record.index)
-    return RunResult(workload, start, end, records, ignore_eos_sent=ignore_eos, probe=probe, notes=notes)
+    def close(self) -> None:
+        self._ready.abort()  # frees the children if the parent gave up before `go`
+        self._go.set()
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+
+
+def _client_process(
+    requests, concurrency, next_index, ready, go, results, base_url, headers, model, ignore_eos, timeout_s
+):
+    """One client process: its share of the workers, on requests from the shared counter."""
+
+    def take_index() -> int:
+        with next_index.get_lock():
+            index = next_index.value
+            next_index.value += 1
+        return index
+
+    async def main() -> list[RequestRecord]:
+        async with _client(base_url, headers, concurrency, timeout_s) as client:
+            ready.wait()
+            go.wait()
+            return await _client_loops(client, requests, take_index, concurrency, model, ignore_eos)
+
+    try:
+        results.put(asyncio.run(main()))
+    except Exception as error:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put(f"{type(error).__name__}: {error}")
 
 
 async def _warm_up(

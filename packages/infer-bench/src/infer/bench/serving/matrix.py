@@ -157,8 +157,10 @@ def run_matrix(
     num_requests: int | None = None,
     vocab_size: int | None = None,
     health_timeout_s: float = 600.0,
+    client_processes: int | None = None,
 ) -> dict:
-    """Runs every row x workload x concurrency; writes the out folder; returns the summary."""
+    """Runs every row x workload x concurrency; writes the out folder; returns the summary.
+    `client_processes`: see run_workload."""
     from infer.engine.config import EngineConfig, EngineConfigError
 
     out_dir = Path(out_dir)
@@ -204,7 +206,15 @@ def run_matrix(
                     for concurrency in levels[name]:
                         summary["runs"].append(
                             _run_one(
-                                row, name, concurrency, base_url, config_path, seed, num_requests, vocab_size
+                                row,
+                                name,
+                                concurrency,
+                                base_url,
+                                config_path,
+                                seed,
+                                num_requests,
+                                vocab_size,
+                                client_processes,
                             )
                         )
         except (RuntimeError, TimeoutError) as error:
@@ -216,10 +226,16 @@ def run_matrix(
     return summary
 
 
-def _run_one(row, name, concurrency, base_url, config_path, seed, num_requests, vocab_size) -> dict:
+def _run_one(
+    row, name, concurrency, base_url, config_path, seed, num_requests, vocab_size, client_processes
+) -> dict:
     kwargs = {"vocab_size": vocab_size} if vocab_size else {}
     workload = make_workload(name, concurrency=concurrency, seed=seed, num_requests=num_requests, **kwargs)
-    report = asyncio.run(benchmark_server(workload, base_url=base_url, engine_config_file=config_path))
+    report = asyncio.run(
+        benchmark_server(
+            workload, base_url=base_url, engine_config_file=config_path, client_processes=client_processes
+        )
+    )
     report["matrix_row"] = row.name
     write_json(report, config_path.parent / f"{name}-c{concurrency}.json")
     tokens_per_s = report["stats"]["output_tokens_per_s"]

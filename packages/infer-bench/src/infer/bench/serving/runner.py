@@ -23,10 +23,11 @@ async def benchmark_server(
     timeout_s: float = 600.0,
     ignore_eos: bool = True,
     include_records: bool = True,
+    client_processes: int | None = None,
 ) -> dict:
     """Runs `workload` against `base_url` and returns the full report (see report.py for its layout).
 
-    `model` None: the first model that GET /v1/models lists.
+    `model` None: the first model that GET /v1/models lists. `client_processes`: see run_workload.
     """
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=httpx.Timeout(30.0)) as client:
         model = model or _first_model_id((await server_info.fetch_server_info(client))["models"], base_url)
@@ -42,6 +43,7 @@ async def benchmark_server(
             ignore_eos=ignore_eos,
             timeout_s=timeout_s,
             before_timed_run=scrape_before,
+            client_processes=client_processes,
         )
         after = await server_info.fetch_server_info(client)
     samples_before = _samples(before)
@@ -55,7 +57,7 @@ async def benchmark_server(
         "base_url": base_url,
         "model": model,
         "workload": workload.describe(),
-        "client": client_environment(),
+        "client": {**client_environment(), "processes": run.client_processes},
         "server": {
             "models": after["models"],
             "health_status": after["health_status"],
