@@ -204,3 +204,42 @@ def test_against_our_server_token_counts_agree_with_its_metrics(tmp_path):
         assert record.num_output_tokens == request.max_tokens  # ignore_eos: always the full length
     # The server's own count of generated tokens over the run equals what the client counted.
     assert after - before == sum(record.num_output_tokens for record in run.records)
+
+
+def test_engine_only_runs_the_closed_loop_through_the_engine(tmp_path, monkeypatch):
+    """`infer bench engine-only`: every request generates exactly its max_tokens (ignore_eos),
+    and no more than `concurrency` are ever in the engine at once."""
+    import torch
+
+    from infer.bench.serving import engine_only
+    from infer.engine.config import EngineConfig
+    from infer.models.random_checkpoint import PRESETS, make_random_checkpoint
+
+    # The tiny preset with room for W2's longest prompt and answer (1024 + 256 tokens).
+    checkpoint = make_random_checkpoint("llama-tiny", tmp_path / "llama-tiny", dtype=torch.float32)
+    hf_config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**hf_config, "max_position_embeddings": 1300}))
+    config_path = tmp_path / "engine.json"
+    config = EngineConfig(model=str(checkpoint), device="cpu", max_batch_size=4, max_seq_len=1300)
+    config_path.write_text(json.dumps(config.to_dict()))
+    vocab = PRESETS["llama-tiny"].config["vocab_size"]
+    json_path = tmp_path / "run.json"
+    workload = make_workload("W2", concurrency=2, num_requests=3, vocab_size=vocab)
+    most_in_flight = []
+    real_step = engine_only.Engine.step
+
+    def step(engine, *args, **kwargs):
+        most_in_flight.append(engine.stats().num_running + engine.stats().num_waiting)
+        return real_step(engine, *args, **kwargs)
+
+    monkeypatch.setattr(engine_only.Engine, "step", step)  # the real step, counted
+    status = bench_main([
+        "engine-only", "--engine-config", str(config_path), "--workload", "W2", "--concurrency", "2",
+        "--num-requests", "3", "--vocab-size", str(vocab), "--repeats", "1", "--json", str(json_path),
+    ])  # fmt: skip
+    assert status == 0
+    report = json.loads(json_path.read_text())
+    (run,) = report["runs"]
+    assert run["output_tokens"] == sum(request.max_tokens for request in workload.requests)
+    assert run["output_tokens_per_s"] > 0 and run["steps"] >= max(r.max_tokens for r in workload.requests)
+    assert max(most_in_flight) <= 2

@@ -12,6 +12,7 @@ from infer.server.cli import main
         (["bench", "serve", "--help"], "--base-url"),  # infer.bench.serving.cli
         (["bench", "matrix", "--help"], "--server-command"),
         (["bench", "hf-baseline", "--help"], "--attn-implementation"),
+        (["bench", "engine-only", "--help"], "--repeats"),
         (["bench", "generate", "--help"], "--compare-hf"),  # infer.bench.cli
         (["profile", "--help"], "--row-limit"),
     ],

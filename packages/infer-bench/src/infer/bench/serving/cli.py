@@ -4,6 +4,7 @@ infer bench serve --base-url URL [--model NAME] --workload W2 --concurrency 16 -
                   [--json OUT] [--md OUT]
 infer bench matrix --model M [--device cuda --dtype bfloat16] --workloads W2,W3 --out DIR
 infer bench hf-baseline --model PATH --workload W2 --concurrency 64 [--json OUT]
+infer bench engine-only --engine-config FILE --workload W2 --concurrency 64 [--repeats 3]
 """
 
 import argparse
@@ -87,6 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--json", dest="json_path", type=Path)
     hf.add_argument("--md", dest="md_path", type=Path)
     hf.set_defaults(run=_run_hf_baseline)
+
+    engine_only = commands.add_parser(
+        "engine-only", help="the workload through the engine in this process, no HTTP (the server's ceiling)"
+    )
+    engine_only.add_argument(
+        "--engine-config", type=Path, required=True, help="EngineConfig file (e.g. a matrix row's)"
+    )
+    _add_workload_arguments(engine_only)
+    engine_only.add_argument("--repeats", type=int, default=3, help="timed runs, after one untimed warm-up")
+    engine_only.add_argument("--json", dest="json_path", type=Path)
+    engine_only.add_argument("--md", dest="md_path", type=Path)
+    engine_only.set_defaults(run=_run_engine_only)
     return parser
 
 
@@ -143,6 +156,41 @@ def _run_serve(args) -> int:
     print(markdown)
     _write(report, markdown, args, write_json)
     return 1 if report["stats"]["num_errors"] else 0
+
+
+def _run_engine_only(args) -> int:
+    from infer.bench.serving.engine_only import engine_only_markdown, run_engine_only
+    from infer.bench.serving.report import write_json
+    from infer.bench.serving.workloads import make_workload
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+
+    config = EngineConfig.from_file(args.engine_config)
+    workload = _workload(args)
+    engine = Engine(config)
+    try:
+        # Untimed: first-call costs (kernel variants, allocator) stay out of the numbers.
+        warm_up = make_workload(
+            args.workload,
+            concurrency=workload.concurrency,
+            seed=args.seed + 1,
+            num_requests=8,
+            vocab_size=args.vocab_size,
+        )
+        run_engine_only(engine, warm_up)
+        runs = [run_engine_only(engine, workload) for _ in range(args.repeats)]
+    finally:
+        engine.shutdown()
+    report = {
+        "kind": "infer bench engine-only",
+        "workload": workload.describe(),
+        "engine_config": config.to_dict(),
+    }
+    report["runs"] = runs
+    markdown = engine_only_markdown(workload, config.to_dict(), runs)
+    print(markdown)
+    _write(report, markdown, args, write_json)
+    return 0
 
 
 def _run_matrix(args) -> int:
