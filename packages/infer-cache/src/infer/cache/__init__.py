@@ -7,10 +7,12 @@ from infer.cache.errors import (
     CacheFullError,
     DoubleFreeError,
     ForeignBlockError,
+    LockError,
     OwnerError,
     UnallocatedBlockError,
 )
 from infer.cache.kv_pool import PagedKVPool, kv_budget_from_free_memory, num_blocks_for_memory
+from infer.cache.prefix_tree import MatchKind, PrefixMatch, PrefixTree
 from infer.cache.protocol import BlockAllocatorProtocol, KVPool
 from infer.cache.shape import KVCacheShape
 
@@ -24,8 +26,12 @@ __all__ = [
     "ForeignBlockError",
     "KVCacheShape",
     "KVPool",
+    "LockError",
+    "MatchKind",
     "OwnerError",
     "PagedKVPool",
+    "PrefixMatch",
+    "PrefixTree",
     "UnallocatedBlockError",
     "__version__",
     "kv_budget_from_free_memory",

@@ -28,3 +28,7 @@ class OwnerError(CacheError):
 
 class UnallocatedBlockError(CacheError):
     """share() was given a free block: only a block some owner holds can gain a reference."""
+
+
+class LockError(CacheError):
+    """PrefixTree.unlock() of a match that holds no lock: a lock count would go below zero."""

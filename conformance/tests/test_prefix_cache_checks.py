@@ -1,0 +1,119 @@
+"""The prefix-cache checks catch real bugs: each broken tree below fails its own clause's check
+(and the correct PrefixTree passes them all, conformance/test_specs.py)."""
+
+import heapq
+
+import pytest
+
+from conformance.plugin import CHECKS_DIR
+from conformance.spec import load_checks_module
+from infer.cache import PrefixTree
+from infer.cache.prefix_tree import PrefixMatch
+
+checks = load_checks_module(CHECKS_DIR, "prefix_cache")
+FAST = {"block_size": 3, "num_blocks": 24, "max_examples": 100, "steps": 30}
+
+
+class StopsOneTokenShort(PrefixTree):
+    """A match that parts inside a block agrees on one token fewer than it could."""
+
+    def match(self, token_ids, max_tokens=None):
+        m = super().match(token_ids, max_tokens)
+        if m.copy_tokens > 1:
+            return PrefixMatch(m.kind, m.num_tokens - 1, m.num_matched - 1, m.block_ids, m.copy_block,
+                               m.copy_tokens - 1, m._last_node)  # fmt: skip
+        return m
+
+
+class CallsEverythingAPrefix(PrefixTree):
+    def match(self, token_ids, max_tokens=None):
+        m = super().match(token_ids, max_tokens)
+        if m.kind.value != "miss":
+            return PrefixMatch(type(m.kind).PREFIX, m.num_tokens, m.num_matched, m.block_ids,
+                               m.copy_block, m.copy_tokens, m._last_node)  # fmt: skip
+        return m
+
+
+class SharesTheBlockItEndsIn(PrefixTree):
+    """The block a match ends inside is shared instead of copied."""
+
+    def match(self, token_ids, max_tokens=None):
+        m = super().match(token_ids, max_tokens)
+        if m.copy_block is not None:
+            return PrefixMatch(m.kind, m.num_tokens, m.num_matched, (*m.block_ids, m.copy_block), None, 0,
+                               m._last_node)  # fmt: skip
+        return m
+
+
+class UnlocksBelowZero(PrefixTree):
+    def unlock(self, match):
+        node = match._last_node
+        while node is not None and node is not self._root:
+            node.lock_count -= 1
+            node = node.parent
+
+
+class EvictsLockedLeaves(PrefixTree):
+    def _evict_while(self, num_blocks, wanted):
+        for node in self._nodes.values():
+            node.lock_count, node.saved = 0, node.lock_count
+        try:
+            return super()._evict_while(num_blocks, wanted)
+        finally:
+            for node in self._nodes.values():
+                node.lock_count = node.saved
+
+
+class EvictsMostRecentlyUsed(PrefixTree):
+    def _evict_while(self, num_blocks, wanted):
+        real_heapify, real_pop = heapq.heapify, heapq.heappop
+        heapq.heapify = lambda heap: heap.sort(key=lambda item: -item[0])
+        heapq.heappop = lambda heap: heap.pop(0)
+        try:
+            return super()._evict_while(num_blocks, wanted)
+        finally:
+            heapq.heapify, heapq.heappop = real_heapify, real_pop
+
+
+class KeepsEvictedBlocks(PrefixTree):
+    """Eviction forgets the node but never drops the tree's reference to its block."""
+
+    def _remove(self, node):
+        free = self.allocator.free
+        self.allocator.free = lambda block_ids, owner: None
+        try:
+            super()._remove(node)
+        finally:
+            self.allocator.free = free
+
+
+def assertion_messages(check, broken) -> list[str]:
+    checks.TREES["Broken"] = lambda allocator, block_size, max_blocks: broken(
+        allocator, block_size, max_blocks=max_blocks
+    )
+    try:
+        check(FAST, "Broken")
+    except Exception as error:  # noqa: BLE001 - only assertions are the check's verdict
+        return [str(e) for e in getattr(error, "exceptions", [error]) if type(e) is AssertionError]
+    finally:
+        del checks.TREES["Broken"]
+    return []
+
+
+@pytest.mark.parametrize(
+    ("broken", "check", "says"),
+    [
+        (StopsOneTokenShort, checks.match_is_longest_common_prefix, "longest common prefix"),
+        (CallsEverythingAPrefix, checks.match_kinds, "prefix"),
+        (SharesTheBlockItEndsIn, checks.reuse_is_token_granular, ""),
+        (UnlocksBelowZero, checks.lock_count_never_negative, "did not raise LockError"),
+        (EvictsLockedLeaves, checks.locked_never_evicted, "locked block"),
+        (EvictsMostRecentlyUsed, checks.eviction_frees_unlocked_leaves_lru, "least recently used"),
+        (KeepsEvictedBlocks, checks.no_leak, ""),
+    ],
+    ids=lambda value: value.__name__ if isinstance(value, type) else None,
+)
+def test_broken_tree_fails_its_clause(broken, check, says):
+    messages = assertion_messages(check, broken)
+    assert messages, f"{check.__name__} passed {broken.__name__}"
+    assert any(says in message for message in messages), messages

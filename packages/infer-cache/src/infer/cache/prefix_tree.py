@@ -1,0 +1,334 @@
+"""PrefixTree: the token runs that requests leave behind, over the KV blocks that hold them.
+
+A trie whose nodes are KV blocks. A node holds one block of the pool and the token ids whose K/V
+are in it (at most block_size); the path from the root to a node spells the first tokens of a
+sequence, block by block. Because a node is exactly one physical block, a node never splits: two
+sequences that part inside a block have two nodes for it (two blocks, siblings), and a node with
+fewer than block_size tokens (a sequence's last, partial block) is always a leaf. Children are
+found by their whole token run (a dict per first token), so a walk costs one lookup per block.
+
+Reuse is token-granular. `match` walks as long as the tokens agree, into the middle of a block
+when they part there. The blocks wholly inside the match are shared, read only: a request
+writes only positions after them. The block where the match ends inside is never shared: the
+request copies its first tokens into a block of its own (`PrefixMatch.copy_block`,
+copy-on-write), because it will write the rest of that block.
+
+What a match is (counted apart by the engine):
+- prefix: the reused tokens are a whole sequence the tree holds (the request extends it, or is it);
+- supersequence: the request's tokens all lie inside a longer sequence the tree holds;
+- lcp: they part inside a sequence (same system prompt, another question; an edited last turn).
+Every kind reuses the same shared blocks, so a match always takes the most tokens the tree
+agrees on; the kind only names where the match ended.
+
+Memory. The tree holds each of its blocks with one reference in the pool's BlockAllocator (owner
+`owner`). A request that reuses a match takes its own references to the shared blocks and
+`lock`s the match: the lock count of each node from the deepest one the match used up to the root
+goes up by one, and a locked node is never evicted. `evict` frees unlocked leaves, least recently
+used first (a parent whose last child went is a leaf in turn); `evict_idle` those not used for a
+while; `max_blocks` caps the tree after each insert.
+
+Which calls change the tree: `match` reads only (not even the LRU clock); `lock`, `unlock`,
+`insert`, `evict` and `evict_idle` change it. A call that raises has changed nothing.
+"""
+
+import enum
+import heapq
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from infer.cache.block_allocator import BlockAllocator
+from infer.cache.errors import LockError
+
+TREE_OWNER = "prefix-cache"
+
+
+class MatchKind(enum.Enum):
+    MISS = "miss"
+    PREFIX = "prefix"
+    SUPERSEQUENCE = "supersequence"
+    LCP = "lcp"
+
+
+@dataclass(eq=False)
+class _Node:
+    tokens: tuple[int, ...]
+    block: int
+    parent: "_Node | None"
+    # first token -> (token run -> child)
+    children: dict[int, dict[tuple[int, ...], "_Node"]] = field(default_factory=dict)
+    lock_count: int = 0
+    last_access: int = 0  # the tree's operation counter: LRU order without clock ties
+    last_access_s: float = 0.0
+    # Offsets (1..len(tokens)) at which an inserted sequence ended in this node.
+    ends: set[int] = field(default_factory=set)
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def child_runs(self, first_token: int) -> dict[tuple[int, ...], "_Node"]:
+        return self.children.get(first_token, {})
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """What the tree holds of a token sequence (from `PrefixTree.match`).
+
+    `num_tokens` tokens are reused: the `block_ids` (whole blocks, shared read only) and then
+    `copy_tokens` tokens at the start of `copy_block`, which the request copies into a block of
+    its own. `num_matched` is how far the tree agreed before `max_tokens` capped the reuse.
+    """
+
+    kind: MatchKind
+    num_tokens: int
+    num_matched: int
+    block_ids: tuple[int, ...] = ()
+    copy_block: int | None = None
+    copy_tokens: int = 0
+    # The deepest node the reuse reads (the copy source, else the last shared block): what
+    # lock() and unlock() walk up from. None when nothing is reused.
+    _last_node: _Node | None = field(default=None, repr=False, compare=False)
+
+
+MISS = PrefixMatch(MatchKind.MISS, 0, 0)
+
+
+class PrefixTree:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        *,
+        owner: str = TREE_OWNER,
+        max_blocks: int | None = None,
+        clock=time.monotonic,
+    ):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if max_blocks is not None and max_blocks < 0:
+            raise ValueError(f"max_blocks must be None or >= 0, got {max_blocks}")
+        self.allocator = allocator
+        self.block_size = block_size
+        self.owner = owner
+        self.max_blocks = max_blocks
+        self._clock = clock
+        self._root = _Node((), -1, None)
+        self._nodes: dict[int, _Node] = {}  # block -> node
+        self._tick = itertools.count(1)
+        self.num_evicted_blocks = 0
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the tree holds."""
+        return len(self._nodes)
+
+    @property
+    def num_locked_blocks(self) -> int:
+        return sum(1 for node in self._nodes.values() if node.lock_count)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks `evict` could free now: every unlocked node (a locked node's ancestors are locked
+        too, so the unlocked ones all become leaves as eviction goes on)."""
+        return sum(1 for node in self._nodes.values() if not node.lock_count)
+
+    def block_ids(self) -> list[int]:
+        return sorted(self._nodes)
+
+    def match(self, token_ids: Sequence[int], max_tokens: int | None = None) -> PrefixMatch:
+        """The longest run of `token_ids` the tree holds, reusing at most `max_tokens` of it
+        (None: all; an engine passes len - 1, so that the last prompt token is computed and gives
+        logits). Reads only."""
+        tokens = tuple(token_ids)
+        if max_tokens is not None and max_tokens < 0:
+            raise ValueError(f"max_tokens must be None or >= 0, got {max_tokens}")
+        size = self.block_size
+        path: list[_Node] = []  # wholly matched nodes
+        node, depth = self._root, 0
+        tail, tail_tokens = None, 0  # a node matched part-way (or a shorter node wholly)
+        while depth < len(tokens):
+            chunk = tokens[depth : depth + size]
+            runs = node.child_runs(chunk[0])
+            child = runs.get(chunk) if len(chunk) == size else None
+            if child is not None:
+                path.append(child)
+                node, depth = child, depth + size
+                continue
+            for candidate in runs.values():
+                agreed = _common_prefix(candidate.tokens, chunk)
+                if agreed > tail_tokens:
+                    tail, tail_tokens = candidate, agreed
+            break
+        num_matched = depth + tail_tokens
+        if num_matched == 0:
+            return MISS
+        kind = self._kind(tokens, num_matched, path, tail, tail_tokens)
+        reuse = num_matched if max_tokens is None else min(num_matched, max_tokens)
+        if reuse == 0:
+            return PrefixMatch(kind, 0, num_matched)
+        num_shared = reuse // size
+        copy_tokens = reuse - num_shared * size
+        shared = tuple(node.block for node in path[:num_shared])
+        if copy_tokens:
+            source = path[num_shared] if num_shared < len(path) else tail
+            return PrefixMatch(kind, reuse, num_matched, shared, source.block, copy_tokens, source)
+        return PrefixMatch(kind, reuse, num_matched, shared, None, 0, path[num_shared - 1])
+
+    @staticmethod
+    def _kind(tokens, num_matched, path, tail, tail_tokens) -> MatchKind:
+        if tail is not None:
+            at_sequence_end = tail_tokens in tail.ends
+        else:
+            at_sequence_end = bool(path) and len(path[-1].tokens) in path[-1].ends
+        if at_sequence_end:
+            return MatchKind.PREFIX
+        return MatchKind.SUPERSEQUENCE if num_matched == len(tokens) else MatchKind.LCP
+
+    # -- changing --------------------------------------------------------------------------------
+
+    def lock(self, match: PrefixMatch) -> None:
+        """The match's nodes, and all above them, can no longer be evicted; marks them used."""
+        tick, now = next(self._tick), self._clock()
+        node = match._last_node
+        while node is not None and node is not self._root:
+            node.lock_count += 1
+            node.last_access, node.last_access_s = tick, now
+            node = node.parent
+
+    def unlock(self, match: PrefixMatch) -> None:
+        """Undoes one lock(match). LockError (changing nothing) if it holds no lock."""
+        path = []
+        node = match._last_node
+        while node is not None and node is not self._root:
+            if node.lock_count < 1:
+                raise LockError(
+                    f"block {node.block} is not locked; unlock each match exactly once after lock()"
+                )
+            path.append(node)
+            node = node.parent
+        for node in path:
+            node.lock_count -= 1
+
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> list[int]:
+        """Adds the sequence whose token i has its K/V in `block_ids[i // block_size]`: each block
+        whose tokens the tree does not hold yet joins it (the tree takes a reference), and the
+        sequence's end is marked. Returns the blocks the tree took; the caller keeps (and later
+        frees) its own references to every block. Then evicts down to `max_blocks`.
+
+        ValueError (changing nothing) when a block to take is free or already in the tree."""
+        tokens = tuple(token_ids)
+        size = self.block_size
+        num_blocks = -(-len(tokens) // size)
+        if len(block_ids) < num_blocks:
+            raise ValueError(
+                f"{len(tokens)} tokens need {num_blocks} blocks of {size}, got {len(block_ids)} block ids"
+            )
+        if not tokens:
+            return []
+        # Walk what the tree holds; the blocks from the first miss on are new.
+        chunks = [tokens[i * size : (i + 1) * size] for i in range(num_blocks)]
+        held: list[_Node] = []
+        node = self._root
+        for chunk in chunks:
+            child = self._holder(node, chunk)
+            if child is None:
+                break
+            held.append(child)
+            node = child
+        new_blocks = [int(block) for block in block_ids[len(held) : num_blocks]]
+        for block in new_blocks:
+            if block in self._nodes:
+                raise ValueError(f"block {block} already holds other tokens in the tree")
+            if self.allocator.refcount(block) == 0:
+                raise ValueError(f"block {block} is free; insert the blocks that hold the tokens")
+        if len(set(new_blocks)) != len(new_blocks):
+            raise ValueError(f"block ids repeat in {new_blocks}")
+        tick, now = next(self._tick), self._clock()
+        self.allocator.share(new_blocks, self.owner)
+        for chunk, block in zip(chunks[len(held) :], new_blocks, strict=True):
+            runs = node.children.setdefault(chunk[0], {})
+            child = _Node(chunk, block, node)
+            runs[chunk] = child
+            self._nodes[block] = child
+            self._absorb_shorter_siblings(child, runs)
+            held.append(child)
+            node = child
+        for child in held:
+            child.last_access, child.last_access_s = tick, now
+        node.ends.add(len(tokens) - (num_blocks - 1) * size)
+        if self.max_blocks is not None and len(self._nodes) > self.max_blocks:
+            self.evict(len(self._nodes) - self.max_blocks)
+        return new_blocks
+
+    def _holder(self, node: _Node, chunk: tuple[int, ...]) -> _Node | None:
+        """The child of `node` that holds `chunk`'s tokens: the same run, or for a partial chunk a
+        sibling that holds these tokens and more."""
+        runs = node.child_runs(chunk[0])
+        child = runs.get(chunk)
+        if child is None and len(chunk) < self.block_size:
+            child = next((c for c in runs.values() if c.tokens[: len(chunk)] == chunk), None)
+        return child
+
+    def _absorb_shorter_siblings(self, node: _Node, runs: dict) -> None:
+        """Shorter (partial, so leaf) siblings whose tokens start `node`'s are redundant now: their
+        sequence ends move to `node`, and the unlocked ones go (their blocks freed)."""
+        for sibling in list(runs.values()):
+            if (
+                len(sibling.tokens) >= len(node.tokens)
+                or node.tokens[: len(sibling.tokens)] != sibling.tokens
+            ):
+                continue
+            node.ends |= sibling.ends
+            if not sibling.lock_count:
+                self._remove(sibling)
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Frees up to `num_blocks` unlocked blocks, least recently used leaves first; returns the
+        blocks evicted (fewer when fewer are unlocked)."""
+        return self._evict_while(num_blocks, lambda node: True)
+
+    def evict_idle(self, idle_s: float) -> list[int]:
+        """Frees every unlocked block not used for `idle_s` seconds (leaves first); returns them."""
+        cutoff = self._clock() - idle_s
+        return self._evict_while(len(self._nodes), lambda node: node.last_access_s < cutoff)
+
+    def _evict_while(self, num_blocks: int, wanted) -> list[int]:
+        heap = [(n.last_access, n.block) for n in self._nodes.values() if n.is_leaf and not n.lock_count]
+        heapq.heapify(heap)
+        evicted: list[int] = []
+        while heap and len(evicted) < num_blocks:
+            _, block = heapq.heappop(heap)
+            node = self._nodes[block]
+            if not wanted(node):
+                continue  # parents were used no earlier than their children: they stay too
+            parent = node.parent
+            self._remove(node)
+            evicted.append(block)
+            if parent is not self._root and parent.is_leaf and not parent.lock_count:
+                heapq.heappush(heap, (parent.last_access, parent.block))
+        self.num_evicted_blocks += len(evicted)
+        return evicted
+
+    def _remove(self, node: _Node) -> None:
+        runs = node.parent.children[node.tokens[0]]
+        del runs[node.tokens]
+        if not runs:
+            del node.parent.children[node.tokens[0]]
+        del self._nodes[node.block]
+        self.allocator.free([node.block], self.owner)
+
+    def clear(self) -> list[int]:
+        """Evicts every unlocked block; returns them."""
+        return self.evict(len(self._nodes))
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

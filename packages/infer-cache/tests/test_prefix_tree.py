@@ -1,0 +1,169 @@
+"""PrefixTree on hand-made sequences (blocks of 4 tokens): each match kind, token-granular reuse
+with the copied block, locks, LRU eviction, budgets, and what the allocator sees.
+The random-sequence checks against a brute-force model are specs/prefix_cache (conformance)."""
+
+import pytest
+
+from infer.cache import BlockAllocator, LockError, MatchKind, PrefixTree
+
+BS = 4
+SYSTEM = list(range(100, 110))  # 10 tokens: two full blocks and 2 tokens of a third
+
+
+def tree_with(*sequences, num_blocks=64, **options):
+    """A tree holding `sequences`, each inserted the way a finished request is: its own blocks,
+    which it then frees (so only the tree's references remain)."""
+    allocator = BlockAllocator(num_blocks)
+    tree = PrefixTree(allocator, BS, **options)
+    for i, tokens in enumerate(sequences):
+        insert(tree, tokens, f"req-{i}")
+    return tree, allocator
+
+
+def insert(tree, tokens, owner):
+    blocks = tree.allocator.allocate(-(-len(tokens) // BS), owner)
+    taken = tree.insert(tokens, blocks)
+    tree.allocator.free_owner(owner)
+    return blocks, taken
+
+
+def test_a_miss_reuses_nothing():
+    tree, _ = tree_with(SYSTEM)
+    match = tree.match([1, 2, 3, 4, 5])
+    assert match.kind is MatchKind.MISS and match.num_tokens == 0 and not match.block_ids
+
+
+def test_prefix_the_request_extends_a_cached_sequence():
+    tree, _ = tree_with(SYSTEM)
+    match = tree.match(SYSTEM + [7, 8, 9])
+    assert match.kind is MatchKind.PREFIX and match.num_matched == 10 and match.num_tokens == 10
+    # Two whole blocks shared; the partial third block's 2 tokens are copied, never shared.
+    assert len(match.block_ids) == 2 and match.copy_tokens == 2 and match.copy_block is not None
+    assert match.copy_block not in match.block_ids
+
+
+def test_supersequence_reuses_all_but_the_last_prompt_token():
+    tree, _ = tree_with(SYSTEM + [1, 2, 3, 4, 5, 6])
+    prompt = SYSTEM[:8]
+    match = tree.match(prompt, max_tokens=len(prompt) - 1)
+    assert match.kind is MatchKind.SUPERSEQUENCE and match.num_matched == 8
+    # 7 tokens: one shared block, then 3 copied from the second (the request writes token 7 there).
+    assert match.num_tokens == 7 and len(match.block_ids) == 1 and match.copy_tokens == 3
+
+
+def test_an_exact_hit_is_a_prefix_and_leaves_the_last_token_to_compute():
+    tree, _ = tree_with(SYSTEM)
+    match = tree.match(SYSTEM, max_tokens=len(SYSTEM) - 1)
+    assert match.kind is MatchKind.PREFIX and match.num_tokens == 9
+    assert len(match.block_ids) == 2 and match.copy_tokens == 1
+
+
+def test_lcp_same_system_prompt_another_question_parts_inside_a_block():
+    tree, _ = tree_with(SYSTEM + [1, 2, 3])
+    match = tree.match(SYSTEM + [1, 9, 9, 9])
+    # Agreed on 11 tokens: blocks 0-1 whole, then 3 tokens of block 2 (2 system + 1), copied.
+    assert match.kind is MatchKind.LCP and match.num_tokens == 11
+    assert len(match.block_ids) == 2 and match.copy_tokens == 3
+
+
+def test_the_deepest_match_wins_over_a_shorter_cached_prefix():
+    """A cached sequence that is a prefix of the request and a longer one that parts later: the
+    match takes the longer agreement (the same shared blocks, more of them)."""
+    tree, _ = tree_with(SYSTEM, SYSTEM + [1, 2, 3, 4, 5, 6])
+    match = tree.match(SYSTEM + [1, 2, 3, 4, 9])
+    assert match.num_tokens == 14 and match.kind is MatchKind.LCP
+
+
+def test_a_sequence_shorter_than_a_block_matches_token_by_token():
+    tree, _ = tree_with([5, 6])
+    assert tree.match([5, 6, 7]).kind is MatchKind.PREFIX
+    assert tree.match([5]).kind is MatchKind.SUPERSEQUENCE
+    match = tree.match([5, 7])
+    assert match.kind is MatchKind.LCP and match.num_tokens == 1 and match.copy_tokens == 1
+
+
+def test_inserting_held_tokens_takes_no_block_and_keeps_the_first_copy():
+    tree, allocator = tree_with(SYSTEM)
+    first = tree.block_ids()
+    _, taken = insert(tree, SYSTEM, "again")
+    assert taken == [] and tree.block_ids() == first
+    assert allocator.num_used == tree.num_blocks == 3
+
+
+def test_a_full_block_absorbs_the_partial_block_it_extends():
+    tree, allocator = tree_with(SYSTEM)  # blocks: 4 + 4 + partial 2
+    partial = tree.match(SYSTEM).copy_block
+    insert(tree, SYSTEM + [1, 2], "longer")  # the third block is now full: 100..109, 1, 2
+    assert partial not in tree.block_ids() and allocator.refcount(partial) == 0
+    assert tree.num_blocks == 3
+    # SYSTEM is still a sequence the tree holds: a request extending it is a prefix hit.
+    assert tree.match(SYSTEM + [7]).kind is MatchKind.PREFIX
+
+
+def test_a_locked_partial_block_stays_until_unlocked_and_evicted():
+    tree, allocator = tree_with(SYSTEM)
+    match = tree.match(SYSTEM + [7])
+    tree.lock(match)
+    insert(tree, SYSTEM + [1, 2], "longer")
+    assert match.copy_block in tree.block_ids()
+    tree.unlock(match)
+    assert match.copy_block in tree.evict(1)  # the least recently used leaf
+    assert allocator.refcount(match.copy_block) == 0
+
+
+def test_locked_nodes_and_their_ancestors_are_never_evicted():
+    tree, allocator = tree_with(SYSTEM, [1, 2, 3, 4, 5])
+    match = tree.match(SYSTEM + [0])
+    tree.lock(match)
+    evicted = tree.evict(100)
+    assert set(tree.block_ids()) == set(match.block_ids) | {match.copy_block}
+    assert not set(evicted) & set(tree.block_ids()) and len(evicted) == 2
+    tree.unlock(match)
+    assert sorted(tree.clear()) == sorted(set(match.block_ids) | {match.copy_block})
+    assert tree.num_blocks == 0 and allocator.num_used == 0
+
+
+def test_unlock_without_lock_raises_and_changes_nothing():
+    tree, _ = tree_with(SYSTEM)
+    match = tree.match(SYSTEM)
+    tree.lock(match)
+    tree.unlock(match)
+    with pytest.raises(LockError):
+        tree.unlock(match)
+    assert tree.num_locked_blocks == 0 and tree.num_evictable_blocks == 3
+
+
+def test_eviction_takes_the_least_recently_used_leaves_first():
+    tree, _ = tree_with([1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 8, 8, 8, 8])
+    older = tree.match([1, 2, 3, 4, 5, 6, 7, 8])
+    tree.lock(tree.match([9, 9, 9, 9]))  # the second sequence's first block: used now
+    evicted = tree.evict(2)
+    # The first sequence's leaf, then its parent (now a leaf, used before the second sequence).
+    assert evicted == [older.block_ids[1], older.block_ids[0]]
+
+
+def test_max_blocks_caps_the_tree_after_each_insert():
+    tree, allocator = tree_with([1, 2, 3, 4, 5], [6, 7, 8, 9, 10], max_blocks=3)
+    assert tree.num_blocks == 3 and tree.num_evicted_blocks == 1
+    assert tree.match([6, 7, 8, 9, 10]).num_tokens == 5  # the newest sequence is whole
+    assert allocator.num_used == 3
+
+
+def test_evict_idle_frees_what_was_not_used_for_the_ttl():
+    now = [0.0]
+    tree, _ = tree_with(clock=lambda: now[0])
+    insert(tree, [1, 2, 3, 4], "a")
+    now[0] = 100.0
+    insert(tree, [5, 6, 7, 8], "b")
+    now[0] = 130.0
+    idle = list(tree.match([1, 2, 3, 4]).block_ids)
+    assert tree.evict_idle(60.0) == idle
+    assert tree.match([5, 6, 7, 8]).num_tokens == 4
+
+
+def test_insert_of_a_free_block_raises_and_changes_nothing():
+    tree, allocator = tree_with(SYSTEM)
+    before = tree.block_ids()
+    with pytest.raises(ValueError, match="free"):
+        tree.insert(SYSTEM[:8] + [1, 2, 3, 4], [0, 1, 60])  # block 60 was never allocated
+    assert tree.block_ids() == before and allocator.refcount(60) == 0
