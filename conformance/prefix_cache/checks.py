@@ -304,6 +304,11 @@ def _machine_for(make, case: dict, clause: str) -> type:
                 held = sorted(self.allocator.owned_by(self.tree.owner))
                 assert held == tree_blocks, f"the allocator's tree blocks {held} != the tree's {tree_blocks}"
                 assert self.allocator.num_used == len(tree_blocks), "a block is held by a finished request"
+                locked = sum(1 for node in self.paths.values() if node["locks"])
+                assert self.tree.num_locked_blocks == locked, (
+                    f"the tree counts {self.tree.num_locked_blocks} locked blocks, the model {locked}"
+                )
+                assert self.tree.num_evictable_blocks == len(tree_blocks) - locked
 
         def teardown(self):
             if self.checking("no_leak"):

@@ -134,9 +134,9 @@ class RecordingKVCacheManager(KVCacheManager):
             self.calls.append(("allocated", request.request_id))
         return new_block_ids
 
-    def free(self, request):
+    def free(self, request, *, cache=True):
         self.calls.append(("freed", request.request_id))
-        super().free(request)
+        super().free(request, cache=cache)
 
 
 def arrivals_of(case: dict) -> list[Arrival]:

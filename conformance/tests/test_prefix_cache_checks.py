@@ -48,7 +48,7 @@ class SharesTheBlockItEndsIn(PrefixTree):
 class UnlocksBelowZero(PrefixTree):
     def unlock(self, match):
         node = match._last_node
-        while node is not None and node is not self._root:
+        while node is not None and node.parent is not None:
             node.lock_count -= 1
             node = node.parent
 

@@ -97,3 +97,22 @@ def test_free_memory_budget_takes_a_fraction_of_free_memory(monkeypatch):
     assert kv_budget_from_free_memory("cuda:0", 0.5) == 500
     with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\], got 1.5"):
         kv_budget_from_free_memory("cuda:0", 1.5)
+
+
+def test_copy_blocks_copies_every_layer_and_touches_nothing_else():
+    import torch
+
+    from infer.cache import KVCacheShape, PagedKVPool
+
+    shape = KVCacheShape(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, block_size=3)
+    pool = PagedKVPool(shape, num_blocks=5)
+    for k_cache, v_cache in pool.kv_layers:
+        k_cache.normal_()
+        v_cache.normal_()
+    before = [(k.clone(), v.clone()) for k, v in pool.kv_layers]
+    pool.copy_blocks([(1, 3), (4, 0)])
+    for (k, v), (k0, v0) in zip(pool.kv_layers, before, strict=True):
+        for cache, old in ((k, k0), (v, v0)):
+            assert torch.equal(cache[3], old[1]) and torch.equal(cache[0], old[4])
+            for untouched in (1, 2, 4, 5):
+                assert torch.equal(cache[untouched], old[untouched])

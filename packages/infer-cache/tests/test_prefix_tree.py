@@ -167,3 +167,14 @@ def test_insert_of_a_free_block_raises_and_changes_nothing():
     with pytest.raises(ValueError, match="free"):
         tree.insert(SYSTEM[:8] + [1, 2, 3, 4], [0, 1, 60])  # block 60 was never allocated
     assert tree.block_ids() == before and allocator.refcount(60) == 0
+
+
+def test_sequences_under_different_salts_never_share():
+    tree, allocator = tree_with()
+    blocks = allocator.allocate(3, "a")
+    tree.insert(SYSTEM, blocks, salt="tenant-a")
+    allocator.free_owner("a")
+    assert tree.match(SYSTEM, salt="tenant-b").kind is MatchKind.MISS
+    assert tree.match(SYSTEM).kind is MatchKind.MISS  # no salt is a salt of its own
+    assert tree.match(SYSTEM, salt="tenant-a").num_tokens == 10
+    assert sorted(tree.clear()) == sorted(blocks) and allocator.num_used == 0

@@ -87,6 +87,44 @@ def test_engine_greedy_equals_recompute_in_bf16_up_to_a_near_tie(real_shape, con
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs_async", [False, True], ids=["eager", "graphs-async"])
+def test_prefix_cache_hits_give_the_recompute_tokens_in_bf16_up_to_a_near_tie(real_shape, graphs_async):
+    """A first wave fills the cache; a second wave hits it once per kind (a prefix: the first
+    answer's conversation continued; a supersequence: a shorter prompt; an LCP: a prompt that
+    parts mid-way), each checked against recomputing its whole sequence."""
+    preset, loaded, prompts, params, _ = real_shape
+    settings = dict(use_chunked_prefill=True, prefill_chunk_size=64, use_prefix_caching=True)
+    if graphs_async:
+        settings |= dict(use_cuda_graphs=True, async_scheduling=True)
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_batch_size=4, max_seq_len=1024, **settings)
+    engine = Engine(config, loaded_model=loaded)
+
+    def run(wave):
+        ids = [engine.add_request(prompt, params) for prompt in wave]
+        tokens = {request_id: [] for request_id in ids}
+        while engine.has_work():
+            for output in engine.step():
+                assert output.error is None, output.error
+                if output.token_id is not None:
+                    tokens[output.request_id].append(output.token_id)
+        return [tokens[request_id] for request_id in ids]
+
+    first_wave = run(prompts)
+    vocab = loaded.config.vocab_size
+    follow_ups = [
+        prompts[0] + first_wave[0] + [1, 2, 3],
+        prompts[1][:120],
+        prompts[2][:300] + [(prompts[2][300] + 1) % vocab] + prompts[2][301:320],
+    ]
+    oracle = RecomputeOracle(loaded)
+    for prompt, ours in zip(follow_ups, run(follow_ups), strict=True):
+        oracle_tokens = oracle.generate(prompt, params).token_ids
+        assert_equal_up_to_a_near_tie(loaded.model, prompt, ours, oracle_tokens, f"{preset}/prefix-cache")
+    counts = engine.core.scheduler.kv_manager.match_counts
+    assert counts["prefix"] >= 1 and counts["supersequence"] >= 1 and counts["lcp"] >= 1, counts
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("use_cuda_graphs", [False, True], ids=["eager", "graphs"])
 def test_no_step_compiles_a_kernel_after_start_up(real_shape, use_cuda_graphs):
     """A Triton compile inside a step stalls every stream of that step, so start-up must have

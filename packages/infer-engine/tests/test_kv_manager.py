@@ -3,7 +3,7 @@ changes nothing."""
 
 import pytest
 
-from infer.cache import BlockAllocator
+from infer.cache import BlockAllocator, PrefixTree
 from infer.engine.kv_manager import KVCacheManager
 from infer.engine.request import Request
 from infer.engine.sampling_params import SamplingParams
@@ -76,10 +76,62 @@ def test_rollback_forgets_tokens_and_frees_the_blocks_they_alone_needed():
         manager.rollback(r, 32)
 
 
-def test_match_finds_nothing_until_the_prefix_tree_lands():
+def test_without_a_prefix_tree_match_finds_nothing():
     manager, r = make_manager(), request(prompt_tokens=40)
-    assert manager.match(r) == 0
+    assert manager.match(r).num_tokens == 0
+    manager.acquire(r, manager.match(r))
+    assert r.block_ids == [] and r.num_computed_tokens == 0
     assert manager.num_free_blocks == manager.num_blocks
+
+
+def cached_manager(num_blocks: int = 32) -> KVCacheManager:
+    allocator = BlockAllocator(num_blocks)
+    return KVCacheManager(allocator, BLOCK_SIZE, PrefixTree(allocator, BLOCK_SIZE))
+
+
+def test_a_finished_request_leaves_its_computed_tokens_and_the_next_one_takes_them():
+    manager = cached_manager()
+    first = Request("first", list(range(40)), SamplingParams())
+    grow(manager, first, 40)
+    first.output_ids = [7]  # sampled; its K/V was never computed
+    manager.free(first)
+    assert manager.allocator.num_used == 3 == manager.prefix_tree.num_blocks  # 40 tokens, the tree's
+    second = Request("second", list(range(40)) + [9, 9], SamplingParams())
+    manager.acquire(second, manager.match(second))
+    # 32 tokens in two shared blocks, 8 copied into a block of its own.
+    assert second.num_computed_tokens == second.num_cached_tokens == 40
+    assert second.block_ids[:2] == list(manager.prefix_tree.match(list(range(32))).block_ids)
+    (copy,) = manager.take_block_copies()
+    assert copy[1] == second.block_ids[2] and copy[0] not in second.block_ids
+    assert manager.match_counts["prefix"] == 1
+    # The match (shared blocks and the copy's source) is locked: none of it can be evicted
+    # while the request runs, so only the free list counts.
+    assert manager.num_free_blocks == manager.allocator.num_free == 32 - 3 - 1
+
+
+def test_allocate_evicts_the_cache_when_the_free_list_is_short():
+    manager = cached_manager(num_blocks=4)
+    first = Request("first", list(range(48)), SamplingParams())
+    grow(manager, first, 48)
+    manager.free(first)
+    assert manager.allocator.num_free == 1 and manager.num_free_blocks == 4
+    other = Request("other", [5] * 60, SamplingParams())
+    assert grow(manager, other, 60) is not None
+    assert manager.prefix_tree.num_blocks == 0 and manager.prefix_tree.num_evicted_blocks == 3
+
+
+def test_release_undoes_an_admission_that_did_not_happen():
+    manager = cached_manager()
+    first = Request("first", list(range(20)), SamplingParams())
+    grow(manager, first, 20)
+    manager.free(first)
+    second = Request("second", list(range(20)), SamplingParams())
+    manager.acquire(second, manager.match(second))
+    assert second.num_computed_tokens == 19 and manager.match_counts["prefix"] == 1
+    manager.release(second)
+    assert second.block_ids == [] and second.num_computed_tokens == 0
+    assert manager.take_block_copies() == () and manager.match_counts["prefix"] == 0
+    assert manager.prefix_tree.num_locked_blocks == 0 and manager.allocator.num_used == 2
 
 
 def test_usage_ratio_and_blocks_for_tokens_speak_for_the_pool():

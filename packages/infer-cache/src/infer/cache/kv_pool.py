@@ -53,6 +53,25 @@ class PagedKVPool:
         """Bytes of every K and V tensor, the null block included."""
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_layers)
 
+    def copy_blocks(self, pairs) -> None:
+        """Copies block `src` over block `dst` in every layer's K and V, for each (src, dst) in
+        `pairs` (copy-on-write of a shared prefix's last block). Queued on the device's stream,
+        so it lands after earlier steps wrote `src` and before later ones read `dst`."""
+        if not pairs:
+            return
+        src, dst = zip(*pairs, strict=True)
+        for name, ids in (("src", src), ("dst", dst)):
+            if any(not 0 <= block < self.num_blocks for block in ids):
+                raise ValueError(f"{name} blocks {ids} must be in 0..{self.num_blocks - 1}")
+        if len(set(dst)) != len(dst) or set(src) & set(dst):
+            raise ValueError(f"copy targets {dst} must be distinct and not among the sources {src}")
+        device = self.kv_layers[0][0].device
+        src_ids = torch.tensor(src, dtype=torch.long).to(device, non_blocking=True)
+        dst_ids = torch.tensor(dst, dtype=torch.long).to(device, non_blocking=True)
+        for k_cache, v_cache in self.kv_layers:
+            k_cache.index_copy_(0, dst_ids, k_cache.index_select(0, src_ids))
+            v_cache.index_copy_(0, dst_ids, v_cache.index_select(0, src_ids))
+
 
 def num_blocks_for_memory(shape: KVCacheShape, kv_bytes_budget: int) -> int:
     """The most lendable blocks a PagedKVPool can have within `kv_bytes_budget` bytes.

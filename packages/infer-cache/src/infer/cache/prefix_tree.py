@@ -114,9 +114,11 @@ class PrefixTree:
         self.owner = owner
         self.max_blocks = max_blocks
         self._clock = clock
-        self._root = _Node((), -1, None)
+        # One root per cache salt (None: no salt): sequences under different salts never meet.
+        self._roots: dict[str | None, _Node] = {}
         self._nodes: dict[int, _Node] = {}  # block -> node
         self._tick = itertools.count(1)
+        self._num_locked = 0  # nodes with lock_count > 0
         self.num_evicted_blocks = 0
 
     # -- reading ---------------------------------------------------------------------------------
@@ -128,27 +130,31 @@ class PrefixTree:
 
     @property
     def num_locked_blocks(self) -> int:
-        return sum(1 for node in self._nodes.values() if node.lock_count)
+        return self._num_locked
 
     @property
     def num_evictable_blocks(self) -> int:
         """Blocks `evict` could free now: every unlocked node (a locked node's ancestors are locked
         too, so the unlocked ones all become leaves as eviction goes on)."""
-        return sum(1 for node in self._nodes.values() if not node.lock_count)
+        return len(self._nodes) - self._num_locked
 
     def block_ids(self) -> list[int]:
         return sorted(self._nodes)
 
-    def match(self, token_ids: Sequence[int], max_tokens: int | None = None) -> PrefixMatch:
-        """The longest run of `token_ids` the tree holds, reusing at most `max_tokens` of it
-        (None: all; an engine passes len - 1, so that the last prompt token is computed and gives
-        logits). Reads only."""
+    def match(
+        self, token_ids: Sequence[int], max_tokens: int | None = None, *, salt: str | None = None
+    ) -> PrefixMatch:
+        """The longest run of `token_ids` the tree holds under `salt`, reusing at most
+        `max_tokens` of it (None: all; an engine passes len - 1, so that the last prompt token is
+        computed and gives logits). Reads only."""
         tokens = tuple(token_ids)
         if max_tokens is not None and max_tokens < 0:
             raise ValueError(f"max_tokens must be None or >= 0, got {max_tokens}")
         size = self.block_size
         path: list[_Node] = []  # wholly matched nodes
-        node, depth = self._root, 0
+        node, depth = self._roots.get(salt), 0
+        if node is None:
+            return MISS
         tail, tail_tokens = None, 0  # a node matched part-way (or a shorter node wholly)
         while depth < len(tokens):
             chunk = tokens[depth : depth + size]
@@ -194,7 +200,8 @@ class PrefixTree:
         """The match's nodes, and all above them, can no longer be evicted; marks them used."""
         tick, now = next(self._tick), self._clock()
         node = match._last_node
-        while node is not None and node is not self._root:
+        while node is not None and node.parent is not None:
+            self._num_locked += node.lock_count == 0
             node.lock_count += 1
             node.last_access, node.last_access_s = tick, now
             node = node.parent
@@ -203,7 +210,7 @@ class PrefixTree:
         """Undoes one lock(match). LockError (changing nothing) if it holds no lock."""
         path = []
         node = match._last_node
-        while node is not None and node is not self._root:
+        while node is not None and node.parent is not None:
             if node.lock_count < 1:
                 raise LockError(
                     f"block {node.block} is not locked; unlock each match exactly once after lock()"
@@ -212,12 +219,16 @@ class PrefixTree:
             node = node.parent
         for node in path:
             node.lock_count -= 1
+            self._num_locked -= node.lock_count == 0
 
-    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> list[int]:
-        """Adds the sequence whose token i has its K/V in `block_ids[i // block_size]`: each block
-        whose tokens the tree does not hold yet joins it (the tree takes a reference), and the
-        sequence's end is marked. Returns the blocks the tree took; the caller keeps (and later
-        frees) its own references to every block. Then evicts down to `max_blocks`.
+    def insert(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], *, salt: str | None = None
+    ) -> list[int]:
+        """Adds the sequence (under `salt`) whose token i has its K/V in
+        `block_ids[i // block_size]`: each block whose tokens the tree does not hold yet joins it
+        (the tree takes a reference), and the sequence's end is marked. Returns the blocks the
+        tree took; the caller keeps (and later frees) its own references to every block. Then
+        evicts down to `max_blocks`.
 
         ValueError (changing nothing) when a block to take is free or already in the tree."""
         tokens = tuple(token_ids)
@@ -232,7 +243,7 @@ class PrefixTree:
         # Walk what the tree holds; the blocks from the first miss on are new.
         chunks = [tokens[i * size : (i + 1) * size] for i in range(num_blocks)]
         held: list[_Node] = []
-        node = self._root
+        root = node = self._roots.get(salt) or _Node((), -1, None)
         for chunk in chunks:
             child = self._holder(node, chunk)
             if child is None:
@@ -249,6 +260,7 @@ class PrefixTree:
             raise ValueError(f"block ids repeat in {new_blocks}")
         tick, now = next(self._tick), self._clock()
         self.allocator.share(new_blocks, self.owner)
+        self._roots[salt] = root
         for chunk, block in zip(chunks[len(held) :], new_blocks, strict=True):
             runs = node.children.setdefault(chunk[0], {})
             child = _Node(chunk, block, node)
@@ -308,16 +320,19 @@ class PrefixTree:
             parent = node.parent
             self._remove(node)
             evicted.append(block)
-            if parent is not self._root and parent.is_leaf and not parent.lock_count:
+            if parent.parent is not None and parent.is_leaf and not parent.lock_count:
                 heapq.heappush(heap, (parent.last_access, parent.block))
         self.num_evicted_blocks += len(evicted)
         return evicted
 
     def _remove(self, node: _Node) -> None:
-        runs = node.parent.children[node.tokens[0]]
+        parent = node.parent
+        runs = parent.children[node.tokens[0]]
         del runs[node.tokens]
         if not runs:
-            del node.parent.children[node.tokens[0]]
+            del parent.children[node.tokens[0]]
+        if parent.parent is None and not parent.children:  # an empty root: its salt is gone
+            del self._roots[next(salt for salt, root in self._roots.items() if root is parent)]
         del self._nodes[node.block]
         self.allocator.free([node.block], self.owner)
 

@@ -65,3 +65,6 @@ class KVPool(Protocol):
     # Bytes held by every K and V tensor together.
     @property
     def kv_bytes(self) -> int: ...
+
+    # Copies block src over block dst in every layer, for each (src, dst) (copy-on-write).
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...

@@ -113,6 +113,15 @@ class EngineConfig:
         "launch each step before the previous step's tokens reach the host, so that scheduling, "
         "stop checks and input building overlap the forward: true or false",
     )
+    use_prefix_caching: bool = _flag(
+        False,
+        "reuse the KV of token runs earlier requests left (prefix, supersequence, common prefix), "
+        "token by token; needs kv_cache_backend paged and use_chunked_prefill: true or false",
+    )
+    prefix_cache_max_bytes: int | None = _flag(
+        None, "most KV bytes the prefix cache keeps (None: as much of the pool as is free)"
+    )
+    prefix_cache_ttl_s: float = _flag(1800.0, "cached token runs unused this long are evicted (seconds)")
 
     def __post_init__(self):
         _check_str(self, "model")
@@ -142,17 +151,33 @@ class EngineConfig:
             raise EngineConfigError(
                 "set num_gpu_blocks or kv_cache_memory_fraction, not both: each sizes the KV pool"
             )
-        for name in ("use_chunked_prefill", "use_cuda_graphs", "cuda_graph_mixed_steps", "async_scheduling"):
+        for name in (
+            "use_chunked_prefill",
+            "use_cuda_graphs",
+            "cuda_graph_mixed_steps",
+            "async_scheduling",
+            "use_prefix_caching",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _check_choice(self, "kv_cache_backend", KV_CACHE_BACKENDS)
         _check_choice(self, "batching_mode", BATCHING_MODES)
         _check_choice(self, "scheduler_policy", SCHEDULER_POLICIES)
+        if self.prefix_cache_max_bytes is not None:
+            _check_int(self, "prefix_cache_max_bytes", minimum=0)
+        ttl = self.prefix_cache_ttl_s
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
+            raise EngineConfigError(f"prefix_cache_ttl_s must be a number > 0, got {ttl!r}")
         # The seed's compatibility rules.
         if self.use_chunked_prefill and self.batching_mode != "continuous":
             raise EngineConfigError(
                 "use_chunked_prefill=True requires batching_mode='continuous', got "
                 f"{self.batching_mode!r}; set batching_mode='continuous' or use_chunked_prefill=False"
+            )
+        if self.use_prefix_caching and (self.kv_cache_backend != "paged" or not self.use_chunked_prefill):
+            raise EngineConfigError(
+                "use_prefix_caching=True requires kv_cache_backend='paged' and use_chunked_prefill=True, got "
+                f"{self.kv_cache_backend!r} and {self.use_chunked_prefill}"
             )
         if self.use_cuda_graphs and (self.batching_mode != "continuous" or self.kv_cache_backend != "paged"):
             raise EngineConfigError(

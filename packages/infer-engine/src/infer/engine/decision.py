@@ -63,6 +63,9 @@ class ScheduleDecision:
     # Requests preempted (blocks freed, requeued) in this decision: rows to drop; they come back
     # later as NewRequest with every token they had, and recompute their KV.
     preempted_request_ids: frozenset[str] = frozenset()
+    # (src, dst) KV blocks to copy before the forward: a new request's copy of the cached block
+    # its prefix match ends inside (copy-on-write).
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def total_num_scheduled_tokens(self) -> int:

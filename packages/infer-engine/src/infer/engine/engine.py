@@ -64,10 +64,16 @@ class Engine:
     # -- what the frontend calls ----------------------------------------------------------------
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> str:
         """Queues a request; returns its id. A str prompt is encoded with the tokenizer's special
-        tokens (BOS); a chat prompt rendered by our templates should come as ids. Raises
+        tokens (BOS); a chat prompt rendered by our templates should come as ids. With prefix
+        caching, requests reuse each other's cached tokens only under the same `cache_salt`. Raises
         RequestTooLongError (ValueError) when it can never fit, ValueError for bad ids,
         InvalidParamError for a setting the model cannot honour, and QueueFullError when
         max_queue_len requests already wait."""
@@ -88,7 +94,11 @@ class Engine:
             )
         self.processor.add(request_id, prompt_ids, params)
         try:
-            self.client.add(EngineRequest(request_id, prompt_ids, params, arrival_s=time.monotonic()))
+            self.client.add(
+                EngineRequest(
+                    request_id, prompt_ids, params, arrival_s=time.monotonic(), cache_salt=cache_salt
+                )
+            )
         except BaseException:  # the core is gone (EngineDeadError): nothing was queued
             self.processor.forget(request_id)
             raise

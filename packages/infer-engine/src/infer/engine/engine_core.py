@@ -24,7 +24,13 @@ from collections.abc import Sequence
 
 import torch
 
-from infer.cache import KVCacheShape, PagedKVPool, kv_budget_from_free_memory, num_blocks_for_memory
+from infer.cache import (
+    KVCacheShape,
+    PagedKVPool,
+    PrefixTree,
+    kv_budget_from_free_memory,
+    num_blocks_for_memory,
+)
 from infer.engine.config import EngineConfig, EngineConfigError, resolve_device, resolve_dtype
 from infer.engine.eos import eos_token_ids_of
 from infer.engine.kv_manager import KVCacheManager
@@ -77,9 +83,11 @@ class EngineCore:
             self.kv_pool.block_size,
             self.kv_pool.kv_bytes / 2**20,
         )
+        self.prefix_tree = _build_prefix_tree(config, self.kv_pool)
+        self._last_idle_eviction_s = time.perf_counter()
         self.scheduler = Scheduler.from_engine_config(
             config,
-            kv_manager=KVCacheManager(self.kv_pool.allocator, self.kv_pool.block_size),
+            kv_manager=KVCacheManager(self.kv_pool.allocator, self.kv_pool.block_size, self.prefix_tree),
             max_seq_len=self.max_seq_len,
         )
         if config.use_cuda_graphs and self.device.type != "cuda":
@@ -138,6 +146,7 @@ class EngineCore:
             arrival_index=self._num_added,
             arrival_s=engine_request.arrival_s,
             stop_token_ids=stop_token_ids_of(engine_request.sampling, self.limits.eos_token_ids),
+            cache_salt=engine_request.cache_salt,
         )
         self._num_added += 1
         try:
@@ -190,7 +199,14 @@ class EngineCore:
         while len(self._launched) > keep:
             outputs += self._collect(self._launched.popleft(), finished)
         for request_id in finished:
-            self.scheduler.finish(request_id)
+            request = self.scheduler.get(request_id)
+            # A failed forward's K/V may be wrong: none of it goes to the prefix cache.
+            self.scheduler.finish(
+                request_id, cache=request is None or request.state is not RequestState.FAILED
+            )
+        if self.prefix_tree is not None and started - self._last_idle_eviction_s >= 1.0:
+            self._last_idle_eviction_s = started
+            self.prefix_tree.evict_idle(self.config.prefix_cache_ttl_s)
         if outputs or not decision.is_empty:
             self._counters["num_steps"] += 1
             step_time_s = time.perf_counter() - started
@@ -311,6 +327,7 @@ def _output(
         new_token_ids=token_ids,
         finish_reason=finish_reason,
         num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
         error=request.error if finish_reason is FinishReason.ERROR else None,
         # The first token's step scheduled the request before, so the time is known by then.
         queue_time_s=(
@@ -320,6 +337,15 @@ def _output(
         ),
         logprobs=logprobs,
     )
+
+
+def _build_prefix_tree(config: EngineConfig, kv_pool: PagedKVPool) -> PrefixTree | None:
+    if not config.use_prefix_caching:
+        return None
+    max_blocks = None
+    if config.prefix_cache_max_bytes is not None:
+        max_blocks = config.prefix_cache_max_bytes // kv_pool.shape.bytes_per_block()
+    return PrefixTree(kv_pool.allocator, kv_pool.block_size, max_blocks=max_blocks)
 
 
 def _resolve_max_seq_len(config: EngineConfig, model_max_positions: int) -> int:

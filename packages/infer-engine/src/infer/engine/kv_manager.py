@@ -6,22 +6,49 @@ ceil(n / block_size) blocks, and a new block is taken only when a token crosses 
 (specs/allocator ALLOC-013). The owner of every block is the request id, so the allocator's
 `audit` finds the blocks of requests that are gone.
 
-Which calls change the cache: `match` reads only; `allocate`, `rollback` and `free` change the
-allocator and `request.block_ids` (rollback also `num_computed_tokens`). A call that cannot be
-served changes nothing: `allocate` answers None instead of raising, because running out of blocks
-is the scheduler's everyday signal to preempt, not an error.
+With a prefix tree (`use_prefix_caching`), a request admitted with no blocks starts from what the
+tree holds of its tokens: `match` finds it (all but the last known token at most, which is
+computed to give logits), `acquire` shares the match's whole blocks, locks it in the tree, and
+takes a block of its own for the block the match ends inside, whose copy (src, dst) waits in
+`take_block_copies` for the step's decision (the runner copies before the forward). When a
+request leaves, `free` gives its computed tokens to the tree (its blocks gain the tree's
+reference) before the request drops its own. Blocks only the tree holds are the free list's
+reserve: `allocate` evicts the tree's least recently used unlocked blocks when the free list is
+short, so `num_free_blocks` counts them as free.
+
+Which calls change the cache: `match` reads only; `acquire`, `allocate`, `rollback`, `release`
+and `free` change the allocator, the tree and `request.block_ids` (rollback also
+`num_computed_tokens`). A call that cannot be served changes no request: `allocate` answers None
+instead of raising, because running out of blocks is the scheduler's everyday signal to preempt,
+not an error.
 """
 
-from infer.cache import BlockAllocator
+from collections import Counter
+
+from infer.cache import BlockAllocator, PrefixMatch, PrefixTree
+from infer.cache.prefix_tree import MISS
 from infer.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, allocator: BlockAllocator, block_size: int):
+    def __init__(self, allocator: BlockAllocator, block_size: int, prefix_tree: PrefixTree | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if prefix_tree is not None and prefix_tree.block_size != block_size:
+            raise ValueError(
+                f"the prefix tree's blocks hold {prefix_tree.block_size} tokens, the pool's {block_size}"
+            )
         self.allocator = allocator
         self.block_size = block_size
+        self.prefix_tree = prefix_tree
+        # The locked match of each request that reused one, until it leaves.
+        self._matches: dict[str, PrefixMatch] = {}
+        # (src, dst) block copies for the next decision.
+        self._copies: list[tuple[int, int]] = []
+        # Matches by kind at admission, and the prompt tokens they saved.
+        self.match_counts: Counter[str] = Counter()
+        self.num_reused_tokens = 0
+        self._kinds: dict[str, str] = {}  # the kind counted at each running request's admission
 
     @property
     def num_blocks(self) -> int:
@@ -29,7 +56,9 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.allocator.num_free
+        """Blocks free now, and those only the prefix tree holds (evicted on demand)."""
+        tree = self.prefix_tree
+        return self.allocator.num_free + (tree.num_evictable_blocks if tree is not None else 0)
 
     @property
     def usage_ratio(self) -> float:
@@ -45,34 +74,89 @@ class KVCacheManager:
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         return max(0, self.blocks_for_tokens(total) - len(request.block_ids))
 
-    def match(self, request: Request) -> int:
-        """How many of the request's prompt tokens already have their K/V in the cache. Reads only.
+    def match(self, request: Request) -> PrefixMatch:
+        """What the prefix tree holds of the request's known tokens, all but the last at most.
+        MISS without a tree, or for a request that holds blocks already. Reads only."""
+        if self.prefix_tree is None or request.block_ids:
+            return MISS
+        tokens = request.all_token_ids
+        return self.prefix_tree.match(tokens, max_tokens=len(tokens) - 1, salt=request.cache_salt)
 
-        Always 0 for now: this is the seam for the prefix tree (infer.cache.prefix_tree), which
-        will answer with the length of the longest cached run of the prompt, block-aligned.
-        """
-        return 0
+    def acquire(self, request: Request, match: PrefixMatch) -> bool:
+        """The request (holding no blocks) starts from `match`: it shares the match's whole
+        blocks, locks the match, and gets a block of its own for the block the match ends inside
+        (copied before its first forward; without a free block it reuses the whole blocks only).
+        Sets num_computed_tokens to the tokens reused. Returns whether there is anything for
+        `release` to undo (False without a prefix tree)."""
+        if self.prefix_tree is None:
+            return False
+        self._kinds[request.request_id] = match.kind.value
+        self.match_counts[match.kind.value] += 1
+        if not match.num_tokens:
+            return True
+        if request.block_ids:
+            raise ValueError(
+                f"{request.request_id!r} holds blocks; only a request starting afresh takes a match"
+            )
+        tree = self.prefix_tree
+        tree.lock(match)  # first: evicting for the copy must not take the match's own blocks
+        num_reused = len(match.block_ids) * self.block_size
+        copy = None
+        if match.copy_block is not None:
+            taken = self._take(1, request.request_id)
+            if taken is not None:
+                copy = (match.copy_block, taken[0])
+                num_reused = match.num_tokens
+        if num_reused == 0:
+            tree.unlock(match)
+            return True
+        self.allocator.share(match.block_ids, request.request_id)
+        request.block_ids = [*match.block_ids, *([copy[1]] if copy else [])]
+        request.num_computed_tokens = num_reused
+        request.num_cached_tokens = num_reused
+        self._matches[request.request_id] = match
+        if copy is not None:
+            self._copies.append(copy)
+        self.num_reused_tokens += num_reused
+        return True
+
+    def take_block_copies(self) -> tuple[tuple[int, int], ...]:
+        """The (src, dst) copies the acquired matches need, for this step's decision; forgets them."""
+        copies, self._copies = tuple(self._copies), []
+        return copies
 
     def allocate(
         self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0
     ) -> list[int] | None:
         """Grows `request.block_ids` to cover num_computed_tokens + num_new_tokens +
-        num_lookahead_tokens tokens and returns the blocks added ([] when none was needed).
+        num_lookahead_tokens tokens and returns the blocks added ([] when none was needed),
+        evicting from the prefix tree when the free list is short.
 
-        None when the pool has fewer free blocks than that: nothing changes, and the caller
-        preempts someone or waits.
+        None when even then there are too few: no request changes, and the caller preempts
+        someone or waits.
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(
                 f"num_new_tokens and num_lookahead_tokens must be >= 0, got {num_new_tokens} "
                 f"and {num_lookahead_tokens}"
             )
-        num_blocks = self.num_new_blocks(request, num_new_tokens, num_lookahead_tokens)
-        if num_blocks > self.allocator.num_free:
+        new_block_ids = self._take(
+            self.num_new_blocks(request, num_new_tokens, num_lookahead_tokens), request.request_id
+        )
+        if new_block_ids is None:
             return None
-        new_block_ids = self.allocator.allocate(num_blocks, request.request_id)
         request.block_ids.extend(new_block_ids)
         return new_block_ids
+
+    def _take(self, num_blocks: int, owner: str) -> list[int] | None:
+        """`num_blocks` blocks for `owner`, evicting from the tree when the free list is short;
+        None (nothing evicted) when even that would not do."""
+        if num_blocks > self.num_free_blocks:
+            return None
+        short = num_blocks - self.allocator.num_free
+        if short > 0:
+            self.prefix_tree.evict(short)
+        return self.allocator.allocate(num_blocks, owner)
 
     def rollback(self, request: Request, num_tokens: int) -> list[int]:
         """Forgets the last `num_tokens` computed tokens (rejected draft tokens, later) and frees
@@ -89,7 +173,33 @@ class KVCacheManager:
         del request.block_ids[keep:]
         return freed
 
-    def free(self, request: Request) -> None:
-        """Every block of the request back to the pool; `request.block_ids` is then empty."""
+    def release(self, request: Request) -> None:
+        """Undoes `acquire` (and any allocate since) for a request that is not admitted after all:
+        nothing goes to the tree, num_computed_tokens is 0 again."""
+        kind = self._kinds.pop(request.request_id, None)
+        if kind is not None:  # not admitted: its match is counted when it is
+            self.match_counts[kind] -= 1
+        self.num_reused_tokens -= request.num_cached_tokens
+        self.free(request, cache=False)
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
+
+    def free(self, request: Request, *, cache: bool = True) -> None:
+        """Every block of the request back to the pool; `request.block_ids` is then empty. With a
+        prefix tree and `cache`, its computed tokens whose ids are known go to the tree first (a
+        failed forward's request passes cache=False: its K/V may be wrong)."""
+        tree = self.prefix_tree
+        if tree is not None:
+            self._kinds.pop(request.request_id, None)
+            match = self._matches.pop(request.request_id, None)
+            if match is not None:
+                tree.unlock(match)
+            if self._copies:
+                self._copies = [copy for copy in self._copies if copy[1] not in request.block_ids]
+            tokens = request.all_token_ids[: request.num_computed_tokens]
+            if cache and tokens:
+                tree.insert(
+                    tokens, request.block_ids[: self.blocks_for_tokens(len(tokens))], salt=request.cache_salt
+                )
         self.allocator.free(request.block_ids, request.request_id)
         request.block_ids = []

@@ -39,6 +39,9 @@ class StepOutput:
     queue_time_s: float | None = field(default=None, compare=False)
     # The token's logprob and alternatives, when the request asked for them.
     logprobs: TokenLogprobs | None = None
+    # Prompt tokens the prefix cache served instead of the forward (usage's cached_tokens). How
+    # the answer was computed, not what it is: outputs compare equal without it.
+    cached_tokens: int = field(default=0, compare=False)
 
 
 class _RequestText:
@@ -108,6 +111,7 @@ class OutputProcessor:
                     completion_tokens=state.num_generated,
                     queue_time_s=output.queue_time_s if index == 0 else None,
                     logprobs=output.logprobs[index] if output.logprobs is not None else None,
+                    cached_tokens=output.num_cached_tokens,
                 )
             )
             if finish_reason is not None:
@@ -124,6 +128,7 @@ class OutputProcessor:
                     error=error,
                     prompt_tokens=output.num_prompt_tokens,
                     completion_tokens=state.num_generated,
+                    cached_tokens=output.num_cached_tokens,
                 )
             )
             return True

@@ -92,6 +92,10 @@ class Request:
     # queue time (set by the engine; the scheduler keeps no clock).
     arrival_s: float = 0.0
     first_scheduled_s: float | None = None
+    # Prefix caching: requests share cached blocks only under the same salt (None is a salt too).
+    cache_salt: str | None = None
+    # Prompt tokens the latest admission took from the prefix cache instead of computing.
+    num_cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -92,6 +92,7 @@ class ModelRunner:
         self.async_scheduling = async_scheduling
         self.eos_token_ids = tuple(eos_token_ids)
         self.model = model
+        self.kv_pool = kv_pool
         self.kv_layers = kv_pool.kv_layers
         self.device = next(model.parameters()).device
         self.input_batch = InputBatch(
@@ -169,6 +170,8 @@ class ModelRunner:
         if self._launched and not self.async_scheduling:
             raise RuntimeError("a step is launched and not collected; only async_scheduling launches ahead")
         self.input_batch.apply(decision)
+        # Copy-on-write of prefix-cache blocks, queued before the forward that reads the copies.
+        self.kv_pool.copy_blocks(decision.block_copies)
         if decision.new_requests or decision.finished_request_ids or decision.preempted_request_ids:
             self._sampling = None
         if decision.is_empty:

@@ -267,9 +267,10 @@ class Scheduler:
             outputs.append((request, new_token_ids))
         return outputs
 
-    def finish(self, request_id: str) -> Request | None:
+    def finish(self, request_id: str, *, cache: bool = True) -> Request | None:
         """Takes a request out, waiting or running, and frees its blocks (it finished, was aborted
-        or failed; the caller sets its state and finish_reason). The next decision lists it in
+        or failed; the caller sets its state and finish_reason), its computed tokens going to the
+        prefix cache unless `cache` is False (a failed forward). The next decision lists it in
         finished_request_ids if the runner holds its row. Returns it, or None when it is unknown
         or already gone."""
         request = self._requests.pop(request_id, None)
@@ -279,7 +280,7 @@ class Scheduler:
             self._running.remove(request)
         else:
             self._waiting.remove(request)
-        self.kv_manager.free(request)
+        self.kv_manager.free(request, cache=cache)
         self._admission_order.pop(request_id, None)
         if request_id in self._in_runner:
             self._in_runner.remove(request_id)
@@ -375,10 +376,14 @@ class Scheduler:
             request = self._waiting[0]
             if request.num_pending_tokens:
                 return  # preempted with a token on its way (async scheduling): resumed with it
+            # What the prefix cache holds of its tokens counts as computed (undone if it waits).
+            acquired = self.kv_manager.acquire(request, self.kv_manager.match(request))
             num_tokens = self._num_tokens_to_schedule(request, plan)
             # Continuous batching admits only requests that start this step; a static batch is
             # admitted whole and its members start as the budget allows.
             if num_tokens == 0 and not self.static_batches:
+                if acquired:
+                    self.kv_manager.release(request)
                 return
             new_block_ids: list[int] = []
             if num_tokens > 0:
@@ -386,6 +391,8 @@ class Scheduler:
                 # their next token: admission should not cause a preemption.
                 num_blocks = self.kv_manager.num_new_blocks(request, num_tokens)
                 if num_blocks + self._blocks_for_unserved_decoders(plan) > self.kv_manager.num_free_blocks:
+                    if acquired:
+                        self.kv_manager.release(request)
                     return
                 new_block_ids = self.kv_manager.allocate(request, num_tokens)
             self._waiting.popleft()
@@ -438,6 +445,7 @@ class Scheduler:
             num_scheduled_tokens=dict(plan.num_scheduled_tokens),
             finished_request_ids=finished,
             preempted_request_ids=frozenset(plan.preempted),
+            block_copies=self.kv_manager.take_block_copies(),
         )
 
     def _generator_seed(self, request: Request) -> int:

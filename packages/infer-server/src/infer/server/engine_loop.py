@@ -80,11 +80,13 @@ class EngineLoop:
         """Requests submitted and not yet finished."""
         return len(self._handles)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestHandle:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, cache_salt: str | None = None
+    ) -> RequestHandle:
         """Queues a request in the engine. Raises what `Engine.add_request` raises (QueueFullError,
         RequestTooLongError, ValueError) and then has queued nothing."""
         handle = RequestHandle(request_id, time.monotonic())
-        self.engine.add_request(prompt_ids, params, request_id=request_id)
+        self.engine.add_request(prompt_ids, params, request_id=request_id, cache_salt=cache_salt)
         self._handles[request_id] = handle
         self.metrics.queue_depth.set(len(self._handles))
         return handle

@@ -66,6 +66,7 @@ def submit(
     request_id: str,
     prompt_field: str,
     n: int = 1,
+    cache_salt: str | None = None,
 ) -> list[RequestHandle]:
     """One engine request per choice: `n` per (prompt ids, params), in the answer's order
     (prompt by prompt, n each). All or none: when one cannot be queued, those queued before it
@@ -77,7 +78,9 @@ def submit(
             for index in range(n):
                 choice_id = f"{request_id}-{len(handles)}" if many else request_id
                 choice_params = _choice_params(params, index)
-                handles.append(_submit_one(engine_loop, prompt_ids, choice_params, choice_id, prompt_field))
+                handles.append(
+                    _submit_one(engine_loop, prompt_ids, choice_params, choice_id, prompt_field, cache_salt)
+                )
     except ApiError:
         for handle in handles:
             engine_loop.abort(handle, client_gone=False)
@@ -93,10 +96,15 @@ def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 def _submit_one(
-    engine_loop: EngineLoop, prompt_ids: list[int], params: SamplingParams, request_id: str, prompt_field: str
+    engine_loop: EngineLoop,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    request_id: str,
+    prompt_field: str,
+    cache_salt: str | None,
 ) -> RequestHandle:
     try:
-        return engine_loop.submit(prompt_ids, params, request_id)
+        return engine_loop.submit(prompt_ids, params, request_id, cache_salt)
     except QueueFullError:
         raise errors.queue_full(engine_loop.engine.config.max_queue_len) from None
     except EngineDeadError as error:  # it died since the route checked /health's state
@@ -161,11 +169,16 @@ async def collect(
     return collected
 
 
-def total_usage(finals: Sequence[StepOutput], choices_per_prompt: int = 1) -> dict:
+def total_usage(
+    finals: Sequence[StepOutput], choices_per_prompt: int = 1, report_cached: bool = False
+) -> dict:
     """The usage of one answer: each prompt once (its n choices share it), the tokens of every
-    choice. `finals` are in answer order: prompt by prompt, `choices_per_prompt` each."""
+    choice. `finals` are in answer order: prompt by prompt, `choices_per_prompt` each.
+    `report_cached` (the engine caches prefixes): with prompt_tokens_details.cached_tokens, the
+    prompt tokens the prefix cache served (each prompt's first choice's)."""
     prompt_tokens = sum(final.prompt_tokens for final in finals[::choices_per_prompt])
-    return responses.usage(prompt_tokens, sum(final.completion_tokens for final in finals))
+    cached = sum(final.cached_tokens for final in finals[::choices_per_prompt]) if report_cached else None
+    return responses.usage(prompt_tokens, sum(final.completion_tokens for final in finals), cached)
 
 
 async def _client_disconnect(receive: Receive) -> None:
@@ -190,6 +203,7 @@ async def answer_events(
     handles: Sequence[RequestHandle],
     usage_stream: CompletionStream | ChatStream | None,
     choices_per_prompt: int = 1,
+    report_cached: bool = False,
 ) -> AsyncIterator[bytes]:
     """The SSE events of one answer: every choice's chunks as they come, then the usage chunk
     (when `usage_stream` is given: the client asked for it) and [DONE]. A choice that ends
@@ -202,7 +216,7 @@ async def answer_events(
     else:
         if usage_stream is not None:
             finals = [handle.done.result() for handle in handles]
-            yield usage_stream.usage(total_usage(finals, choices_per_prompt))
+            yield usage_stream.usage(total_usage(finals, choices_per_prompt, report_cached))
     yield DONE
 
 

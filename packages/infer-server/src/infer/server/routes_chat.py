@@ -70,7 +70,15 @@ async def create_chat_completion(request: Request) -> Response:
         _output_parser(family, body, prompt, tools, tool_format, call_prefix) for _ in range(body.n)
     ]
     request_id, created = responses.new_request_id("chatcmpl"), int(time.time())
-    handles = submit(engine_loop, [(prompt_ids, params)], request_id, prompt_field="messages", n=body.n)
+    handles = submit(
+        engine_loop,
+        [(prompt_ids, params)],
+        request_id,
+        prompt_field="messages",
+        n=body.n,
+        cache_salt=body.cache_salt,
+    )
+    report_cached = server.engine.config.use_prefix_caching
     choice_logprobs = [
         ChoiceLogprobs(server.engine.tokenizer, chat=True) if body.logprobs else None for _ in handles
     ]
@@ -87,11 +95,12 @@ async def create_chat_completion(request: Request) -> Response:
             else:
                 choices.append(parsed_choice_events(handle, stream, chat_output, logprobs))
         usage_stream = ChatStream(request_id, created, body.model) if body.include_usage else None
-        return EventStreamResponse(answer_events(choices, handles, usage_stream), engine_loop, handles)
+        events = answer_events(choices, handles, usage_stream, report_cached=report_cached)
+        return EventStreamResponse(events, engine_loop, handles)
     collected = await collect(request, engine_loop, handles)
     if collected is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    usage = total_usage([choice.final for choice in collected])
+    usage = total_usage([choice.final for choice in collected], report_cached=report_cached)
     bodies = []
     for index, (choice, chat_output, logprobs) in enumerate(
         zip(collected, chat_outputs, choice_logprobs, strict=True)

@@ -56,7 +56,10 @@ async def create_completion(request: Request) -> Response:
     request_id, created = responses.new_request_id("cmpl"), int(time.time())
     # Choices in OpenAI's order: prompt by prompt, n per prompt; all queued or none.
     prompts = list(zip(prompts_ids, params, strict=True))
-    handles = submit(engine_loop, prompts, request_id, prompt_field="prompt", n=body.n)
+    handles = submit(
+        engine_loop, prompts, request_id, prompt_field="prompt", n=body.n, cache_salt=body.cache_salt
+    )
+    report_cached = server.engine.config.use_prefix_caching
     choice_echoes = [echo for echo in echoes for _ in range(body.n)]
     choice_logprobs = [
         ChoiceLogprobs(server.engine.tokenizer, chat=False) if body.logprobs is not None else None
@@ -74,12 +77,16 @@ async def create_completion(request: Request) -> Response:
             )
         ]
         usage_stream = streams[0] if body.include_usage else None
-        events = answer_events(choices, handles, usage_stream, choices_per_prompt=body.n)
+        events = answer_events(
+            choices, handles, usage_stream, choices_per_prompt=body.n, report_cached=report_cached
+        )
         return EventStreamResponse(events, engine_loop, handles)
     collected = await collect(request, engine_loop, handles)
     if collected is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    usage = total_usage([choice.final for choice in collected], choices_per_prompt=body.n)
+    usage = total_usage(
+        [choice.final for choice in collected], choices_per_prompt=body.n, report_cached=report_cached
+    )
     bodies = [
         responses.completion(
             request_id,

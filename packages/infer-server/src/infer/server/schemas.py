@@ -128,6 +128,9 @@ class _SamplingRequest(_Strict):
     prompt_cache_key: str | None = None
     # Choices to generate for the prompt, each its own engine request (OpenAI's limit: 128).
     n: int = Field(1, ge=1, le=MAX_CHOICES)
+    # vLLM extension: requests reuse each other's prefix-cached tokens only under the same salt
+    # (tenants that must not learn each other's prompts from cache timing).
+    cache_salt: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _log_ignored_metadata(self):

@@ -51,6 +51,7 @@ MATRIX_ROWS = (
     ConfigRow("continuous-contiguous", {"batching_mode": "continuous", "kv_cache_backend": "contiguous"}),
     ConfigRow("continuous-paged", _PAGED),
     ConfigRow("paged-chunked", _PAGED_CHUNKED),
+    ConfigRow("paged-chunked-prefix_cache", {**_PAGED_CHUNKED, "use_prefix_caching": True}),
     ConfigRow("paged-chunked-prefill_first", {**_PAGED_CHUNKED, "scheduler_policy": "prefill_first"}),
     ConfigRow(
         "paged-chunked-decode_round_robin", {**_PAGED_CHUNKED, "scheduler_policy": "decode_round_robin"}
@@ -68,6 +69,11 @@ MATRIX_ROWS = (
     ConfigRow(
         "paged-chunked-cuda_graphs-async",
         {**_PAGED_CHUNKED, "use_cuda_graphs": True, "async_scheduling": True},
+    ),
+    # With the prefix cache: W3's shared system prompt is computed once.
+    ConfigRow(
+        "paged-chunked-cuda_graphs-async-prefix_cache",
+        {**_PAGED_CHUNKED, "use_cuda_graphs": True, "async_scheduling": True, "use_prefix_caching": True},
     ),
     # The same with the engine core in the server's process (a thread), as before it had one of
     # its own: the baseline of the process split.

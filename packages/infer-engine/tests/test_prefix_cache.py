@@ -1,0 +1,122 @@
+"""Prefix caching through the engine: greedy output is the same with the cache on and off, for
+every match kind (prefix, supersequence, lcp), one request at a time and many at once, on the
+three architectures; the reused prompt tokens are reported, and no block leaks."""
+
+import random
+
+import pytest
+
+from infer.cache import MatchKind
+from infer.engine import Engine, EngineConfig, SamplingParams
+from infer.engine.config import EngineConfigError
+
+# Blocks of 4 tokens and chunks of 8, so short prompts cross blocks and chunks and matches end
+# inside blocks (the copied block) as often as on their edges.
+SETTINGS = dict(
+    max_batch_size=4, max_seq_len=128, block_size=4, use_chunked_prefill=True, prefill_chunk_size=8
+)
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def run(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 6) -> list[tuple[list[int], int]]:
+    """Runs the prompts together; (generated ids, cached prompt tokens) of each, in order."""
+    ids = [
+        engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, **GREEDY))
+        for prompt in prompts
+    ]
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    cached: dict[str, int] = {}
+    done: set[str] = set()
+    while len(done) < len(ids):
+        for output in engine.step():
+            assert output.error is None, output.error
+            if output.token_id is not None:
+                tokens[output.request_id].append(output.token_id)
+                cached.setdefault(output.request_id, output.cached_tokens)
+            if output.finished:
+                done.add(output.request_id)
+    return [(tokens[request_id], cached[request_id]) for request_id in ids]
+
+
+@pytest.fixture(params=["llama-tiny", "qwen3-tiny", "gemma3-tiny"])
+def engines(request, tiny_models):
+    model = tiny_models[request.param]
+    plain = Engine(EngineConfig(**SETTINGS), loaded_model=model.loaded)
+    cached = Engine(EngineConfig(**SETTINGS, use_prefix_caching=True), loaded_model=model.loaded)
+    yield plain, cached, model.loaded.config.vocab_size
+    for engine in (plain, cached):
+        engine.shutdown()
+
+
+def test_every_match_kind_gives_the_tokens_of_the_engine_without_cache(engines):
+    plain, cached, vocab = engines
+    rng = random.Random(0)
+    base = [rng.randrange(vocab) for _ in range(21)]
+    ((first, first_cached),) = run(cached, [base])
+    assert (first, first_cached) == (run(plain, [base])[0][0], 0)
+    # What the first request left: its prompt and all but its last token (whose K/V was never
+    # computed). Each follow-up is built to hit one kind.
+    kv_manager = cached.core.scheduler.kv_manager
+    follow_ups = {
+        MatchKind.PREFIX: (base + first + [1, 2, 3], len(base) + len(first) - 1),
+        MatchKind.SUPERSEQUENCE: (base[:15], 14),
+        MatchKind.LCP: (base[:10] + [(base[10] + 1) % vocab] + [5, 6, 7], 10),
+    }
+    for kind, (prompt, expected_cached) in follow_ups.items():
+        before = kv_manager.match_counts[kind.value]
+        ((tokens, num_cached),) = run(cached, [prompt])
+        assert kv_manager.match_counts[kind.value] == before + 1, kind
+        assert num_cached == expected_cached, kind
+        assert tokens == run(plain, [prompt])[0][0], f"{kind.value} hit changed the output"
+
+
+def test_requests_sharing_a_system_prompt_at_once_match_the_engine_without_cache(engines):
+    plain, cached, vocab = engines
+    rng = random.Random(1)
+    system = [rng.randrange(vocab) for _ in range(18)]
+    run(cached, [system + [rng.randrange(vocab) for _ in range(3)]])  # leaves the system prompt behind
+    prompts = [system + [rng.randrange(vocab) for _ in range(rng.randint(1, 9))] for _ in range(6)]
+    with_cache = run(cached, prompts, max_new_tokens=8)
+    without = run(plain, prompts, max_new_tokens=8)
+    assert [tokens for tokens, _ in with_cache] == [tokens for tokens, _ in without]
+    assert all(num_cached >= len(system) for _, num_cached in with_cache[:4])
+    # Nothing leaks: every block is free or held by the tree alone.
+    core = cached.core
+    assert core.kv_pool.allocator.num_used == core.prefix_tree.num_blocks
+    assert core.prefix_tree.num_locked_blocks == 0
+
+
+def test_a_full_pool_evicts_the_cache_instead_of_preempting(tiny_models):
+    model = tiny_models["llama-tiny"]
+    config = EngineConfig(**{**SETTINGS, "num_gpu_blocks": 12}, use_prefix_caching=True)
+    engine = Engine(config, loaded_model=model.loaded)
+    rng = random.Random(2)
+    for _ in range(4):  # each leaves ~7 blocks behind; the pool holds 12
+        run(engine, [[rng.randrange(384) for _ in range(24)]], max_new_tokens=4)
+    core = engine.core
+    assert core.prefix_tree.num_evicted_blocks > 0
+    assert core.kv_pool.allocator.num_used == core.prefix_tree.num_blocks <= 12
+    engine.shutdown()
+
+
+def test_different_cache_salts_never_share(tiny_models):
+    model = tiny_models["llama-tiny"]
+    engine = Engine(EngineConfig(**SETTINGS, use_prefix_caching=True), loaded_model=model.loaded)
+    prompt = list(range(30, 50))
+    cached = {}
+    for salt in ("tenant-a", "tenant-b", "tenant-a"):
+        request_id = engine.add_request(prompt, SamplingParams(max_new_tokens=2, **GREEDY), cache_salt=salt)
+        done = False
+        while not done:
+            for output in engine.step():
+                cached.setdefault(output.request_id, output.cached_tokens)
+                done = done or (output.request_id == request_id and output.finished)
+    assert list(cached.values()) == [0, 0, 19]
+    engine.shutdown()
+
+
+def test_prefix_caching_needs_a_paged_pool_and_chunked_prefill():
+    with pytest.raises(EngineConfigError, match="use_chunked_prefill"):
+        EngineConfig(use_prefix_caching=True)
+    with pytest.raises(EngineConfigError, match="paged"):
+        EngineConfig(use_prefix_caching=True, use_chunked_prefill=True, kv_cache_backend="contiguous")
