@@ -77,3 +77,30 @@ def test_without_the_cache_usage_has_no_prompt_tokens_details(server):
     client = server.openai_client()
     answer = ask(client, server.model, "Hi")
     assert answer.usage.prompt_tokens_details is None
+
+
+def test_metrics_count_matches_tokens_saved_and_cache_bytes(start_server):
+    """/metrics after one miss and one hit on a server of its own: matches by kind, cached vs
+    prefilled prompt tokens of finished requests, the cache's size, all read by prometheus_client."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server = start_server(max_batch_size=2, use_chunked_prefill=True, use_prefix_caching=True)
+    client = server.openai_client()
+    first = ask(client, server.model, "What is two and two?")
+    second = ask(client, server.model, "Name a colour.")
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text):
+        for sample in family.samples:
+            key = sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items()))
+            samples[key] = sample.value
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    total_prompt = first.usage.prompt_tokens + second.usage.prompt_tokens
+    assert samples["infer_prefix_cache_matches_total{kind=miss}"] == 1
+    assert samples["infer_prefix_cache_matches_total{kind=lcp}"] == 1  # same system prompt, new question
+    assert samples["infer_prompt_tokens_cached_total"] == cached
+    assert samples["infer_prompt_tokens_prefilled_total"] == total_prompt - cached
+    assert samples["infer_prefix_cache_cached_tokens_count"] == 2
+    assert samples["infer_prefix_cache_cached_tokens_sum"] == cached
+    assert samples["infer_prefix_cache_entries"] > 0
+    assert samples["infer_prefix_cache_used_bytes"] > 0

@@ -74,6 +74,15 @@ def test_server_metric_set_has_the_issue_names_and_kinds():
         "infer_prompt_tokens_total": "counter",
         "infer_generation_tokens_total": "counter",
         "infer_prompt_tokens_cached_total": "counter",
+        "infer_prompt_tokens_prefilled_total": "counter",
+        "infer_prefix_cache_matches_total": "counter",
+        "infer_prefix_cache_cached_tokens": "histogram",
+        "infer_prefix_cache_cached_ratio": "histogram",
+        "infer_prefix_cache_used_bytes": "gauge",
+        "infer_prefix_cache_budget_bytes": "gauge",
+        "infer_prefix_cache_entries": "gauge",
+        "infer_prefix_cache_evictions_total": "counter",
+        "infer_prefix_cache_evicted_bytes_total": "counter",
         "infer_time_to_first_token_seconds": "histogram",
         "infer_inter_token_latency_seconds": "histogram",
         "infer_request_queue_time_seconds": "histogram",
@@ -109,6 +118,15 @@ def test_updates_read_back_through_prometheus_client():
     ]
     assert samples["infer_generation_tokens_total"] == [({}, 1234.0)]
     assert samples["infer_prompt_tokens_cached_total"] == [({}, 0.0)]
+
+
+def test_a_mirrored_total_may_only_go_up():
+    metrics = ServerMetrics()
+    metrics.prefix_cache_matches_total.set_total(3, kind="lcp")
+    metrics.prefix_cache_matches_total.set_total(3, kind="lcp")
+    with pytest.raises(ValueError, match="only goes up"):
+        metrics.prefix_cache_matches_total.set_total(2, kind="lcp")
+    assert metrics.prefix_cache_matches_total.value(kind="lcp") == 3.0
 
 
 @given(st.lists(st.floats(min_value=0, max_value=1e4, allow_nan=False) | st.sampled_from([0.01, 0.1, 1.0])))

@@ -236,6 +236,21 @@ class EngineCore:
             busy_time_s=busy,
             prompt_tokens_per_s=counters["prompt_tokens"] / prefill if prefill else 0.0,
             generation_tokens_per_s=counters["generation_tokens"] / busy if busy else 0.0,
+            **self._prefix_cache_stats(),
+        )
+
+    def _prefix_cache_stats(self) -> dict:
+        tree = self.prefix_tree
+        if tree is None:
+            return {}
+        block_bytes = self.kv_pool.shape.bytes_per_block()
+        return dict(
+            prefix_cache_matches=dict(self.scheduler.kv_manager.match_counts),
+            prefix_cache_blocks=tree.num_blocks,
+            prefix_cache_bytes=tree.num_blocks * block_bytes,
+            prefix_cache_budget_bytes=(tree.max_blocks or 0) * block_bytes,
+            prefix_cache_evicted_blocks=tree.num_evicted_blocks,
+            prefix_cache_evicted_bytes=tree.num_evicted_blocks * block_bytes,
         )
 
     # -- internals --------------------------------------------------------------------------

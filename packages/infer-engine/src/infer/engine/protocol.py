@@ -100,6 +100,15 @@ class EngineStats:
     prompt_tokens_per_s: float
     # Generated tokens over all busy time.
     generation_tokens_per_s: float
+    # The prefix cache (all 0 while it is off): admissions by match kind (miss, prefix,
+    # supersequence, lcp), the blocks and bytes it holds, its byte budget (0: none but the pool),
+    # and what it evicted so far.
+    prefix_cache_matches: dict[str, int] = field(default_factory=dict)
+    prefix_cache_blocks: int = 0
+    prefix_cache_bytes: int = 0
+    prefix_cache_budget_bytes: int = 0
+    prefix_cache_evicted_blocks: int = 0
+    prefix_cache_evicted_bytes: int = 0
 
 
 @dataclass(slots=True)

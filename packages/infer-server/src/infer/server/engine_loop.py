@@ -143,6 +143,13 @@ class EngineLoop:
         metrics.kv_cache_total_bytes.set(stats.kv_bytes_total)
         metrics.prefill_tokens_per_second.set(stats.prompt_tokens_per_s)
         metrics.decode_tokens_per_second.set(stats.generation_tokens_per_s)
+        for kind, count in stats.prefix_cache_matches.items():
+            metrics.prefix_cache_matches_total.set_total(count, kind=kind)
+        metrics.prefix_cache_used_bytes.set(stats.prefix_cache_bytes)
+        metrics.prefix_cache_budget_bytes.set(stats.prefix_cache_budget_bytes)
+        metrics.prefix_cache_entries.set(stats.prefix_cache_blocks)
+        metrics.prefix_cache_evictions_total.set_total(stats.prefix_cache_evicted_blocks)
+        metrics.prefix_cache_evicted_bytes_total.set_total(stats.prefix_cache_evicted_bytes)
 
     # -- the event loop ---------------------------------------------------------------------
 
@@ -168,7 +175,17 @@ class EngineLoop:
                 metrics.requests_total.inc(finish_reason=output.finish_reason or FINISH_ERROR)
                 metrics.prompt_tokens_total.inc(output.prompt_tokens)
                 metrics.generation_tokens_total.inc(output.completion_tokens)
+                if self.engine.config.use_prefix_caching:
+                    self._observe_cached(output)
         metrics.queue_depth.set(len(self._handles))
+
+    def _observe_cached(self, final: StepOutput) -> None:
+        metrics, cached = self.metrics, final.cached_tokens
+        metrics.prompt_tokens_cached_total.inc(cached)
+        metrics.prompt_tokens_prefilled_total.inc(final.prompt_tokens - cached)
+        metrics.prefix_cache_cached_tokens.observe(cached)
+        if final.prompt_tokens:
+            metrics.prefix_cache_cached_ratio.observe(cached / final.prompt_tokens)
 
     def _fail_all(self, message: str) -> None:
         self.failure = message

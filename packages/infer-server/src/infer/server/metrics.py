@@ -89,6 +89,16 @@ class Counter(_Metric):
             raise ValueError(f"{self.name}: a counter only goes up; inc got {amount}")
         self._add(amount, labels)
 
+    def set_total(self, total: float, **labels: str) -> None:
+        """Mirror a total counted elsewhere (the engine core's): it may only go up."""
+        key = self._key(labels)
+        with self._lock:
+            if total < self._values.get(key, 0.0):
+                raise ValueError(
+                    f"{self.name}: a counter only goes up; set_total got {total} after a larger one"
+                )
+            self._values[key] = float(total)
+
     def touch(self, **labels: str) -> None:
         """Show these label values at 0 before the first `inc`, so rates start from a sample."""
         key = self._key(labels)
@@ -248,6 +258,10 @@ QUEUE_TIME_BUCKETS_S = (
 # Request latency, arrival to last token: from one short answer to a long one behind a queue.
 REQUEST_LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 FINISH_REASONS = ("stop", "length", "abort")
+# infer.cache.MatchKind's values (the server reads them from the engine's stats).
+PREFIX_MATCH_KINDS = ("miss", "prefix", "supersequence", "lcp")
+CACHED_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+CACHED_RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
 
 class ServerMetrics:
@@ -291,7 +305,44 @@ class ServerMetrics:
         )
         self.prompt_tokens_cached_total = registry.counter(
             "infer_prompt_tokens_cached_total",
-            "Prompt tokens served from the prefix cache (0 until it exists).",
+            "Prompt tokens of finished requests served from the prefix cache instead of computed.",
+        )
+        self.prompt_tokens_prefilled_total = registry.counter(
+            "infer_prompt_tokens_prefilled_total", "Prompt tokens of finished requests that were computed."
+        )
+        self.prefix_cache_matches_total = registry.counter(
+            "infer_prefix_cache_matches_total",
+            "Admissions by what the prefix cache held of the request: miss, prefix (it extends a cached "
+            "sequence), supersequence (a cached sequence extends it), lcp (they part mid-way).",
+            ["kind"],
+        )
+        for kind in PREFIX_MATCH_KINDS:
+            self.prefix_cache_matches_total.touch(kind=kind)
+        self.prefix_cache_cached_tokens = registry.histogram(
+            "infer_prefix_cache_cached_tokens",
+            "Prompt tokens the prefix cache served, per finished request.",
+            CACHED_TOKEN_BUCKETS,
+        )
+        self.prefix_cache_cached_ratio = registry.histogram(
+            "infer_prefix_cache_cached_ratio",
+            "Share of a finished request's prompt the prefix cache served (0 to 1).",
+            CACHED_RATIO_BUCKETS,
+        )
+        self.prefix_cache_used_bytes = registry.gauge(
+            "infer_prefix_cache_used_bytes",
+            "KV bytes the prefix cache holds (part of the KV cache's used bytes).",
+        )
+        self.prefix_cache_budget_bytes = registry.gauge(
+            "infer_prefix_cache_budget_bytes", "The prefix cache's byte budget (0: none but the KV pool)."
+        )
+        self.prefix_cache_entries = registry.gauge(
+            "infer_prefix_cache_entries", "KV blocks the prefix cache holds (one per tree node)."
+        )
+        self.prefix_cache_evictions_total = registry.counter(
+            "infer_prefix_cache_evictions_total", "KV blocks the prefix cache evicted."
+        )
+        self.prefix_cache_evicted_bytes_total = registry.counter(
+            "infer_prefix_cache_evicted_bytes_total", "KV bytes the prefix cache evicted."
         )
         self.time_to_first_token_seconds = registry.histogram(
             "infer_time_to_first_token_seconds",
