@@ -120,3 +120,46 @@ def test_prefix_caching_needs_a_paged_pool_and_chunked_prefill():
         EngineConfig(use_prefix_caching=True)
     with pytest.raises(EngineConfigError, match="paged"):
         EngineConfig(use_prefix_caching=True, use_chunked_prefill=True, kv_cache_backend="contiguous")
+
+
+def test_the_shadow_check_reruns_cache_hits_when_idle_and_counts_no_divergence(tiny_models):
+    model = tiny_models["qwen3-tiny"]
+    config = EngineConfig(**SETTINGS, use_prefix_caching=True, prefix_cache_shadow_rate=1.0)
+    engine = Engine(config, loaded_model=model.loaded)
+    rng = random.Random(3)
+    system = [rng.randrange(384) for _ in range(17)]
+    run(engine, [system + [1]])  # a miss: nothing to check
+    hits = run(engine, [system + [2, 3], system + [4]])  # two hits, each re-run once idle
+    while engine.has_work():
+        assert engine.step() == []  # the re-runs answer nobody
+    stats = engine.stats()
+    assert all(num_cached > 0 for _, num_cached in hits)
+    assert (stats.prefix_cache_shadow_runs, stats.prefix_cache_shadow_divergences) == (2, 0)
+    assert stats.num_finished == 3  # re-runs are not requests
+    engine.shutdown()
+
+
+def test_the_shadow_check_counts_a_cache_that_serves_wrong_keys(tiny_models, monkeypatch):
+    """A cache whose copy-on-write copies nothing serves stale keys: its re-runs diverge."""
+    from infer.cache import PagedKVPool
+
+    monkeypatch.setattr(PagedKVPool, "copy_blocks", lambda self, pairs: None)
+    model = tiny_models["llama-tiny"]
+    config = EngineConfig(**SETTINGS, use_prefix_caching=True, prefix_cache_shadow_rate=1.0)
+    engine = Engine(config, loaded_model=model.loaded)
+    rng = random.Random(4)
+    system = [rng.randrange(384) for _ in range(18)]  # ends 2 tokens into a block: copied on a hit
+    run(engine, [system + [1]])
+    run(engine, [system + [rng.randrange(384) for _ in range(3)] for _ in range(3)], max_new_tokens=8)
+    while engine.has_work():
+        engine.step()
+    stats = engine.stats()
+    assert stats.prefix_cache_shadow_runs == 3 and stats.prefix_cache_shadow_divergences > 0
+    engine.shutdown()
+
+
+def test_a_shadow_rate_without_the_cache_is_refused():
+    with pytest.raises(EngineConfigError, match="use_prefix_caching"):
+        EngineConfig(prefix_cache_shadow_rate=0.5)
+    with pytest.raises(EngineConfigError, match=r"\[0, 1\]"):
+        EngineConfig(**SETTINGS, use_prefix_caching=True, prefix_cache_shadow_rate=1.5)

@@ -83,6 +83,8 @@ def test_server_metric_set_has_the_issue_names_and_kinds():
         "infer_prefix_cache_entries": "gauge",
         "infer_prefix_cache_evictions_total": "counter",
         "infer_prefix_cache_evicted_bytes_total": "counter",
+        "infer_prefix_cache_shadow_runs_total": "counter",
+        "infer_prefix_cache_shadow_divergences_total": "counter",
         "infer_time_to_first_token_seconds": "histogram",
         "infer_inter_token_latency_seconds": "histogram",
         "infer_request_queue_time_seconds": "histogram",

@@ -122,6 +122,11 @@ class EngineConfig:
         None, "most KV bytes the prefix cache keeps (None: as much of the pool as is free)"
     )
     prefix_cache_ttl_s: float = _flag(1800.0, "cached token runs unused this long are evicted (seconds)")
+    prefix_cache_shadow_rate: float = _flag(
+        0.0,
+        "share of greedy requests served from the prefix cache that are run again without it when the "
+        "engine is idle, to count divergences (any is a bug): 0 to 1",
+    )
 
     def __post_init__(self):
         _check_str(self, "model")
@@ -168,6 +173,14 @@ class EngineConfig:
         ttl = self.prefix_cache_ttl_s
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
             raise EngineConfigError(f"prefix_cache_ttl_s must be a number > 0, got {ttl!r}")
+        rate = self.prefix_cache_shadow_rate
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
+            raise EngineConfigError(f"prefix_cache_shadow_rate must be in [0, 1], got {rate!r}")
+        if rate > 0 and not self.use_prefix_caching:
+            raise EngineConfigError(
+                f"prefix_cache_shadow_rate={rate} checks the prefix cache; set use_prefix_caching=True "
+                "or the rate to 0"
+            )
         # The seed's compatibility rules.
         if self.use_chunked_prefill and self.batching_mode != "continuous":
             raise EngineConfigError(

@@ -18,6 +18,7 @@ on. A request the core refuses (too long, queue full, bad ids) ends the same way
 """
 
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -85,6 +86,12 @@ class EngineCore:
         )
         self.prefix_tree = _build_prefix_tree(config, self.kv_pool)
         self._last_idle_eviction_s = time.perf_counter()
+        # Shadow re-runs (prefix_cache_shadow_rate): (prompt, params, salt, tokens the cached run
+        # gave) waiting for an idle engine, and the live ones by id -> those tokens.
+        self._shadow_rng = random.Random(config.seed)
+        self._shadow_queue: deque[tuple[list[int], object, str | None, list[int]]] = deque()
+        self._shadows: dict[str, list[int]] = {}
+        self._num_shadows_started = 0
         self.scheduler = Scheduler.from_engine_config(
             config,
             kv_manager=KVCacheManager(self.kv_pool.allocator, self.kv_pool.block_size, self.prefix_tree),
@@ -126,7 +133,17 @@ class EngineCore:
         self._launched: deque = deque()
         self._num_added = 0
         self._counters = dict.fromkeys(
-            ["num_steps", "prompt_tokens", "generation_tokens", "finished", "aborted", "failed", "preempted"],
+            [
+                "num_steps",
+                "prompt_tokens",
+                "generation_tokens",
+                "finished",
+                "aborted",
+                "failed",
+                "preempted",
+                "shadow_runs",
+                "shadow_divergences",
+            ],
             0,
         )
         self._busy_time_s = 0.0
@@ -170,7 +187,13 @@ class EngineCore:
             self._early_outputs.append(_output(request, [], FinishReason.ABORT))
 
     def has_work(self) -> bool:
-        return bool(self._early_outputs) or self.scheduler.has_work() or bool(self._launched)
+        """Something to step: outputs to send, requests, a launched step, or a shadow re-run."""
+        return (
+            bool(self._early_outputs)
+            or self.scheduler.has_work()
+            or bool(self._launched)
+            or bool(self._shadow_queue)
+        )
 
     def step(self) -> EngineOutputs:
         """One scheduler iteration: the outputs it produced, in a deterministic order, and the
@@ -178,6 +201,8 @@ class EngineCore:
         step: this step is launched on the device first, so that the host's work overlaps it."""
         started = time.perf_counter()
         outputs, self._early_outputs = self._early_outputs, []
+        if self._shadow_queue and not self.scheduler.has_work() and not self._launched:
+            self._start_shadow()
         decision = self.scheduler.schedule()
         self._counters["preempted"] += len(decision.preempted_request_ids)
         for new_request in decision.new_requests:
@@ -207,6 +232,10 @@ class EngineCore:
         if self.prefix_tree is not None and started - self._last_idle_eviction_s >= 1.0:
             self._last_idle_eviction_s = started
             self.prefix_tree.evict_idle(self.config.prefix_cache_ttl_s)
+        if self._shadows:  # shadow re-runs are the core's own business
+            outputs = [output for output in outputs if output.request_id not in self._shadows]
+            for request_id in [rid for rid in self._shadows if self.scheduler.get(rid) is None]:
+                del self._shadows[request_id]
         if outputs or not decision.is_empty:
             self._counters["num_steps"] += 1
             step_time_s = time.perf_counter() - started
@@ -251,6 +280,8 @@ class EngineCore:
             prefix_cache_budget_bytes=(tree.max_blocks or 0) * block_bytes,
             prefix_cache_evicted_blocks=tree.num_evicted_blocks,
             prefix_cache_evicted_bytes=tree.num_evicted_blocks * block_bytes,
+            prefix_cache_shadow_runs=self._counters["shadow_runs"],
+            prefix_cache_shadow_divergences=self._counters["shadow_divergences"],
         )
 
     # -- internals --------------------------------------------------------------------------
@@ -305,9 +336,53 @@ class EngineCore:
             request.state = RequestState.FINISHED
             request.finish_reason = reason
             finished.append(request.request_id)
-            self._counters["finished"] += 1
+            self._finished_with(request, request.output_ids[: first + len(accepted)])
         accepted_logprobs = list(logprobs[: len(accepted)]) if logprobs is not None else None
         return _output(request, accepted, reason, first_token=first == 0, logprobs=accepted_logprobs)
+
+    def _finished_with(self, request: Request, token_ids: list[int]) -> None:
+        """Counts a request that ended on a token rule, and does the shadow check's part: a shadow
+        re-run compares its tokens with the cached run's; a greedy request served from the cache
+        may be picked for a re-run."""
+        expected = self._shadows.get(request.request_id)
+        if expected is not None:
+            self._counters["shadow_runs"] += 1
+            if list(token_ids) != expected:
+                self._counters["shadow_divergences"] += 1
+                logger.warning(
+                    "prefix cache divergence: a request served from the cache gave %s, recomputed %s",
+                    expected,
+                    list(token_ids),
+                )
+            return
+        self._counters["finished"] += 1
+        rate = self.config.prefix_cache_shadow_rate
+        if (
+            rate
+            and request.num_cached_tokens
+            and request.params.is_greedy
+            and self._shadow_rng.random() < rate
+        ):
+            self._shadow_queue.append(
+                (list(request.prompt_ids), request.params, request.cache_salt, list(token_ids))
+            )
+
+    def _start_shadow(self) -> None:
+        prompt_ids, params, salt, expected = self._shadow_queue.popleft()
+        request_id = f"prefix-cache-shadow-{self._num_shadows_started}"
+        self._num_shadows_started += 1
+        request = Request(
+            request_id,
+            prompt_ids,
+            params,
+            arrival_index=self._num_added,
+            arrival_s=time.monotonic(),
+            stop_token_ids=stop_token_ids_of(params, self.limits.eos_token_ids),
+            cache_salt=salt,
+            bypass_prefix_cache=True,
+        )
+        self.scheduler.add(request)
+        self._shadows[request_id] = expected
 
     def _fail(self, decision, error: Exception, finished: list[str]) -> list[EngineOutput]:
         """Fails the decision's requests that are still live."""

@@ -77,7 +77,7 @@ class KVCacheManager:
     def match(self, request: Request) -> PrefixMatch:
         """What the prefix tree holds of the request's known tokens, all but the last at most.
         MISS without a tree, or for a request that holds blocks already. Reads only."""
-        if self.prefix_tree is None or request.block_ids:
+        if self.prefix_tree is None or request.block_ids or request.bypass_prefix_cache:
             return MISS
         tokens = request.all_token_ids
         return self.prefix_tree.match(tokens, max_tokens=len(tokens) - 1, salt=request.cache_salt)
@@ -88,7 +88,7 @@ class KVCacheManager:
         (copied before its first forward; without a free block it reuses the whole blocks only).
         Sets num_computed_tokens to the tokens reused. Returns whether there is anything for
         `release` to undo (False without a prefix tree)."""
-        if self.prefix_tree is None:
+        if self.prefix_tree is None or request.bypass_prefix_cache:
             return False
         self._kinds[request.request_id] = match.kind.value
         self.match_counts[match.kind.value] += 1
@@ -197,7 +197,7 @@ class KVCacheManager:
             if self._copies:
                 self._copies = [copy for copy in self._copies if copy[1] not in request.block_ids]
             tokens = request.all_token_ids[: request.num_computed_tokens]
-            if cache and tokens:
+            if cache and tokens and not request.bypass_prefix_cache:
                 tree.insert(
                     tokens, request.block_ids[: self.blocks_for_tokens(len(tokens))], salt=request.cache_salt
                 )

@@ -109,6 +109,9 @@ class EngineStats:
     prefix_cache_budget_bytes: int = 0
     prefix_cache_evicted_blocks: int = 0
     prefix_cache_evicted_bytes: int = 0
+    # Shadow re-runs without the cache (prefix_cache_shadow_rate), and those whose tokens differed.
+    prefix_cache_shadow_runs: int = 0
+    prefix_cache_shadow_divergences: int = 0
 
 
 @dataclass(slots=True)

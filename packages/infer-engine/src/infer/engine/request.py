@@ -96,6 +96,8 @@ class Request:
     cache_salt: str | None = None
     # Prompt tokens the latest admission took from the prefix cache instead of computing.
     num_cached_tokens: int = 0
+    # Computed from scratch and left out of the prefix cache (the engine's shadow re-runs).
+    bypass_prefix_cache: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

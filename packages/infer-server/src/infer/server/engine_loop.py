@@ -150,6 +150,8 @@ class EngineLoop:
         metrics.prefix_cache_entries.set(stats.prefix_cache_blocks)
         metrics.prefix_cache_evictions_total.set_total(stats.prefix_cache_evicted_blocks)
         metrics.prefix_cache_evicted_bytes_total.set_total(stats.prefix_cache_evicted_bytes)
+        metrics.prefix_cache_shadow_runs_total.set_total(stats.prefix_cache_shadow_runs)
+        metrics.prefix_cache_shadow_divergences_total.set_total(stats.prefix_cache_shadow_divergences)
 
     # -- the event loop ---------------------------------------------------------------------
 

@@ -344,6 +344,14 @@ class ServerMetrics:
         self.prefix_cache_evicted_bytes_total = registry.counter(
             "infer_prefix_cache_evicted_bytes_total", "KV bytes the prefix cache evicted."
         )
+        self.prefix_cache_shadow_runs_total = registry.counter(
+            "infer_prefix_cache_shadow_runs_total",
+            "Greedy requests served from the prefix cache that were run again without it (shadow check).",
+        )
+        self.prefix_cache_shadow_divergences_total = registry.counter(
+            "infer_prefix_cache_shadow_divergences_total",
+            "Shadow re-runs whose tokens differed from the cached run's: any is a bug.",
+        )
         self.time_to_first_token_seconds = registry.histogram(
             "infer_time_to_first_token_seconds",
             "Seconds from request arrival to its first token.",
