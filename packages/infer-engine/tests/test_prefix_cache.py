@@ -163,3 +163,25 @@ def test_a_shadow_rate_without_the_cache_is_refused():
         EngineConfig(prefix_cache_shadow_rate=0.5)
     with pytest.raises(EngineConfigError, match=r"\[0, 1\]"):
         EngineConfig(**SETTINGS, use_prefix_caching=True, prefix_cache_shadow_rate=1.5)
+
+
+def test_preempted_requests_resume_from_the_cache_with_the_same_tokens(tiny_models):
+    """A pool too small for four decoding requests: preempted ones leave their tokens to the
+    cache and resume from it; the output matches the engine without cache, and usage's cached
+    tokens never exceed the prompt."""
+    model = tiny_models["llama-tiny"]
+    small = {**SETTINGS, "num_gpu_blocks": 14}
+    plain = Engine(EngineConfig(**small), loaded_model=model.loaded)
+    cached = Engine(EngineConfig(**small, use_prefix_caching=True), loaded_model=model.loaded)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(384) for _ in range(10)] for _ in range(4)]
+    with_cache = run(cached, prompts, max_new_tokens=12)
+    assert cached.stats().num_preempted > 0
+    matches = cached.stats().prefix_cache_matches
+    assert sum(matches.values()) - matches["miss"] > 0  # a resumption took back some of its tokens
+    assert [tokens for tokens, _ in with_cache] == [
+        tokens for tokens, _ in run(plain, prompts, max_new_tokens=12)
+    ]
+    assert all(num_cached <= len(prompt) for (_, num_cached), prompt in zip(with_cache, prompts, strict=True))
+    for engine in (plain, cached):
+        engine.shutdown()

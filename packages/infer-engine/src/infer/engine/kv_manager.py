@@ -45,9 +45,8 @@ class KVCacheManager:
         self._matches: dict[str, PrefixMatch] = {}
         # (src, dst) block copies for the next decision.
         self._copies: list[tuple[int, int]] = []
-        # Matches by kind at admission, and the prompt tokens they saved.
+        # Matches by kind at admission.
         self.match_counts: Counter[str] = Counter()
-        self.num_reused_tokens = 0
         self._kinds: dict[str, str] = {}  # the kind counted at each running request's admission
 
     @property
@@ -113,11 +112,13 @@ class KVCacheManager:
         self.allocator.share(match.block_ids, request.request_id)
         request.block_ids = [*match.block_ids, *([copy[1]] if copy else [])]
         request.num_computed_tokens = num_reused
-        request.num_cached_tokens = num_reused
+        if not request.num_preemptions:
+            # What usage reports: prompt tokens of its first admission (a resumed request also
+            # reuses its own outputs, and its prompt was answered for already).
+            request.num_cached_tokens = min(num_reused, request.num_prompt_tokens)
         self._matches[request.request_id] = match
         if copy is not None:
             self._copies.append(copy)
-        self.num_reused_tokens += num_reused
         return True
 
     def take_block_copies(self) -> tuple[tuple[int, int], ...]:
@@ -179,10 +180,10 @@ class KVCacheManager:
         kind = self._kinds.pop(request.request_id, None)
         if kind is not None:  # not admitted: its match is counted when it is
             self.match_counts[kind] -= 1
-        self.num_reused_tokens -= request.num_cached_tokens
         self.free(request, cache=False)
         request.num_computed_tokens = 0
-        request.num_cached_tokens = 0
+        if not request.num_preemptions:
+            request.num_cached_tokens = 0
 
     def free(self, request: Request, *, cache: bool = True) -> None:
         """Every block of the request back to the pool; `request.block_ids` is then empty. With a

@@ -94,7 +94,7 @@ class Request:
     first_scheduled_s: float | None = None
     # Prefix caching: requests share cached blocks only under the same salt (None is a salt too).
     cache_salt: str | None = None
-    # Prompt tokens the latest admission took from the prefix cache instead of computing.
+    # Prompt tokens the first admission took from the prefix cache instead of computing.
     num_cached_tokens: int = 0
     # Computed from scratch and left out of the prefix cache (the engine's shadow re-runs).
     bypass_prefix_cache: bool = False
