@@ -243,3 +243,81 @@ def test_engine_only_runs_the_closed_loop_through_the_engine(tmp_path, monkeypat
     assert run["output_tokens"] == sum(request.max_tokens for request in workload.requests)
     assert run["output_tokens_per_s"] > 0 and run["steps"] >= max(r.max_tokens for r in workload.requests)
     assert max(most_in_flight) <= 2
+
+
+TINY_CONVERSATION = WorkloadShape(
+    "conversation",
+    output_tokens=(2, 4),
+    system_prompt_words=12,
+    user_words=(2, 4),
+    turns=(4, 5),
+    tool_turn_every=3,
+)
+
+
+def test_a_conversation_sends_each_turn_with_the_replies_so_far():
+    """Against the peer (which streams "t0 t1 ..."): turn k's messages are turn k-1's, its reply
+    as the assistant's message, and the new turn; every 3rd turn answers a tool call the
+    previous reply is taken to have made."""
+    workload = make_workload("convo", shape=TINY_CONVERSATION, concurrency=2, num_requests=3)
+    app, server = _peer()
+    with server:
+        run = asyncio.run(run_workload(workload, base_url=server.base_url, model="peer-model", warmup=False))
+    bodies = [body for body in app.state.peer["received"] if "messages" in body]
+    by_conversation: dict[str, list[list[dict]]] = {}
+    for body in bodies:
+        first_user = next(m for m in body["messages"] if m["role"] == "user")["content"]
+        by_conversation.setdefault(first_user.split(",")[0], []).append(body["messages"])
+    assert len(run.records) == sum(len(request.turns) for request in workload.requests) == len(bodies)
+    for request in workload.requests:
+        turns = by_conversation[f"Conversation {request.index}"]
+        assert len(turns) == len(request.turns)
+        for turn, (before, after) in enumerate(zip(turns, turns[1:], strict=False), start=1):
+            reply = after[len(before)]
+            assert after[: len(before)] == before or turn % 3 == 0  # a tool turn edits the last reply
+            assert reply["role"] == "assistant" and reply["content"].startswith("t0 ")
+            if turn % 3 == 0:
+                assert (
+                    reply["tool_calls"][0]["id"] == after[-1]["tool_call_id"] and after[-1]["role"] == "tool"
+                )
+            else:
+                assert after[-1]["role"] == "user"
+    assert {record.turn for record in run.records} == {0, 1, 2, 3} | (
+        {4} if any(len(r.turns) == 5 for r in workload.requests) else set()
+    )
+
+
+def test_a_conversation_against_our_server_reports_cache_hits_on_later_turns(tmp_path):
+    """W5's pattern on our server with the prefix cache: every turn after the first reuses the
+    conversation so far."""
+    import torch
+
+    from infer.bench.serving.stats import prefix_cache_stats
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+    from infer.models.random_checkpoint import make_random_checkpoint
+    from infer.server.app import create_app
+
+    checkpoint = make_random_checkpoint("llama-tiny", tmp_path / "llama-tiny", dtype=torch.float32)
+    # The tiny tokenizer spells words nearly letter by letter: room for a few turns of them.
+    hf_config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**hf_config, "max_position_embeddings": 2048}))
+    config = EngineConfig(
+        model=str(checkpoint), device="cpu", max_batch_size=2, max_seq_len=2048,
+        use_chunked_prefill=True, use_prefix_caching=True,
+    )  # fmt: skip
+    workload = make_workload("convo", shape=TINY_CONVERSATION, concurrency=1, num_requests=1)
+    with ThreadedServer(create_app(lambda: Engine(config))) as server:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{server.base_url}/health").status_code != 200:
+            assert time.monotonic() < deadline, "our server did not become healthy in 60 s"
+            time.sleep(0.1)
+        run = asyncio.run(
+            run_workload(workload, base_url=server.base_url, model=str(checkpoint), warmup=False)
+        )
+    assert all(record.ok for record in run.records), [record.error for record in run.records]
+    turns = sorted(run.records, key=lambda record: record.turn)
+    assert turns[0].num_cached_tokens == 0
+    assert all(record.num_cached_tokens > 0 for record in turns[1:])
+    stats = prefix_cache_stats(run.records)
+    assert stats["hits"] == len(turns) - 1 and 0 < stats["cached_share"] < 1

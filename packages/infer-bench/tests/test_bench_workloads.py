@@ -84,3 +84,17 @@ def test_w4_sends_a_long_prompt_every_fourth_request_and_w4_decode_never():
     assert all(low <= len(r.prompt_token_ids) <= high and r.max_tokens == 256 for r in short)
     decode_only = make_workload("W4-decode", concurrency=16)
     assert max(len(r.prompt_token_ids) for r in decode_only.requests) <= high
+
+
+def test_w5_conversations_have_4_to_8_turns_and_a_tool_result_every_third():
+    workload = make_workload("W5", concurrency=16)
+    assert {request.endpoint for request in workload.requests} == {"/v1/chat/completions"}
+    for request in workload.requests:
+        assert 4 <= len(request.turns) <= 8 and len(request.turn_max_tokens) == len(request.turns)
+        assert all(32 <= tokens <= 96 for tokens in request.turn_max_tokens)
+        assert [m["role"] for m in request.turns[0]] == ["system", "user"]
+        for turn, messages in enumerate(request.turns[1:], start=1):
+            roles = [m["role"] for m in messages]
+            assert roles == (["tool"] if turn % 3 == 0 else ["user"]), (turn, roles)
+    # One system prompt for all: what the cache keeps across conversations too.
+    assert len({request.turns[0][0]["content"] for request in workload.requests}) == 1

@@ -25,6 +25,7 @@ system's monotonic clock on Linux and macOS).
 """
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
@@ -59,6 +60,10 @@ class RequestRecord:
     output_tokens_from: str = "chunks"  # "usage" when the final chunk reported completion_tokens
     finish_reason: str | None = None
     error: str | None = None
+    # A conversation's turn (0 for a single request).
+    turn: int = 0
+    # The server's usage.prompt_tokens_details.cached_tokens, when it reports it.
+    num_cached_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -128,9 +133,10 @@ def request_body(
 
 
 async def stream_request(
-    client: httpx.AsyncClient, request: BenchRequest, body: dict
+    client: httpx.AsyncClient, request: BenchRequest, body: dict, text_parts: list[str] | None = None
 ) -> tuple[RequestRecord, int | None]:
-    """Sends one streamed request; returns its record and the HTTP status (None if none came)."""
+    """Sends one streamed request; returns its record and the HTTP status (None if none came).
+    `text_parts`, when given, gets the text of every chunk."""
     record = RequestRecord(
         index=request.index,
         endpoint=request.endpoint,
@@ -154,7 +160,7 @@ async def stream_request(
                 payload = line[len("data:") :].strip()
                 if payload == "[DONE]":
                     break
-                _read_chunk(record, json.loads(payload), now)
+                _read_chunk(record, json.loads(payload), now, text_parts)
                 if record.error is not None:
                     break
     except (httpx.HTTPError, json.JSONDecodeError) as error:
@@ -165,7 +171,7 @@ async def stream_request(
     return record, status
 
 
-def _read_chunk(record: RequestRecord, chunk: dict, now: float) -> None:
+def _read_chunk(record: RequestRecord, chunk: dict, now: float, text_parts: list[str] | None) -> None:
     if "error" in chunk:
         record.error = f"stream error: {json.dumps(chunk['error'])[:500]}"
         return
@@ -176,6 +182,9 @@ def _read_chunk(record: RequestRecord, chunk: dict, now: float) -> None:
             record.output_tokens_from = "usage"
         if record.num_prompt_tokens is None and usage.get("prompt_tokens") is not None:
             record.num_prompt_tokens = usage["prompt_tokens"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if cached is not None:
+            record.num_cached_tokens = cached
     for choice in chunk.get("choices") or []:
         text = choice.get("text")
         if text is None:
@@ -184,12 +193,44 @@ def _read_chunk(record: RequestRecord, chunk: dict, now: float) -> None:
             if record.first_token_time is None:
                 record.first_token_time = now
             record.chunk_times.append(now)
+            if text_parts is not None:
+                text_parts.append(text)
         if choice.get("finish_reason"):
             record.finish_reason = choice["finish_reason"]
 
 
 def _names_ignore_eos(record: RequestRecord) -> bool:
     return record.error is not None and "ignore_eos" in record.error
+
+
+async def run_conversation(
+    client: httpx.AsyncClient, request: BenchRequest, model: str, ignore_eos: bool
+) -> list[RequestRecord]:
+    """The turns of one conversation, each sent when the previous reply has ended, with the
+    whole conversation so far (the replies as the server gave them); one record per turn. A turn
+    that fails ends the conversation."""
+    history: list[dict] = []
+    records: list[RequestRecord] = []
+    for turn, (messages, max_tokens) in enumerate(zip(request.turns, request.turn_max_tokens, strict=True)):
+        for message in messages:
+            if message["role"] == "tool":
+                # The previous reply is taken to have called the tool this message answers.
+                call_id = f"call-{request.index}-{turn}"
+                tool_call = {"id": call_id, "type": "function", "function": dict(message["call"])}
+                history[-1] = {**history[-1], "tool_calls": [tool_call]}
+                history.append({"role": "tool", "tool_call_id": call_id, "content": message["content"]})
+            else:
+                history.append(dict(message))
+        turn_request = dataclasses.replace(request, max_tokens=max_tokens, messages=list(history), turns=None)
+        reply: list[str] = []
+        body = request_body(turn_request, model, ignore_eos=ignore_eos)
+        record, _ = await stream_request(client, turn_request, body, text_parts=reply)
+        record.turn = turn
+        records.append(record)
+        if not record.ok:
+            break
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return records
 
 
 def default_client_processes(concurrency: int) -> int:
@@ -218,6 +259,9 @@ async def _client_loops(
     async def client_loop() -> None:
         while (index := take_index()) < len(requests):
             request = requests[index]
+            if request.turns is not None:
+                records.extend(await run_conversation(client, request, model, ignore_eos))
+                continue
             record, _ = await stream_request(
                 client, request, request_body(request, model, ignore_eos=ignore_eos)
             )
@@ -375,7 +419,7 @@ async def _warm_up(
     client: httpx.AsyncClient, workload: Workload, model: str, ignore_eos: bool, notes: list
 ) -> bool:
     """Sends one short request; returns whether `ignore_eos` is accepted (False if it was never sent)."""
-    request = workload.requests[0]
+    request = _first_turn(workload.requests[0])
     body = request_body(request, model, ignore_eos=ignore_eos, max_tokens=WARMUP_MAX_TOKENS)
     record, status = await stream_request(client, request, body)
     if ignore_eos and status in (400, 422) and _names_ignore_eos(record):
@@ -396,8 +440,15 @@ async def _prefill_probe(
 ) -> RequestRecord:
     # The median-length prompt (chat prompts: the first; they share the long system prompt).
     by_length = sorted(workload.requests, key=lambda request: request.num_prompt_tokens or 0)
-    request = by_length[(len(by_length) - 1) // 2]
+    request = _first_turn(by_length[(len(by_length) - 1) // 2])
     record, _ = await stream_request(
         client, request, request_body(request, model, ignore_eos=ignore_eos, max_tokens=1)
     )
     return record
+
+
+def _first_turn(request: BenchRequest) -> BenchRequest:
+    """A conversation's first turn as a request of its own (other requests as they are)."""
+    if request.turns is None:
+        return request
+    return dataclasses.replace(request, messages=[dict(message) for message in request.turns[0]], turns=None)

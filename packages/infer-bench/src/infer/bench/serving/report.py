@@ -63,6 +63,14 @@ def serve_markdown(report: dict) -> str:
             [[workload["name"], str(workload["concurrency"]), *stats_cells(report["stats"])]],
         ),
     ]
+    cache = report["stats"].get("prefix_cache")
+    if cache:
+        lines += [
+            "",
+            f"Prefix cache (the server's usage): {cache['hits']} of {cache['requests']} requests hit "
+            f"({100 * cache['hit_rate']:.1f}%), {cache['cached_tokens']} of {cache['prompt_tokens']} prompt "
+            f"tokens served from it ({100 * cache['cached_share']:.1f}%)",
+        ]
     memory = report["server"]["memory_after_run"]
     if memory:
         lines += [

@@ -103,4 +103,24 @@ def run_stats(run: RunResult, *, server_queue_time: tuple[float, int] | None = N
         "tpot_s": tpot.as_dict() if tpot else None,
         "e2e_s": e2e.as_dict() if e2e else None,
         "queue_wait_s": queue_wait,
+        "prefix_cache": prefix_cache_stats(ok),
+    }
+
+
+def prefix_cache_stats(records: list[RequestRecord]) -> dict | None:
+    """What the server says its prefix cache served (usage.prompt_tokens_details.cached_tokens):
+    None when it says nothing. Hit rate: requests with any cached prompt token."""
+    reported = [record for record in records if record.num_cached_tokens is not None]
+    if not reported:
+        return None
+    prompt_tokens = sum(record.num_prompt_tokens or 0 for record in reported)
+    cached = sum(record.num_cached_tokens for record in reported)
+    hits = sum(1 for record in reported if record.num_cached_tokens > 0)
+    return {
+        "requests": len(reported),
+        "hits": hits,
+        "hit_rate": hits / len(reported),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "cached_share": cached / prompt_tokens if prompt_tokens else math.nan,
     }

@@ -1,4 +1,4 @@
-"""The benchmark workloads W1-W3: seeded request lists that any OpenAI-compatible server can run.
+"""The benchmark workloads W1-W5: seeded request lists that any OpenAI-compatible server can run.
 
 W1  one request: a 256-token prompt, 256 output tokens (latency of one stream).
 W2  mixed lengths: prompts of 32-1024 tokens and outputs of 64-256, uniform in each range.
@@ -8,6 +8,12 @@ W4  long-prompt pressure: streams of short prompts (64-128 tokens) decoding 256 
     every 4th request is a 4096-token prompt wanting 16 tokens. What chunked prefill is for: the
     inter-token latency of the streams while long prompts keep arriving.
 W4-decode  the same streams with no long prompts: W4's decode-only baseline.
+W5  multi-turn conversations (4-8 turns) over one system prompt (~300 words): each turn sends the
+    whole conversation so far, the server's own earlier replies included, plus a new user turn
+    (8-32 words), or, every 3rd turn, a tool result: the previous reply is taken to have called a
+    tool (an assistant message with `tool_calls`) and a `tool` message answers it. Outputs of
+    32-96 tokens. What a prefix cache's reuse across turns is for; the report counts the prompt
+    tokens the server says it served from its cache (`usage.prompt_tokens_details.cached_tokens`).
 
 Completion prompts are token id lists (the server takes a list of ints as `prompt`), so their
 lengths are exact. The ids are uniform in [0, vocab_size); every supported family has at least
@@ -15,6 +21,9 @@ lengths are exact. The ids are uniform in [0, vocab_size); every supported famil
 harmless: the model just runs them and `ignore_eos` keeps the output length fixed. Chat prompts
 are text (words from a fixed list), so their token counts depend on the tokenizer; the client
 reads them back from the server's `usage`.
+
+A W5 request is a whole conversation: its client sends the turns one after another, each when
+the previous reply has ended, and every turn is timed as a request of its own.
 
 Concurrency: a workload of `num_requests` requests is run by `concurrency` clients, each sending
 its next request when its previous one has finished (a closed loop), so at most `concurrency`
@@ -25,6 +34,7 @@ Everything is drawn from `random.Random(seed)`: the same (name, concurrency, num
 gives the same requests on every machine and Python version.
 """
 
+import json
 import random
 from dataclasses import dataclass, field
 
@@ -46,6 +56,10 @@ class WorkloadShape:
     long_prompt_every: int = 0
     long_prompt_tokens: int = 0
     long_output_tokens: int = 1
+    # Conversation: turns per conversation, and every `tool_turn_every`-th turn (0: none) a tool
+    # result instead of a user turn.
+    turns: tuple[int, int] = (1, 1)
+    tool_turn_every: int = 0
 
 
 SHAPES: dict[str, WorkloadShape] = {
@@ -61,6 +75,14 @@ SHAPES: dict[str, WorkloadShape] = {
         long_output_tokens=16,
     ),
     "W4-decode": WorkloadShape("completion", prompt_tokens=(64, 128), output_tokens=(256, 256)),
+    "W5": WorkloadShape(
+        "conversation",
+        output_tokens=(32, 96),
+        system_prompt_words=300,
+        user_words=(8, 32),
+        turns=(4, 8),
+        tool_turn_every=3,
+    ),
 }
 # The concurrency levels the matrix runs for each workload.
 CONCURRENCY_LEVELS: dict[str, tuple[int, ...]] = {
@@ -69,6 +91,7 @@ CONCURRENCY_LEVELS: dict[str, tuple[int, ...]] = {
     "W3": (16, 64),
     "W4": (16, 64),
     "W4-decode": (16, 64),
+    "W5": (16, 64),
 }
 
 
@@ -80,10 +103,14 @@ class BenchRequest:
     max_tokens: int
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, str]] | None = None
+    # A conversation: the messages each turn adds (a `tool` message carries the `call` the
+    # previous reply is taken to have made), and each turn's max_tokens (max_tokens: the first's).
+    turns: tuple[tuple[dict, ...], ...] | None = None
+    turn_max_tokens: tuple[int, ...] = ()
 
     @property
     def endpoint(self) -> str:
-        return "/v1/chat/completions" if self.messages is not None else "/v1/completions"
+        return "/v1/completions" if self.prompt_token_ids is not None else "/v1/chat/completions"
 
     @property
     def num_prompt_tokens(self) -> int | None:
@@ -114,7 +141,9 @@ class Workload:
             "output_tokens_range": list(self.shape.output_tokens),
             "system_prompt_words": self.shape.system_prompt_words,
             "user_words_range": list(self.shape.user_words),
-            "total_max_tokens": sum(r.max_tokens for r in self.requests),
+            "turns_range": list(self.shape.turns),
+            "tool_turn_every": self.shape.tool_turn_every,
+            "total_max_tokens": sum(sum(r.turn_max_tokens) or r.max_tokens for r in self.requests),
         }
 
 
@@ -171,9 +200,29 @@ def make_workload(
             requests.append(
                 BenchRequest(index=i, messages=messages, max_tokens=rng.randint(*shape.output_tokens))
             )
+    elif shape.kind == "conversation":
+        _check_range("user_words", shape.user_words, minimum=1)
+        _check_range("turns", shape.turns, minimum=1)
+        system_prompt = _words(rng, shape.system_prompt_words)
+        requests = [_conversation(rng, i, shape, system_prompt) for i in range(num_requests)]
     else:
-        raise ValueError(f"workload kind must be 'completion' or 'chat', got {shape.kind!r}")
+        raise ValueError(f"workload kind must be 'completion', 'chat' or 'conversation', got {shape.kind!r}")
     return Workload(name=name, concurrency=concurrency, seed=seed, requests=requests, shape=shape)
+
+
+def _conversation(rng: random.Random, index: int, shape: WorkloadShape, system_prompt: str) -> BenchRequest:
+    turns = []
+    for turn in range(rng.randint(*shape.turns)):
+        words = _words(rng, rng.randint(*shape.user_words))
+        if turn and shape.tool_turn_every and turn % shape.tool_turn_every == 0:
+            call = {"name": "lookup", "arguments": json.dumps({"query": words.split()[0]})}
+            turns.append(({"role": "tool", "content": f"Result: {words}", "call": call},))
+        else:
+            user = {"role": "user", "content": f"Conversation {index}, turn {turn}: {words}"}
+            system = ({"role": "system", "content": system_prompt},) if turn == 0 else ()
+            turns.append((*system, user))
+    max_tokens = tuple(rng.randint(*shape.output_tokens) for _ in turns)
+    return BenchRequest(index=index, max_tokens=max_tokens[0], turns=tuple(turns), turn_max_tokens=max_tokens)
 
 
 def _check_range(name: str, bounds: tuple[int, int], *, minimum: int) -> None:
