@@ -71,6 +71,15 @@ def test_engine_greedy_equals_recompute_in_bf16_up_to_a_near_tie(real_shape, con
         device="cuda", dtype="bfloat16", max_batch_size=4, max_seq_len=1024, **CONFIGS[config_name]
     )
     engine = Engine(config, loaded_model=loaded)
+    tokens = run_together(engine, prompts, params)
+    if config_name.startswith("preempted"):
+        assert engine.stats().num_preempted > 0
+    for prompt, ours, oracle_tokens in zip(prompts, tokens, expected, strict=True):
+        assert_equal_up_to_a_near_tie(loaded.model, prompt, ours, oracle_tokens, f"{preset}/{config_name}")
+
+
+def run_together(engine: Engine, prompts, params) -> list[list[int]]:
+    """The prompts added at once and run to the end: each one's tokens, in order."""
     ids = [engine.add_request(prompt, params) for prompt in prompts]
     tokens = {request_id: [] for request_id in ids}
     while engine.has_work():
@@ -78,12 +87,7 @@ def test_engine_greedy_equals_recompute_in_bf16_up_to_a_near_tie(real_shape, con
             assert output.error is None, output.error
             if output.token_id is not None:
                 tokens[output.request_id].append(output.token_id)
-    if config_name.startswith("preempted"):
-        assert engine.stats().num_preempted > 0
-    for request_id, prompt, oracle_tokens in zip(ids, prompts, expected, strict=True):
-        assert_equal_up_to_a_near_tie(
-            loaded.model, prompt, tokens[request_id], oracle_tokens, f"{preset}/{config_name}"
-        )
+    return [tokens[request_id] for request_id in ids]
 
 
 @pytest.mark.gpu
@@ -98,18 +102,7 @@ def test_prefix_cache_hits_give_the_recompute_tokens_in_bf16_up_to_a_near_tie(re
         settings |= dict(use_cuda_graphs=True, async_scheduling=True)
     config = EngineConfig(device="cuda", dtype="bfloat16", max_batch_size=4, max_seq_len=1024, **settings)
     engine = Engine(config, loaded_model=loaded)
-
-    def run(wave):
-        ids = [engine.add_request(prompt, params) for prompt in wave]
-        tokens = {request_id: [] for request_id in ids}
-        while engine.has_work():
-            for output in engine.step():
-                assert output.error is None, output.error
-                if output.token_id is not None:
-                    tokens[output.request_id].append(output.token_id)
-        return [tokens[request_id] for request_id in ids]
-
-    first_wave = run(prompts)
+    first_wave = run_together(engine, prompts, params)
     vocab = loaded.config.vocab_size
     follow_ups = [
         prompts[0] + first_wave[0] + [1, 2, 3],
@@ -117,7 +110,7 @@ def test_prefix_cache_hits_give_the_recompute_tokens_in_bf16_up_to_a_near_tie(re
         prompts[2][:300] + [(prompts[2][300] + 1) % vocab] + prompts[2][301:320],
     ]
     oracle = RecomputeOracle(loaded)
-    for prompt, ours in zip(follow_ups, run(follow_ups), strict=True):
+    for prompt, ours in zip(follow_ups, run_together(engine, follow_ups, params), strict=True):
         oracle_tokens = oracle.generate(prompt, params).token_ids
         assert_equal_up_to_a_near_tie(loaded.model, prompt, ours, oracle_tokens, f"{preset}/prefix-cache")
     counts = engine.core.scheduler.kv_manager.match_counts
