@@ -62,6 +62,26 @@ def test_named_tool_choice_answers_with_a_call_to_that_function(server):
     _assert_one_call(answer.choices[0], {"get_weather"})
 
 
+def test_a_tool_loop_sends_the_sdk_dump_of_the_call_back_and_gets_an_answer(server, smollm2_loaded):
+    """The round trip every agent does: a forced call, its message resent as the SDK dumps it
+    (`message.model_dump()`: refusal, audio, function_call null, the call's id), the tool's
+    result, and a second request that is answered and counts exactly our rendering of it."""
+    client = server.openai_client()
+    first = client.chat.completions.create(
+        model=server.model, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice=NAMED, temperature=0
+    )
+    _assert_one_call(first.choices[0], {"get_weather"})
+    dumped = first.choices[0].message.model_dump()
+    assert dumped["refusal"] is None and dumped["tool_calls"][0]["id"]
+    call_id = dumped["tool_calls"][0]["id"]
+    messages = [*QUESTION, dumped, {"role": "tool", "tool_call_id": call_id, "content": "18 C and sunny"}]
+    second = client.chat.completions.create(
+        model=server.model, messages=messages, tools=[WEATHER_TOOL], temperature=0, max_tokens=8
+    )
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert second.usage.prompt_tokens == _prompt_tokens(smollm2_loaded, messages, tools=[WEATHER_TOOL])
+
+
 def test_required_tool_choice_answers_with_a_call_to_one_of_the_tools(server):
     answer = server.openai_client().chat.completions.create(
         model=server.model,
