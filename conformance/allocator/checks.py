@@ -10,16 +10,15 @@ drives `pool.allocator`.
 from collections.abc import Callable
 
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
+from conformance.state_machines import run_machine
 from infer.cache import (
     BlockAllocator,
     CacheError,
@@ -139,20 +138,7 @@ def _run(case: dict, impl: str, clause: str) -> None:
             f"no factory for implementation {impl!r}; add it to ALLOCATORS or KV_POOLS in {__file__}"
         )
     machine = _machine_for(factories[impl], case["num_blocks"], clause)
-    run_state_machine_as_test(
-        machine,
-        settings=settings(
-            max_examples=case["max_examples"],
-            stateful_step_count=case["steps"],
-            deadline=None,
-            # One failure per clause, the smallest found: a report names one bug, and runs stay short.
-            report_multiple_bugs=False,
-            # No example database: each run starts fresh, so examples saved while a deliberately
-            # broken allocator failed (conformance/tests) never replay against another one.
-            database=None,
-            suppress_health_check=[HealthCheck.too_slow],
-        ),
-    )
+    run_machine(machine, case)
 
 
 def _machine_for(make: Callable[[int], object], num_blocks: int, clause: str) -> type:
