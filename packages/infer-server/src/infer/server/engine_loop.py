@@ -143,6 +143,11 @@ class EngineLoop:
         metrics.kv_cache_total_bytes.set(stats.kv_bytes_total)
         metrics.prefill_tokens_per_second.set(stats.prompt_tokens_per_s)
         metrics.decode_tokens_per_second.set(stats.generation_tokens_per_s)
+        if self.engine.config.use_prefix_caching:  # otherwise they stay 0: skip them every step
+            self._update_prefix_cache_gauges(stats)
+
+    def _update_prefix_cache_gauges(self, stats) -> None:
+        metrics = self.metrics
         for kind, count in stats.prefix_cache_matches.items():
             metrics.prefix_cache_matches_total.set_total(count, kind=kind)
         metrics.prefix_cache_used_bytes.set(stats.prefix_cache_bytes)
