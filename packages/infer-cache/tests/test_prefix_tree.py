@@ -178,3 +178,27 @@ def test_sequences_under_different_salts_never_share():
     assert tree.match(SYSTEM).kind is MatchKind.MISS  # no salt is a salt of its own
     assert tree.match(SYSTEM, salt="tenant-a").num_tokens == 10
     assert sorted(tree.clear()) == sorted(blocks) and allocator.num_used == 0
+
+
+def test_a_sequence_inserted_without_its_end_is_no_prefix_of_anything():
+    tree, allocator = tree_with()
+    blocks = allocator.allocate(2, "running")
+    tree.insert(SYSTEM[:8], blocks, end=False)  # the first blocks of a request still running
+    match = tree.match(SYSTEM[:8] + [7])
+    assert match.num_tokens == 8 and match.kind is MatchKind.LCP
+    tree.insert(SYSTEM[:8], blocks)  # the request left: now its end is marked
+    assert tree.match(SYSTEM[:8] + [7]).kind is MatchKind.PREFIX
+
+
+def test_discard_takes_out_unlocked_leaves_last_first_and_keeps_what_is_locked():
+    tree, allocator = tree_with(SYSTEM[:4])
+    blocks = allocator.allocate(3, "failed")
+    taken = tree.insert(SYSTEM[:4] + [1, 2, 3, 4, 5, 6, 7, 8], blocks[:3], end=False)
+    assert taken == blocks[1:3]
+    other = tree.match(SYSTEM[:4] + [1, 2, 3, 4, 0])  # someone reuses the first given block
+    tree.lock(other)
+    assert tree.discard(taken) == [blocks[2]]
+    assert blocks[1] in tree.block_ids() and allocator.refcount(blocks[2]) == 1  # the request's own
+    tree.unlock(other)
+    assert tree.discard(taken) == [blocks[1]]
+    assert tree.block_ids() == [tree.match(SYSTEM[:4]).block_ids[0]]

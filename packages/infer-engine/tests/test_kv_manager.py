@@ -139,3 +139,34 @@ def test_usage_ratio_and_blocks_for_tokens_speak_for_the_pool():
     grow(manager, request(), BLOCK_SIZE + 1)
     assert manager.usage_ratio == 0.5
     assert [manager.blocks_for_tokens(n) for n in (0, 1, 16, 17)] == [0, 1, 1, 2]
+
+
+def test_a_running_request_gives_its_computed_prompt_blocks_to_the_next_one():
+    manager = cached_manager()
+    first = Request("first", list(range(40)), SamplingParams())
+    grow(manager, first, 24)  # one prefill chunk: one whole block and 8 tokens
+    manager.cache_computed(first)
+    tree = manager.prefix_tree
+    assert tree.block_ids() == first.block_ids[:1]
+    # The tree's blocks are first's too: locked while it runs, so none is counted free.
+    assert tree.num_locked_blocks == 1 and manager.num_free_blocks == manager.allocator.num_free
+    grow(manager, first, 16)
+    manager.cache_computed(first)
+    assert tree.block_ids() == sorted(first.block_ids[:2]) and tree.num_locked_blocks == 2
+    second = Request("second", list(range(40)) + [1], SamplingParams())
+    manager.acquire(second, manager.match(second))
+    assert second.num_computed_tokens == 32 and second.block_ids == first.block_ids[:2]
+    assert manager.match_counts["lcp"] == 1  # first has not ended there: no prefix of anything
+    manager.free(first)
+    manager.free(second)
+    assert manager.allocator.num_used == tree.num_blocks == 3 and tree.num_locked_blocks == 0
+
+
+def test_a_failed_request_takes_back_what_it_gave_while_running():
+    manager = cached_manager()
+    first = Request("first", list(range(40)), SamplingParams())
+    grow(manager, first, 40)
+    manager.cache_computed(first)
+    assert manager.prefix_tree.num_blocks == 2
+    manager.free(first, cache=False)
+    assert manager.prefix_tree.num_blocks == 0 and manager.allocator.num_used == 0

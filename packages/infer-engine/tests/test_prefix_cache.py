@@ -86,6 +86,27 @@ def test_requests_sharing_a_system_prompt_at_once_match_the_engine_without_cache
     assert core.prefix_tree.num_locked_blocks == 0
 
 
+def test_a_cold_burst_sharing_a_system_prompt_reuses_the_first_prefill_while_it_runs(tiny_models):
+    # A step's budget of one chunk staggers the admissions, as a long prompt does on a busy server:
+    # the later requests find the whole blocks the first ones computed, though none has finished.
+    model = tiny_models["llama-tiny"]
+    settings = {**SETTINGS, "max_num_batched_tokens": 8}
+    plain = Engine(EngineConfig(**settings), loaded_model=model.loaded)
+    cached = Engine(EngineConfig(**settings, use_prefix_caching=True), loaded_model=model.loaded)
+    rng = random.Random(3)
+    system = [rng.randrange(384) for _ in range(18)]
+    prompts = [system + [rng.randrange(384) for _ in range(rng.randint(1, 5))] for _ in range(4)]
+    with_cache = run(cached, prompts, max_new_tokens=8)
+    without = run(plain, prompts, max_new_tokens=8)
+    assert [tokens for tokens, _ in with_cache] == [tokens for tokens, _ in without]
+    assert with_cache[0][1] == 0 and all(num_cached >= 16 for _, num_cached in with_cache[1:])
+    core = cached.core
+    assert core.kv_pool.allocator.num_used == core.prefix_tree.num_blocks
+    assert core.prefix_tree.num_locked_blocks == 0
+    for engine in (plain, cached):
+        engine.shutdown()
+
+
 def test_a_full_pool_evicts_the_cache_instead_of_preempting(tiny_models):
     model = tiny_models["llama-tiny"]
     config = EngineConfig(**{**SETTINGS, "num_gpu_blocks": 12}, use_prefix_caching=True)

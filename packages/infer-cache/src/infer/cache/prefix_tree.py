@@ -28,7 +28,7 @@ used first (a parent whose last child went is a leaf in turn); `evict_idle` thos
 while; `max_blocks` caps the tree after each insert.
 
 Which calls change the tree: `match` reads only (not even the LRU clock); `lock`, `unlock`,
-`insert`, `evict` and `evict_idle` change it. A call that raises has changed nothing.
+`insert`, `evict`, `evict_idle` and `discard` change it. A call that raises has changed nothing.
 """
 
 import enum
@@ -222,13 +222,19 @@ class PrefixTree:
             self._num_locked -= node.lock_count == 0
 
     def insert(
-        self, token_ids: Sequence[int], block_ids: Sequence[int], *, salt: str | None = None
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        *,
+        salt: str | None = None,
+        end: bool = True,
     ) -> list[int]:
         """Adds the sequence (under `salt`) whose token i has its K/V in
         `block_ids[i // block_size]`: each block whose tokens the tree does not hold yet joins it
-        (the tree takes a reference), and the sequence's end is marked. Returns the blocks the
-        tree took; the caller keeps (and later frees) its own references to every block. Then
-        evicts down to `max_blocks`.
+        (the tree takes a reference), and the sequence's end is marked unless `end` is False (the
+        first blocks of a request still running: a later match that stops there is no prefix of
+        anything a request left). Returns the blocks the tree took; the caller keeps (and later
+        frees) its own references to every block. Then evicts down to `max_blocks`.
 
         ValueError (changing nothing) when a block to take is free or already in the tree."""
         tokens = tuple(token_ids)
@@ -271,7 +277,8 @@ class PrefixTree:
             node = child
         for child in held:
             child.last_access, child.last_access_s = tick, now
-        node.ends.add(len(tokens) - (num_blocks - 1) * size)
+        if end:
+            node.ends.add(len(tokens) - (num_blocks - 1) * size)
         if self.max_blocks is not None and len(self._nodes) > self.max_blocks:
             self.evict(len(self._nodes) - self.max_blocks)
         return new_blocks
@@ -307,6 +314,18 @@ class PrefixTree:
         """Frees every unlocked block not used for `idle_s` seconds (leaves first); returns them."""
         cutoff = self._clock() - idle_s
         return self._evict_while(len(self._nodes), lambda node: node.last_access_s < cutoff)
+
+    def discard(self, block_ids: Sequence[int]) -> list[int]:
+        """Takes these blocks out of the tree where they are unlocked leaves, the last first (the
+        blocks a request gave while it ran, whose K/V a failed forward may have left wrong);
+        returns those taken out. A block someone else's match has locked since stays."""
+        discarded = []
+        for block in reversed(block_ids):
+            node = self._nodes.get(block)
+            if node is not None and node.is_leaf and not node.lock_count:
+                self._remove(node)
+                discarded.append(block)
+        return discarded
 
     def _evict_while(self, num_blocks: int, wanted) -> list[int]:
         heap = [(n.last_access, n.block) for n in self._nodes.values() if n.is_leaf and not n.lock_count]

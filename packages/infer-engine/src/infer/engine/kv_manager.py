@@ -10,14 +10,17 @@ With a prefix tree (`use_prefix_caching`), a request admitted with no blocks sta
 tree holds of its tokens: `match` finds it (all but the last known token at most, which is
 computed to give logits), `acquire` shares the match's whole blocks, locks it in the tree, and
 takes a block of its own for the block the match ends inside, whose copy (src, dst) waits in
-`take_block_copies` for the step's decision (the runner copies before the forward). When a
+`take_block_copies` for the step's decision (the runner copies before the forward). While a
+request runs, `cache_computed` gives the tree its whole computed prompt blocks after each prefill
+chunk, so that requests admitted later with the same start (a burst of users of one system
+prompt) reuse them at once; the request locks what it gave, as if it had matched it. When a
 request leaves, `free` gives its computed tokens to the tree (its blocks gain the tree's
 reference) before the request drops its own. Blocks only the tree holds are the free list's
 reserve: `allocate` evicts the tree's least recently used unlocked blocks when the free list is
 short, so `num_free_blocks` counts them as free.
 
-Which calls change the cache: `match` reads only; `acquire`, `allocate`, `rollback`, `release`
-and `free` change the allocator, the tree and `request.block_ids` (rollback also
+Which calls change the cache: `match` reads only; `acquire`, `cache_computed`, `allocate`,
+`rollback`, `release` and `free` change the allocator, the tree and `request.block_ids` (rollback also
 `num_computed_tokens`). A call that cannot be served changes no request: `allocate` answers None
 instead of raising, because running out of blocks is the scheduler's everyday signal to preempt,
 not an error.
@@ -41,8 +44,11 @@ class KVCacheManager:
         self.allocator = allocator
         self.block_size = block_size
         self.prefix_tree = prefix_tree
-        # The locked match of each request that reused one, until it leaves.
+        # The locked match of each request that reused one or gave blocks, until it leaves.
         self._matches: dict[str, PrefixMatch] = {}
+        # Per running request: whole blocks given to the tree so far, and those the tree took.
+        self._num_given_blocks: dict[str, int] = {}
+        self._given: dict[str, list[int]] = {}
         # (src, dst) block copies for the next decision.
         self._copies: list[tuple[int, int]] = []
         # Matches by kind at admission.
@@ -121,6 +127,29 @@ class KVCacheManager:
             self._copies.append(copy)
         return True
 
+    def cache_computed(self, request: Request) -> None:
+        """Gives the tree the request's whole computed blocks whose token ids are known (call
+        after scheduling a prefill chunk: the step's forward writes their K/V before any later
+        step's forward reads them), and moves the request's lock onto them."""
+        tree = self.prefix_tree
+        if tree is None or request.bypass_prefix_cache:
+            return
+        request_id = request.request_id
+        tokens = request.all_token_ids
+        num_blocks = min(request.num_computed_tokens, len(tokens)) // self.block_size
+        if num_blocks <= self._num_given_blocks.get(request_id, 0):
+            return
+        tokens = tokens[: num_blocks * self.block_size]
+        taken = tree.insert(tokens, request.block_ids[:num_blocks], salt=request.cache_salt, end=False)
+        self._given.setdefault(request_id, []).extend(taken)
+        self._num_given_blocks[request_id] = num_blocks
+        match = tree.match(tokens, salt=request.cache_salt)
+        tree.lock(match)
+        previous = self._matches.get(request_id)
+        if previous is not None:
+            tree.unlock(previous)
+        self._matches[request_id] = match
+
     def take_block_copies(self) -> tuple[tuple[int, int], ...]:
         """The (src, dst) copies the acquired matches need, for this step's decision; forgets them."""
         copies, self._copies = tuple(self._copies), []
@@ -188,13 +217,18 @@ class KVCacheManager:
     def free(self, request: Request, *, cache: bool = True) -> None:
         """Every block of the request back to the pool; `request.block_ids` is then empty. With a
         prefix tree and `cache`, its computed tokens whose ids are known go to the tree first (a
-        failed forward's request passes cache=False: its K/V may be wrong)."""
+        failed forward's request passes cache=False: its K/V may be wrong, so what it gave while
+        running is discarded too)."""
         tree = self.prefix_tree
         if tree is not None:
             self._kinds.pop(request.request_id, None)
+            self._num_given_blocks.pop(request.request_id, None)
+            given = self._given.pop(request.request_id, [])
             match = self._matches.pop(request.request_id, None)
             if match is not None:
                 tree.unlock(match)
+            if not cache and given:
+                tree.discard(given)
             if self._copies:
                 self._copies = [copy for copy in self._copies if copy[1] not in request.block_ids]
             tokens = request.all_token_ids[: request.num_computed_tokens]

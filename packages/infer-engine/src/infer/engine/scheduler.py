@@ -236,6 +236,8 @@ class Scheduler:
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self._requests[request_id]
             request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens - num_tokens < request.num_prompt_tokens:
+                self.kv_manager.cache_computed(request)  # a prompt chunk: share it at once
             if request.num_computed_tokens == request.num_tokens:
                 request.num_pending_tokens += 1  # this step samples its next token
         return decision
