@@ -54,23 +54,23 @@ class UnlocksBelowZero(PrefixTree):
 
 
 class EvictsLockedLeaves(PrefixTree):
-    def _evict_while(self, num_blocks, wanted):
+    def _evict_while(self, num_blocks, wanted, **options):
         for node in self._nodes.values():
             node.lock_count, node.saved = 0, node.lock_count
         try:
-            return super()._evict_while(num_blocks, wanted)
+            return super()._evict_while(num_blocks, wanted, **options)
         finally:
             for node in self._nodes.values():
                 node.lock_count = node.saved
 
 
 class EvictsMostRecentlyUsed(PrefixTree):
-    def _evict_while(self, num_blocks, wanted):
+    def _evict_while(self, num_blocks, wanted, **options):
         real_heapify, real_pop = heapq.heapify, heapq.heappop
         heapq.heapify = lambda heap: heap.sort(key=lambda item: -item[0])
         heapq.heappop = lambda heap: heap.pop(0)
         try:
-            return super()._evict_while(num_blocks, wanted)
+            return super()._evict_while(num_blocks, wanted, **options)
         finally:
             heapq.heapify, heapq.heappop = real_heapify, real_pop
 

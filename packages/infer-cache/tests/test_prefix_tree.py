@@ -202,3 +202,77 @@ def test_discard_takes_out_unlocked_leaves_last_first_and_keeps_what_is_locked()
     tree.unlock(other)
     assert tree.discard(taken) == [blocks[1]]
     assert tree.block_ids() == [tree.match(SYSTEM[:4]).block_ids[0]]
+
+
+LONG = list(range(200, 212))  # 12 tokens: three full blocks
+
+
+def cold_tree(*sequences, num_blocks=16, num_slots=8, min_tokens=8):
+    """A tree with an int8 store of `num_slots` slots, for sequences of `min_tokens` or more."""
+    slots = BlockAllocator(num_slots)
+    allocator = BlockAllocator(num_blocks)
+    tree = PrefixTree(allocator, BS, slots=slots, quantize_min_tokens=min_tokens)
+    for i, tokens in enumerate(sequences):
+        insert(tree, tokens, f"req-{i}")
+    return tree, allocator, slots
+
+
+def test_evict_moves_cold_blocks_of_long_sequences_to_int8_before_evicting_anything():
+    tree, allocator, slots = cold_tree(LONG, [1, 2, 3, 4])  # the short one is below min_tokens
+    blocks = list(tree.match(LONG).block_ids)
+    freed = tree.evict(2)
+    # The least recently used blocks that qualify (the long sequence's, the deepest first) went
+    # int8; nothing was evicted: the tree still matches every token.
+    assert freed == blocks[:0:-1] and tree.num_evicted_blocks == 0
+    assert [block for block, _ in tree.take_quantized()] == freed and tree.take_quantized() == []
+    assert tree.num_blocks == 2 and tree.num_quantized_blocks == 2 == slots.num_used
+    assert allocator.num_used == 2
+    match = tree.match(LONG)
+    assert match.num_matched == 12 and match.num_cold == 2
+    # The short sequence never goes int8: once the long one's last block is, it is evicted.
+    (short_block,) = tree.match([1, 2, 3, 4]).block_ids
+    assert tree.evict(2) == [blocks[0], short_block]
+    assert tree.num_evicted_blocks == 1 and tree.num_quantized_blocks == 3 and allocator.num_used == 0
+
+
+def test_warm_restores_int8_blocks_into_the_given_blocks_and_frees_their_slots():
+    tree, allocator, slots = cold_tree(LONG)
+    tree.evict(3)
+    quantized_slots = {slot for _, slot in tree.take_quantized()}
+    match = tree.match(LONG + [0])
+    assert match.num_cold == 3 and match.num_tokens == 12
+    tree.lock(match)
+    assert tree.num_locked_blocks == 0  # int8 nodes are locked but hold no block
+    new_blocks = allocator.allocate(3, tree.owner)
+    warmed, restores = tree.warm(match, new_blocks)
+    assert warmed.block_ids == tuple(new_blocks) and warmed.num_cold == 0
+    assert {slot for slot, _ in restores} == quantized_slots and slots.num_used == 0
+    assert [block for _, block in restores] == new_blocks
+    assert tree.match(LONG).block_ids == tuple(new_blocks)
+    assert tree.num_locked_blocks == 3 and tree.num_evictable_blocks == 0
+    tree.unlock(warmed)
+    assert tree.num_evictable_blocks == 3
+
+
+def test_full_slots_take_the_least_recently_used_int8_leaf_to_make_room():
+    tree, allocator, slots = cold_tree(LONG, num_slots=2)
+    blocks = list(tree.match(LONG).block_ids)
+    tree.evict(2)  # LONG's last two blocks go int8: the slots are full
+    insert(tree, list(range(300, 308)), "other")
+    # LONG's first block is the least recently used: the oldest int8 leaf (LONG's last block)
+    # makes room for it, so it goes int8 instead of being evicted.
+    assert tree.evict(1) == [blocks[0]]
+    assert tree.num_quantized_blocks == 2 and tree.num_evicted_blocks == 0
+    assert tree.match(LONG).num_matched == 8
+
+
+def test_eviction_goes_through_int8_leaves_to_free_blocks():
+    tree, allocator, slots = cold_tree(LONG, num_slots=1, min_tokens=100)
+    # Nothing qualifies for int8: plain eviction, and the slots stay unused.
+    assert len(tree.evict(3)) == 3 and slots.num_used == 0 and allocator.num_used == 0
+    tree, allocator, slots = cold_tree(LONG, num_slots=1)
+    blocks = list(tree.match(LONG).block_ids)
+    tree.evict(1)  # the last block goes int8: a leaf in a slot, in the way of its parent
+    assert sorted(tree.clear()) == sorted(blocks[:2])
+    assert tree.num_blocks == tree.num_quantized_blocks == 0
+    assert slots.num_used == 0 and allocator.num_used == 0

@@ -101,8 +101,8 @@ def test_a_finished_request_leaves_its_computed_tokens_and_the_next_one_takes_th
     # 32 tokens in two shared blocks, 8 copied into a block of its own.
     assert second.num_computed_tokens == second.num_cached_tokens == 40
     assert second.block_ids[:2] == list(manager.prefix_tree.match(list(range(32))).block_ids)
-    (copy,) = manager.take_block_copies()
-    assert copy[1] == second.block_ids[2] and copy[0] not in second.block_ids
+    ((kind, source, target),) = manager.take_block_ops()
+    assert kind == "copy" and target == second.block_ids[2] and source not in second.block_ids
     assert manager.match_counts["prefix"] == 1
     # The match (shared blocks and the copy's source) is locked: none of it can be evicted
     # while the request runs, so only the free list counts.
@@ -130,7 +130,7 @@ def test_release_undoes_an_admission_that_did_not_happen():
     assert second.num_computed_tokens == 19 and manager.match_counts["prefix"] == 1
     manager.release(second)
     assert second.block_ids == [] and second.num_computed_tokens == 0
-    assert manager.take_block_copies() == () and manager.match_counts["prefix"] == 0
+    assert manager.take_block_ops() == () and manager.match_counts["prefix"] == 0
     assert manager.prefix_tree.num_locked_blocks == 0 and manager.allocator.num_used == 2
 
 
@@ -170,3 +170,48 @@ def test_a_failed_request_takes_back_what_it_gave_while_running():
     assert manager.prefix_tree.num_blocks == 2
     manager.free(first, cache=False)
     assert manager.prefix_tree.num_blocks == 0 and manager.allocator.num_used == 0
+
+
+def int8_manager(num_blocks: int, num_slots: int) -> KVCacheManager:
+    allocator = BlockAllocator(num_blocks)
+    tree = PrefixTree(allocator, BLOCK_SIZE, slots=BlockAllocator(num_slots), quantize_min_tokens=0)
+    return KVCacheManager(allocator, BLOCK_SIZE, tree)
+
+
+def test_blocks_short_move_cached_blocks_to_int8_and_a_hit_restores_them_first():
+    manager = int8_manager(num_blocks=4, num_slots=8)
+    first = Request("first", list(range(48)), SamplingParams())
+    grow(manager, first, 48)
+    manager.free(first)
+    other = Request("other", [5] * 48, SamplingParams())
+    grow(manager, other, 48)  # one free block: two of the tree's go int8 for the other two
+    ops = manager.take_block_ops()
+    assert [kind for kind, _, _ in ops] == ["quantize", "quantize"]
+    assert {block for _, block, _ in ops} <= set(other.block_ids)  # written only after the copies
+    manager.free(other)
+    second = Request("second", list(range(48)) + [1], SamplingParams())
+    manager.acquire(second, manager.match(second))
+    assert second.num_computed_tokens == 48
+    # The pool is all the tree's: other's blocks go int8 to make room for the restores, which
+    # come after them in the step's order, into the blocks they freed.
+    ops = manager.take_block_ops()
+    assert [kind for kind, _, _ in ops] == ["quantize", "quantize", "restore", "restore"]
+    assert {block for _, block, _ in ops[:2]} == {block for _, _, block in ops[2:]}
+    assert second.block_ids[1:3] == [block for _, _, block in ops[2:]]
+
+
+def test_a_hit_without_blocks_to_restore_into_reuses_what_lies_before_the_int8_blocks():
+    manager = int8_manager(num_blocks=4, num_slots=8)
+    first = Request("first", list(range(48)), SamplingParams())
+    grow(manager, first, 48)
+    manager.free(first)
+    other = Request("other", [5] * 48, SamplingParams())
+    grow(manager, other, 48)  # holds 3 blocks until the end: no block is left to restore into
+    second = Request("second", list(range(48)) + [1], SamplingParams())
+    manager.acquire(second, manager.match(second))
+    assert second.num_computed_tokens == 16 and manager.prefix_tree.num_quantized_blocks == 2
+    assert "restore" not in [kind for kind, _, _ in manager.take_block_ops()]
+    manager.free(second)
+    manager.free(other)
+    assert manager.prefix_tree.num_locked_blocks == 0
+    assert manager.allocator.num_used == manager.prefix_tree.num_blocks

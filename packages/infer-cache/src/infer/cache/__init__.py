@@ -11,12 +11,23 @@ from infer.cache.errors import (
     OwnerError,
     UnallocatedBlockError,
 )
-from infer.cache.kv_pool import PagedKVPool, kv_budget_from_free_memory, num_blocks_for_memory
+from infer.cache.kv_pool import (
+    COPY,
+    QUANTIZE,
+    RESTORE,
+    PagedKVPool,
+    kv_budget_from_free_memory,
+    num_blocks_for_memory,
+)
+from infer.cache.kv_quant import QuantizedKVStore
 from infer.cache.prefix_tree import MatchKind, PrefixMatch, PrefixTree
 from infer.cache.protocol import BlockAllocatorProtocol, KVPool
 from infer.cache.shape import KVCacheShape
 
 __all__ = [
+    "COPY",
+    "QUANTIZE",
+    "RESTORE",
     "INTERFACE_VERSION",
     "BlockAllocator",
     "BlockAllocatorProtocol",
@@ -32,6 +43,7 @@ __all__ = [
     "PagedKVPool",
     "PrefixMatch",
     "PrefixTree",
+    "QuantizedKVStore",
     "UnallocatedBlockError",
     "__version__",
     "kv_budget_from_free_memory",

@@ -8,6 +8,9 @@ The last block, `null_block` (= num_blocks), is reserved: the allocator lends on
 0..num_blocks-1, so no request ever owns it. Padding rows of a CUDA graph write their keys there
 (slot_mapping points at it), which keeps every real block clean without a branch in the kernel.
 
+With `num_quantized_slots`, the pool also has a QuantizedKVStore (kv_quant.py) where the prefix
+tree keeps cold blocks in int8; `run_block_ops` moves K/V between the two, and copies blocks.
+
 The "contiguous" (slotted) cache is not a separate class: it is
 `PagedKVPool(KVCacheShape(..., block_size=max_seq_len), num_blocks=max_batch_size)`, one block
 per sequence.
@@ -16,13 +19,26 @@ per sequence.
 import torch
 
 from infer.cache.block_allocator import BlockAllocator
+from infer.cache.kv_quant import QuantizedKVStore
 from infer.cache.shape import KVCacheShape
+
+# The block operations a step may need before its forward, each (kind, source, target):
+COPY = "copy"  # (COPY, block, block): copy-on-write of the block a prefix match ends inside
+QUANTIZE = "quantize"  # (QUANTIZE, block, slot): a cold block into the int8 store
+RESTORE = "restore"  # (RESTORE, slot, block): an int8 block back into the pool
 
 
 class PagedKVPool:
     """`num_blocks` lendable blocks of `shape.block_size` tokens, plus the reserved null block."""
 
-    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        shape: KVCacheShape,
+        num_blocks: int,
+        device: torch.device | str = "cpu",
+        *,
+        num_quantized_slots: int = 0,
+    ):
         if num_blocks < 1:
             raise ValueError(
                 f"num_blocks must be >= 1, got {num_blocks}; size it with num_blocks_for_memory()"
@@ -38,6 +54,7 @@ class PagedKVPool:
             )
             for _ in range(shape.num_layers)
         ]
+        self.quantized = QuantizedKVStore(shape, num_quantized_slots, device) if num_quantized_slots else None
 
     @property
     def block_size(self) -> int:
@@ -52,6 +69,36 @@ class PagedKVPool:
     def kv_bytes(self) -> int:
         """Bytes of every K and V tensor, the null block included."""
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_layers)
+
+    def run_block_ops(self, ops) -> None:
+        """Runs (kind, source, target) operations (COPY, QUANTIZE, RESTORE) as if one by one, in
+        order: a slot or block freed by one may be reused by a later one. Consecutive operations
+        of a kind go in one batch while none touches what another of the batch writes."""
+        batch: list[tuple[int, int]] = []
+        kind, sources, targets = None, set(), set()
+        for op_kind, source, target in [*ops, (None, None, None)]:
+            conflict = source in targets or target in targets or target in sources
+            if batch and (op_kind != kind or conflict):
+                self._run_batch(kind, batch)
+                batch, sources, targets = [], set(), set()
+            kind = op_kind
+            batch.append((source, target))
+            sources.add(source)
+            targets.add(target)
+
+    def _run_batch(self, kind: str, pairs: list[tuple[int, int]]) -> None:
+        if kind == COPY:
+            self.copy_blocks(pairs)
+            return
+        if self.quantized is None:
+            raise ValueError(f"a {kind} needs a pool with quantized slots")
+        sources, targets = (list(side) for side in zip(*pairs, strict=True))
+        if kind == QUANTIZE:
+            self.quantized.quantize(self.kv_layers, sources, targets)
+        elif kind == RESTORE:
+            self.quantized.restore(self.kv_layers, sources, targets)
+        else:
+            raise ValueError(f"unknown block operation {kind!r}; known: {COPY}, {QUANTIZE}, {RESTORE}")
 
     def copy_blocks(self, pairs) -> None:
         """Copies block `src` over block `dst` in every layer's K and V, for each (src, dst) in

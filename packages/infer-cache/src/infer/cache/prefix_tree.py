@@ -27,13 +27,25 @@ goes up by one, and a locked node is never evicted. `evict` frees unlocked leave
 used first (a parent whose last child went is a leaf in turn); `evict_idle` those not used for a
 while; `max_blocks` caps the tree after each insert.
 
+Cold blocks in int8 (with `slots`, the allocator of a QuantizedKVStore's slots). When the pool
+needs blocks, `evict` first quantizes the least recently used unlocked blocks of sequences of at
+least `quantize_min_tokens` tokens into free slots (evicting the least recently used int8 leaves
+when the slots are full), and only then evicts. The node stays in the tree with its slot instead
+of a block (`take_quantized` gives the (block, slot) copies to run, before the block's next
+owner writes it). A match reads int8 nodes like the others; `warm` moves them back into pool
+blocks before a request shares them, and gives the (slot, block) restores to run before anything
+reads them. Eviction for blocks takes leaves in blocks first, least recently used first, and int8
+leaves only when they stand in the way; `evict_idle` and `clear` take both kinds.
+
 Which calls change the tree: `match` reads only (not even the LRU clock); `lock`, `unlock`,
-`insert`, `evict`, `evict_idle` and `discard` change it. A call that raises has changed nothing.
+`insert`, `evict`, `evict_idle`, `discard` and `warm` change it. A call that raises has changed nothing.
 """
 
+import dataclasses
 import enum
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,6 +71,9 @@ class _Node:
     # first token -> (token run -> child)
     children: dict[int, dict[tuple[int, ...], "_Node"]] = field(default_factory=dict)
     lock_count: int = 0
+    slot: int | None = None  # int8 storage: the node holds a slot of the store, not a block
+    reach: int = 0  # the longest sequence inserted through this node, in tokens
+    depth: int = 0  # tokens from the root to this node's end
     last_access: int = 0  # the tree's operation counter: LRU order without clock ties
     last_access_s: float = 0.0
     # Offsets (1..len(tokens)) at which an inserted sequence ended in this node.
@@ -87,9 +102,12 @@ class PrefixMatch:
     block_ids: tuple[int, ...] = ()
     copy_block: int | None = None
     copy_tokens: int = 0
+    # Nodes the reuse reads that are int8 now: `PrefixTree.warm` them before sharing.
+    num_cold: int = 0
     # The deepest node the reuse reads (the copy source, else the last shared block): what
     # lock() and unlock() walk up from. None when nothing is reused.
     _last_node: _Node | None = field(default=None, repr=False, compare=False)
+    _read: tuple[_Node, ...] = field(default=(), repr=False, compare=False)  # shared + source
 
 
 MISS = PrefixMatch(MatchKind.MISS, 0, 0)
@@ -104,6 +122,8 @@ class PrefixTree:
         owner: str = TREE_OWNER,
         max_blocks: int | None = None,
         clock=time.monotonic,
+        slots: BlockAllocator | None = None,
+        quantize_min_tokens: int = 256,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -118,15 +138,26 @@ class PrefixTree:
         self._roots: dict[str | None, _Node] = {}
         self._nodes: dict[int, _Node] = {}  # block -> node
         self._tick = itertools.count(1)
-        self._num_locked = 0  # nodes with lock_count > 0
+        self._num_locked = 0  # nodes in blocks with lock_count > 0
         self.num_evicted_blocks = 0
+        self.slots = slots
+        self.quantize_min_tokens = quantize_min_tokens
+        self._cold: dict[int, _Node] = {}  # slot -> node
+        self._quantized: list[tuple[int, int]] = []  # (block, slot) copies not taken yet
+        self.num_quantized_total = 0
+        self.num_warmed_total = 0
 
     # -- reading ---------------------------------------------------------------------------------
 
     @property
     def num_blocks(self) -> int:
-        """Blocks the tree holds."""
+        """Pool blocks the tree holds."""
         return len(self._nodes)
+
+    @property
+    def num_quantized_blocks(self) -> int:
+        """Slots of the int8 store the tree holds."""
+        return len(self._cold)
 
     @property
     def num_locked_blocks(self) -> int:
@@ -134,8 +165,8 @@ class PrefixTree:
 
     @property
     def num_evictable_blocks(self) -> int:
-        """Blocks `evict` could free now: every unlocked node (a locked node's ancestors are locked
-        too, so the unlocked ones all become leaves as eviction goes on)."""
+        """Blocks `evict` could free now: every unlocked node in a block (a locked node's ancestors
+        are locked too, so the unlocked ones all become leaves as eviction goes on)."""
         return len(self._nodes) - self._num_locked
 
     def block_ids(self) -> list[int]:
@@ -178,11 +209,22 @@ class PrefixTree:
             return PrefixMatch(kind, 0, num_matched)
         num_shared = reuse // size
         copy_tokens = reuse - num_shared * size
-        shared = tuple(node.block for node in path[:num_shared])
+        read = path[:num_shared]
+        source = None
         if copy_tokens:
             source = path[num_shared] if num_shared < len(path) else tail
-            return PrefixMatch(kind, reuse, num_matched, shared, source.block, copy_tokens, source)
-        return PrefixMatch(kind, reuse, num_matched, shared, None, 0, path[num_shared - 1])
+            read = [*read, source]
+        return PrefixMatch(
+            kind,
+            reuse,
+            num_matched,
+            tuple(node.block for node in path[:num_shared]),
+            source.block if source is not None else None,
+            copy_tokens,
+            sum(node.slot is not None for node in read),
+            read[-1],
+            tuple(read),
+        )
 
     @staticmethod
     def _kind(tokens, num_matched, path, tail, tail_tokens) -> MatchKind:
@@ -201,7 +243,7 @@ class PrefixTree:
         tick, now = next(self._tick), self._clock()
         node = match._last_node
         while node is not None and node.parent is not None:
-            self._num_locked += node.lock_count == 0
+            self._num_locked += node.lock_count == 0 and node.slot is None
             node.lock_count += 1
             node.last_access, node.last_access_s = tick, now
             node = node.parent
@@ -219,7 +261,43 @@ class PrefixTree:
             node = node.parent
         for node in path:
             node.lock_count -= 1
-            self._num_locked -= node.lock_count == 0
+            self._num_locked -= node.lock_count == 0 and node.slot is None
+
+    def warm(self, match: PrefixMatch, blocks: Sequence[int]) -> tuple[PrefixMatch, list[tuple[int, int]]]:
+        """Moves the match's int8 nodes into `blocks` (match.num_cold of them, the tree's: taken
+        from the allocator for `owner`), in order, freeing their slots. Returns the match as it
+        reads now, and the (slot, block) restores to run before anything reads the blocks."""
+        cold = [node for node in match._read if node.slot is not None]
+        if len(cold) != len(blocks):
+            raise ValueError(f"the match reads {len(cold)} int8 blocks, got {len(blocks)} blocks for them")
+        restores = []
+        for node, block in zip(cold, blocks, strict=True):
+            restores.append((node.slot, int(block)))
+            self.slots.free([node.slot], self.owner)
+            del self._cold[node.slot]
+            node.slot, node.block = None, int(block)
+            self._nodes[node.block] = node
+            self._num_locked += node.lock_count > 0
+        self.num_warmed_total += len(cold)
+        shared = match._read[: len(match.block_ids)]
+        source = match._read[-1] if match.copy_tokens else None
+        warmed = dataclasses.replace(
+            match,
+            block_ids=tuple(node.block for node in shared),
+            copy_block=source.block if source is not None else None,
+            num_cold=0,
+        )
+        return warmed, restores
+
+    def num_warm_blocks(self, match: PrefixMatch) -> int:
+        """How many of the match's shared blocks come before its first int8 one. Reads only."""
+        shared = match._read[: len(match.block_ids)]
+        return next((i for i, node in enumerate(shared) if node.slot is not None), len(shared))
+
+    def take_quantized(self) -> list[tuple[int, int]]:
+        """The (block, slot) copies of the blocks quantized since the last call; forgets them."""
+        quantized, self._quantized = self._quantized, []
+        return quantized
 
     def insert(
         self,
@@ -269,7 +347,7 @@ class PrefixTree:
         self._roots[salt] = root
         for chunk, block in zip(chunks[len(held) :], new_blocks, strict=True):
             runs = node.children.setdefault(chunk[0], {})
-            child = _Node(chunk, block, node)
+            child = _Node(chunk, block, node, depth=node.depth + len(chunk))
             runs[chunk] = child
             self._nodes[block] = child
             self._absorb_shorter_siblings(child, runs)
@@ -277,6 +355,7 @@ class PrefixTree:
             node = child
         for child in held:
             child.last_access, child.last_access_s = tick, now
+            child.reach = max(child.reach, len(tokens))
         if end:
             node.ends.add(len(tokens) - (num_blocks - 1) * size)
         if self.max_blocks is not None and len(self._nodes) > self.max_blocks:
@@ -306,14 +385,53 @@ class PrefixTree:
                 self._remove(sibling)
 
     def evict(self, num_blocks: int) -> list[int]:
-        """Frees up to `num_blocks` unlocked blocks, least recently used leaves first; returns the
-        blocks evicted (fewer when fewer are unlocked)."""
-        return self._evict_while(num_blocks, lambda node: True)
+        """Frees up to `num_blocks` unlocked pool blocks: with `slots`, by quantizing first (see
+        the module), then by evicting least recently used leaves; returns the blocks freed
+        (fewer when fewer are unlocked)."""
+        freed = self._quantize_cold(num_blocks) if self.slots is not None else []
+        # Leaves in blocks first: an int8 leaf frees no block, only what is in its way does.
+        freed += self._evict_while(num_blocks - len(freed), lambda node: True, int8=False)
+        return freed + self._evict_while(num_blocks - len(freed), lambda node: True)
+
+    def _quantize_cold(self, num_blocks: int) -> list[int]:
+        """Moves up to `num_blocks` least recently used unlocked blocks of long enough sequences
+        into int8 slots; returns the blocks freed."""
+        # Least recently used first; of one insert (the same tick), the deepest first.
+        candidates = sorted(
+            (node.last_access, -node.depth, id(node), node)
+            for node in self._nodes.values()
+            if not node.lock_count and node.reach >= self.quantize_min_tokens
+        )
+        # Int8 leaves to evict when the slots are full, least recently used first.
+        cold_leaves = [
+            (n.last_access, id(n), n) for n in self._cold.values() if n.is_leaf and not n.lock_count
+        ]
+        heapq.heapify(cold_leaves)
+        freed: list[int] = []
+        for *_, node in candidates[:num_blocks]:
+            if not self.slots.num_free:
+                if not cold_leaves:
+                    break
+                _, _, leaf = heapq.heappop(cold_leaves)
+                parent = leaf.parent
+                self._remove(leaf)
+                if parent.slot is not None and parent.is_leaf and not parent.lock_count:
+                    heapq.heappush(cold_leaves, (parent.last_access, id(parent), parent))
+            (slot,) = self.slots.allocate(1, self.owner)
+            block = node.block
+            self._quantized.append((block, slot))
+            del self._nodes[block]
+            self.allocator.free([block], self.owner)
+            node.slot, node.block = slot, -1 - slot
+            self._cold[slot] = node
+            freed.append(block)
+        self.num_quantized_total += len(freed)
+        return freed
 
     def evict_idle(self, idle_s: float) -> list[int]:
         """Frees every unlocked block not used for `idle_s` seconds (leaves first); returns them."""
         cutoff = self._clock() - idle_s
-        return self._evict_while(len(self._nodes), lambda node: node.last_access_s < cutoff)
+        return self._evict_while(math.inf, lambda node: node.last_access_s < cutoff)
 
     def discard(self, block_ids: Sequence[int]) -> list[int]:
         """Takes these blocks out of the tree where they are unlocked leaves, the last first (the
@@ -327,20 +445,29 @@ class PrefixTree:
                 discarded.append(block)
         return discarded
 
-    def _evict_while(self, num_blocks: int, wanted) -> list[int]:
-        heap = [(n.last_access, n.block) for n in self._nodes.values() if n.is_leaf and not n.lock_count]
+    def _evict_while(self, num_blocks: float, wanted, *, int8: bool = True) -> list[int]:
+        """Evicts unlocked leaves that are `wanted`, least recently used first, until `num_blocks`
+        pool blocks are freed (int8 leaves go on the way, freeing slots, unless `int8` is False:
+        then only leaves in blocks); returns the blocks."""
+        nodes = [*self._nodes.values(), *(self._cold.values() if int8 else ())]
+        heap = [(n.last_access, id(n), n) for n in nodes if n.is_leaf and not n.lock_count]
         heapq.heapify(heap)
         evicted: list[int] = []
         while heap and len(evicted) < num_blocks:
-            _, block = heapq.heappop(heap)
-            node = self._nodes[block]
+            _, _, node = heapq.heappop(heap)
             if not wanted(node):
                 continue  # parents were used no earlier than their children: they stay too
             parent = node.parent
+            if node.slot is None:
+                evicted.append(node.block)
             self._remove(node)
-            evicted.append(block)
-            if parent.parent is not None and parent.is_leaf and not parent.lock_count:
-                heapq.heappush(heap, (parent.last_access, parent.block))
+            if (
+                parent.parent is not None
+                and parent.is_leaf
+                and not parent.lock_count
+                and (int8 or parent.slot is None)
+            ):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
         self.num_evicted_blocks += len(evicted)
         return evicted
 
@@ -352,12 +479,16 @@ class PrefixTree:
             del parent.children[node.tokens[0]]
         if parent.parent is None and not parent.children:  # an empty root: its salt is gone
             del self._roots[next(salt for salt, root in self._roots.items() if root is parent)]
-        del self._nodes[node.block]
-        self.allocator.free([node.block], self.owner)
+        if node.slot is not None:
+            del self._cold[node.slot]
+            self.slots.free([node.slot], self.owner)
+        else:
+            del self._nodes[node.block]
+            self.allocator.free([node.block], self.owner)
 
     def clear(self) -> list[int]:
-        """Evicts every unlocked block; returns them."""
-        return self.evict(len(self._nodes))
+        """Evicts every unlocked node, int8 ones too; returns the pool blocks freed."""
+        return self._evict_while(math.inf, lambda node: True)
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:

@@ -122,6 +122,17 @@ class EngineConfig:
         None, "most KV bytes the prefix cache keeps (None: as much of the pool as is free)"
     )
     prefix_cache_ttl_s: float = _flag(1800.0, "cached token runs unused this long are evicted (seconds)")
+    prefix_cache_kv_bits: int | None = _flag(
+        None,
+        "8: when blocks run short, keep cold prefix-cache blocks in int8 (groups of 64, about half the "
+        "bytes) before evicting any, and restore them on a hit; None: off",
+    )
+    prefix_cache_quantized_fraction: float = _flag(
+        0.25, "with prefix_cache_kv_bits, the share of the KV cache memory given to the int8 store: (0, 1)"
+    )
+    prefix_cache_quantize_min_tokens: int = _flag(
+        256, "with prefix_cache_kv_bits, only blocks of cached sequences this long or longer go int8"
+    )
     prefix_cache_shadow_rate: float = _flag(
         0.0,
         "share of greedy requests served from the prefix cache that are run again without it when the "
@@ -173,6 +184,20 @@ class EngineConfig:
         ttl = self.prefix_cache_ttl_s
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
             raise EngineConfigError(f"prefix_cache_ttl_s must be a number > 0, got {ttl!r}")
+        if self.prefix_cache_kv_bits is not None:
+            if self.prefix_cache_kv_bits != 8 or isinstance(self.prefix_cache_kv_bits, bool):
+                raise EngineConfigError(
+                    f"prefix_cache_kv_bits must be 8 or None, got {self.prefix_cache_kv_bits!r}"
+                )
+            if not self.use_prefix_caching:
+                raise EngineConfigError(
+                    "prefix_cache_kv_bits=8 stores prefix-cache blocks; set use_prefix_caching=True "
+                    "or prefix_cache_kv_bits=None"
+                )
+        share = self.prefix_cache_quantized_fraction
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share < 1:
+            raise EngineConfigError(f"prefix_cache_quantized_fraction must be in (0, 1), got {share!r}")
+        _check_int(self, "prefix_cache_quantize_min_tokens", minimum=0)
         rate = self.prefix_cache_shadow_rate
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
             raise EngineConfigError(f"prefix_cache_shadow_rate must be in [0, 1], got {rate!r}")

@@ -63,9 +63,11 @@ class ScheduleDecision:
     # Requests preempted (blocks freed, requeued) in this decision: rows to drop; they come back
     # later as NewRequest with every token they had, and recompute their KV.
     preempted_request_ids: frozenset[str] = frozenset()
-    # (src, dst) KV blocks to copy before the forward: a new request's copy of the cached block
-    # its prefix match ends inside (copy-on-write).
-    block_copies: tuple[tuple[int, int], ...] = ()
+    # (kind, source, target) KV block operations to run, in order, before the forward
+    # (infer.cache.kv_pool): COPY a new request's copy of the cached block its prefix match ends
+    # inside (copy-on-write); QUANTIZE a cold prefix-cache block into an int8 slot, whose block
+    # a new owner may write in this step; RESTORE an int8 slot into a block a match shares.
+    block_ops: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def total_num_scheduled_tokens(self) -> int:

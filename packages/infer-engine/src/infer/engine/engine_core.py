@@ -29,6 +29,7 @@ from infer.cache import (
     KVCacheShape,
     PagedKVPool,
     PrefixTree,
+    QuantizedKVStore,
     kv_budget_from_free_memory,
     num_blocks_for_memory,
 )
@@ -280,6 +281,11 @@ class EngineCore:
             prefix_cache_budget_bytes=(tree.max_blocks or 0) * block_bytes,
             prefix_cache_evicted_blocks=tree.num_evicted_blocks,
             prefix_cache_evicted_bytes=tree.num_evicted_blocks * block_bytes,
+            prefix_cache_quantized_blocks=tree.num_quantized_blocks,
+            prefix_cache_quantized_bytes=tree.num_quantized_blocks
+            * QuantizedKVStore.bytes_per_slot(self.kv_pool.shape),
+            prefix_cache_quantized_total=tree.num_quantized_total,
+            prefix_cache_restored_total=tree.num_warmed_total,
             prefix_cache_shadow_runs=self._counters["shadow_runs"],
             prefix_cache_shadow_divergences=self._counters["shadow_divergences"],
         )
@@ -435,7 +441,13 @@ def _build_prefix_tree(config: EngineConfig, kv_pool: PagedKVPool) -> PrefixTree
     max_blocks = None
     if config.prefix_cache_max_bytes is not None:
         max_blocks = config.prefix_cache_max_bytes // kv_pool.shape.bytes_per_block()
-    return PrefixTree(kv_pool.allocator, kv_pool.block_size, max_blocks=max_blocks)
+    return PrefixTree(
+        kv_pool.allocator,
+        kv_pool.block_size,
+        max_blocks=max_blocks,
+        slots=kv_pool.quantized.allocator if kv_pool.quantized is not None else None,
+        quantize_min_tokens=config.prefix_cache_quantize_min_tokens,
+    )
 
 
 def _resolve_max_seq_len(config: EngineConfig, model_max_positions: int) -> int:
@@ -467,6 +479,12 @@ def _build_kv_pool(config: EngineConfig, model, max_seq_len: int, device: torch.
     else:
         # The memory of max_batch_size whole sequences, as the slotted pool had.
         num_blocks = config.max_batch_size * shape.blocks_for_tokens(max_seq_len)
+    num_slots = 0
+    if config.prefix_cache_kv_bits is not None:
+        # The int8 store's share of the same memory: fewer blocks, and slots in their bytes.
+        num_store_blocks = round(num_blocks * config.prefix_cache_quantized_fraction)
+        num_slots = num_store_blocks * shape.bytes_per_block() // QuantizedKVStore.bytes_per_slot(shape)
+        num_blocks -= num_store_blocks
     if num_blocks < 1:
         raise EngineConfigError(f"the KV pool would hold {num_blocks} blocks; give it more memory")
-    return PagedKVPool(shape, num_blocks=num_blocks, device=device)
+    return PagedKVPool(shape, num_blocks=num_blocks, device=device, num_quantized_slots=num_slots)

@@ -9,8 +9,11 @@ ceil(n / block_size) blocks, and a new block is taken only when a token crosses 
 With a prefix tree (`use_prefix_caching`), a request admitted with no blocks starts from what the
 tree holds of its tokens: `match` finds it (all but the last known token at most, which is
 computed to give logits), `acquire` shares the match's whole blocks, locks it in the tree, and
-takes a block of its own for the block the match ends inside, whose copy (src, dst) waits in
-`take_block_copies` for the step's decision (the runner copies before the forward). While a
+takes a block of its own for the block the match ends inside, whose copy waits in
+`take_block_ops` for the step's decision (the runner runs those before the forward). With an
+int8 store for cold blocks, the tree quantizes instead of evicting when blocks run short, and a
+match that reads int8 blocks is restored into blocks of the tree's first (ops of the decision
+too, in the order they were made). While a
 request runs, `cache_computed` gives the tree its whole computed prompt blocks after each prefill
 chunk, so that requests admitted later with the same start (a burst of users of one system
 prompt) reuse them at once; the request locks what it gave, as if it had matched it. When a
@@ -28,7 +31,7 @@ not an error.
 
 from collections import Counter
 
-from infer.cache import BlockAllocator, PrefixMatch, PrefixTree
+from infer.cache import COPY, QUANTIZE, RESTORE, BlockAllocator, PrefixMatch, PrefixTree
 from infer.cache.prefix_tree import MISS
 from infer.engine.request import Request
 
@@ -49,8 +52,8 @@ class KVCacheManager:
         # Per running request: whole blocks given to the tree so far, and those the tree took.
         self._num_given_blocks: dict[str, int] = {}
         self._given: dict[str, list[int]] = {}
-        # (src, dst) block copies for the next decision.
-        self._copies: list[tuple[int, int]] = []
+        # (kind, source, target) block operations for the next decision, in order.
+        self._ops: list[tuple[str, int, int]] = []
         # Matches by kind at admission.
         self.match_counts: Counter[str] = Counter()
         self._kinds: dict[str, str] = {}  # the kind counted at each running request's admission
@@ -105,6 +108,10 @@ class KVCacheManager:
             )
         tree = self.prefix_tree
         tree.lock(match)  # first: evicting for the copy must not take the match's own blocks
+        if match.num_cold:
+            match = self._warm(request, match)
+            if not match.num_tokens:
+                return True
         num_reused = len(match.block_ids) * self.block_size
         copy = None
         if match.copy_block is not None:
@@ -124,8 +131,24 @@ class KVCacheManager:
             request.num_cached_tokens = min(num_reused, request.num_prompt_tokens)
         self._matches[request.request_id] = match
         if copy is not None:
-            self._copies.append(copy)
+            self._ops.append((COPY, *copy))
         return True
+
+    def _warm(self, request: Request, match: PrefixMatch) -> PrefixMatch:
+        """The locked match with its int8 blocks restored into blocks of the tree's; without the
+        blocks for that, the locked match of what lies before its first int8 block."""
+        tree = self.prefix_tree
+        blocks = self._take(match.num_cold, tree.owner)
+        if blocks is not None:
+            match, restores = tree.warm(match, blocks)
+            self._ops.extend((RESTORE, slot, block) for slot, block in restores)
+            return match
+        tree.unlock(match)
+        # Whole blocks (no copy source to read), within the shared ones: so none of them is int8.
+        num_warm = tree.num_warm_blocks(match) * self.block_size
+        match = tree.match(request.all_token_ids, max_tokens=num_warm, salt=request.cache_salt)
+        tree.lock(match)
+        return match
 
     def cache_computed(self, request: Request) -> None:
         """Gives the tree the request's whole computed blocks whose token ids are known (call
@@ -141,6 +164,7 @@ class KVCacheManager:
             return
         tokens = tokens[: num_blocks * self.block_size]
         taken = tree.insert(tokens, request.block_ids[:num_blocks], salt=request.cache_salt, end=False)
+        self._take_quantized()  # when the insert went over max_blocks
         self._given.setdefault(request_id, []).extend(taken)
         self._num_given_blocks[request_id] = num_blocks
         match = tree.match(tokens, salt=request.cache_salt)
@@ -150,10 +174,11 @@ class KVCacheManager:
             tree.unlock(previous)
         self._matches[request_id] = match
 
-    def take_block_copies(self) -> tuple[tuple[int, int], ...]:
-        """The (src, dst) copies the acquired matches need, for this step's decision; forgets them."""
-        copies, self._copies = tuple(self._copies), []
-        return copies
+    def take_block_ops(self) -> tuple[tuple[str, int, int], ...]:
+        """The block operations made since the last call (copies and restores for the acquired
+        matches, the tree's int8 stores), in order, for this step's decision; forgets them."""
+        ops, self._ops = tuple(self._ops), []
+        return ops
 
     def allocate(
         self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0
@@ -186,7 +211,11 @@ class KVCacheManager:
         short = num_blocks - self.allocator.num_free
         if short > 0:
             self.prefix_tree.evict(short)
+            self._take_quantized()
         return self.allocator.allocate(num_blocks, owner)
+
+    def _take_quantized(self) -> None:
+        self._ops.extend((QUANTIZE, block, slot) for block, slot in self.prefix_tree.take_quantized())
 
     def rollback(self, request: Request, num_tokens: int) -> list[int]:
         """Forgets the last `num_tokens` computed tokens (rejected draft tokens, later) and frees
@@ -229,12 +258,13 @@ class KVCacheManager:
                 tree.unlock(match)
             if not cache and given:
                 tree.discard(given)
-            if self._copies:
-                self._copies = [copy for copy in self._copies if copy[1] not in request.block_ids]
+            if self._ops:  # a copy into a block of a request that leaves before its step
+                self._ops = [op for op in self._ops if op[0] != COPY or op[2] not in request.block_ids]
             tokens = request.all_token_ids[: request.num_computed_tokens]
             if cache and tokens and not request.bypass_prefix_cache:
                 tree.insert(
                     tokens, request.block_ids[: self.blocks_for_tokens(len(tokens))], salt=request.cache_salt
                 )
+                self._take_quantized()
         self.allocator.free(request.block_ids, request.request_id)
         request.block_ids = []

@@ -109,6 +109,11 @@ class EngineStats:
     prefix_cache_budget_bytes: int = 0
     prefix_cache_evicted_blocks: int = 0
     prefix_cache_evicted_bytes: int = 0
+    # prefix_cache_kv_bits: blocks held in int8 now, and blocks quantized and restored so far.
+    prefix_cache_quantized_blocks: int = 0
+    prefix_cache_quantized_bytes: int = 0
+    prefix_cache_quantized_total: int = 0
+    prefix_cache_restored_total: int = 0
     # Shadow re-runs without the cache (prefix_cache_shadow_rate), and those whose tokens differed.
     prefix_cache_shadow_runs: int = 0
     prefix_cache_shadow_divergences: int = 0

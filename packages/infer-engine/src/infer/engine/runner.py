@@ -170,8 +170,9 @@ class ModelRunner:
         if self._launched and not self.async_scheduling:
             raise RuntimeError("a step is launched and not collected; only async_scheduling launches ahead")
         self.input_batch.apply(decision)
-        # Copy-on-write of prefix-cache blocks, queued before the forward that reads the copies.
-        self.kv_pool.copy_blocks(decision.block_copies)
+        # Prefix-cache block copies, int8 stores and restores, queued before the forward that
+        # reads or overwrites those blocks.
+        self.kv_pool.run_block_ops(decision.block_ops)
         if decision.new_requests or decision.finished_request_ids or decision.preempted_request_ids:
             self._sampling = None
         if decision.is_empty:

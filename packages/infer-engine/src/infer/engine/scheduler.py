@@ -447,7 +447,7 @@ class Scheduler:
             num_scheduled_tokens=dict(plan.num_scheduled_tokens),
             finished_request_ids=finished,
             preempted_request_ids=frozenset(plan.preempted),
-            block_copies=self.kv_manager.take_block_copies(),
+            block_ops=self.kv_manager.take_block_ops(),
         )
 
     def _generator_seed(self, request: Request) -> int:

@@ -155,6 +155,9 @@ class EngineLoop:
         metrics.prefix_cache_entries.set(stats.prefix_cache_blocks)
         metrics.prefix_cache_evictions_total.set_total(stats.prefix_cache_evicted_blocks)
         metrics.prefix_cache_evicted_bytes_total.set_total(stats.prefix_cache_evicted_bytes)
+        metrics.prefix_cache_quantized_bytes.set(stats.prefix_cache_quantized_bytes)
+        metrics.prefix_cache_quantized_blocks_total.set_total(stats.prefix_cache_quantized_total)
+        metrics.prefix_cache_restored_blocks_total.set_total(stats.prefix_cache_restored_total)
         metrics.prefix_cache_shadow_runs_total.set_total(stats.prefix_cache_shadow_runs)
         metrics.prefix_cache_shadow_divergences_total.set_total(stats.prefix_cache_shadow_divergences)
 

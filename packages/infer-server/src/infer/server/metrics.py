@@ -344,6 +344,18 @@ class ServerMetrics:
         self.prefix_cache_evicted_bytes_total = registry.counter(
             "infer_prefix_cache_evicted_bytes_total", "KV bytes the prefix cache evicted."
         )
+        self.prefix_cache_quantized_bytes = registry.gauge(
+            "infer_prefix_cache_quantized_bytes",
+            "Bytes of the int8 store the prefix cache holds cold blocks in (prefix_cache_kv_bits).",
+        )
+        self.prefix_cache_quantized_blocks_total = registry.counter(
+            "infer_prefix_cache_quantized_blocks_total",
+            "Prefix-cache blocks moved into int8 instead of being evicted.",
+        )
+        self.prefix_cache_restored_blocks_total = registry.counter(
+            "infer_prefix_cache_restored_blocks_total",
+            "Int8 prefix-cache blocks restored into the KV pool for a hit.",
+        )
         self.prefix_cache_shadow_runs_total = registry.counter(
             "infer_prefix_cache_shadow_runs_total",
             "Greedy requests served from the prefix cache that were run again without it (shadow check).",
