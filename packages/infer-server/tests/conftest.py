@@ -64,6 +64,18 @@ def smollm2_loaded():
 
 
 @pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_loaded):
+    """transformers' model on the same folder (float32, eager attention): the oracle that our
+    logits, logprobs and sampling settings are checked against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_loaded.path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@pytest.fixture(scope="session")
 def make_engine(smollm2_loaded):
     """make_engine(**EngineConfig fields) -> an Engine on the session's SmolLM2 (loaded once)."""
     from infer.engine.config import EngineConfig

@@ -62,6 +62,23 @@ def test_named_tool_choice_answers_with_a_call_to_that_function(server):
     _assert_one_call(answer.choices[0], {"get_weather"})
 
 
+def test_a_tool_call_answer_message_carries_refusal_null(server):
+    """OpenAI's schema requires `refusal` in every message, a tool call's too; read raw, as the
+    `openai` client fills a missing key with None itself."""
+    body = {
+        "model": server.model,
+        "messages": QUESTION,
+        "tools": [WEATHER_TOOL],
+        "tool_choice": NAMED,
+        "temperature": 0,
+    }
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120.0)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"]
+    assert "refusal" in choice["message"] and choice["message"]["refusal"] is None, choice["message"]
+
+
 def test_a_tool_loop_sends_the_sdk_dump_of_the_call_back_and_gets_an_answer(server, smollm2_loaded):
     """The round trip every agent does: a forced call, its message resent as the SDK dumps it
     (`message.model_dump()`: refusal, audio, function_call null, the call's id), the tool's
@@ -326,3 +343,40 @@ def test_thinking_off_adds_the_empty_think_block_to_the_prompt(qwen3_server):
     empty_block = loaded.tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
     assert usage[False] - usage[True] == len(empty_block)
     assert usage[True] == _prompt_tokens(loaded, QUESTION)
+
+
+@pytest.mark.parametrize(
+    ("effort", "thinking"),
+    [("none", False), ("minimal", False), ("low", True), ("medium", True), ("high", True)],
+)
+def test_reasoning_effort_switches_thinking_as_enable_thinking_does(qwen3_server, effort, thinking):
+    """OpenAI's reasoning_effort through the official client: "none" and "minimal" are Qwen 3's
+    enable_thinking false, the others true. Oracle: the answer and prompt of the request that
+    sets enable_thinking itself (the thinking tests above pin both)."""
+    background, _ = qwen3_server
+    client = openai.OpenAI(api_key="unused", base_url=f"{background.base_url}/v1", max_retries=0)
+    answer = client.chat.completions.create(
+        model="qwen3-tiny", messages=QUESTION, max_tokens=16, temperature=0, reasoning_effort=effort
+    )
+    expected = _qwen3_chat(background, thinking=thinking)
+    assert answer.usage.prompt_tokens == expected.usage.prompt_tokens
+    message, expected_message = answer.choices[0].message, expected.choices[0].message
+    assert message.content == expected_message.content == ("OK" if thinking else "<think>Hm</think>OK")
+    assert message.model_extra.get("reasoning_content") == ("Hm" if thinking else None)
+
+
+def test_an_explicit_enable_thinking_wins_over_reasoning_effort(qwen3_server):
+    background, _ = qwen3_server
+    answer = _qwen3_chat(background, thinking=False, reasoning_effort="high")
+    assert answer.choices[0].message.content == "<think>Hm</think>OK"
+    assert answer.usage.prompt_tokens == _qwen3_chat(background, thinking=False).usage.prompt_tokens
+
+
+def test_reasoning_effort_on_a_model_without_thinking_changes_nothing(server):
+    client = server.openai_client()
+    settings = dict(model=server.model, messages=QUESTION, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**settings)
+    for effort in ("none", "high"):
+        answer = client.chat.completions.create(**settings, reasoning_effort=effort)
+        assert answer.choices[0].message.content == plain.choices[0].message.content
+        assert answer.usage == plain.usage

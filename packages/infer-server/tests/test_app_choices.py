@@ -9,6 +9,8 @@ request without it and the tokenizer's own decoding of a token-id prompt.
 
 import collections
 
+import httpx
+
 SEED = 11
 
 
@@ -70,6 +72,23 @@ def test_each_chat_choice_is_the_single_answer_of_its_seed(server):
         for choice in chunk.choices:
             streamed[choice.index] += choice.delta.content or ""
     assert dict(streamed) == {choice.index: choice.message.content for choice in answer.choices}
+
+
+def test_every_chat_choice_message_carries_refusal_null(server):
+    """OpenAI's schema requires `refusal` in every message (null: no refusal); read raw, as the
+    `openai` client fills a missing key with None itself."""
+    body = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": "Name a color."}],
+        "max_tokens": 2,
+        "n": 3,
+        "seed": SEED,
+    }
+    response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    messages = [choice["message"] for choice in response.json()["choices"]]
+    assert len(messages) == 3
+    assert all("refusal" in message and message["refusal"] is None for message in messages), messages
 
 
 def test_a_batch_of_prompts_is_each_prompts_single_answers_in_order(server):

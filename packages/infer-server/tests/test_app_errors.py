@@ -3,12 +3,17 @@ rules of `infer.server.errors` give it, OpenAI's error body, and the server stil
 The `openai` client must map each status to its own exception class."""
 
 import json
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 
+from infer.server.limits import RequestLimits
 from infer.server.serve import build_server
 
 CHAT = "/v1/chat/completions"
@@ -145,8 +150,6 @@ def test_a_20_mb_prompt_is_refused_before_tokenizing_by_the_default_limit(server
 
 @pytest.fixture(scope="module")
 def small_limits_server(start_server):
-    from infer.server.limits import RequestLimits
-
     running = start_server(
         max_batch_size=1, limits=RequestLimits(max_request_bytes=2000, max_prompt_chars=100)
     )
@@ -187,6 +190,116 @@ def test_a_prompt_over_the_character_limit_is_413_naming_the_field(small_limits_
         error = response.json()["error"]
         assert (error["code"], error["param"]) == ("prompt_too_large", param)
         assert "(100, --max-prompt-chars)" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("error_code", "prompt"),
+    [("prompt_too_large", "word " * 30), ("request_too_large", "x" * 3000)],
+    ids=["prompt-chars", "body-bytes"],
+)
+def test_the_openai_client_raises_its_status_error_with_413_for_either_limit(
+    small_limits_server, error_code, prompt
+):
+    server = small_limits_server
+    with pytest.raises(openai.APIStatusError) as caught:
+        server.openai_client().completions.create(model=server.model, prompt=prompt, max_tokens=1)
+    assert caught.value.status_code == 413
+    assert caught.value.body["code"] == error_code
+
+
+# A limit whose prompt takes the tokenizer long enough to time (about half a second on a CPU).
+TOKENIZED_LIMIT_CHARS = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def long_prompt_limit_server(start_server):
+    running = start_server(max_batch_size=1, limits=RequestLimits(max_prompt_chars=TOKENIZED_LIMIT_CHARS))
+    yield running
+    running.stop()
+
+
+def timed_post(server, path: str, body: dict) -> tuple[float, httpx.Response]:
+    """(seconds the server took to answer, its response); the body is encoded before the clock starts."""
+    content = json.dumps({"model": server.model, **body}).encode()
+    started = time.monotonic()
+    response = post(server, path, content=content, headers={"content-type": "application/json"})
+    return time.monotonic() - started, response
+
+
+def prompt_body(path: str, num_chars: int) -> dict:
+    text = "hello " * (num_chars // len("hello "))
+    if path == COMPLETIONS:
+        return {"prompt": text, "max_tokens": 1}
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_a_prompt_over_the_character_limit_is_refused_before_it_is_tokenized(long_prompt_limit_server, path):
+    """Issue 14: the check comes before the tokenizer. The oracle is the server's own tokenizing
+    time: a prompt just under the limit is tokenized (refused as beyond the 512-token context,
+    which only its token count tells), and one four times the limit is refused with 413 faster
+    than that. Checked after tokenizing, the long one would take about four times as long."""
+    server = long_prompt_limit_server
+    # Under the limit by more than the chat template adds around the message.
+    tokenized_s, tokenized = timed_post(server, path, prompt_body(path, TOKENIZED_LIMIT_CHARS - 1000))
+    assert tokenized.status_code == 400, tokenized.text
+    assert tokenized.json()["error"]["code"] == "context_length_exceeded"
+    refused_s, refused = timed_post(server, path, prompt_body(path, 4 * TOKENIZED_LIMIT_CHARS))
+    assert refused.status_code == 413, refused.text
+    assert refused.json()["error"]["code"] == "prompt_too_large"
+    assert refused_s < tokenized_s, (
+        f"413 after {refused_s:.2f} s, tokenizing a quarter of it took {tokenized_s:.2f} s: "
+        "the long prompt was tokenized before the check"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_infer_serve_size_flags_set_the_limits_its_413s_name(tmp_path_factory):
+    """--max-request-bytes and --max-prompt-chars reach the app of the real `infer serve`: a
+    prompt at the character limit runs, one character more and a body over the byte limit get
+    413 naming the values given on the command line."""
+    from infer.models.random_checkpoint import make_random_checkpoint
+
+    checkpoint = make_random_checkpoint("llama-tiny", tmp_path_factory.mktemp("llama-tiny"))
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "infer.server.cli", "serve", "--model", str(checkpoint)]
+    command += ["--served-model-name", "tiny", "--port", str(port), "--engine-in-process"]
+    command += ["--max-request-bytes", "3000", "--max-prompt-chars", "50", "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(base_url):
+            assert process.poll() is None, f"infer serve exited with {process.returncode}"
+            assert time.monotonic() < deadline, "infer serve did not become healthy in 120 s"
+            time.sleep(0.1)
+
+        def complete(prompt):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+            return httpx.post(base_url + COMPLETIONS, json=body, timeout=60)
+
+        assert complete("x" * 50).status_code == 200
+        over_chars = complete("x" * 51)
+        assert over_chars.status_code == 413, over_chars.text
+        assert "(50, --max-prompt-chars)" in over_chars.json()["error"]["message"]
+        over_bytes = complete([1] * 2000)  # token ids: no character check, 4000+ bytes
+        assert over_bytes.status_code == 413, over_bytes.text
+        assert "(3000, --max-request-bytes)" in over_bytes.json()["error"]["message"]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _healthy(base_url: str) -> bool:
+    try:
+        return httpx.get(base_url + "/health", timeout=1.0).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def test_a_template_variable_named_like_a_python_parameter_is_just_a_variable(server):

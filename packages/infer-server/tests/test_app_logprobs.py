@@ -9,19 +9,11 @@ generated token's logprob and its top-k must be that forward's log-softmax at it
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 # float32 on CPU: our kernels and transformers' eager attention agree to about 1e-5 in logits.
 LOGPROB_ATOL = 1e-3
 QUESTION = [{"role": "user", "content": "Name three colours."}]
 PROMPT = "The three largest cities of France are"
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2_loaded):
-    return AutoModelForCausalLM.from_pretrained(
-        smollm2_loaded.path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
 
 
 def expected_logprobs(reference, prompt_ids: list[int], generated: list[int]) -> torch.Tensor:
@@ -48,10 +40,12 @@ def complete(server, **fields):
     return server.openai_client().completions.create(model=server.model, prompt=PROMPT, **fields)
 
 
-def test_chat_logprobs_are_transformers_log_softmax_with_top_alternatives(server, reference, smollm2_loaded):
+def test_chat_logprobs_are_transformers_log_softmax_with_top_alternatives(
+    server, smollm2_transformers, smollm2_loaded
+):
     choice = chat(server, logprobs=True, top_logprobs=3).choices[0]
     decode = smollm2_loaded.tokenizer.decode
-    expected = expected_logprobs(reference, chat_prompt_ids(smollm2_loaded), choice.token_ids)
+    expected = expected_logprobs(smollm2_transformers, chat_prompt_ids(smollm2_loaded), choice.token_ids)
     content = choice.logprobs.content
     assert len(content) == len(choice.token_ids)
     for position, (entry, token_id) in enumerate(zip(content, choice.token_ids, strict=True)):
@@ -92,12 +86,12 @@ def test_chat_without_logprobs_answers_null_logprobs(server):
 
 
 def test_completion_logprobs_in_the_legacy_format_are_transformers_log_softmax(
-    server, reference, smollm2_loaded
+    server, smollm2_transformers, smollm2_loaded
 ):
     choice = complete(server, logprobs=2).choices[0]
     decode = smollm2_loaded.tokenizer.decode
     prompt_ids = smollm2_loaded.tokenizer.encode(PROMPT, add_special_tokens=True)
-    expected = expected_logprobs(reference, prompt_ids, choice.token_ids)
+    expected = expected_logprobs(smollm2_transformers, prompt_ids, choice.token_ids)
     logprobs = choice.logprobs
     assert logprobs.tokens == [decode([token_id]) for token_id in choice.token_ids]
     for position, token_id in enumerate(choice.token_ids):

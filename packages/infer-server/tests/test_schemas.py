@@ -58,6 +58,15 @@ def test_unimplemented_openai_fields_pass_at_their_neutral_value(field, neutral)
     completion(**{field: neutral})
 
 
+@pytest.mark.parametrize(
+    ("field", "neutral"),
+    [(field, value) for field, values in ChatCompletionRequest.NEUTRAL_VALUES.items() for value in values],
+)
+def test_chat_fields_we_do_not_implement_pass_at_their_neutral_value(field, neutral):
+    # The official client sends these at null when a caller passes None; the output is the same.
+    chat(**{field: neutral})
+
+
 def test_sampling_kwargs_build_the_engine_sampling_params():
     request = completion(
         temperature=0.7,

@@ -9,9 +9,11 @@ pydantic error into an OpenAI error body and picks the HTTP status):
 
 - An unknown field is rejected (400), never silently ignored: a typo such as `max_token` would
   otherwise quietly change the output.
-- An OpenAI field we do not implement (`best_of`, `suffix`) is accepted only at its neutral
-  value, because common clients send such fields at their defaults on every call; any other
-  value is rejected (400) naming the field.
+- An OpenAI field we do not implement (completions: `best_of`, `suffix`; chat: `audio`,
+  `modalities`, `functions`, `function_call`, `prediction`, `verbosity`, `web_search_options`,
+  `moderation`, `prompt_cache_options`) is accepted only at its neutral value (null, or what
+  means "off"), because common clients send such fields at their defaults on every call; any
+  other value is rejected (400) naming the field.
 - Logprobs follow OpenAI's limits: chat's `top_logprobs` in [0, 20] and only with
   `logprobs: true`; completions' `logprobs` in [0, 5], not with `echo` (that would need the
   prompt's logprobs, which the engine does not compute).
@@ -24,12 +26,15 @@ pydantic error into an OpenAI error body and picks the HTTP status):
   `stream: null`, ...); where null has a meaning of its own it keeps it (`max_tokens: null`: as
   many tokens as the context leaves).
 - OpenAI's metadata fields (`store`, `metadata`, `service_tier`, `safety_identifier`,
-  `prompt_cache_key`, `user`) are accepted and ignored: they do not change the output.
+  `prompt_cache_key`, `prompt_cache_retention`, `user`, `stream_options.include_obfuscation`)
+  are accepted and ignored: they do not change the output; each request logs the ones it sent
+  at debug.
 - A `developer` message is a `system` message (OpenAI's newer name for it); an assistant message
   as the SDK dumps it back (`refusal`, `audio`, `function_call`, `annotations` all null) is
   accepted.
 """
 
+import json
 import logging
 from typing import Any, ClassVar, Literal
 
@@ -51,7 +56,15 @@ MAX_CHOICES = 128
 MAX_PROMPTS = 128
 MIN_SEED = -(2**63)
 # OpenAI request fields for the provider's bookkeeping, not the output: accepted, logged, ignored.
-METADATA_FIELDS = ("store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "user")
+METADATA_FIELDS = (
+    "store",
+    "metadata",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "user",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -126,15 +139,33 @@ class _SamplingRequest(_Strict):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     # Choices to generate for the prompt, each its own engine request (OpenAI's limit: 128).
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     # vLLM extension: requests reuse each other's prefix-cached tokens only under the same salt
     # (tenants that must not learn each other's prompts from cache timing).
     cache_salt: str | None = Field(None, min_length=1)
 
+    # OpenAI fields we accept only at their neutral values: field -> the values that mean "off".
+    NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @field_validator("*")
+    @classmethod
+    def _neutral_values_only(cls, value: Any, info) -> Any:
+        neutral = cls.NEUTRAL_VALUES.get(info.field_name)
+        # `True == 1` and `False == 0` in Python: a bool matches only a bool (best_of=true is not 1).
+        if neutral is not None and not any(
+            value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral
+        ):
+            shown = " or ".join("null" if v is None else json.dumps(v) for v in neutral)
+            raise _unsupported(f"{value!r} is not supported; leave {info.field_name} out or send {shown}")
+        return value
+
     @model_validator(mode="after")
     def _log_ignored_metadata(self):
-        sent = {name: getattr(self, name) for name in METADATA_FIELDS if getattr(self, name) is not None}
+        sent = [name for name in METADATA_FIELDS if getattr(self, name) is not None]
+        if self.stream_options is not None and self.stream_options.include_obfuscation is not None:
+            sent.append("stream_options.include_obfuscation")
         if sent:
             logger.debug("ignoring OpenAI metadata fields %s", sorted(sent))
         return self
@@ -281,16 +312,6 @@ class CompletionRequest(_SamplingRequest):
         is_batch = isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
         return list(self.prompt) if is_batch else [self.prompt]
 
-    @field_validator("best_of", "suffix")
-    @classmethod
-    def _neutral_values_only(cls, value: Any, info) -> Any:
-        neutral = cls.NEUTRAL_VALUES[info.field_name]
-        # `True == 1` and `False == 0` in Python: a bool matches only a bool (best_of=true is not 1).
-        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
-            shown = " or ".join("null" if v is None else repr(v) for v in neutral)
-            raise _unsupported(f"{value!r} is not supported; leave {info.field_name} out or send {shown}")
-        return value
-
     @field_validator("logprobs")
     @classmethod
     def _logprobs_without_echo(cls, value: int | None, info) -> int | None:
@@ -423,6 +444,18 @@ class ResponseFormat(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
+    NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "audio": (None,),
+        "modalities": (None, ["text"]),
+        "functions": (None,),
+        "function_call": (None,),
+        "prediction": (None,),
+        "verbosity": (None,),
+        "web_search_options": (None,),
+        "moderation": (None,),
+        "prompt_cache_options": (None,),
+    }
+
     messages: list[ChatMessage]
     # `max_completion_tokens` is OpenAI's newer name for `max_tokens`; either may be sent.
     max_tokens: int | None = Field(None, ge=1)
@@ -442,6 +475,17 @@ class ChatCompletionRequest(_SamplingRequest):
     # Each content token's logprob (choices[].logprobs.content), with top_logprobs alternatives.
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # NEUTRAL_VALUES only: audio output, legacy functions, predicted outputs, GPT-5 verbosity,
+    # web search, moderation, prompt caching options.
+    audio: Any = None
+    modalities: Any = None
+    functions: Any = None
+    function_call: Any = None
+    prediction: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
 
     @field_validator("messages")
     @classmethod
