@@ -10,7 +10,14 @@ at max_tokens, eos_after or abort_at_step.
 
 The check functions judge the recorded decisions against the clause, recomputing what they need
 from the decisions themselves (`replay`: tokens computed, known tokens, blocks per request,
-admissions, preemptions), not from the scheduler's counters. `impl` is the scheduler policy.
+admissions, preemptions), not from the scheduler's counters.
+
+`impl` is the scheduler policy, then the variants it runs under: `<policy>[-async][-prefix-cache]`.
+`-async` runs as the engine's async scheduling; `-prefix-cache` gives the KVCacheManager a
+PrefixTree (owner TREE_OWNER), so requests may be admitted with tokens already computed, share the
+tree's blocks read only, and leave their tokens in the tree, which is evicted on demand. Every run
+uses the same prompts, drawn from the case's seed (`prompts_of`): they share system prompts and
+continue earlier conversations, so that the cache meets misses and hits of every kind.
 """
 
 import functools
@@ -21,11 +28,13 @@ import os
 import random
 import subprocess
 import sys
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
-from infer.cache import BlockAllocator
+from infer.cache import COPY, QUANTIZE, RESTORE, BlockAllocator, PrefixTree
+from infer.cache.prefix_tree import TREE_OWNER
 from infer.engine.decision import RunnerOutput, ScheduleDecision
 from infer.engine.kv_manager import KVCacheManager
 from infer.engine.request import Request, RequestTooLongError
@@ -44,6 +53,7 @@ class Arrival:
     at_step: int
     prompt_tokens: int
     max_tokens: int
+    prompt_token_ids: tuple[int, ...]
     eos_after: int | None = None
     abort_at_step: int | None = None
 
@@ -51,6 +61,19 @@ class Arrival:
     def num_output_tokens(self) -> int:
         """Tokens it generates when it runs to its end."""
         return self.eos_after if self.eos_after is not None else self.max_tokens
+
+
+class MemoryCall(NamedTuple):
+    """One call of the scheduler on its KVCacheManager during schedule()."""
+
+    # "allocated": allocate() gave the blocks; "refused": allocate() answered None; "freed": free()
+    # (a preemption); "released": release() (an admission undone, its prefix match given back).
+    kind: str
+    request_id: str
+    # For "refused": the blocks asked for, and what the pool could give at that moment: its free
+    # blocks plus those the prefix tree could evict.
+    num_blocks: int = 0
+    num_obtainable: int = 0
 
 
 @dataclass
@@ -66,9 +89,8 @@ class StepRecord:
     blocks_owned_after_schedule: dict[str, list[int]]
     # Owners of pool blocks once the step is over (after finish()).
     owners_after_step: set[str]
-    # The scheduler's calls on its KVCacheManager during schedule(), in order: ("allocated", id)
-    # for each allocate() that succeeded, ("freed", id) for each free() (a preemption).
-    memory_calls: list[tuple[str, str]] = field(default_factory=list)
+    # The scheduler's calls on its KVCacheManager during schedule(), in order.
+    memory_calls: list[MemoryCall] = field(default_factory=list)
 
 
 @dataclass
@@ -77,12 +99,16 @@ class Simulation:
     policy: str
     arrivals: list[Arrival]
     allocator: BlockAllocator
+    # The KVCacheManager's prefix tree (a -prefix-cache variant), else None.
+    prefix_tree: PrefixTree | None = None
     records: list[StepRecord] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
     # Tokens each request got from update(), in order.
     outputs: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
     # schedule() once more after the last request left: it reports the last finished ids.
     final_decision: ScheduleDecision | None = None
+    # Prefix matches at admission by kind (KVCacheManager.match_counts): empty without the tree.
+    match_counts: Counter[str] = field(default_factory=Counter)
 
     @property
     def decisions(self) -> list[ScheduleDecision]:
@@ -122,21 +148,36 @@ class FakeRunner:
 
 class RecordingKVCacheManager(KVCacheManager):
     """A KVCacheManager that notes the calls the scheduler makes, so that a check can tell which
-    requests were scheduled before a preemption within one step."""
+    requests were scheduled before a preemption within one step, and whether a refusal that led
+    to one was real."""
 
-    def __init__(self, allocator: BlockAllocator, block_size: int):
-        super().__init__(allocator, block_size)
-        self.calls: list[tuple[str, str]] = []
+    def __init__(self, allocator: BlockAllocator, block_size: int, prefix_tree: PrefixTree | None = None):
+        super().__init__(allocator, block_size, prefix_tree)
+        self.calls: list[MemoryCall] = []
 
     def allocate(self, request, num_new_tokens, num_lookahead_tokens=0):
+        # Measured before the call: a refused allocate changes nothing, a granted one evicts.
+        num_blocks = KVCacheManager.num_new_blocks(self, request, num_new_tokens, num_lookahead_tokens)
+        num_obtainable = self.allocator.num_free + (
+            self.prefix_tree.num_evictable_blocks if self.prefix_tree is not None else 0
+        )
         new_block_ids = super().allocate(request, num_new_tokens, num_lookahead_tokens)
-        if new_block_ids is not None:
-            self.calls.append(("allocated", request.request_id))
+        if new_block_ids is None:
+            self.calls.append(MemoryCall("refused", request.request_id, num_blocks, num_obtainable))
+        else:
+            self.calls.append(MemoryCall("allocated", request.request_id))
         return new_block_ids
 
     def free(self, request, *, cache=True):
-        self.calls.append(("freed", request.request_id))
+        self.calls.append(MemoryCall("freed", request.request_id))
         super().free(request, cache=cache)
+
+    def release(self, request):
+        num_calls = len(self.calls)
+        super().release(request)
+        # Its free() undoes an admission that did not happen: no one was preempted.
+        del self.calls[num_calls:]
+        self.calls.append(MemoryCall("released", request.request_id))
 
 
 def arrivals_of(case: dict) -> list[Arrival]:
@@ -163,11 +204,85 @@ def arrivals_of(case: dict) -> list[Arrival]:
             }
             for i in range(spec["count"])
         ]
-    return [Arrival(request_id=f"r{i}", index=i, **row) for i, row in enumerate(rows)]
+    prompts = prompts_of(rows, case["seed"])
+    return [
+        Arrival(request_id=f"r{i}", index=i, prompt_token_ids=prompt, **row)
+        for i, (row, prompt) in enumerate(zip(rows, prompts, strict=True))
+    ]
 
 
-def make_scheduler(case: dict, policy: str, scheduler_class=Scheduler) -> Scheduler:
-    kv_manager = RecordingKVCacheManager(BlockAllocator(case["kv_blocks"]), case["block_size"])
+PROMPT_SHAPES = ("conversation", "system prompt", "system prompt and question", "fresh")
+NUM_SYSTEM_PROMPTS = 3
+# Token ids of the system prompts and of each request's own text: 1_000_000 * (source + 1) + offset,
+# so that no two sources share a token, and none equals a position (what the fake runner samples).
+TOKENS_PER_SOURCE = 1_000_000
+
+
+def prompts_of(rows: list[dict], seed: int) -> list[tuple[int, ...]]:
+    """Prompt token ids for the arrival rows, drawn from `seed` (apart from the rows' own draw):
+    each prompt is one of four shapes, as a chat service sees them, so that a prefix cache meets
+    every kind of match. A conversation goes on from an earlier request's prompt and everything it
+    generates (the token at position p is p), then its own text: a prefix hit once that one left.
+    The others take a system prompt's first tokens: all of the prompt (a supersequence hit beside a
+    longer one), some of it and then their own text (an lcp hit), or none (a miss)."""
+    rng = random.Random(f"prompts-{seed}")
+    conversations: list[tuple[int, ...]] = []
+    prompts = []
+    for index, row in enumerate(rows):
+        num_tokens = row["prompt_tokens"]
+        own = tuple(_source_tokens(NUM_SYSTEM_PROMPTS + index, num_tokens))
+        earlier = [c for c in conversations if len(c) <= num_tokens]
+        shape = rng.choice(PROMPT_SHAPES)
+        if shape == "conversation" and earlier:
+            start = rng.choice(earlier)
+        else:
+            system = _source_tokens(rng.randrange(NUM_SYSTEM_PROMPTS), num_tokens)
+            if shape == "system prompt":
+                num_shared = num_tokens
+            elif shape == "fresh":
+                num_shared = 0
+            else:  # a question after the system prompt (also a conversation with none to go on from)
+                num_shared = rng.randint(1, num_tokens)
+            start = tuple(system[:num_shared])
+        prompt = start + own[len(start) :]
+        num_output_tokens = row["max_tokens"] if row.get("eos_after") is None else row["eos_after"]
+        conversations.append(prompt + tuple(range(num_tokens, num_tokens + num_output_tokens)))
+        prompts.append(prompt)
+    return prompts
+
+
+def _source_tokens(source: int, num_tokens: int) -> list[int]:
+    return [TOKENS_PER_SOURCE * (source + 1) + offset for offset in range(num_tokens)]
+
+
+ASYNC_SUFFIX = "-async"
+PREFIX_CACHE_SUFFIX = "-prefix-cache"
+
+
+def impl_variants(impl: str) -> tuple[str, bool, bool]:
+    """`<policy>[-async][-prefix-cache]` -> (policy, async scheduling, prefix cache)."""
+    prefix_caching = impl.endswith(PREFIX_CACHE_SUFFIX)
+    impl = impl.removesuffix(PREFIX_CACHE_SUFFIX)
+    return impl.removesuffix(ASYNC_SUFFIX), impl.endswith(ASYNC_SUFFIX), prefix_caching
+
+
+def impl_names(policies) -> list[str]:
+    """Every policy under every variant."""
+    return [
+        policy + async_suffix + cache_suffix
+        for policy in policies
+        for async_suffix in ("", ASYNC_SUFFIX)
+        for cache_suffix in ("", PREFIX_CACHE_SUFFIX)
+    ]
+
+
+def make_scheduler(
+    case: dict, policy: str, scheduler_class=Scheduler, *, prefix_caching: bool = False
+) -> Scheduler:
+    allocator = BlockAllocator(case["kv_blocks"])
+    # As the engine builds it (engine_core._build_prefix_tree), with no byte budget: the whole pool.
+    prefix_tree = PrefixTree(allocator, case["block_size"]) if prefix_caching else None
+    kv_manager = RecordingKVCacheManager(allocator, case["block_size"], prefix_tree)
     return scheduler_class(
         kv_manager=kv_manager,
         max_seq_len=case.get("max_seq_len", case["kv_blocks"] * case["block_size"]),
@@ -181,21 +296,18 @@ def make_scheduler(case: dict, policy: str, scheduler_class=Scheduler) -> Schedu
     )
 
 
-ASYNC_SUFFIX = "-async"
-
-
-def simulate(case: dict, policy: str, *, scheduler_class=Scheduler) -> Simulation:
+def simulate(case: dict, impl: str, *, scheduler_class=Scheduler) -> Simulation:
     """Runs the case to the end; fails as a livelock if requests remain after max_steps.
 
-    A policy name ending in ASYNC_SUFFIX runs as the engine's async scheduling does: each step's
-    update() comes after the next step's schedule(), so the scheduler plans with the previous
-    step's tokens still pending (and the finishes they cause one step late)."""
-    async_scheduling = policy.endswith(ASYNC_SUFFIX)
-    policy = policy.removesuffix(ASYNC_SUFFIX)
-    scheduler = make_scheduler(case, policy, scheduler_class)
+    `impl` is `<policy>[-async][-prefix-cache]`. With `-async` it runs as the engine's async
+    scheduling does: each step's update() comes after the next step's schedule(), so the scheduler
+    plans with the previous step's tokens still pending (and the finishes they cause one step
+    late). With `-prefix-cache` the KVCacheManager has a PrefixTree."""
+    policy, async_scheduling, prefix_caching = impl_variants(impl)
+    scheduler = make_scheduler(case, policy, scheduler_class, prefix_caching=prefix_caching)
     allocator = scheduler.kv_manager.allocator
     arrivals = arrivals_of(case)
-    sim = Simulation(case, policy, arrivals, allocator)
+    sim = Simulation(case, policy, arrivals, allocator, scheduler.kv_manager.prefix_tree)
     runner = FakeRunner()
     # Decisions run by the fake runner whose outputs update() has not taken yet.
     launched: deque[tuple[ScheduleDecision, RunnerOutput]] = deque()
@@ -207,7 +319,9 @@ def simulate(case: dict, policy: str, *, scheduler_class=Scheduler) -> Simulatio
         for arrival in by_step.get(step, []):
             params = SamplingParams(temperature=0.0, max_new_tokens=arrival.max_tokens)
             try:
-                scheduler.add(Request(arrival.request_id, [0] * arrival.prompt_tokens, params, arrival.index))
+                scheduler.add(
+                    Request(arrival.request_id, list(arrival.prompt_token_ids), params, arrival.index)
+                )
             except RequestTooLongError as error:
                 sim.rejected[arrival.request_id] = str(error)
         aborted = [
@@ -239,6 +353,7 @@ def simulate(case: dict, policy: str, *, scheduler_class=Scheduler) -> Simulatio
         sim.records.append(record)
         if step >= last_arrival and not scheduler.has_work() and not launched:
             sim.final_decision = scheduler.schedule()
+            sim.match_counts = Counter(scheduler.kv_manager.match_counts)
             return sim
     raise AssertionError(
         f"livelock: after max_steps={case['max_steps']} steps {scheduler.num_running} requests still run and "
@@ -424,10 +539,16 @@ def assert_kv_budget(sim: Simulation) -> None:
     for record, rows, live in zip(sim.records, result.rows, result.live_blocks, strict=True):
         step = record.decision.step
         held = [block for blocks in live.values() for block in blocks]
-        assert len(held) <= capacity, (
-            f"step {step}: requests hold {len(held)} blocks of a {capacity}-block pool"
+        assert len(set(held)) <= capacity, (
+            f"step {step}: requests hold {len(set(held))} blocks of a {capacity}-block pool"
         )
-        assert len(held) == len(set(held)), f"step {step}: a block is lent to two requests: {sorted(held)}"
+        # Two requests hold one block only as a read-only prefix both reuse from the cache.
+        cached = set(record.blocks_owned_after_schedule.get(TREE_OWNER, []))
+        lent_twice = {block for block, count in Counter(held).items() if count > 1}
+        assert lent_twice <= cached, (
+            f"step {step}: blocks {sorted(lent_twice - cached)} are lent to two requests"
+            + (" and the prefix cache does not hold them" if sim.prefix_tree is not None else "")
+        )
         for request_id, blocks in live.items():
             owned = record.blocks_owned_after_schedule.get(request_id, [])
             assert sorted(blocks) == owned, (
@@ -440,6 +561,12 @@ def assert_kv_budget(sim: Simulation) -> None:
                 f"step {step}: {row.request_id} runs with {row.num_computed + row.num_scheduled} tokens "
                 f"({needed} blocks of {block_size}) but holds {len(row.block_ids)} blocks; blocks are taken "
                 "as tokens are scheduled, no more, no fewer"
+            )
+            written = set(row.block_ids[row.num_computed // block_size : needed]) & lent_twice
+            assert not written, (
+                f"step {step}: {row.request_id} writes tokens {row.num_computed}.."
+                f"{row.num_computed + row.num_scheduled - 1} into blocks {sorted(written)}, which another "
+                "request also holds; shared blocks are read only"
             )
 
 
@@ -522,10 +649,29 @@ def assert_retire_frees_everything(sim: Simulation) -> None:
         assert not reappearing, f"step {step}: retired {sorted(reappearing)} scheduled again"
         held_by_runner -= retired
         gone |= retired
-    assert sim.allocator.audit([]) == [], (
-        f"blocks still lent after the last retire: {sim.allocator.audit([])}"
+    assert_only_the_cache_holds_blocks(sim)
+
+
+def assert_only_the_cache_holds_blocks(sim: Simulation) -> None:
+    """After the last retire no request holds a block: every used block is free, or (with the
+    prefix cache) the tree's alone, and no match locks the tree."""
+    tree = sim.prefix_tree
+    live_owners = [] if tree is None else [TREE_OWNER]
+    leaked = sim.allocator.audit(live_owners)
+    assert leaked == [], f"blocks still lent after the last retire: {leaked}"
+    cached = [] if tree is None else sim.allocator.owned_by(TREE_OWNER)
+    assert sim.allocator.num_used == len(cached), (
+        f"pool num_used is {sim.allocator.num_used} after the last retire, "
+        f"the prefix cache holds {len(cached)} blocks"
     )
-    assert sim.allocator.num_used == 0, f"pool num_used is {sim.allocator.num_used} after the last retire"
+    if tree is not None:
+        assert sorted(cached) == tree.block_ids(), (
+            f"the pool lends the prefix cache blocks {sorted(cached)}, the tree holds {tree.block_ids()}"
+        )
+        assert tree.num_locked_blocks == 0, (
+            f"{tree.num_locked_blocks} blocks of the prefix tree are still locked after the last retire; "
+            "a request that leaves unlocks its match"
+        )
 
 
 def deterministic(case: dict, impl: str) -> None:
@@ -536,7 +682,7 @@ def deterministic(case: dict, impl: str) -> None:
     assert len(digests) == 1, f"the same case gave {len(digests)} different decision sequences"
 
 
-def decisions_digest(case: dict, policy: str) -> str:
+def decisions_digest(case: dict, impl: str) -> str:
     # Frozensets print in hash order: sorted, so that only a real difference changes the digest.
     decisions = [
         (
@@ -546,21 +692,21 @@ def decisions_digest(case: dict, policy: str) -> str:
             list(decision.num_scheduled_tokens.items()),
             sorted(decision.finished_request_ids),
             sorted(decision.preempted_request_ids),
+            decision.block_ops,
         )
-        for decision in simulate(case, policy).decisions
+        for decision in simulate(case, impl).decisions
     ]
     return hashlib.sha256(repr(decisions).encode()).hexdigest()
 
 
 @functools.cache
 def _digests_in_subprocess(case_json: str) -> dict[str, str]:
-    """Every policy's digest, each also with async scheduling, from one interpreter (starting one
+    """Every policy's digest under every variant (impl_names), from one interpreter (starting one
     costs seconds: torch's import)."""
     code = (
-        "import json, sys; from conformance.scheduler.checks import decisions_digest; "
+        "import json, sys; from conformance.scheduler.checks import decisions_digest, impl_names; "
         "from infer.engine.scheduling_policy import POLICIES; case = json.loads(sys.argv[1]); "
-        f"impls = [*POLICIES, *(p + {ASYNC_SUFFIX!r} for p in POLICIES)]; "
-        "print(json.dumps({impl: decisions_digest(case, impl) for impl in impls}))"
+        "print(json.dumps({impl: decisions_digest(case, impl) for impl in impl_names(POLICIES)}))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code, case_json],
@@ -596,14 +742,16 @@ def assert_preemption(sim: Simulation) -> None:
         scheduled = set(decision.num_scheduled_tokens)
         preempted = set(decision.preempted_request_ids)
         live -= decision.finished_request_ids
-        freed = [request_id for call, request_id in record.memory_calls if call == "freed"]
+        freed = [call.request_id for call in record.memory_calls if call.kind == "freed"]
         assert sorted(freed) == sorted(preempted), (
             f"step {step}: schedule() freed the blocks of {freed}, the decision preempts {sorted(preempted)}"
         )
         served_so_far: set[str] = set()
-        for call, request_id in record.memory_calls:
-            if call == "allocated":
+        for call in record.memory_calls:
+            request_id = call.request_id
+            if call.kind == "allocated":
                 served_so_far.add(request_id)
+            if call.kind != "freed":
                 continue
             assert request_id in live and request_id not in scheduled, (
                 f"step {step}: {request_id} is preempted but was not running, "
@@ -635,7 +783,7 @@ def assert_preemption(sim: Simulation) -> None:
             if row.admitted and row.num_known > sim.arrival(row.request_id).prompt_tokens:
                 new = next(n for n in decision.new_requests if n.request_id == row.request_id)
                 prompt = sim.arrival(row.request_id).prompt_tokens
-                expected = (0,) * prompt + tuple(range(prompt, row.num_known))
+                expected = sim.arrival(row.request_id).prompt_token_ids + tuple(range(prompt, row.num_known))
                 assert new.token_ids == expected, (
                     f"step {step}: resumed {row.request_id} came back with token_ids "
                     f"{new.token_ids[prompt:]} after its prompt, expected {expected[prompt:]} "
@@ -706,3 +854,85 @@ def assert_rejects_impossible(sim: Simulation) -> None:
     scheduled = {rid for decision in sim.decisions for rid in decision.scheduled_request_ids}
     assert not scheduled & expected, f"rejected requests were scheduled: {sorted(scheduled & expected)}"
     assert scheduled == {a.request_id for a in sim.arrivals} - expected, "an admissible request never ran"
+
+
+def evicts_before_preempting(case: dict, impl: str) -> None:
+    assert_evicts_before_preempting(simulate(case, impl))
+
+
+def assert_evicts_before_preempting(sim: Simulation) -> None:
+    """Every preemption follows the refusal that caused it, and every refusal was real: the free
+    blocks and those the prefix tree could evict together fell short of the blocks asked for."""
+    for record in sim.records:
+        step = record.decision.step
+        previous = None
+        for call in record.memory_calls:
+            if call.kind == "refused":
+                assert call.num_blocks > call.num_obtainable, (
+                    f"step {step}: allocate refused {call.request_id} {call.num_blocks} blocks while "
+                    f"{call.num_obtainable} were free or held only by the prefix cache (evictable); "
+                    "evict the cache's blocks before refusing"
+                )
+            if call.kind == "freed":
+                assert previous is not None and previous.kind == "refused", (
+                    f"step {step}: {call.request_id} was preempted without a refused allocate before it "
+                    f"(calls this step: {[(c.kind, c.request_id) for c in record.memory_calls]}); preempt "
+                    "only when the pool, its evictable cached blocks included, cannot serve a request"
+                )
+            previous = call
+    if sim.prefix_tree is not None and sim.case.get("expect_eviction"):
+        assert sim.prefix_tree.num_evicted_blocks > 0, (
+            "the prefix cache never had to give blocks back: the case does not exercise eviction"
+        )
+    assert_full_token_counts(sim)
+
+
+def reads_own_tokens(case: dict, impl: str) -> None:
+    assert_reads_own_tokens(simulate(case, impl))
+
+
+def assert_reads_own_tokens(sim: Simulation) -> None:
+    """Replays the decisions on a model of the pool's KV: `kv[block][offset]` is the token whose K/V
+    that place of the block holds. Each step runs the decision's block_ops in order (before the
+    forward), writes every scheduled token into its block (the forward writes all its K/V before
+    attention reads), then checks that every scheduled request finds its own tokens at every
+    position it attends to."""
+    block_size = sim.case["block_size"]
+    kv: dict[int, list[int | None]] = defaultdict(lambda: [None] * block_size)
+    int8_store: dict[int, list[int | None]] = defaultdict(lambda: [None] * block_size)  # by slot
+    token_ids: dict[str, list[int]] = {}
+    for decision, rows in zip(sim.decisions, replay(sim).rows, strict=True):
+        step = decision.step
+        for new in decision.new_requests:
+            token_ids[new.request_id] = list(new.token_ids)
+        for kind, source, target in decision.block_ops:
+            if kind == COPY:
+                kv[target] = list(kv[source])
+            elif kind == QUANTIZE:
+                int8_store[target] = list(kv[source])
+            elif kind == RESTORE:
+                kv[target] = list(int8_store[source])
+            else:
+                raise AssertionError(f"step {step}: unknown block operation {kind!r} ({source} -> {target})")
+        for row in rows:
+            end = row.num_computed + row.num_scheduled
+            assert len(row.block_ids) * block_size >= end, (
+                f"step {step}: {row.request_id} runs up to position {end - 1} with blocks {row.block_ids}"
+            )
+            tokens = token_ids[row.request_id]
+            for position in range(row.num_computed, end):
+                kv[row.block_ids[position // block_size]][position % block_size] = tokens[position]
+        for row in rows:
+            tokens = token_ids[row.request_id]
+            end = row.num_computed + row.num_scheduled
+            for index in range(math.ceil(end / block_size)):
+                first, last = index * block_size, min(end, (index + 1) * block_size)
+                block = row.block_ids[index]
+                held = kv[block][: last - first]
+                assert held == tokens[first:last], (
+                    f"step {step}: {row.request_id} attends to positions {first}..{last - 1} in block "
+                    f"{block}, which holds the K/V of tokens {held}, not its own {tokens[first:last]} "
+                    f"({row.num_computed} tokens computed before this step, admitted in it: {row.admitted})"
+                )
+            if row.samples:
+                tokens.append(len(tokens))  # the fake runner samples token p at position p
