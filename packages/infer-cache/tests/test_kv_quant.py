@@ -78,3 +78,17 @@ def test_int8_ops_on_a_pool_without_slots_are_refused():
     pool = PagedKVPool(SHAPE, num_blocks=2)
     with pytest.raises(ValueError, match="quantized slots"):
         pool.run_block_ops([(QUANTIZE, 0, 0)])
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_bf16_block_round_trips_within_the_bound():
+    shape = KVCacheShape(num_layers=1, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16, block_size=16)
+    pool = PagedKVPool(shape, num_blocks=4, device="cuda", num_quantized_slots=2)
+    k_cache, v_cache = pool.kv_layers[0]
+    k_cache[2] = kv_like(16, 8, 64).to("cuda", torch.bfloat16)
+    v_cache[2] = kv_like(16, 8, 64, seed=1).to("cuda", torch.bfloat16)
+    before = [k_cache[2].float().clone(), v_cache[2].float().clone()]
+    pool.run_block_ops([(QUANTIZE, 2, 1), (RESTORE, 1, 0)])
+    for cache, original in zip((k_cache, v_cache), before, strict=True):
+        error = (cache[0].float() - original).abs().amax(-1)
+        assert torch.all(error <= 0.01 * original.abs().amax(-1))

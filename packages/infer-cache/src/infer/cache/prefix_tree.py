@@ -143,6 +143,13 @@ class PrefixTree:
         self.slots = slots
         self.quantize_min_tokens = quantize_min_tokens
         self._cold: dict[int, _Node] = {}  # slot -> node
+        # Eviction order, kept as the tree changes so that taking a block costs O(log n), not a
+        # scan of the tree: heaps of (last_access, ..., node) entries, pushed whenever a node may
+        # have become a candidate (created, used, unlocked, its last child gone) and checked when
+        # popped (an entry whose node has changed since is stale and skipped).
+        self._leaves: list = []  # unlocked leaves in blocks
+        self._cold_leaves: list = []  # unlocked int8 leaves
+        self._to_quantize: list = []  # unlocked nodes in blocks (with slots only)
         self._quantized: list[tuple[int, int]] = []  # (block, slot) copies not taken yet
         self.num_quantized_total = 0
         self.num_warmed_total = 0
@@ -262,6 +269,7 @@ class PrefixTree:
         for node in path:
             node.lock_count -= 1
             self._num_locked -= node.lock_count == 0 and node.slot is None
+            self._note(node)
 
     def warm(self, match: PrefixMatch, blocks: Sequence[int]) -> tuple[PrefixMatch, list[tuple[int, int]]]:
         """Moves the match's int8 nodes into `blocks` (match.num_cold of them, the tree's: taken
@@ -356,6 +364,7 @@ class PrefixTree:
         for child in held:
             child.last_access, child.last_access_s = tick, now
             child.reach = max(child.reach, len(tokens))
+            self._note(child)
         if end:
             node.ends.add(len(tokens) - (num_blocks - 1) * size)
         if self.max_blocks is not None and len(self._nodes) > self.max_blocks:
@@ -395,28 +404,19 @@ class PrefixTree:
 
     def _quantize_cold(self, num_blocks: int) -> list[int]:
         """Moves up to `num_blocks` least recently used unlocked blocks of long enough sequences
-        into int8 slots; returns the blocks freed."""
-        # Least recently used first; of one insert (the same tick), the deepest first.
-        candidates = sorted(
-            (node.last_access, -node.depth, id(node), node)
-            for node in self._nodes.values()
-            if not node.lock_count and node.reach >= self.quantize_min_tokens
-        )
-        # Int8 leaves to evict when the slots are full, least recently used first.
-        cold_leaves = [
-            (n.last_access, id(n), n) for n in self._cold.values() if n.is_leaf and not n.lock_count
-        ]
-        heapq.heapify(cold_leaves)
+        into int8 slots (of one insert, the same tick, the deepest first); returns the blocks
+        freed."""
         freed: list[int] = []
-        for *_, node in candidates[:num_blocks]:
-            if not self.slots.num_free:
-                if not cold_leaves:
-                    break
-                _, _, leaf = heapq.heappop(cold_leaves)
-                parent = leaf.parent
-                self._remove(leaf)
-                if parent.slot is not None and parent.is_leaf and not parent.lock_count:
-                    heapq.heappush(cold_leaves, (parent.last_access, id(parent), parent))
+        while len(freed) < num_blocks and self._to_quantize:
+            entry = heapq.heappop(self._to_quantize)
+            node = entry[-1]
+            if not (self._holds(node) and node.slot is None and self._current(entry)):
+                continue
+            if node.reach < self.quantize_min_tokens:
+                continue  # pushed again if a longer sequence goes through it
+            if not self.slots.num_free and not self._evict_one(self._cold_leaves, lambda n: True):
+                heapq.heappush(self._to_quantize, entry)
+                break
             (slot,) = self.slots.allocate(1, self.owner)
             block = node.block
             self._quantized.append((block, slot))
@@ -424,6 +424,7 @@ class PrefixTree:
             self.allocator.free([block], self.owner)
             node.slot, node.block = slot, -1 - slot
             self._cold[slot] = node
+            self._note(node)
             freed.append(block)
         self.num_quantized_total += len(freed)
         return freed
@@ -446,30 +447,88 @@ class PrefixTree:
         return discarded
 
     def _evict_while(self, num_blocks: float, wanted, *, int8: bool = True) -> list[int]:
-        """Evicts unlocked leaves that are `wanted`, least recently used first, until `num_blocks`
-        pool blocks are freed (int8 leaves go on the way, freeing slots, unless `int8` is False:
-        then only leaves in blocks); returns the blocks."""
-        nodes = [*self._nodes.values(), *(self._cold.values() if int8 else ())]
-        heap = [(n.last_access, id(n), n) for n in nodes if n.is_leaf and not n.lock_count]
-        heapq.heapify(heap)
+        """Evicts unlocked leaves, least recently used first, until `num_blocks` pool blocks are
+        freed or the next leaf is not `wanted` (the rest were used later); int8 leaves go on
+        the way, freeing slots, unless `int8` is False. Returns the blocks freed."""
         evicted: list[int] = []
-        while heap and len(evicted) < num_blocks:
-            _, _, node = heapq.heappop(heap)
-            if not wanted(node):
-                continue  # parents were used no earlier than their children: they stay too
-            parent = node.parent
-            if node.slot is None:
-                evicted.append(node.block)
-            self._remove(node)
-            if (
-                parent.parent is not None
-                and parent.is_leaf
-                and not parent.lock_count
-                and (int8 or parent.slot is None)
-            ):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        while len(evicted) < num_blocks:
+            heap = self._leaves
+            if int8 and self._top(self._cold_leaves) is not None:
+                top = self._top(heap)
+                if top is None or self._cold_leaves[0] < top:
+                    heap = self._cold_leaves
+            block = self._evict_one(heap, wanted)
+            if block is None:
+                break
+            if block >= 0:
+                evicted.append(block)
         self.num_evicted_blocks += len(evicted)
         return evicted
+
+    def _top(self, heap: list) -> tuple | None:
+        """The heap's least recently used valid leaf entry (stale ones popped), or None."""
+        while heap:
+            entry = heap[0]
+            node = entry[-1]
+            in_its_heap = (node.slot is not None) == (heap is self._cold_leaves)
+            if (
+                in_its_heap
+                and self._holds(node)
+                and node.is_leaf
+                and not node.lock_count
+                and self._current(entry)
+            ):
+                return entry
+            heapq.heappop(heap)
+        return None
+
+    def _evict_one(self, heap: list, wanted) -> int | None:
+        """Evicts the least recently used valid leaf of `heap` if `wanted`; returns its block (a
+        negative number for an int8 leaf), or None when there is none or it is not wanted."""
+        entry = self._top(heap)
+        if entry is None or not wanted(entry[-1]):
+            return None
+        heapq.heappop(heap)
+        node = entry[-1]
+        self._remove(node)
+        return node.block
+
+    def _holds(self, node: _Node) -> bool:
+        if node.slot is not None:
+            return self._cold.get(node.slot) is node
+        return self._nodes.get(node.block) is node
+
+    @staticmethod
+    def _current(entry: tuple) -> bool:
+        return entry[0] == entry[-1].last_access
+
+    def _note(self, node: _Node) -> None:
+        """Pushes the node's entries where it is a candidate now (see _leaves)."""
+        if node.parent is None or node.lock_count:
+            return
+        key = (node.last_access, id(node), node)
+        if node.is_leaf:
+            heapq.heappush(self._cold_leaves if node.slot is not None else self._leaves, key)
+        if self.slots is not None and node.slot is None:
+            heapq.heappush(self._to_quantize, (node.last_access, -node.depth, id(node), node))
+        if len(self._leaves) + len(self._cold_leaves) + len(self._to_quantize) > 8 * len(self._nodes) + 4096:
+            self._rebuild_heaps()
+
+    def _rebuild_heaps(self) -> None:
+        """Drops the stale entries (amortized: after ~8 pushes per node)."""
+        self._leaves, self._cold_leaves, self._to_quantize = [], [], []
+        nodes = [*self._nodes.values(), *self._cold.values()]
+        for node in nodes:
+            if node.lock_count:
+                continue
+            if node.is_leaf:
+                (self._cold_leaves if node.slot is not None else self._leaves).append(
+                    (node.last_access, id(node), node)
+                )
+            if self.slots is not None and node.slot is None:
+                self._to_quantize.append((node.last_access, -node.depth, id(node), node))
+        for heap in (self._leaves, self._cold_leaves, self._to_quantize):
+            heapq.heapify(heap)
 
     def _remove(self, node: _Node) -> None:
         parent = node.parent
@@ -485,6 +544,7 @@ class PrefixTree:
         else:
             del self._nodes[node.block]
             self.allocator.free([node.block], self.owner)
+        self._note(parent)  # it may be a leaf now
 
     def clear(self) -> list[int]:
         """Evicts every unlocked node, int8 ones too; returns the pool blocks freed."""
