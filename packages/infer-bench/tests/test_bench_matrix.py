@@ -161,3 +161,14 @@ def test_matrix_table_puts_each_row_beside_the_first_rows_run_of_its_workload():
     assert "| W2 | 4 | paged | 250.0 | 2.50 | 50.0 | 100.0 | 0.25 | 8.0 | 20.0 | 1000.0 | 0 |" in lines
     assert "| W3 | 4 | paged | 80.0 | - | 500.0 | 900.0 | - | 20.0 | 50.0 | 3000.0 | 1 |" in lines
     assert lines[-1] == "- static failed: W3 failed: the server died"
+
+
+def test_each_run_of_a_matrix_draws_prompts_of_its_own():
+    # A row's server keeps its prefix cache across runs: a run must not find another's prompts.
+    from infer.bench.serving.matrix import run_seed
+    from infer.bench.serving.workloads import make_workload
+
+    workloads = [make_workload("W2", concurrency=c, seed=run_seed(0, "W2", c)) for c in (16, 64)]
+    drawn = [{tuple(request.prompt_token_ids) for request in w.requests} for w in workloads]
+    assert drawn[0] and drawn[1] and not drawn[0] & drawn[1]
+    assert run_seed(0, "W2", 16) == run_seed(0, "W2", 16) != run_seed(1, "W2", 16)

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,6 +237,7 @@ def _run_one(
     row, name, concurrency, base_url, config_path, seed, num_requests, vocab_size, client_processes
 ) -> dict:
     kwargs = {"vocab_size": vocab_size} if vocab_size else {}
+    seed = run_seed(seed, name, concurrency)
     workload = make_workload(name, concurrency=concurrency, seed=seed, num_requests=num_requests, **kwargs)
     report = asyncio.run(
         benchmark_server(
@@ -246,8 +248,15 @@ def _run_one(
     write_json(report, config_path.parent / f"{name}-c{concurrency}.json")
     tokens_per_s = report["stats"]["output_tokens_per_s"]
     print(f"{row.name} {name} c={concurrency}: {tokens_per_s:.1f} output tok/s", file=sys.stderr)
-    run = {"row": row.name, "workload": name, "concurrency": concurrency}
+    run = {"row": row.name, "workload": name, "concurrency": concurrency, "seed": workload.seed}
     return {**run, "stats": report["stats"], "notes": report["notes"]}
+
+
+def run_seed(seed: int, workload: str, concurrency: int) -> int:
+    """The seed of one (workload, concurrency) run of a matrix. Each run draws requests of its
+    own, because a row's server keeps its prefix cache from run to run: with one seed, W2 at 64
+    would start with the prompts W2 at 16 left in the cache."""
+    return zlib.crc32(f"{seed}/{workload}/c{concurrency}".encode())
 
 
 def matrix_markdown(summary: dict) -> str:
