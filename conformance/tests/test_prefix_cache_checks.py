@@ -55,13 +55,15 @@ class UnlocksBelowZero(PrefixTree):
 
 class EvictsLockedLeaves(PrefixTree):
     def _evict_while(self, num_blocks, wanted, **options):
+        saved = {}
         for node in self._nodes.values():
-            node.lock_count, node.saved = 0, node.lock_count
+            saved[id(node)], node.lock_count = node.lock_count, 0
+            self._note(node)
         try:
             return super()._evict_while(num_blocks, wanted, **options)
         finally:
             for node in self._nodes.values():
-                node.lock_count = node.saved
+                node.lock_count = saved[id(node)]
 
 
 class EvictsMostRecentlyUsed(PrefixTree):

@@ -118,6 +118,58 @@ def test_prefix_cache_hits_give_the_recompute_tokens_in_bf16_up_to_a_near_tie(re
 
 
 @pytest.mark.gpu
+def test_int8_prefix_cache_hits_on_the_gpu_agree_with_unquantized_hits(real_shape, capsys):
+    """Three 600-token conversations in a pool of 80 blocks: the oldest go int8 when the third
+    runs; each conversation then goes on, restoring its blocks. Random weights make every logit a
+    near tie, so the agreement with the same hits unquantized is reported; the bar only tells a
+    working restore from a broken one (another block's K/V agrees with nothing)."""
+    preset, loaded, _, _, _ = real_shape
+    generator = torch.Generator().manual_seed(1)
+    vocab = loaded.config.vocab_size
+    prompts = [torch.randint(0, vocab, (600,), generator=generator).tolist() for _ in range(3)]
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    settings = dict(
+        device="cuda",
+        dtype="bfloat16",
+        max_batch_size=2,
+        max_seq_len=1024,
+        use_chunked_prefill=True,
+        prefill_chunk_size=256,
+        use_prefix_caching=True,
+    )
+    engines = {
+        "unquantized": Engine(EngineConfig(**settings, num_gpu_blocks=400), loaded_model=loaded),
+        "int8": Engine(
+            EngineConfig(
+                **settings, num_gpu_blocks=160, prefix_cache_kv_bits=8, prefix_cache_quantized_fraction=0.5
+            ),
+            loaded_model=loaded,
+        ),
+    }
+    answers = {}
+    for name, engine in engines.items():
+        first = [run_together(engine, [prompt], params)[0] for prompt in prompts]
+        follow_ups = [prompt + answer + [1, 2, 3] for prompt, answer in zip(prompts, first, strict=True)]
+        answers[name] = [run_together(engine, [prompt], params)[0] for prompt in follow_ups]
+    tree = engines["int8"].core.prefix_tree
+    assert tree.num_warmed_total > 0
+    pairs = list(zip(answers["int8"], answers["unquantized"], strict=True))
+    first_token = sum(a[0] == b[0] for a, b in pairs) / len(pairs)
+    parted = [
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a)) for a, b in pairs
+    ]
+    for engine in engines.values():
+        engine.shutdown()
+    share = sum(parted) / sum(len(a) for a, _ in pairs)
+    with capsys.disabled():
+        print(
+            f"\n{preset}: int8 prefix-cache hits vs unquantized hits: first token {first_token:.0%}, "
+            f"{share:.0%} of tokens before they part ({tree.num_warmed_total} blocks restored)"
+        )
+    assert share >= 0.3
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("use_cuda_graphs", [False, True], ids=["eager", "graphs"])
 def test_no_step_compiles_a_kernel_after_start_up(real_shape, use_cuda_graphs):
     """A Triton compile inside a step stalls every stream of that step, so start-up must have

@@ -63,7 +63,9 @@ class MatchKind(enum.Enum):
     LCP = "lcp"
 
 
-@dataclass(eq=False)
+# slots: a node is one object (no __dict__), since a tree holds one per cached block and every
+# object the engine keeps alive lengthens Python's garbage collections.
+@dataclass(eq=False, slots=True)
 class _Node:
     tokens: tuple[int, ...]
     block: int
@@ -77,7 +79,8 @@ class _Node:
     last_access: int = 0  # the tree's operation counter: LRU order without clock ties
     last_access_s: float = 0.0
     # Offsets (1..len(tokens)) at which an inserted sequence ended in this node.
-    ends: set[int] = field(default_factory=set)
+    # (A frozenset: most nodes end nothing, and share the one empty frozenset.)
+    ends: frozenset[int] = frozenset()
 
     @property
     def is_leaf(self) -> bool:
@@ -144,9 +147,10 @@ class PrefixTree:
         self.quantize_min_tokens = quantize_min_tokens
         self._cold: dict[int, _Node] = {}  # slot -> node
         # Eviction order, kept as the tree changes so that taking a block costs O(log n), not a
-        # scan of the tree: heaps of (last_access, ..., node) entries, pushed whenever a node may
-        # have become a candidate (created, used, unlocked, its last child gone) and checked when
-        # popped (an entry whose node has changed since is stale and skipped).
+        # scan of the tree: heaps of (last_access, ..., block or slot) entries, pushed whenever a
+        # node may have become a candidate (created, used, unlocked, its last child gone) and
+        # checked when popped (an entry whose node has changed or gone since is stale and
+        # skipped). Entries hold ints only, which the garbage collector does not track.
         self._leaves: list = []  # unlocked leaves in blocks
         self._cold_leaves: list = []  # unlocked int8 leaves
         self._to_quantize: list = []  # unlocked nodes in blocks (with slots only)
@@ -358,7 +362,8 @@ class PrefixTree:
             child = _Node(chunk, block, node, depth=node.depth + len(chunk))
             runs[chunk] = child
             self._nodes[block] = child
-            self._absorb_shorter_siblings(child, runs)
+            if len(runs) > 1:
+                self._absorb_shorter_siblings(child, runs)
             held.append(child)
             node = child
         for child in held:
@@ -366,7 +371,7 @@ class PrefixTree:
             child.reach = max(child.reach, len(tokens))
             self._note(child)
         if end:
-            node.ends.add(len(tokens) - (num_blocks - 1) * size)
+            node.ends |= {len(tokens) - (num_blocks - 1) * size}
         if self.max_blocks is not None and len(self._nodes) > self.max_blocks:
             self.evict(len(self._nodes) - self.max_blocks)
         return new_blocks
@@ -409,8 +414,8 @@ class PrefixTree:
         freed: list[int] = []
         while len(freed) < num_blocks and self._to_quantize:
             entry = heapq.heappop(self._to_quantize)
-            node = entry[-1]
-            if not (self._holds(node) and node.slot is None and self._current(entry)):
+            node = self._nodes.get(entry[-1])
+            if node is None or node.lock_count or node.last_access != entry[0]:
                 continue
             if node.reach < self.quantize_min_tokens:
                 continue  # pushed again if a longer sequence goes through it
@@ -469,64 +474,52 @@ class PrefixTree:
         """The heap's least recently used valid leaf entry (stale ones popped), or None."""
         while heap:
             entry = heap[0]
-            node = entry[-1]
-            in_its_heap = (node.slot is not None) == (heap is self._cold_leaves)
-            if (
-                in_its_heap
-                and self._holds(node)
-                and node.is_leaf
-                and not node.lock_count
-                and self._current(entry)
-            ):
+            node = self._node_of(heap, entry)
+            if node is not None and node.is_leaf and not node.lock_count and node.last_access == entry[0]:
                 return entry
             heapq.heappop(heap)
         return None
+
+    def _node_of(self, heap: list, entry: tuple) -> _Node | None:
+        return (self._cold if heap is self._cold_leaves else self._nodes).get(entry[-1])
 
     def _evict_one(self, heap: list, wanted) -> int | None:
         """Evicts the least recently used valid leaf of `heap` if `wanted`; returns its block (a
         negative number for an int8 leaf), or None when there is none or it is not wanted."""
         entry = self._top(heap)
-        if entry is None or not wanted(entry[-1]):
+        if entry is None or not wanted(node := self._node_of(heap, entry)):
             return None
         heapq.heappop(heap)
-        node = entry[-1]
         self._remove(node)
         return node.block
-
-    def _holds(self, node: _Node) -> bool:
-        if node.slot is not None:
-            return self._cold.get(node.slot) is node
-        return self._nodes.get(node.block) is node
-
-    @staticmethod
-    def _current(entry: tuple) -> bool:
-        return entry[0] == entry[-1].last_access
 
     def _note(self, node: _Node) -> None:
         """Pushes the node's entries where it is a candidate now (see _leaves)."""
         if node.parent is None or node.lock_count:
             return
-        key = (node.last_access, id(node), node)
         if node.is_leaf:
-            heapq.heappush(self._cold_leaves if node.slot is not None else self._leaves, key)
+            if node.slot is not None:
+                heapq.heappush(self._cold_leaves, (node.last_access, node.slot))
+            else:
+                heapq.heappush(self._leaves, (node.last_access, node.block))
         if self.slots is not None and node.slot is None:
-            heapq.heappush(self._to_quantize, (node.last_access, -node.depth, id(node), node))
+            heapq.heappush(self._to_quantize, (node.last_access, -node.depth, node.block))
         if len(self._leaves) + len(self._cold_leaves) + len(self._to_quantize) > 8 * len(self._nodes) + 4096:
             self._rebuild_heaps()
 
     def _rebuild_heaps(self) -> None:
         """Drops the stale entries (amortized: after ~8 pushes per node)."""
         self._leaves, self._cold_leaves, self._to_quantize = [], [], []
-        nodes = [*self._nodes.values(), *self._cold.values()]
-        for node in nodes:
+        for node in [*self._nodes.values(), *self._cold.values()]:
             if node.lock_count:
                 continue
             if node.is_leaf:
-                (self._cold_leaves if node.slot is not None else self._leaves).append(
-                    (node.last_access, id(node), node)
-                )
+                if node.slot is not None:
+                    self._cold_leaves.append((node.last_access, node.slot))
+                else:
+                    self._leaves.append((node.last_access, node.block))
             if self.slots is not None and node.slot is None:
-                self._to_quantize.append((node.last_access, -node.depth, id(node), node))
+                self._to_quantize.append((node.last_access, -node.depth, node.block))
         for heap in (self._leaves, self._cold_leaves, self._to_quantize):
             heapq.heapify(heap)
 

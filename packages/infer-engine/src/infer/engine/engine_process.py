@@ -18,6 +18,7 @@ the frontend's end closes (the frontend died) or on "shutdown".
 """
 
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -183,6 +184,13 @@ def run_engine_core(config: EngineConfig, inbox, outbox, log_level: int = loggin
             logger.exception("building the engine core failed")
         outbox.send(("failed", f"{type(error).__name__}: {error}"))
         return
+    # Everything built so far (the model, the graphs, torch's own objects) lives as long as the
+    # process: out of the collector's sight, so that a full collection scans only what serving
+    # made. Without this, one full collection with a large prefix cache stalled every stream
+    # ~190 ms (measured: the scheduler alone over a pool of 20k cached blocks, SmolLM2 loaded).
+    # vLLM and SGLang freeze the same way after start-up.
+    gc.collect()
+    gc.freeze()
     outbox.send(("ready", core.limits, core.stats()))
     last_sent_s = time.monotonic()
     try:
