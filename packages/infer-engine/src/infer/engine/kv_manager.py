@@ -12,21 +12,21 @@ computed to give logits), `acquire` shares the match's whole blocks, locks it in
 takes a block of its own for the block the match ends inside, whose copy waits in
 `take_block_ops` for the step's decision (the runner runs those before the forward). With an
 int8 store for cold blocks, the tree quantizes instead of evicting when blocks run short, and a
-match that reads int8 blocks is restored into blocks of the tree's first (ops of the decision
-too, in the order they were made). While a
-request runs, `cache_computed` gives the tree its whole computed prompt blocks after each prefill
-chunk, so that requests admitted later with the same start (a burst of users of one system
-prompt) reuse them at once; the request locks what it gave, as if it had matched it. When a
-request leaves, `free` gives its computed tokens to the tree (its blocks gain the tree's
-reference) before the request drops its own. Blocks only the tree holds are the free list's
-reserve: `allocate` evicts the tree's least recently used unlocked blocks when the free list is
-short, so `num_free_blocks` counts them as free.
+match that reads int8 blocks is first restored into blocks of the tree's (operations of the
+decision too, in the order they were made). While a request runs, `cache_computed` gives the
+tree its whole computed prompt blocks after each prefill chunk, so that requests admitted later
+with the same start (a burst of users of one system prompt) reuse them at once; the request
+locks what it gave, as if it had matched it. When a request leaves, `free` gives its computed
+tokens to the tree (its blocks gain the tree's reference) before the request drops its own.
+Blocks only the tree holds are the free list's reserve: `allocate` evicts the tree's least
+recently used unlocked blocks when the free list is short, so `num_free_blocks` counts them as
+free.
 
 Which calls change the cache: `match` reads only; `acquire`, `cache_computed`, `allocate`,
-`rollback`, `release` and `free` change the allocator, the tree and `request.block_ids` (rollback also
-`num_computed_tokens`). A call that cannot be served changes no request: `allocate` answers None
-instead of raising, because running out of blocks is the scheduler's everyday signal to preempt,
-not an error.
+`rollback`, `release` and `free` change the allocator, the tree and `request.block_ids`
+(rollback also `num_computed_tokens`). A call that cannot be served changes no request:
+`allocate` answers None instead of raising, because running out of blocks is the scheduler's
+everyday signal to preempt, not an error.
 """
 
 from collections import Counter
