@@ -359,6 +359,20 @@ def test_max_completion_tokens_through_the_openai_client_cuts_the_greedy_answer(
     assert cut.choices[0].token_ids == whole.token_ids[:5]
 
 
+def test_a_negative_seed_through_the_openai_client_seeds_sampling(server):
+    # OpenAI takes any int64 seed; a seed, negative or not, makes sampling repeat itself.
+    client = server.openai_client()
+
+    def sample(seed: int) -> list[int]:
+        answer = client.chat.completions.create(
+            model=server.model, messages=HI, max_tokens=12, temperature=1.0, seed=seed
+        )
+        return answer.choices[0].token_ids
+
+    assert sample(-5) == sample(-5)
+    assert len({tuple(sample(seed)) for seed in (-5, -6, -7)}) > 1
+
+
 def test_a_developer_message_through_the_openai_client_is_a_system_message(server):
     client = server.openai_client()
 

@@ -80,6 +80,8 @@ CASES = [
     ("chat-function-call", ChatCompletionRequest, {"function_call": "auto"}, 400, "function_call", "unsupported_value", "function_call"),
     ("chat-prediction", ChatCompletionRequest, {"prediction": {"type": "content", "content": "x"}}, 400, "prediction", "unsupported_value", "prediction"),
     ("chat-verbosity", ChatCompletionRequest, {"verbosity": "low"}, 400, "verbosity", "unsupported_value", "verbosity"),
+    ("chat-moderation", ChatCompletionRequest, {"moderation": {"enabled": True}}, 400, "moderation", "unsupported_value", "moderation"),
+    ("chat-prompt-cache-options", ChatCompletionRequest, {"prompt_cache_options": {"x": 1}}, 400, "prompt_cache_options", "unsupported_value", "prompt_cache_options"),
     ("chat-web-search", ChatCompletionRequest, {"web_search_options": {}}, 400, "web_search_options", "unsupported_value", "web_search_options"),
     ("token-limits-disagree", ChatCompletionRequest, {"max_tokens": 5, "max_completion_tokens": 6}, 400, "max_completion_tokens", "invalid_value", "disagrees with max_tokens"),
     ("chat-logprobs-not-bool", ChatCompletionRequest, {"logprobs": 1}, 400, "logprobs", "invalid_value", "boolean"),
