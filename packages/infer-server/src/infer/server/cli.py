@@ -59,16 +59,19 @@ def bench_main(argv: list[str]) -> int:
 
 def serve_main(argv: list[str] | None = None) -> int:
     """`infer serve` and the `infer-server` script: the OpenAI-compatible server on one model."""
-    from infer.engine.config import EngineConfigError, from_cli_args, resolve_device
+    from infer.engine.config import from_cli_args, resolve_device
 
     args = build_serve_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from infer.models.loader.fetch import check_model_name
+
     try:
         config = from_cli_args(args)
         resolve_device(config.device)
-    except EngineConfigError as error:
+        check_model_name(config.model)  # a typo is refused before the server starts
+    except ValueError as error:  # an EngineConfigError, or check_model_name's
         print(f"infer serve: {error}", file=sys.stderr)
         return 2
     from infer.engine.engine import Engine

