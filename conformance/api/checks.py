@@ -206,6 +206,139 @@ def health_while_loading(case: dict, impl, options) -> None:
     assert not problems, "\n".join(problems)
 
 
+# Sampling settings (issue 14): each case's request is greedy (temperature 0); the check sends it
+# as it is and with the setting, and judges the setting by how the answers differ. Token ids come
+# from choices[].token_ids, vLLM's extension (_greedy_ids says how they are asked for).
+
+
+def logit_bias_steers(case: dict, impl, options) -> None:
+    """+100 on a token id of the plain answer other than its first makes every generated token
+    that id; -100 on the plain answer's first token makes the first token another one."""
+    client, model = _connect(case, options)
+    request = _materialize(case["request"], model)
+    _, plain = _greedy_ids(client, request)
+    forced_id = next((token for token in plain if token != plain[0]), None)
+    assert forced_id is not None, f"case {case['id']}: the plain answer {plain} repeats one token only"
+    _, forced = _greedy_ids(client, _with(request, logit_bias={str(forced_id): 100}))
+    assert forced == [forced_id] * request["json"]["max_tokens"], (
+        f"logit_bias +100 on {forced_id}: tokens {forced}, plain answer {plain}"
+    )
+    _, banned = _greedy_ids(client, _with(request, logit_bias={str(plain[0]): -100}))
+    assert banned[:1] != plain[:1], (
+        f"logit_bias -100 on {plain[0]}: the answer still starts with it: {banned}"
+    )
+
+
+def stop_token_ids_end(case: dict, impl, options) -> None:
+    """The plain answer's token at position `stop_at` (or the first later one not seen before it)
+    as a stop token id ends the answer there: finish_reason stop, the tokens up to and including
+    it (counted in usage.completion_tokens), and a text that begins the plain text and is shorter."""
+    client, model = _connect(case, options)
+    request = _materialize(case["request"], model)
+    plain_body, plain = _greedy_ids(client, request)
+    position = next((i for i in range(case["stop_at"], len(plain) - 1) if plain[i] not in plain[:i]), None)
+    assert position is not None, f"case {case['id']}: no token of {plain} to stop at"
+    body, stopped = _greedy_ids(client, _with(request, stop_token_ids=[plain[position]]))
+    choice, plain_text = body["choices"][0], plain_body["choices"][0]["text"]
+    problems = []
+    if choice["finish_reason"] != "stop":
+        problems.append(f"finish_reason {choice['finish_reason']!r}, expected stop")
+    if stopped != plain[: position + 1] or body["usage"]["completion_tokens"] != position + 1:
+        problems.append(
+            f"stop token {plain[position]} (position {position} of {plain}): tokens {stopped}, "
+            f"completion_tokens {body['usage']['completion_tokens']}, expected {position + 1}"
+        )
+    if not (plain_text.startswith(choice["text"]) and len(choice["text"]) < len(plain_text)):
+        problems.append(f"text {choice['text']!r} is not a shorter beginning of {plain_text!r}")
+    assert not problems, "\n".join(problems)
+
+
+def min_tokens_hold(case: dict, impl, options) -> None:
+    """The case's request ends early with finish_reason stop (a stop string, the end of sequence,
+    or with `stop_first_token` its greedy first token as a stop token id) after fewer than
+    `min_tokens` tokens; with min_tokens added the answer has at least that many."""
+    client, model = _connect(case, options)
+    request = _materialize(case["request"], model)
+    if case.get("stop_first_token"):
+        _, plain = _greedy_ids(client, request)
+        request = _with(request, stop_token_ids=plain[:1])
+    wanted = case["min_tokens"]
+    early = _send(client, request, model)
+    assert early.status_code == 200, _report(case, early, [f"status {early.status_code}"])
+    body = early.json()
+    assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] < wanted, (
+        f"case {case['id']}: without min_tokens the answer must stop before {wanted} tokens: {body}"
+    )
+    held = _send(client, _with(request, min_tokens=wanted), model)
+    problems = _check_response(held, {"status": 200, "usage": True}, request["json"])
+    if not problems and held.json()["usage"]["completion_tokens"] < wanted:
+        problems.append(f"min_tokens {wanted}: completion_tokens {held.json()['usage']['completion_tokens']}")
+    assert not problems, _report(case, held, problems)
+
+
+def penalty_fewer_repeats(case: dict, impl, options) -> None:
+    """The case's `penalty` settings change the greedy answer to a prompt the model repeats, and
+    leave fewer repeated tokens in it (a token equal to an earlier one of the answer). Tokens are
+    read from the legacy logprobs (`logprobs: 0` is added to the request)."""
+    client, model = _connect(case, options)
+    request = _with(_materialize(case["request"], model), logprobs=0)
+    answers = []
+    for sent in (request, _with(request, **case["penalty"])):
+        response = _send(client, sent, model)
+        assert response.status_code == 200, _report(case, response, [f"status {response.status_code}"])
+        choice = response.json()["choices"][0]
+        tokens = choice["logprobs"]["tokens"]
+        answers.append((choice["text"], sum(token in tokens[:i] for i, token in enumerate(tokens))))
+    (plain_text, plain_repeats), (text, repeats) = answers
+    assert text != plain_text, f"{case['penalty']} left the answer as it was: {text!r}"
+    assert repeats < plain_repeats, (
+        f"{case['penalty']}: {repeats} repeated tokens in {text!r}, {plain_repeats} in {plain_text!r}"
+    )
+
+
+def echo_prefix(case: dict, impl, options) -> None:
+    """With echo, each choice's text (joined from the chunks when streamed) starts with its
+    prompt: the case's prompt is a string or a list of strings, choice i belongs to prompt i // n."""
+    client, model = _connect(case, options)
+    request = _materialize(case["request"], model)
+    response = _send(client, request, model)
+    assert response.status_code == 200, _report(case, response, [f"status {response.status_code}"])
+    if request["json"].get("stream"):
+        lines = response.text.splitlines()
+        events = [line[len("data:") :].strip() for line in lines if line.startswith("data:")]
+        texts: dict[int, str] = {}
+        for chunk in _chunks(events):
+            for choice in chunk.get("choices", []):
+                texts[choice["index"]] = texts.get(choice["index"], "") + _piece(choice)
+    else:
+        texts = {choice["index"]: choice["text"] for choice in response.json()["choices"]}
+    prompt = request["json"]["prompt"]
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    n = request["json"].get("n", 1)
+    assert sorted(texts) == list(range(len(prompts) * n)), f"choice indexes {sorted(texts)}"
+    problems = [
+        f"choice {index} {text!r} does not start with {prompts[index // n]!r}"
+        for index, text in sorted(texts.items())
+        if not text.startswith(prompts[index // n])
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def _with(request: dict, **fields) -> dict:
+    return {**request, "json": {**request["json"], **fields}}
+
+
+def _greedy_ids(client: httpx.Client, request: dict) -> tuple[dict, list[int]]:
+    """(body, the first choice's token ids) of a materialized request. The ids are vLLM's
+    choices[].token_ids: ours always sends them, vLLM when asked with return_token_ids; a server
+    with neither is skipped."""
+    for sent in (request, _with(request, return_token_ids=True)):
+        response = client.request(sent["method"], sent["path"], json=sent["json"])
+        if response.status_code == 200 and isinstance(response.json()["choices"][0].get("token_ids"), list):
+            return response.json(), response.json()["choices"][0]["token_ids"]
+    pytest.skip(f"no choices[].token_ids from the server ({response.status_code}): {response.text[:200]}")
+
+
 def _scrape(client: httpx.Client) -> dict[str, float]:
     """The unlabelled samples of /metrics, by name."""
     samples = {}
