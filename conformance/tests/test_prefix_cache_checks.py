@@ -1,6 +1,7 @@
 """The prefix-cache checks catch real bugs: each broken tree below fails its own clause's check
 (and the correct PrefixTree passes them all, conformance/test_specs.py)."""
 
+import dataclasses
 import heapq
 
 import pytest
@@ -8,7 +9,6 @@ import pytest
 from conformance.plugin import CHECKS_DIR
 from conformance.spec import load_checks_module
 from infer.cache import PrefixTree
-from infer.cache.prefix_tree import PrefixMatch
 
 checks = load_checks_module(CHECKS_DIR, "prefix_cache")
 FAST = {"block_size": 3, "num_blocks": 24, "max_examples": 100, "steps": 30}
@@ -20,8 +20,9 @@ class StopsOneTokenShort(PrefixTree):
     def match(self, token_ids, max_tokens=None):
         m = super().match(token_ids, max_tokens)
         if m.copy_tokens > 1:
-            return PrefixMatch(m.kind, m.num_tokens - 1, m.num_matched - 1, m.block_ids, m.copy_block,
-                               m.copy_tokens - 1, m._last_node)  # fmt: skip
+            return dataclasses.replace(
+                m, num_tokens=m.num_tokens - 1, num_matched=m.num_matched - 1, copy_tokens=m.copy_tokens - 1
+            )
         return m
 
 
@@ -29,8 +30,7 @@ class CallsEverythingAPrefix(PrefixTree):
     def match(self, token_ids, max_tokens=None):
         m = super().match(token_ids, max_tokens)
         if m.kind.value != "miss":
-            return PrefixMatch(type(m.kind).PREFIX, m.num_tokens, m.num_matched, m.block_ids,
-                               m.copy_block, m.copy_tokens, m._last_node)  # fmt: skip
+            return dataclasses.replace(m, kind=type(m.kind).PREFIX)
         return m
 
 
@@ -40,8 +40,9 @@ class SharesTheBlockItEndsIn(PrefixTree):
     def match(self, token_ids, max_tokens=None):
         m = super().match(token_ids, max_tokens)
         if m.copy_block is not None:
-            return PrefixMatch(m.kind, m.num_tokens, m.num_matched, (*m.block_ids, m.copy_block), None, 0,
-                               m._last_node)  # fmt: skip
+            return dataclasses.replace(
+                m, block_ids=(*m.block_ids, m.copy_block), copy_block=None, copy_tokens=0
+            )
         return m
 
 

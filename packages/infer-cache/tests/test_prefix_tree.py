@@ -210,10 +210,9 @@ LONG = list(range(200, 212))  # 12 tokens: three full blocks
 def cold_tree(*sequences, num_blocks=16, num_slots=8, min_tokens=8):
     """A tree with an int8 store of `num_slots` slots, for sequences of `min_tokens` or more."""
     slots = BlockAllocator(num_slots)
-    allocator = BlockAllocator(num_blocks)
-    tree = PrefixTree(allocator, BS, slots=slots, quantize_min_tokens=min_tokens)
-    for i, tokens in enumerate(sequences):
-        insert(tree, tokens, f"req-{i}")
+    tree, allocator = tree_with(
+        *sequences, num_blocks=num_blocks, slots=slots, quantize_min_tokens=min_tokens
+    )
     return tree, allocator, slots
 
 

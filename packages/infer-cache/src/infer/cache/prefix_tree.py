@@ -107,10 +107,14 @@ class PrefixMatch:
     copy_tokens: int = 0
     # Nodes the reuse reads that are int8 now: `PrefixTree.warm` them before sharing.
     num_cold: int = 0
-    # The deepest node the reuse reads (the copy source, else the last shared block): what
-    # lock() and unlock() walk up from. None when nothing is reused.
-    _last_node: _Node | None = field(default=None, repr=False, compare=False)
-    _read: tuple[_Node, ...] = field(default=(), repr=False, compare=False)  # shared + source
+    # The nodes the reuse reads: the shared blocks', then the copy source's.
+    _read: tuple[_Node, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def _last_node(self) -> _Node | None:
+        """The deepest node the reuse reads: what lock() and unlock() walk up from (None when
+        nothing is reused)."""
+        return self._read[-1] if self._read else None
 
 
 MISS = PrefixMatch(MatchKind.MISS, 0, 0)
@@ -233,7 +237,6 @@ class PrefixTree:
             source.block if source is not None else None,
             copy_tokens,
             sum(node.slot is not None for node in read),
-            read[-1],
             tuple(read),
         )
 
@@ -419,7 +422,7 @@ class PrefixTree:
                 continue
             if node.reach < self.quantize_min_tokens:
                 continue  # pushed again if a longer sequence goes through it
-            if not self.slots.num_free and not self._evict_one(self._cold_leaves, lambda n: True):
+            if not self.slots.num_free and self._evict_one(self._cold_leaves, lambda n: True) is None:
                 heapq.heappush(self._to_quantize, entry)
                 break
             (slot,) = self.slots.allocate(1, self.owner)
