@@ -66,3 +66,24 @@ def test_gauges_show_an_idle_engine_and_its_kv_pool(server):
     assert samples["infer_requests_running"] == samples["infer_requests_waiting"] == 0
     assert samples["infer_kv_cache_usage_ratio"] == 0
     assert samples["infer_kv_cache_total_bytes"] == server.engine.core.kv_pool.kv_bytes
+
+
+def test_every_connection_the_server_accepts_has_nagles_algorithm_off(server):
+    # With Nagle's algorithm on, a small write waits until the one before it is acknowledged, and
+    # clients delay ACKs by ~40 ms: a stream's token chunks after its headers, or a body after its
+    # headers, came ~40 ms late on a kept-alive connection (uvicorn#3149: asyncio sets
+    # TCP_NODELAY only on sockets whose proto is IPPROTO_TCP).
+    import http.client
+    import socket
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        connection.request("GET", "/health")
+        assert connection.getresponse().read()
+        accepted = [
+            protocol.transport.get_extra_info("socket") for protocol in server.server.server_state.connections
+        ]
+        assert accepted
+        assert all(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for sock in accepted)
+    finally:
+        connection.close()

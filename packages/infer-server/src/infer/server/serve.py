@@ -129,7 +129,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port (0: a free port), for `server.run(sockets=[...])`. Raises
     OSError when the address is taken or not this machine's."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listening = socket.socket(family, socket.SOCK_STREAM)
+    # proto must say TCP: accepted sockets inherit it, and asyncio turns Nagle's algorithm off
+    # (TCP_NODELAY) only on sockets whose proto is IPPROTO_TCP. With proto 0, a stream's token
+    # chunks after its headers waited for the client's delayed ACK: ~40 ms before the first token
+    # on a kept-alive connection (uvicorn's own bind_socket has the same flaw: uvicorn#3149).
+    listening = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listening.bind((host, port))
