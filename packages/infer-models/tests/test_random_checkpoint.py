@@ -4,6 +4,7 @@ real-shape presets have the published parameter counts."""
 import argparse
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -11,10 +12,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infer.models.config import ModelConfig
 from infer.models.random_checkpoint import (
+    COMMON_WORDS,
     PRESETS,
     _hf_config,
     _special_tokens,
     _tensor_shapes,
+    _write_tokenizer,
     make_random_checkpoint,
     register_cli,
 )
@@ -117,3 +120,33 @@ def test_cli_rejects_a_preset_of_another_architecture(tmp_path):
     args = parser.parse_args(["random", "llama", "--preset", "qwen3-8b", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="not a llama preset; choose from llama-3.2-1b"):
         args.func(args)
+
+
+@pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen3-1.7b", "gemma-3-1b"])
+def test_a_real_shape_tokenizer_counts_common_english_as_a_real_tokenizer_does(preset, tmp_path):
+    # Benchmarks size chat prompts in words (W3's system prompt: 768): one token per byte would
+    # make them ~5x longer than on the real model. The oracle is SmolLM2's real tokenizer.
+    from infer.models.loader.fetch import fetch_model
+
+    vocab_size = PRESETS[preset].config["vocab_size"]
+    _write_tokenizer(
+        tmp_path, PRESETS[preset].arch, vocab_size, _special_tokens(PRESETS[preset].arch, vocab_size)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    real = AutoTokenizer.from_pretrained(fetch_model("smollm2-135m-instruct"))
+    assert len(tokenizer) == vocab_size
+    for word in COMMON_WORDS:
+        assert len(real.encode(" " + word, add_special_tokens=False)) == 1, word
+        for form in (word, " " + word, word.capitalize(), " " + word.capitalize()):
+            assert len(tokenizer.encode(form, add_special_tokens=False)) == 1, form
+    rng = random.Random(0)
+    text = "Request 7: " + " ".join(rng.choice(COMMON_WORDS) for _ in range(768)) + ". Done?"
+    ours, theirs = (len(t.encode(text, add_special_tokens=False)) for t in (tokenizer, real))
+    assert abs(ours - theirs) <= 0.02 * theirs, (ours, theirs)
+    other = "Paris, ça va? 東京 🙂 thereafter"  # words it does not know still round-trip, byte by byte
+    assert tokenizer.decode(tokenizer.encode(other, add_special_tokens=False)) == other
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    # Every id decodes alone to whole characters (fillers and words alike), bytes aside.
+    specials = set(tokenizer.added_tokens_decoder)
+    pieces = [tokenizer.decode([i]) for i in range(vocab_size) if i not in specials]
+    assert sum("\ufffd" in piece for piece in pieces) <= 128  # the lone bytes 0x80-0xff

@@ -4,7 +4,10 @@ downloading, and tiny shapes for fast CPU tests.
 A checkpoint is what transformers itself loads: config.json (written by transformers' own config
 class), safetensors (one file, or shards with an index), generation_config.json, and a byte-level
 tokenizer whose vocabulary size equals the model's, with the family's special tokens at their
-real ids. Tensors are streamed to disk one at a time, so an 8B preset needs ~1 tensor of memory.
+real ids; where the vocabulary has room (every real shape), the most common English words are one
+token each, as they are in the real tokenizers, so a benchmark's text has the token count it would
+have on the real model. Tensors are streamed to disk one at a time, so an 8B preset needs ~1 tensor
+of memory.
 """
 
 import argparse
@@ -264,9 +267,47 @@ def _special_tokens(arch: str, vocab_size: int) -> _Specials:
 _TEXT_TOKENS = frozenset({"<think>", "</think>"})
 
 
+# The most common English words. Real tokenizers give each one token, with a leading space and
+# without (SmolLM2's does: test_random_checkpoint checks it), and so does the random tokenizer
+# wherever its vocabulary has room. The benchmarks' chat text is drawn from these words.
+_COMMON_WORD_TEXT = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which but "
+    "have an they you were her she there been one all we their has would when if so no more can said "
+    "what out up them into time only new some could these two may first then do any like my now over "
+    "such our man me even most made after also did many before must through back years where much "
+    "your way well down should because each just those people how too little state good very make "
+    "world still own see men work long get here between both life being under never day same another "
+    "know while last might us great old year off come since against go came right used take three"
+)
+COMMON_WORDS = _COMMON_WORD_TEXT.split()
+
+
+def _word_merges() -> tuple[list[str], list[tuple[str, str]]]:
+    """The tokens and merges (in rank order) of a byte-level BPE trained on COMMON_WORDS, each
+    lower-case and capitalised, with and without a leading space: after them, each such word is
+    one token. A trained BPE, rather than hand-made merge chains, so that no merge made for one
+    word (`t h` for "the") splits another ("Ġthe") into pieces that never merge."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    words = [form for word in COMMON_WORDS for form in (word, word.capitalize())]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=1 << 20, min_frequency=1, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )  # fmt: skip
+    tokenizer.train_from_iterator([*words, *(" " + word for word in words)], trainer)
+    model = json.loads(tokenizer.to_str())["model"]
+    # Merges are "a b" strings in older tokenizers' JSON, [a, b] pairs in newer.
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    by_id = sorted(model["vocab"], key=model["vocab"].__getitem__)
+    return [token for token in by_id if len(token) > 1], merges
+
+
 def _write_tokenizer(out: Path, arch: str, vocab_size: int, specials: _Specials) -> None:
-    """A byte-level BPE without merges (one token per byte), padded with filler tokens to exactly
-    `vocab_size`, so any text round-trips and every model id decodes."""
+    """A byte-level BPE (a token per byte, and where the vocabulary has room, merges that make
+    each of COMMON_WORDS one token), padded with filler tokens to exactly `vocab_size`, so any
+    text round-trips and every model id decodes."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
@@ -275,6 +316,11 @@ def _write_tokenizer(out: Path, arch: str, vocab_size: int, specials: _Specials)
     vocab = {token: token_id for token, token_id in specials.ids.items()}
     for char in sorted(byte_chars):
         vocab[char] = next(free_ids)
+    word_tokens, merges = _word_merges()
+    if len(vocab) + len(word_tokens) > vocab_size // 2:
+        word_tokens, merges = [], []  # a tiny test vocabulary: bytes only
+    for token in word_tokens:
+        vocab[token] = next(free_ids)
     # Fillers are 2- to 4-character strings of ASCII letters and digits (the byte-level alphabet
     # maps those bytes to themselves): any sequence of them decodes to valid UTF-8, as a real
     # vocabulary's tokens almost always do. Random bytes would not, and a random model's output
@@ -282,11 +328,12 @@ def _write_tokenizer(out: Path, arch: str, vocab_size: int, specials: _Specials)
     # nothing a real model does (benchmarks measure inter-token latency on this text).
     alphabet = string.ascii_letters + string.digits
     fillers = ("".join(chars) for length in (2, 3, 4) for chars in itertools.product(alphabet, repeat=length))
+    unused_fillers = (filler for filler in fillers if filler not in vocab)  # "the" is a word already
     for token_id in free_ids:
-        vocab[next(fillers)] = token_id
+        vocab[next(unused_fillers)] = token_id
     if len(vocab) != vocab_size:
         raise AssertionError(f"built {len(vocab)} tokens for vocab_size {vocab_size}")
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(

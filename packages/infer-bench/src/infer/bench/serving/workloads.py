@@ -38,6 +38,8 @@ import json
 import random
 from dataclasses import dataclass, field
 
+from infer.models.random_checkpoint import COMMON_WORDS
+
 DEFAULT_VOCAB_SIZE = 32000
 REQUESTS_PER_CLIENT = 2
 
@@ -231,18 +233,5 @@ def _check_range(name: str, bounds: tuple[int, int], *, minimum: int) -> None:
         raise ValueError(f"{name} range must satisfy {minimum} <= low <= high, got {bounds}")
 
 
-# Common short English words: most tokenizers give each (with its leading space) one token.
-_WORD_TEXT = (
-    "the of and to in is that for it as was with be by on not he this are or his from at which but "
-    "have an they you were her she there been one all we their has would when if so no more can said "
-    "what out up them into time only new some could these two may first then do any like my now over "
-    "such our man me even most made after also did many before must through back years where much "
-    "your way well down should because each just those people how too little state good very make "
-    "world still own see men work long get here between both life being under never day same another "
-    "know while last might us great old year off come since against go came right used take three"
-)
-_WORDS = _WORD_TEXT.split()
-
-
 def _words(rng: random.Random, count: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(count))
+    return " ".join(rng.choice(COMMON_WORDS) for _ in range(count))
