@@ -235,14 +235,19 @@ def test_engine_only_runs_the_closed_loop_through_the_engine(tmp_path, monkeypat
     monkeypatch.setattr(engine_only.Engine, "step", step)  # the real step, counted
     status = bench_main([
         "engine-only", "--engine-config", str(config_path), "--workload", "W2", "--concurrency", "2",
-        "--num-requests", "3", "--vocab-size", str(vocab), "--repeats", "1", "--json", str(json_path),
+        "--num-requests", "3", "--vocab-size", str(vocab), "--repeats", "2", "--json", str(json_path),
     ])  # fmt: skip
     assert status == 0
     report = json.loads(json_path.read_text())
-    (run,) = report["runs"]
+    run, second_run = report["runs"]
     assert run["output_tokens"] == sum(request.max_tokens for request in workload.requests)
     assert run["output_tokens_per_s"] > 0 and run["steps"] >= max(r.max_tokens for r in workload.requests)
     assert max(most_in_flight) <= 2
+    # A repeat draws requests of its own (seed 1), so a prefix cache could not serve it from the
+    # run before.
+    repeat = make_workload("W2", concurrency=2, num_requests=3, vocab_size=vocab, seed=1)
+    assert [r.max_tokens for r in repeat.requests] != [r.max_tokens for r in workload.requests]
+    assert second_run["output_tokens"] == sum(request.max_tokens for request in repeat.requests)
 
 
 TINY_CONVERSATION = WorkloadShape(

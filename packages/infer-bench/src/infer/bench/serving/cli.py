@@ -160,6 +160,7 @@ def _run_serve(args) -> int:
 
 def _run_engine_only(args) -> int:
     from infer.bench.serving.engine_only import engine_only_markdown, run_engine_only
+    from infer.bench.serving.matrix import run_seed
     from infer.bench.serving.report import write_json
     from infer.bench.serving.workloads import make_workload
     from infer.engine.config import EngineConfig
@@ -168,17 +169,24 @@ def _run_engine_only(args) -> int:
     config = EngineConfig.from_file(args.engine_config)
     workload = _workload(args)
     engine = Engine(config)
-    try:
-        # Untimed: first-call costs (kernel variants, allocator) stay out of the numbers.
-        warm_up = make_workload(
+
+    def requests(seed: int, num_requests: int | None):
+        return make_workload(
             args.workload,
             concurrency=workload.concurrency,
-            seed=args.seed + 1,
-            num_requests=8,
+            seed=seed,
+            num_requests=num_requests,
             vocab_size=args.vocab_size,
         )
-        run_engine_only(engine, warm_up)
-        runs = [run_engine_only(engine, workload) for _ in range(args.repeats)]
+
+    try:
+        # Untimed: first-call costs (kernel variants, allocator) stay out of the numbers.
+        run_engine_only(engine, requests(run_seed(args.seed, "warm-up", workload.concurrency), 8))
+        # Each repeat draws requests of its own (the first: --seed's): with a prefix cache, a
+        # repeat of the same requests would hit what the one before it left.
+        runs = [run_engine_only(engine, workload)]
+        for i in range(1, args.repeats):
+            runs.append(run_engine_only(engine, requests(args.seed + i, args.num_requests)))
     finally:
         engine.shutdown()
     report = {
