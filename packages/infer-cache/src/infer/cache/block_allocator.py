@@ -168,8 +168,8 @@ class BlockAllocator:
 
     def _check_ids(self, block_ids: Iterable[int]) -> list[int]:
         blocks = [self._check_id(block) for block in block_ids]
-        repeated = sorted(block for block, count in Counter(blocks).items() if count > 1)
-        if repeated:
+        if len(blocks) > 1 and len(set(blocks)) != len(blocks):  # (a Counter for every call cost more)
+            repeated = sorted(block for block, count in Counter(blocks).items() if count > 1)
             raise OwnerError(
                 f"blocks {repeated} appear more than once in one call; an owner holds a block at most once"
             )

@@ -330,6 +330,30 @@ class PrefixTree:
         frees) its own references to every block. Then evicts down to `max_blocks`.
 
         ValueError (changing nothing) when a block to take is free or already in the tree."""
+        return self.extend(MISS, token_ids, block_ids, salt=salt, end=end, lock=False)[0]
+
+    def extend(
+        self,
+        held: PrefixMatch,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        *,
+        salt: str | None = None,
+        end: bool = True,
+        lock: bool = True,
+    ) -> tuple[list[int], PrefixMatch | None]:
+        """`insert(token_ids, block_ids)` for a sequence whose first `held.num_tokens` tokens are
+        `held`, a locked match of whole blocks (a running request's, from an earlier extend; MISS
+        for none), that then moves held's lock onto the whole sequence (`lock`), or gives it up.
+        Returns the blocks the tree took and, with `lock`, the match that holds the lock now.
+
+        The same as insert, then `m = match(token_ids); lock(m)` (with `lock`), then
+        `unlock(held)`, but the walk starts where `held` ends: a request that gives the tree its
+        blocks chunk by chunk, and its whole sequence when it finishes, costs the tree its new
+        blocks, not its whole path each time.
+
+        ValueError (changing nothing) as insert, or when `held` is not such a match of these
+        tokens."""
         tokens = tuple(token_ids)
         size = self.block_size
         num_blocks = -(-len(tokens) // size)
@@ -337,19 +361,34 @@ class PrefixTree:
             raise ValueError(
                 f"{len(tokens)} tokens need {num_blocks} blocks of {size}, got {len(block_ids)} block ids"
             )
+        start = held.num_tokens
+        top = held._last_node
+        if (
+            held.copy_tokens
+            or start > len(tokens)
+            or (top is not None and (top.depth != start or top.tokens != tokens[start - size : start]))
+        ):
+            raise ValueError(
+                f"held must be a match of whole blocks of these tokens; it reuses {start} tokens "
+                f"(copying {held.copy_tokens}) of {len(tokens)}"
+            )
+        if top is not None and top.lock_count < 1:
+            raise LockError(f"block {top.block} is not locked; extend moves the lock of a locked match")
         if not tokens:
-            return []
-        # Walk what the tree holds; the blocks from the first miss on are new.
-        chunks = [tokens[i * size : (i + 1) * size] for i in range(num_blocks)]
-        held: list[_Node] = []
-        root = node = self._roots.get(salt) or _Node((), -1, None)
+            return [], held if lock else None
+        # Walk what the tree holds below `held`; the blocks from the first miss on are new.
+        chunks = [tokens[i : i + size] for i in range(start, num_blocks * size, size)]
+        path: list[_Node] = []
+        root = self._roots.get(salt) or _Node((), -1, None)
+        node = top if top is not None else root
         for chunk in chunks:
             child = self._holder(node, chunk)
             if child is None:
                 break
-            held.append(child)
+            path.append(child)
             node = child
-        new_blocks = [int(block) for block in block_ids[len(held) : num_blocks]]
+        num_held_blocks = start // size + len(path)
+        new_blocks = [int(block) for block in block_ids[num_held_blocks:num_blocks]]
         for block in new_blocks:
             if block in self._nodes:
                 raise ValueError(f"block {block} already holds other tokens in the tree")
@@ -360,24 +399,62 @@ class PrefixTree:
         tick, now = next(self._tick), self._clock()
         self.allocator.share(new_blocks, self.owner)
         self._roots[salt] = root
-        for chunk, block in zip(chunks[len(held) :], new_blocks, strict=True):
+        for chunk, block in zip(chunks[len(path) :], new_blocks, strict=True):
             runs = node.children.setdefault(chunk[0], {})
             child = _Node(chunk, block, node, depth=node.depth + len(chunk))
             runs[chunk] = child
             self._nodes[block] = child
             if len(runs) > 1:
                 self._absorb_shorter_siblings(child, runs)
-            held.append(child)
+            path.append(child)
             node = child
-        for child in held:
-            child.last_access, child.last_access_s = tick, now
-            child.reach = max(child.reach, len(tokens))
-            self._note(child)
+        last = node
         if end:
-            node.ends |= {len(tokens) - (num_blocks - 1) * size}
+            last.ends |= {len(tokens) - (num_blocks - 1) * size}
+        # One walk up the whole sequence: each node marked used (and how long a sequence went
+        # through it); below `held`, locked with `lock`; from `held` up, its lock kept with
+        # `lock`, else given up. (Locked nodes are no eviction candidates: nothing to _note.)
+        reach = len(tokens)
+        node = last
+        while node is not top and node.parent is not None:
+            node.last_access, node.last_access_s = tick, now
+            if node.reach < reach:
+                node.reach = reach
+            if lock:
+                self._num_locked += node.lock_count == 0 and node.slot is None
+                node.lock_count += 1
+            else:
+                self._note(node)
+            node = node.parent
+        while node.parent is not None:
+            node.last_access, node.last_access_s = tick, now
+            if node.reach < reach:
+                node.reach = reach
+            if not lock:
+                node.lock_count -= 1
+                if not node.lock_count:
+                    self._num_locked -= node.slot is None
+                    self._note(node)
+            node = node.parent
+        match = None
+        if lock:
+            read = (*held._read, *path)
+            kind = self._kind(tokens, len(tokens), read, None, 0)
+            shared = len(tokens) // size
+            partial = len(tokens) % size
+            match = PrefixMatch(
+                kind,
+                len(tokens),
+                len(tokens),
+                held.block_ids + tuple(node.block for node in path[: shared - start // size]),
+                last.block if partial else None,
+                partial,
+                held.num_cold + sum(node.slot is not None for node in path),
+                read,
+            )
         if self.max_blocks is not None and len(self._nodes) > self.max_blocks:
             self.evict(len(self._nodes) - self.max_blocks)
-        return new_blocks
+        return new_blocks, match
 
     def _holder(self, node: _Node, chunk: tuple[int, ...]) -> _Node | None:
         """The child of `node` that holds `chunk`'s tokens: the same run, or for a partial chunk a

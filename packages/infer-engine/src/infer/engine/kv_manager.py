@@ -31,8 +31,7 @@ everyday signal to preempt, not an error.
 
 from collections import Counter
 
-from infer.cache import COPY, QUANTIZE, RESTORE, BlockAllocator, PrefixMatch, PrefixTree
-from infer.cache.prefix_tree import MISS
+from infer.cache import COPY, MISS, QUANTIZE, RESTORE, BlockAllocator, PrefixMatch, PrefixTree
 from infer.engine.request import Request
 
 
@@ -163,16 +162,24 @@ class KVCacheManager:
         if num_blocks <= self._num_given_blocks.get(request_id, 0):
             return
         tokens = tokens[: num_blocks * self.block_size]
-        taken = tree.insert(tokens, request.block_ids[:num_blocks], salt=request.cache_salt, end=False)
+        taken, self._matches[request_id] = tree.extend(
+            self._held(request_id), tokens, request.block_ids[:num_blocks], salt=request.cache_salt, end=False
+        )
         self._take_quantized()  # when the insert went over max_blocks
         self._given.setdefault(request_id, []).extend(taken)
         self._num_given_blocks[request_id] = num_blocks
-        match = tree.match(tokens, salt=request.cache_salt)
-        tree.lock(match)
-        previous = self._matches.get(request_id)
-        if previous is not None:
-            tree.unlock(previous)
-        self._matches[request_id] = match
+
+    def _held(self, request_id: str, num_tokens: int | None = None) -> PrefixMatch:
+        """The request's locked match, for `PrefixTree.extend` to walk on from (and move the lock
+        of): MISS, after unlocking it, when it is none extend can take (an acquired match ending
+        inside the block the request copied, or one past `num_tokens`)."""
+        match = self._matches.get(request_id)
+        if match is None:
+            return MISS
+        if match.copy_tokens or (num_tokens is not None and match.num_tokens > num_tokens):
+            self.prefix_tree.unlock(self._matches.pop(request_id))
+            return MISS
+        return match
 
     def take_block_ops(self) -> tuple[tuple[str, int, int], ...]:
         """The block operations made since the last call (copies and restores for the acquired
@@ -253,18 +260,20 @@ class KVCacheManager:
             self._kinds.pop(request.request_id, None)
             self._num_given_blocks.pop(request.request_id, None)
             given = self._given.pop(request.request_id, [])
-            match = self._matches.pop(request.request_id, None)
-            if match is not None:
-                tree.unlock(match)
+            tokens = request.all_token_ids[: request.num_computed_tokens]
+            cache = cache and bool(tokens) and not request.bypass_prefix_cache
+            held = self._held(request.request_id, len(tokens))
+            self._matches.pop(request.request_id, None)
+            if not cache and held is not MISS:
+                tree.unlock(held)
             if not cache and given:
                 tree.discard(given)
             if self._ops:  # a copy into a block of a request that leaves before its step
                 self._ops = [op for op in self._ops if op[0] != COPY or op[2] not in request.block_ids]
-            tokens = request.all_token_ids[: request.num_computed_tokens]
-            if cache and tokens and not request.bypass_prefix_cache:
-                tree.insert(
-                    tokens, request.block_ids[: self.blocks_for_tokens(len(tokens))], salt=request.cache_salt
-                )
+            if cache:
+                # Inserts the whole sequence and gives up the request's lock, in one walk.
+                blocks = request.block_ids[: self.blocks_for_tokens(len(tokens))]
+                tree.extend(held, tokens, blocks, salt=request.cache_salt, end=True, lock=False)
                 self._take_quantized()
         self.allocator.free(request.block_ids, request.request_id)
         request.block_ids = []
