@@ -19,6 +19,7 @@ import bench_paged_attention  # noqa: E402
 import bench_rms_norm  # noqa: E402
 import bench_rope  # noqa: E402
 import bench_store_kv  # noqa: E402
+import bench_token_bitmask  # noqa: E402
 import harness  # noqa: E402
 import torch  # noqa: E402
 
@@ -28,6 +29,7 @@ BENCH_MODULES = [
     bench_rope,
     bench_activation,
     bench_store_kv,
+    bench_token_bitmask,
     bench_paged_attention,
 ]
 

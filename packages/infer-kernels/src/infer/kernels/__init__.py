@@ -10,6 +10,7 @@ from infer.kernels.paged_attention import extend_tile_size, paged_attention, pag
 from infer.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from infer.kernels.rope import rope, rope_ref, rope_tables
 from infer.kernels.store_kv import store_kv, store_kv_ref
+from infer.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 from infer.kernels.tolerance import TOLERANCES, Tolerance, assert_close
 
 __all__ = [
@@ -19,6 +20,8 @@ __all__ = [
     "__version__",
     "add_rms_norm",
     "add_rms_norm_ref",
+    "apply_token_bitmask",
+    "apply_token_bitmask_ref",
     "assert_close",
     "extend_tile_size",
     "gelu_tanh_and_mul",
