@@ -18,6 +18,8 @@ from transformers.generation.logits_process import (
 
 from infer.engine import SamplingParams
 from infer.engine.sampler import (
+    AllowedTokens,
+    SamplingTensors,
     apply_min_p,
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
@@ -25,6 +27,7 @@ from infer.engine.sampler import (
     apply_top_k,
     apply_top_p,
     make_generator,
+    sample,
     sample_next_tokens,
 )
 
@@ -253,3 +256,68 @@ def test_temperatures_below_the_sampling_epsilon_are_greedy(temperature):
     assert sample_next_tokens(logits, [params], [[]], [make_generator(0, "cpu")]).tolist() == [
         int(logits[0].argmax())
     ]
+
+
+def bitmask_of(allowed_sets: list[set[int]], vocab_size: int = VOCAB_SIZE) -> torch.Tensor:
+    """int32 words, bit t % 32 of word t // 32 set for each allowed token t (the grammars' layout)."""
+    words = torch.zeros(len(allowed_sets), -(-vocab_size // 32), dtype=torch.int64)
+    for row, allowed in enumerate(allowed_sets):
+        for token in allowed:
+            words[row, token // 32] |= 1 << (token % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+EOS = 7
+
+
+def constrained_sample(logits, params, allowed_sets, rows, outputs=None, *, generators=None):
+    generators = generators or [make_generator(p.seed, "cpu") for p in params]
+    tensors = SamplingTensors.build(params, generators, "cpu", eos_token_ids=[EOS])
+    allowed = AllowedTokens(bitmask_of(allowed_sets), torch.tensor(rows))
+    outputs = outputs or [[] for _ in params]
+    return sample(logits, tensors, [[]] * len(params), outputs, allowed)
+
+
+def test_a_grammar_row_takes_its_best_allowed_token_and_its_neighbours_are_untouched():
+    logits = random_logits(3, seed=11)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0)] * 3
+    allowed = {5, 17, 40}
+    chosen = constrained_sample(logits, params, [allowed], rows=[1]).tolist()
+    assert chosen[1] == max(allowed, key=lambda t: logits[1, t].item())
+    assert logits[1].argmax().item() not in allowed, "the seed should make the mask matter"
+    assert [chosen[0], chosen[2]] == [logits[0].argmax().item(), logits[2].argmax().item()]
+    assert torch.equal(logits, before), "the caller's logits are not written"
+
+
+def test_sampled_grammar_rows_draw_only_allowed_tokens_after_truncation():
+    logits = random_logits(2, seed=12) / 3  # flat enough that both of the top two get drawn
+    allowed = [{1, 2, 3, 30, 31, 49}, {8}]
+    params = [
+        SamplingParams(temperature=1.5, top_k=2, seed=3),
+        SamplingParams(temperature=1.0, top_p=0.5, seed=4),
+    ]
+    generators = [make_generator(p.seed, "cpu") for p in params]
+    draws = [
+        constrained_sample(logits, params, allowed, rows=[0, 1], generators=generators) for _ in range(60)
+    ]
+    row0 = {int(d[0]) for d in draws}
+    # top-k chooses among the allowed tokens: the two best allowed ones, both drawn at 1.5.
+    assert row0 == set(sorted(allowed[0], key=lambda t: -logits[0, t].item())[:2])
+    assert {int(d[1]) for d in draws} == {8}
+
+
+def test_no_logit_bias_brings_back_a_forbidden_token():
+    logits = random_logits(1, seed=13)
+    params = [SamplingParams(temperature=0, logit_bias={9: 100.0})]
+    chosen = constrained_sample(logits, params, [{2, 3}], rows=[0]).tolist()
+    assert chosen[0] in {2, 3}
+
+
+def test_when_min_tokens_bans_all_a_grammar_allows_the_grammar_wins():
+    # A finished grammar allows only EOS; min_tokens still bans EOS: the row takes EOS, and its
+    # neighbour, with the same ban and no grammar, does not.
+    logits = random_logits(2, seed=14)
+    params = [SamplingParams(temperature=0, min_tokens=5), SamplingParams(temperature=0, min_tokens=5)]
+    chosen = constrained_sample(logits, params, [{EOS}], rows=[0]).tolist()
+    assert chosen[0] == EOS and chosen[1] != EOS

@@ -4,9 +4,15 @@ Pipeline, in this order (the order of transformers' logits processors, so that `
 the same settings is a valid oracle):
 
     logit bias -> min_tokens bans -> repetition penalty -> presence / frequency penalties
-    -> temperature (below 1e-5: greedy argmax) -> top-k -> top-p -> min-p -> draw
+    -> allowed tokens (grammars) -> temperature (below 1e-5: greedy argmax) -> top-k -> top-p
+    -> min-p -> draw
 
 The logit bias and the three penalties come before the argmax, so they change greedy rows too.
+A grammar's mask (`AllowedTokens`, for the rows that follow one) comes after them, so no bias can
+bring back a token it forbids, and before every truncation, so top-k and top-p choose among the
+allowed tokens only. Where the bans leave a row nothing its grammar allows (min_tokens banning the
+EOS that is all a finished grammar allows), the grammar wins: the row keeps its raw logits masked
+by the grammar alone. A batch with no such row pays nothing.
 
 Logprobs (`compute_logprobs`, for the rows whose SamplingParams ask) are of the logits as the
 model gave them, before any of these transforms: the model's own distribution, whatever the
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.engine.sampling_params import SamplingParams
+from infer.kernels import apply_token_bitmask
 
 Tokens = torch.Tensor | Sequence[int]
 
@@ -149,17 +156,29 @@ def _columns(entries: list[tuple], device) -> tuple[torch.Tensor, ...] | None:
     return tuple(torch.tensor(column, device=device) for column in zip(*entries, strict=True))
 
 
+@dataclass(frozen=True)
+class AllowedTokens:
+    """The tokens some rows' grammars allow this step: bitmask row i (int32 words, bit t % 32 of
+    word t // 32 set: token t allowed) is for logits row `rows[i]`. See apply_token_bitmask."""
+
+    bitmask: torch.Tensor  # [R, words] int32
+    rows: torch.Tensor  # [R] int64, distinct
+
+
 def sample(
     logits: torch.Tensor,
     tensors: SamplingTensors,
     token_ids: Sequence[Tokens] = (),
     output_ids: Sequence[Tokens] = (),
+    allowed: AllowedTokens | None = None,
 ) -> torch.Tensor:
     """logits [B, V]; the batch's SamplingTensors; per row its prompt + generated ids (read only
     when `tensors.reads_token_ids`) and its generated ids (read only when
-    `tensors.reads_output_ids`). Returns [B] int64."""
+    `tensors.reads_output_ids`); the grammar-constrained rows' allowed tokens, if any. Returns
+    [B] int64."""
     if logits.shape[0] != tensors.num_rows:
         raise ValueError(f"sampling settings for {tensors.num_rows} rows, logits have {logits.shape[0]}")
+    raw = logits
     logits = logits.float()
     if tensors.logit_bias is not None:
         rows, token_ids_biased, biases = tensors.logit_bias
@@ -185,6 +204,8 @@ def sample(
         logits = apply_presence_frequency_penalties(
             logits, output_ids, tensors.presence_penalties, tensors.frequency_penalties
         )
+    if allowed is not None:
+        logits = apply_allowed_tokens(logits, raw, allowed)
     greedy_tokens = logits.argmax(dim=-1)
     if not tensors.sampled_rows:
         return greedy_tokens
@@ -245,6 +266,22 @@ def sample_next_tokens(
             f"{len(generators)} for {logits.shape[0]} rows"
         )
     return sample(logits, SamplingTensors.build(params, generators, logits.device), token_ids, output_ids)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, raw: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
+    """-inf for every token a constrained row's grammar does not allow. A row left with no
+    allowed token (bans and grammar disagree) takes its raw logits under the grammar's mask alone,
+    chosen on the device (no host sync)."""
+    if logits is raw:  # never write into the caller's logits
+        logits = logits.clone()
+    apply_token_bitmask(logits, allowed.bitmask, allowed.rows)
+    rows = allowed.rows
+    grammar_only = raw[rows].float()
+    apply_token_bitmask(grammar_only, allowed.bitmask, torch.arange(len(rows), device=rows.device))
+    constrained = logits[rows]
+    nothing_left = torch.isneginf(constrained).all(dim=-1, keepdim=True)
+    logits[rows] = torch.where(nothing_left, grammar_only, constrained)
+    return logits
 
 
 def apply_repetition_penalty(
