@@ -24,7 +24,8 @@ def cases() -> list[Case]:
             op="token_bitmask",
             shape=f"{rows} rows, vocab {VOCAB_SIZE}",
             tokens=rows,
-            bytes_moved=rows * (VOCAB_SIZE * 4 * 2 + NUM_WORDS * 4),  # logits read and written, bits read
+            # The bits read, and -inf written where a bit is 0: half the logits of random words.
+            bytes_moved=rows * (VOCAB_SIZE * 4 // 2 + NUM_WORDS * 4),
             make_inputs=lambda r=rows: make_inputs(r),
             triton_fn=apply_token_bitmask,
             eager_fn=apply_token_bitmask_ref,
