@@ -1,0 +1,161 @@
+"""The grammar layer on SmolLM2's real tokenizer: random walks through the allowed tokens end in
+text that `jsonschema` / `re.fullmatch` (never the grammar itself) accept; a forbidden token is
+refused; a token crossing a grammar boundary is allowed exactly when its whole text fits."""
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from infer.engine.grammar import GrammarCompiler, ascii_classes
+from infer.engine.grammar_spec import GrammarSpec, GrammarSpecError
+from infer.models.load import load_model_info
+
+MAX_TOKENS = 300
+CLOSERS = ('"', "}", "]", ",")
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {}, "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 40}, "minItems": 2,
+     "maxItems": 4},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+     "none": {"type": "null"}}, "required": ["color", "ok", "none"], "additionalProperties": False},
+    {"type": "object", "properties": {"id": {"type": "string", "format": "uuid"},
+     "day": {"type": "string", "format": "date"}}, "required": ["id", "day"], "additionalProperties": False},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": r"^[A-Z]{2}\d{3}$"}},
+     "required": ["code"], "additionalProperties": False},
+    {"type": "object", "properties": {"v": {"anyOf": [{"type": "number", "exclusiveMinimum": 0},
+     {"type": "string", "minLength": 2, "maxLength": 4}]}}, "required": ["v"], "additionalProperties": False},
+    {"$defs": {"node": {"type": "object", "properties": {"k": {"const": "leaf"},
+     "n": {"type": "integer", "multipleOf": 5}}, "required": ["k", "n"], "additionalProperties": False}},
+     "type": "object", "properties": {"a": {"$ref": "#/$defs/node"}, "b": {"type": "array",
+     "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, "required": ["a", "b"],
+     "additionalProperties": False},
+    {"type": "array", "prefixItems": [{"type": "string", "maxLength": 3}, {"type": "integer"}],
+     "items": False},
+]  # fmt: skip
+REGEXES = [
+    r"\d{3}-\d{4}",
+    r"(yes|no|maybe)",
+    r"[a-z]{2,5}@[a-z]{3}\.(com|org)",
+    r"v\d+\.\d+\.\d+",
+    r"[\w]{1,6}",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_model_info("smollm2-135m-instruct").tokenizer.hf_tokenizer
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+def allowed_ids(bitmask: torch.Tensor, vocab_size: int) -> list[int]:
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return torch.nonzero(bits.flatten()[:vocab_size]).flatten().tolist()
+
+
+def random_walk(compiler, tokenizer, spec, seed):
+    """Random allowed tokens (after 40, preferring closing ones, so walks end); returns the ids
+    and whether the grammar reached EOS."""
+    rng = random.Random(seed)
+    matcher = compiler.compile(spec).matcher()
+    bitmask = compiler.allocate_bitmask(1)
+    ids = []
+    for step in range(MAX_TOKENS):
+        matcher.fill_bitmask(bitmask, 0)
+        allowed = allowed_ids(bitmask[0], compiler.vocab_size)
+        assert allowed, f"an empty mask after {ids}"
+        if step > 40:
+            closing = [
+                t for t in allowed
+                if t == tokenizer.eos_token_id or any(c in tokenizer.decode([t]) for c in CLOSERS)
+            ]  # fmt: skip
+            allowed = closing or allowed
+        token = rng.choice(allowed)
+        if token == tokenizer.eos_token_id:
+            assert matcher.is_terminal, "EOS was allowed where the output may not end"
+            return ids, True
+        assert matcher.advance(token)
+        ids.append(token)
+    return ids, False
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_random_walks_through_a_schemas_grammar_end_in_valid_json(compiler, tokenizer, index):
+    schema = SCHEMAS[index]
+    checker = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+    finished = 0
+    for seed in range(8):
+        ids, ended = random_walk(compiler, tokenizer, GrammarSpec.json_schema(schema), seed)
+        if ended:
+            finished += 1
+            checker.validate(json.loads(tokenizer.decode(ids)))
+    assert finished >= 6
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_random_walks_through_a_regex_end_in_a_full_match_with_ascii_classes(compiler, tokenizer, pattern):
+    finished = 0
+    for seed in range(8):
+        ids, ended = random_walk(compiler, tokenizer, GrammarSpec.regex(pattern), seed)
+        if ended:
+            finished += 1
+            text = tokenizer.decode(ids)
+            # ECMA-262 classes: \d is [0-9] (llguidance's own \d takes any Unicode digit)
+            assert re.fullmatch(pattern, text, re.ASCII), text
+    assert finished >= 6
+
+
+def test_a_token_crossing_a_grammar_boundary_is_allowed_exactly_when_its_text_fits(compiler, tokenizer):
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    close = tokenizer.convert_tokens_to_ids('"}')
+    assert tokenizer.decode([close]) == '"}', "SmolLM2 has a token for the two characters"
+    matcher = compiler.compile(GrammarSpec.json_schema(schema)).matcher()
+    bitmask = compiler.allocate_bitmask(1)
+    for token in tokenizer.encode('{"a":"x', add_special_tokens=False):
+        assert matcher.advance(token)
+    matcher.fill_bitmask(bitmask, 0)
+    assert close in allowed_ids(bitmask[0], compiler.vocab_size)
+    assert matcher.advance(close) and matcher.is_terminal
+    matcher.fill_bitmask(bitmask, 0)
+    assert allowed_ids(bitmask[0], compiler.vocab_size) == [tokenizer.eos_token_id]
+
+
+def test_a_forbidden_token_is_refused_and_leaves_the_matcher_dead(compiler, tokenizer):
+    matcher = compiler.compile(GrammarSpec.regex("(yes|no)")).matcher()
+    (x_token,) = tokenizer.encode("x", add_special_tokens=False)
+    assert not matcher.advance(x_token) and matcher.is_dead
+
+
+def test_a_spec_compiles_once(compiler):
+    a = GrammarSpec.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}})
+    b = GrammarSpec.json_schema({"properties": {"x": {"type": "integer"}}, "type": "object"})
+    assert compiler.compile(a) is compiler.compile(b)
+
+
+def test_a_pattern_the_library_cannot_compile_is_a_spec_error(compiler):
+    with pytest.raises(GrammarSpecError, match="cannot be enforced"):
+        compiler.compile(GrammarSpec.regex(r"a(?=b)"))  # lookahead: Python's re has it, no DFA does
+
+
+@pytest.mark.parametrize(
+    ("pattern", "ascii"),
+    [(r"\d{3}", "[0-9]{3}"), (r"[\d.]+", "[0-9.]+"), (r"\\d", r"\\d"), (r"\w+\s", "[A-Za-z0-9_]+\\s"),
+     (r"[\]\d]", r"[\]0-9]")],
+)  # fmt: skip
+def test_ascii_classes_spell_d_and_w_as_ecma_does(pattern, ascii):
+    assert ascii_classes(pattern) == ascii
