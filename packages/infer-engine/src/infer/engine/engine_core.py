@@ -49,6 +49,7 @@ from infer.engine.request import Request, RequestState
 from infer.engine.runner import ModelRunner
 from infer.engine.scheduler import Scheduler
 from infer.engine.stop import stop_token_ids_of, token_finish_reason
+from infer.engine.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,14 @@ class EngineCore:
             vocab_size=model.config.vocab_size,
             eos_token_ids=eos_token_ids,
         )
+        # Structured output: a matcher per constrained request (the compiler builds meanwhile).
+        self.structured_output = StructuredOutput(
+            loaded_model.tokenizer.hf_tokenizer,
+            model.config.vocab_size,
+            eos_token_ids,
+            self.device,
+            config.max_batch_size,
+        )
         self.runner = ModelRunner(
             model,
             self.kv_pool,
@@ -169,7 +178,11 @@ class EngineCore:
         self._num_added += 1
         try:
             self.limits.check_request(prompt_ids, engine_request.sampling)
+            grammar = engine_request.sampling.grammar
+            matcher = self.structured_output.matcher(grammar) if grammar is not None else None
             self.scheduler.add(request)
+            if matcher is not None:
+                self.structured_output.add(request.request_id, matcher)
         except (ValueError, RuntimeError) as error:  # QueueFullError is a RuntimeError
             logger.info("refused request %s: %s", request.request_id, error)
             request.error = f"{type(error).__name__}: {error}"
@@ -179,6 +192,7 @@ class EngineCore:
         """Ends these requests now (their blocks are free at once); each gets a final output
         (FinishReason.ABORT) with the next step. Ids unknown or finished are ignored."""
         for request_id in request_ids:
+            self.structured_output.remove(request_id)
             request = self.scheduler.finish(request_id)
             if request is None:
                 continue  # finished in an earlier step, or never here
@@ -212,8 +226,17 @@ class EngineCore:
                 request.first_scheduled_s = time.monotonic()
         finished: list[str] = []
         num_prompt_tokens = self._num_prompt_tokens(decision)
+        masks = None
+        if self.structured_output:
+            masks = self.structured_output.allowed
+            # A grammar's mask needs its request's last token: collect the step still running
+            # (async scheduling) before this one samples. Batches without a constrained
+            # request keep their overlap.
+            if self._launched and self.structured_output.constrains_any(decision.num_scheduled_tokens):
+                while self._launched:
+                    outputs += self._collect(self._launched.popleft(), finished)
         try:
-            self.runner.launch(decision)
+            self.runner.launch(decision, masks)
         except Exception as error:  # noqa: BLE001 - a failed forward fails its step's requests, not the engine
             outputs += self._fail(decision, error, finished)
         else:
@@ -225,6 +248,7 @@ class EngineCore:
         while len(self._launched) > keep:
             outputs += self._collect(self._launched.popleft(), finished)
         for request_id in finished:
+            self.structured_output.remove(request_id)
             request = self.scheduler.get(request_id)
             # A failed forward's K/V may be wrong: none of it goes to the prefix cache.
             self.scheduler.finish(
@@ -337,8 +361,18 @@ class EngineCore:
             reason = token_finish_reason(request.params, request.stop_token_ids, first + index + 1, token_id)
             if reason is not None:
                 break
+        refused = self.structured_output.advance(request.request_id, accepted)
+        if refused is not None:  # the mask allowed it: a bug, never the client's doing
+            logger.error("request %s: its grammar refused token %d", request.request_id, refused)
+            request.state = RequestState.FAILED
+            request.error = f"GrammarError: the grammar refused sampled token {refused}"
+            reason = FinishReason.ERROR
+            self._counters["failed"] += 1
+            accepted = accepted[: accepted.index(refused)]
         self._counters["generation_tokens"] += len(accepted)
-        if reason is not None:
+        if reason is FinishReason.ERROR:
+            finished.append(request.request_id)
+        elif reason is not None:
             request.state = RequestState.FINISHED
             request.finish_reason = reason
             finished.append(request.request_id)

@@ -109,7 +109,13 @@ class GrammarMatcher:
 
     @property
     def is_dead(self) -> bool:
+        """It refused a token (or failed): it allows nothing from then on."""
         return self._matcher.is_error()
+
+    @property
+    def is_stopped(self) -> bool:
+        """The output is complete: only EOS is allowed from here (before and after it is taken)."""
+        return self._matcher.is_stopped()
 
 
 class GrammarCompiler:

@@ -17,7 +17,7 @@ id from `last_sampled`, the device copy of that step's tokens (`resolve_pending_
 """
 
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +26,7 @@ import torch
 from infer.engine.cuda_graphs import StepGraphs
 from infer.engine.decision import RunnerOutput, ScheduleDecision, TokenLogprobs
 from infer.engine.input_batch import InputBatch, RowState, StepInputs, resolve_pending_tokens
-from infer.engine.sampler import SamplingTensors, compute_logprobs, sample
+from infer.engine.sampler import AllowedTokens, SamplingTensors, compute_logprobs, sample
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
 
 
@@ -164,9 +164,15 @@ class ModelRunner:
         return self.collect()
 
     @torch.inference_mode()
-    def launch(self, decision: ScheduleDecision) -> None:
+    def launch(
+        self,
+        decision: ScheduleDecision,
+        allowed: Callable[[Sequence[str]], AllowedTokens | None] | None = None,
+    ) -> None:
         """Queues the step's forward and sampling on the device without waiting for them; its
-        RunnerOutput comes from a later `collect()`, in launch order."""
+        RunnerOutput comes from a later `collect()`, in launch order. `allowed(sampling_ids)`
+        gives the grammar masks of the step's sampling rows (row i: sampling_ids[i]); it is
+        called once the forward is queued, so the host fills them while the device computes."""
         if self._launched and not self.async_scheduling:
             raise RuntimeError("a step is launched and not collected; only async_scheduling launches ahead")
         self.input_batch.apply(decision)
@@ -187,7 +193,8 @@ class ModelRunner:
         logprobs = None
         if sampling_ids:
             tensors = self._sampling_tensors(tuple(sampling_ids))
-            tokens = self._sample(logits, sampling_ids, tensors)
+            masks = allowed(sampling_ids) if allowed is not None else None
+            tokens = self._sample(logits, sampling_ids, tensors, masks)
             self.last_sampled[: len(tokens)].copy_(tokens)
             host_tokens.copy_(tokens, non_blocking=True)
             if tensors.logprobs_rows:
@@ -292,7 +299,11 @@ class ModelRunner:
         )
 
     def _sample(
-        self, logits: torch.Tensor, request_ids: Sequence[str], tensors: SamplingTensors
+        self,
+        logits: torch.Tensor,
+        request_ids: Sequence[str],
+        tensors: SamplingTensors,
+        allowed: AllowedTokens | None = None,
     ) -> torch.Tensor:
         batch = self.input_batch
         if tensors.reads_token_ids or tensors.reads_output_ids:
@@ -309,7 +320,7 @@ class ModelRunner:
             else ()
         )
         outputs = [batch.output_ids(rid) for rid in request_ids] if tensors.reads_output_ids else ()
-        return sample(logits, tensors, histories, outputs)
+        return sample(logits, tensors, histories, outputs, allowed)
 
     def _sampling_tensors(self, request_ids: tuple[str, ...]) -> SamplingTensors:
         """The batch's SamplingTensors, rebuilt when other requests (or the same ones in another

@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass, field
 
+from infer.engine.grammar_spec import GrammarSpec
+
 # Temperatures below this sample greedily, as in vLLM: dividing logits by them overflows float32
 # (1e-37), or they round to 0 in float32 (1e-300), and either way the distribution is the argmax.
 SAMPLING_EPS = 1e-5
@@ -49,6 +51,9 @@ class SamplingParams:
     # None: no logprobs. They are of the model's raw distribution (log_softmax of its logits,
     # before logit bias, penalties, temperature and truncation), as vLLM returns by default.
     logprobs: int | None = None
+    # Structured output: what the whole output must be (a JSON schema, any JSON object, or a
+    # regex); the engine allows only tokens that keep it possible, and EOS once it is complete.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self):
         _require(_is_number(self.temperature), "temperature must be a number", self.temperature)
@@ -110,6 +115,17 @@ class SamplingParams:
             self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
             f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}]",
             self.logprobs,
+        )
+
+        _require(
+            self.grammar is None or isinstance(self.grammar, GrammarSpec),
+            "grammar must be a GrammarSpec or None",
+            self.grammar,
+        )
+        _require(
+            self.grammar is None or not self.ignore_eos,
+            "ignore_eos cannot be combined with a grammar (the grammar decides where the output ends)",
+            self.ignore_eos,
         )
 
     @property

@@ -1,0 +1,91 @@
+"""The engine core's side of structured output: a grammar matcher per constrained request, the
+bitmask of what each may sample this step, and each matcher moved past the tokens its request
+takes.
+
+The grammar compiler (the tokenizer's llguidance view: ~0.3 s for SmolLM2, ~3 s for Gemma 3's
+262k tokens) is built in a thread from start-up, so that neither start-up nor the first
+constrained request waits for it unless it comes in the first seconds. Masks are filled on the
+host into one of two pinned buffers (a step's copy to the device may still be queued when the
+next step fills the other) while the device runs the step's forward (`ModelRunner.launch` asks
+for them after queueing it).
+"""
+
+import logging
+from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from infer.engine.grammar import GrammarCompiler, GrammarMatcher
+from infer.engine.grammar_spec import GrammarSpec
+from infer.engine.sampler import AllowedTokens
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutput:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Collection[int], device, max_rows: int):
+        self.device = torch.device(device)
+        self.max_rows = max_rows
+        building = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
+        self._compiler = building.submit(GrammarCompiler, hf_tokenizer, vocab_size, eos_token_ids)
+        building.shutdown(wait=False)
+        self._matchers: dict[str, GrammarMatcher] = {}
+        self._bitmasks: list[torch.Tensor] = []
+        self._num_filled = 0
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        return self._compiler.result()
+
+    def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
+        """A matcher at the grammar's start; GrammarSpecError when it cannot be enforced."""
+        return self.compiler.compile(spec).matcher()
+
+    def add(self, request_id: str, matcher: GrammarMatcher) -> None:
+        """Constrains the request's sampling by `matcher` from its next step on."""
+        self._matchers[request_id] = matcher
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def __bool__(self) -> bool:
+        return bool(self._matchers)
+
+    def constrains_any(self, request_ids: Collection[str]) -> bool:
+        return bool(self._matchers) and any(request_id in self._matchers for request_id in request_ids)
+
+    def allowed(self, sampling_ids: Sequence[str]) -> AllowedTokens | None:
+        """The allowed tokens of the constrained requests among a step's sampling rows (row i of
+        the step's logits is sampling_ids[i]); None when none is constrained."""
+        # A matcher that died (it refused a token: its request fails in this step's collect)
+        # allows nothing: its row samples unconstrained, and the token is dropped. (One that
+        # stopped, the output complete, allows EOS: it stays.)
+        rows = [
+            row
+            for row, request_id in enumerate(sampling_ids)
+            if (matcher := self._matchers.get(request_id)) is not None and not matcher.is_dead
+        ]
+        if not rows:
+            return None
+        if not self._bitmasks:
+            self._bitmasks = [self.compiler.allocate_bitmask(self.max_rows) for _ in range(2)]
+        bitmask = self._bitmasks[self._num_filled % 2][: len(rows)]
+        self._num_filled += 1
+        for i, row in enumerate(rows):
+            self._matchers[sampling_ids[row]].fill_bitmask(bitmask, i)
+        return AllowedTokens(
+            bitmask.to(self.device, non_blocking=True),
+            torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True),
+        )
+
+    def advance(self, request_id: str, token_ids: Sequence[int]) -> int | None:
+        """Moves the request's matcher past its new tokens; the first token it refuses, or None
+        (also for a request without a grammar)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return None
+        for token_id in token_ids:
+            if not matcher.advance(token_id):
+                return token_id
+        return None

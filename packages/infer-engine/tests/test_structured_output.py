@@ -1,0 +1,122 @@
+"""Structured output through the engine core on the real SmolLM2: a constrained request's answer
+parses and validates (`jsonschema`, `re.fullmatch`: never the grammar itself), with and without
+async scheduling, and the unconstrained request beside it gets exactly its tokens alone."""
+
+import json
+import re
+from collections import defaultdict
+
+import jsonschema
+import pytest
+
+from infer.engine import Engine, EngineConfig, SamplingParams
+from infer.engine.grammar_spec import GrammarSpec
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "pets": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 2},
+    },
+    "required": ["name", "age", "city", "pets"],
+    "additionalProperties": False,
+}
+MODES = {
+    "sync": {},
+    "async": {"async_scheduling": True},
+    "chunked": {"use_chunked_prefill": True, "prefill_chunk_size": 8},
+}
+
+
+def run(engine: Engine, max_steps: int = 2000) -> dict[str, list]:
+    outputs = defaultdict(list)
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return outputs
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+    raise AssertionError(f"engine still has work after {max_steps} steps")
+
+
+def answer(smollm2, outputs) -> tuple[str, str | None]:
+    ids = [output.token_id for output in outputs if output.token_id is not None]
+    return smollm2.loaded.tokenizer.decode(ids, skip_special_tokens=True), outputs[-1].finish_reason
+
+
+def token_ids(outputs) -> list[int]:
+    return [output.token_id for output in outputs if output.token_id is not None]
+
+
+@pytest.fixture(scope="module")
+def neighbour(smollm2):
+    prompt = smollm2.chat_ids("Name three colours.")
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    return prompt, params, smollm2.oracle.generate(prompt, params).token_ids
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_schema_constrained_answer_validates_and_its_neighbour_is_untouched(smollm2, neighbour, mode):
+    engine = Engine(
+        EngineConfig(max_batch_size=3, max_seq_len=512, **MODES[mode]), loaded_model=smollm2.loaded
+    )
+    constrained = engine.add_request(
+        smollm2.chat_ids("Describe a person as JSON with name, age, city and pets."),
+        SamplingParams(temperature=0, max_new_tokens=160, grammar=GrammarSpec.json_schema(PERSON)),
+    )
+    sampled = engine.add_request(
+        smollm2.chat_ids("Invent a pet owner as JSON."),
+        SamplingParams(temperature=0.9, seed=5, max_new_tokens=160, grammar=GrammarSpec.json_schema(PERSON)),
+    )
+    prompt, params, alone = neighbour
+    plain = engine.add_request(prompt, params)
+    outputs = run(engine)
+    for request_id in (constrained, sampled):
+        text, finish = answer(smollm2, outputs[request_id])
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+    assert token_ids(outputs[plain]) == alone
+
+
+@pytest.mark.parametrize("pattern", [r"(yes|no)", r"\d{3}-\d{4}", r"[A-Z][a-z]+ [A-Z][a-z]+"])
+def test_a_regex_constrained_answer_matches_in_full(smollm2, pattern):
+    engine = Engine(
+        EngineConfig(max_batch_size=2, max_seq_len=512, async_scheduling=True), loaded_model=smollm2.loaded
+    )
+    request_id = engine.add_request(
+        smollm2.chat_ids("Answer in the requested format."),
+        SamplingParams(temperature=0.7, seed=3, max_new_tokens=40, grammar=GrammarSpec.regex(pattern)),
+    )
+    text, finish = answer(smollm2, run(engine)[request_id])
+    assert finish == "stop" and re.fullmatch(pattern, text, re.ASCII), text
+
+
+def test_a_grammar_the_engine_cannot_enforce_fails_its_request_alone(smollm2, neighbour):
+    engine = Engine(EngineConfig(max_batch_size=2, max_seq_len=512), loaded_model=smollm2.loaded)
+    bad = engine.add_request(
+        smollm2.chat_ids("Hi"), SamplingParams(max_new_tokens=5, grammar=GrammarSpec.regex(r"a(?=b)"))
+    )
+    prompt, params, alone = neighbour
+    plain = engine.add_request(prompt, params)
+    outputs = run(engine)
+    (final,) = outputs[bad]
+    assert final.finished and final.token_id is None and "cannot be enforced" in final.error
+    assert token_ids(outputs[plain]) == alone
+
+
+def test_ignore_eos_and_a_grammar_are_refused_together():
+    with pytest.raises(ValueError, match="ignore_eos cannot be combined with a grammar"):
+        SamplingParams(ignore_eos=True, grammar=GrammarSpec.json_object())
+
+
+def test_a_request_with_a_grammar_crosses_to_the_engine_process_whole():
+    # The child process gets EngineRequests pickled, as ProcClient sends them.
+    from multiprocessing.reduction import ForkingPickler
+
+    from infer.engine.protocol import EngineRequest
+
+    request = EngineRequest(
+        "r", [1, 2], SamplingParams(max_new_tokens=4, grammar=GrammarSpec.json_schema(PERSON)), arrival_s=0.0
+    )
+    assert ForkingPickler.loads(ForkingPickler.dumps(request)) == request
