@@ -112,7 +112,7 @@ class EngineCore:
             vocab_size=model.config.vocab_size,
             eos_token_ids=eos_token_ids,
         )
-        # Structured output: a matcher per constrained request (the compiler builds meanwhile).
+        # Structured output: a matcher per constrained request.
         self.structured_output = StructuredOutput(
             loaded_model.tokenizer.hf_tokenizer,
             model.config.vocab_size,

@@ -3,16 +3,14 @@ bitmask of what each may sample this step, and each matcher moved past the token
 takes.
 
 The grammar compiler (the tokenizer's llguidance view: ~0.3 s for SmolLM2, ~3 s for Gemma 3's
-262k tokens) is built in a thread from start-up, so that neither start-up nor the first
-constrained request waits for it unless it comes in the first seconds. Masks are filled on the
-host into one of two pinned buffers (a step's copy to the device may still be queued when the
-next step fills the other) while the device runs the step's forward (`ModelRunner.launch` asks
-for them after queueing it).
+262k tokens) is built when the first constrained request arrives, so an engine that never sees
+one never pays for it; that first request (and the core's loop) waits for it once. Masks are
+filled on the host into one of two pinned buffers (a step's copy to the device may still be
+queued when the next step fills the other) while the device runs the step's forward
+(`ModelRunner.launch` asks for them after queueing it).
 """
 
-import logging
 from collections.abc import Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -20,23 +18,24 @@ from infer.engine.grammar import GrammarCompiler, GrammarMatcher
 from infer.engine.grammar_spec import GrammarSpec
 from infer.engine.sampler import AllowedTokens
 
-logger = logging.getLogger(__name__)
-
 
 class StructuredOutput:
+    """The constrained requests' matchers, by request id (see the module)."""
+
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Collection[int], device, max_rows: int):
         self.device = torch.device(device)
         self.max_rows = max_rows
-        building = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
-        self._compiler = building.submit(GrammarCompiler, hf_tokenizer, vocab_size, eos_token_ids)
-        building.shutdown(wait=False)
+        self._tokenizer_view = (hf_tokenizer, vocab_size, tuple(eos_token_ids))
+        self._compiler: GrammarCompiler | None = None
         self._matchers: dict[str, GrammarMatcher] = {}
         self._bitmasks: list[torch.Tensor] = []
         self._num_filled = 0
 
     @property
     def compiler(self) -> GrammarCompiler:
-        return self._compiler.result()
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(*self._tokenizer_view)
+        return self._compiler
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """A matcher at the grammar's start; GrammarSpecError when it cannot be enforced."""
