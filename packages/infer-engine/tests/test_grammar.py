@@ -10,8 +10,8 @@ import jsonschema
 import pytest
 import torch
 
-from infer.engine.grammar import GrammarCompiler, ascii_classes
-from infer.engine.grammar_spec import GrammarSpec, GrammarSpecError
+from infer.engine.grammar import GrammarCompiler
+from infer.engine.grammar_spec import GrammarSpec, GrammarSpecError, ascii_classes
 from infer.models.load import load_model_info
 
 MAX_TOKENS = 300
@@ -147,9 +147,11 @@ def test_a_spec_compiles_once(compiler):
     assert compiler.compile(a) is compiler.compile(b)
 
 
-def test_a_pattern_the_library_cannot_compile_is_a_spec_error(compiler):
+def test_a_pattern_the_library_cannot_compile_is_a_spec_error_when_built_and_when_compiled(compiler):
     with pytest.raises(GrammarSpecError, match="cannot be enforced"):
-        compiler.compile(GrammarSpec.regex(r"a(?=b)"))  # lookahead: Python's re has it, no DFA does
+        GrammarSpec.regex(r"a(?=b)")  # lookahead: Python's re has it, no automaton does
+    with pytest.raises(GrammarSpecError, match="cannot be enforced"):
+        compiler.compile(GrammarSpec("regex", r"a(?=b)"))  # built without the check
 
 
 @pytest.mark.parametrize(

@@ -95,7 +95,10 @@ def test_a_regex_constrained_answer_matches_in_full(smollm2, pattern):
 def test_a_grammar_the_engine_cannot_enforce_fails_its_request_alone(smollm2, neighbour):
     engine = Engine(EngineConfig(max_batch_size=2, max_seq_len=512), loaded_model=smollm2.loaded)
     bad = engine.add_request(
-        smollm2.chat_ids("Hi"), SamplingParams(max_new_tokens=5, grammar=GrammarSpec.regex(r"a(?=b)"))
+        # A spec built without its checks (GrammarSpec.regex refuses this one): the core's own
+        # compile is the last line.
+        smollm2.chat_ids("Hi"),
+        SamplingParams(max_new_tokens=5, grammar=GrammarSpec("regex", r"a(?=b)")),
     )
     prompt, params, alone = neighbour
     plain = engine.add_request(prompt, params)

@@ -14,59 +14,15 @@ continuation, and EOS only where the output may end.
     matcher.advance(token_id)            # False: the token was not allowed (the matcher is dead)
     matcher.is_terminal                  # the output may end here
 
-Regular expressions (a regex spec, a schema's `pattern`) mean what they mean in JSON Schema
-(ECMA-262): `\\d` and `\\w` are ASCII. llguidance's are Unicode (`\\d` matches `٥`), so they are
-rewritten to `[0-9]` and `[A-Za-z0-9_]` before compiling.
+What a spec means as an llguidance grammar (JSON compact, `\\d` ASCII) is
+`infer.engine.grammar_spec.llguidance_grammar`.
 """
 
-import json
 from collections import OrderedDict
 
 import torch
 
-from infer.engine.grammar_spec import JSON_OBJECT, JSON_SCHEMA, REGEX, GrammarSpec, GrammarSpecError
-
-# JSON is generated compact (no free whitespace): fewer tokens, and no run of spaces that a
-# sampled model may never leave.
-_JSON_OPTIONS = {"whitespace_flexible": False}
-_ASCII_CLASSES = {"d": "0-9", "w": "A-Za-z0-9_"}
-
-
-def ascii_classes(pattern: str) -> str:
-    """`pattern` with `\\d` and `\\w` spelled as the ASCII classes they are in ECMA-262 (inside
-    a character class too: `[\\d.]` -> `[0-9.]`)."""
-    out, i, in_class = [], 0, False
-    while i < len(pattern):
-        char = pattern[i]
-        if char == "\\" and i + 1 < len(pattern):
-            escaped = pattern[i + 1]
-            if escaped in _ASCII_CLASSES:
-                spelled = _ASCII_CLASSES[escaped]
-                out.append(spelled if in_class else f"[{spelled}]")
-            else:
-                out.append(pattern[i : i + 2])
-            i += 2
-            continue
-        if char == "[" and not in_class:
-            in_class = True
-        elif char == "]" and in_class:
-            in_class = False
-        out.append(char)
-        i += 1
-    return "".join(out)
-
-
-def _with_ascii_patterns(schema):
-    if isinstance(schema, dict):
-        return {
-            key: ascii_classes(value)
-            if key == "pattern" and isinstance(value, str)
-            else _with_ascii_patterns(value)
-            for key, value in schema.items()
-        }
-    if isinstance(schema, list):
-        return [_with_ascii_patterns(item) for item in schema]
-    return schema
+from infer.engine.grammar_spec import GrammarSpec, GrammarSpecError, llguidance_grammar
 
 
 class Grammar:
@@ -156,17 +112,7 @@ class GrammarCompiler:
     def _matcher_for(self, spec: GrammarSpec):
         from llguidance import LLMatcher
 
-        if spec.kind == JSON_SCHEMA:
-            source = LLMatcher.grammar_from_json_schema(
-                _with_ascii_patterns(json.loads(spec.source)), defaults=_JSON_OPTIONS
-            )
-        elif spec.kind == JSON_OBJECT:
-            source = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
-        elif spec.kind == REGEX:
-            source = LLMatcher.grammar_from_regex(ascii_classes(spec.source))
-        else:  # GrammarSpec checks its kind; a new kind must be compiled here
-            raise AssertionError(f"no grammar for kind {spec.kind!r}")
-        matcher = LLMatcher(self._tokenizer, source, log_level=0)
+        matcher = LLMatcher(self._tokenizer, llguidance_grammar(spec), log_level=0)
         if matcher.is_error():  # llguidance never raises for a grammar; it reports
             raise GrammarSpecError(
                 f"the {spec.kind} cannot be enforced: {matcher.get_error().splitlines()[0]}"

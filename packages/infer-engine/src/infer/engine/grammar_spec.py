@@ -8,7 +8,9 @@ the same schema written in another key order compile once.
 `check_json_schema` refuses, by name, every keyword the engine would not enforce: a schema the
 engine cannot hold its output to is an error (a 400 naming the keyword), never a constraint
 silently dropped. Keywords that only describe (title, description, examples, ...) are accepted
-and change nothing.
+and change nothing. The constructors (`GrammarSpec.json_schema`, `.regex`) also have llguidance
+build the grammar, without a tokenizer (cheap), so what it cannot enforce (a regex lookahead)
+is refused where the request is read, not in the engine.
 """
 
 import json
@@ -59,7 +61,9 @@ class GrammarSpec:
     def json_schema(cls, schema: dict | bool) -> "GrammarSpec":
         """The spec of a JSON schema, checked (GrammarSpecError if the engine cannot enforce it)."""
         check_json_schema(schema)
-        return cls(JSON_SCHEMA, json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        spec = cls(JSON_SCHEMA, json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        _check_grammar(spec)
+        return spec
 
     @classmethod
     def json_object(cls) -> "GrammarSpec":
@@ -75,7 +79,9 @@ class GrammarSpec:
             re.compile(pattern)
         except re.error as error:
             raise GrammarSpecError(f"the regex pattern does not compile: {error}") from None
-        return cls(REGEX, pattern)
+        spec = cls(REGEX, pattern)
+        _check_grammar(spec)
+        return spec
 
     def __post_init__(self):
         if self.kind not in (JSON_SCHEMA, JSON_OBJECT, REGEX):
@@ -165,3 +171,71 @@ def _check_value(keyword: str, value, where: str, depth: int) -> None:
 
 def _kind(value) -> str:
     return type(value).__name__
+
+
+# JSON is generated compact (no free whitespace): fewer tokens, and no run of spaces that a
+# sampled model may never leave.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+_ASCII_CLASSES = {"d": "0-9", "w": "A-Za-z0-9_"}
+
+
+def ascii_classes(pattern: str) -> str:
+    """`pattern` with `\\d` and `\\w` spelled as the ASCII classes they are in ECMA-262 (inside
+    a character class too: `[\\d.]` -> `[0-9.]`)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\" and i + 1 < len(pattern):
+            escaped = pattern[i + 1]
+            if escaped in _ASCII_CLASSES:
+                spelled = _ASCII_CLASSES[escaped]
+                out.append(spelled if in_class else f"[{spelled}]")
+            else:
+                out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if char == "[" and not in_class:
+            in_class = True
+        elif char == "]" and in_class:
+            in_class = False
+        out.append(char)
+        i += 1
+    return "".join(out)
+
+
+def _with_ascii_patterns(schema):
+    if isinstance(schema, dict):
+        return {
+            key: ascii_classes(value)
+            if key == "pattern" and isinstance(value, str)
+            else _with_ascii_patterns(value)
+            for key, value in schema.items()
+        }
+    if isinstance(schema, list):
+        return [_with_ascii_patterns(item) for item in schema]
+    return schema
+
+
+def llguidance_grammar(spec: "GrammarSpec") -> str:
+    """The spec as an llguidance grammar (no tokenizer needed). Regular expressions (a regex
+    spec, a schema's `pattern`) mean what they mean in JSON Schema (ECMA-262): `\\d` and `\\w` are
+    ASCII, while llguidance's are Unicode (`\\d` matches `٥`), so they are spelled out."""
+    from llguidance import LLMatcher
+
+    if spec.kind == JSON_SCHEMA:
+        return LLMatcher.grammar_from_json_schema(
+            _with_ascii_patterns(json.loads(spec.source)), defaults=_JSON_OPTIONS
+        )
+    if spec.kind == JSON_OBJECT:
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+    return LLMatcher.grammar_from_regex(ascii_classes(spec.source))
+
+
+def _check_grammar(spec: "GrammarSpec") -> None:
+    """GrammarSpecError with llguidance's reason when it cannot build the grammar (a regex
+    feature no automaton has, such as lookahead)."""
+    from llguidance import LLMatcher
+
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(llguidance_grammar(spec))
+    if is_error:
+        raise GrammarSpecError(f"the {spec.kind} cannot be enforced: {messages[0].splitlines()[0]}")
