@@ -55,7 +55,11 @@ CASES = [
     refusal(COMPLETIONS, {"model": "$MODEL", "prompt": "Hi", "n": 0}, 400, "invalid_value", "n"),
     refusal(
         CHAT,
-        {"model": "$MODEL", "messages": HI, "response_format": {"type": "json_object"}},
+        {
+            "model": "$MODEL",
+            "messages": HI,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}},
+        },
         400,
         "unsupported_value",
         "response_format",

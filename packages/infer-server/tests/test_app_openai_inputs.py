@@ -179,6 +179,14 @@ def _in_response_format(fields: dict) -> dict:
     return {"response_format": {"type": "text", **fields}}
 
 
+def _in_json_schema(fields: dict) -> dict:
+    # The schema in the first design document's place, so that json_schema holds only its name.
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    return {
+        "response_format": {"type": "json_schema", "schema": schema, "json_schema": {"name": "x", **fields}}
+    }
+
+
 # Where an object of each nested request model sits in a body: (endpoints, the body's fields with
 # that object holding `fields`).
 NESTED_PLACES = {
@@ -186,7 +194,8 @@ NESTED_PLACES = {
     "ToolCall": ([CHAT], _in_tool_call),
     "FunctionDefinition": ([CHAT], _in_function),
     "StreamOptions": ([COMPLETIONS, CHAT], _in_stream_options),
-    "ResponseFormat": ([CHAT], _in_response_format),
+    "ResponseFormat": ([COMPLETIONS, CHAT], _in_response_format),
+    "JsonSchemaFormat": ([COMPLETIONS, CHAT], _in_json_schema),
 }
 # A message without content is an assistant's tool call (_in_tool_call sends one) or a 400, as
 # OpenAI has it.
@@ -214,8 +223,13 @@ def _nested_models(model) -> dict:
     return found
 
 
+def _json_fields(model) -> dict:
+    """The model's fields by the names a body uses (a field's alias where it has one)."""
+    return {field.alias or name: field for name, field in model.model_fields.items()}
+
+
 def _optional_fields(model) -> list[str]:
-    return [name for name, field in model.model_fields.items() if not field.is_required()]
+    return [name for name, field in _json_fields(model).items() if not field.is_required()]
 
 
 def _null_means_not_sent(model, name: str) -> bool:
@@ -223,7 +237,7 @@ def _null_means_not_sent(model, name: str) -> bool:
     else (a completion's max_tokens: null is as many as fit, the default 16)."""
     if (model.__name__, name) in NULL_IS_NOT_THE_DEFAULT:
         return False
-    field = model.model_fields[name]
+    field = _json_fields(model)[name]
     takes_none = type(None) in typing.get_args(field.annotation) or field.annotation is typing.Any
     return not takes_none or field.get_default(call_default_factory=True) is None
 

@@ -38,8 +38,10 @@ import json
 import logging
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from infer.engine.grammar_spec import GrammarSpec, GrammarSpecError
 
 # Custom pydantic error types; `infer.server.errors` maps them to statuses and OpenAI codes.
 EMPTY_INPUT = "empty_input"  # an empty `messages` or token-id `prompt`: 400, nothing to run
@@ -145,6 +147,8 @@ class _SamplingRequest(_Strict):
     # vLLM extension: requests reuse each other's prefix-cached tokens only under the same salt
     # (tenants that must not learn each other's prompts from cache timing).
     cache_salt: str | None = Field(None, min_length=1)
+    # Structured output (chat as OpenAI has it; completions as vLLM has it).
+    response_format: "ResponseFormat | None" = None
 
     # OpenAI fields we accept only at their neutral values: field -> the values that mean "off".
     NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {}
@@ -253,6 +257,7 @@ class _SamplingRequest(_Strict):
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
             "logprobs": self._num_logprobs(),
+            "grammar": self.response_format.grammar if self.response_format is not None else None,
         }
         max_new_tokens = self._max_new_tokens()
         if max_new_tokens is None:
@@ -436,9 +441,87 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema. `strict` is accepted either way: the output is
+    always held to the schema (never to less)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "regex")
+
+
 class ResponseFormat(_Strict):
+    """What the answer must be (structured output): OpenAI's `text`, `json_object` and
+    `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`, and the first design
+    document's `{"type": "json_schema", "schema": ...}` and `{"type": "regex", "pattern": ...}`.
+    A schema keyword or regex feature the engine cannot enforce is a 400 naming it."""
+
     type: str
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    pattern: str | None = None
+    _grammar: GrammarSpec | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _build_grammar(self) -> "ResponseFormat":
+        if self.type not in RESPONSE_FORMAT_TYPES:
+            raise PydanticCustomError(
+                INVALID_VALUE, f"response_format type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}"
+            )
+        given = {
+            name: value is not None
+            for name, value in (
+                ("json_schema", self.json_schema),
+                ("schema", self.schema_),
+                ("pattern", self.pattern),
+            )
+        }
+        wanted = {
+            "text": set(),
+            "json_object": set(),
+            "json_schema": {"json_schema", "schema"},
+            "regex": {"pattern"},
+        }
+        stray = [name for name, present in given.items() if present and name not in wanted[self.type]]
+        if stray:
+            raise PydanticCustomError(INVALID_VALUE, f"response_format {self.type!r} takes no {stray[0]!r}")
+        try:
+            if self.type == "json_object":
+                self._grammar = GrammarSpec.json_object()
+            elif self.type == "json_schema":
+                schemas = [self.json_schema.schema_ if self.json_schema is not None else None, self.schema_]
+                given_schemas = [schema for schema in schemas if schema is not None]
+                if len(given_schemas) > 1:
+                    raise PydanticCustomError(
+                        INVALID_VALUE,
+                        "response_format has two schemas (json_schema.schema and schema); send one",
+                    )
+                schema = given_schemas[0] if given_schemas else None
+                if schema is None:
+                    raise PydanticCustomError(
+                        INVALID_VALUE,
+                        "response_format json_schema needs a schema: "
+                        '{"json_schema": {"name": ..., "schema": {...}}}',
+                    )
+                self._grammar = GrammarSpec.json_schema(schema)
+            elif self.type == "regex":
+                if self.pattern is None:
+                    raise PydanticCustomError(INVALID_VALUE, 'response_format regex needs a "pattern"')
+                self._grammar = GrammarSpec.regex(self.pattern)
+        except GrammarSpecError as error:
+            raise PydanticCustomError(
+                UNSUPPORTED_VALUE if error.keyword else INVALID_VALUE, str(error)
+            ) from None
+        return self
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """What the engine holds the answer to; None for text."""
+        return self._grammar
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -466,7 +549,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # Accepted and ignored: the model emits at most what its chat template allows.
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     # Passed to the chat template, e.g. {"enable_thinking": false} for Qwen 3.
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     # OpenAI's reasoning knob, mapped onto thinking where the model has it (Qwen 3): "none" and
@@ -520,16 +602,6 @@ class ChatCompletionRequest(_SamplingRequest):
             'tool_choice must be "none", "auto", "required" '
             'or {"type": "function", "function": {"name": ...}}',
         )
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, value: ResponseFormat | None) -> ResponseFormat | None:
-        if value is not None and value.type != "text":
-            raise _unsupported(
-                f"response_format {value.type!r} is not supported until structured output exists; "
-                'leave it out or send {"type": "text"}'
-            )
-        return value
 
     @field_validator("max_completion_tokens")
     @classmethod
