@@ -363,12 +363,13 @@ class EngineCore:
                 break
         refused = self.structured_output.advance(request.request_id, accepted)
         if refused is not None:  # the mask allowed it: a bug, never the client's doing
-            logger.error("request %s: its grammar refused token %d", request.request_id, refused)
+            token_id = accepted[refused]
+            logger.error("request %s: its grammar refused token %d", request.request_id, token_id)
             request.state = RequestState.FAILED
-            request.error = f"GrammarError: the grammar refused sampled token {refused}"
+            request.error = f"GrammarError: the grammar refused sampled token {token_id}"
             reason = FinishReason.ERROR
             self._counters["failed"] += 1
-            accepted = accepted[: accepted.index(refused)]
+            accepted = accepted[:refused]
         self._counters["generation_tokens"] += len(accepted)
         if reason is FinishReason.ERROR:
             finished.append(request.request_id)

@@ -261,16 +261,16 @@ class KVCacheManager:
             self._num_given_blocks.pop(request.request_id, None)
             given = self._given.pop(request.request_id, [])
             tokens = request.all_token_ids[: request.num_computed_tokens]
-            cache = cache and bool(tokens) and not request.bypass_prefix_cache
+            insert = cache and bool(tokens) and not request.bypass_prefix_cache
             held = self._held(request.request_id, len(tokens))
             self._matches.pop(request.request_id, None)
-            if not cache and held is not MISS:
+            if not insert and held is not MISS:
                 tree.unlock(held)
             if not cache and given:
                 tree.discard(given)
             if self._ops:  # a copy into a block of a request that leaves before its step
                 self._ops = [op for op in self._ops if op[0] != COPY or op[2] not in request.block_ids]
-            if cache:
+            if insert:
                 # Inserts the whole sequence and gives up the request's lock, in one walk.
                 blocks = request.block_ids[: self.blocks_for_tokens(len(tokens))]
                 tree.extend(held, tokens, blocks, salt=request.cache_salt, end=True, lock=False)

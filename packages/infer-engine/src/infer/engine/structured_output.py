@@ -79,12 +79,12 @@ class StructuredOutput:
         )
 
     def advance(self, request_id: str, token_ids: Sequence[int]) -> int | None:
-        """Moves the request's matcher past its new tokens; the first token it refuses, or None
-        (also for a request without a grammar)."""
+        """Moves the request's matcher past its new tokens; the index of the first one it
+        refuses, or None (also for a request without a grammar)."""
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return None
-        for token_id in token_ids:
+        for index, token_id in enumerate(token_ids):
             if not matcher.advance(token_id):
-                return token_id
+                return index
         return None
