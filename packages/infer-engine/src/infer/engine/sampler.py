@@ -205,7 +205,11 @@ def sample(
             logits, output_ids, tensors.presence_penalties, tensors.frequency_penalties
         )
     if allowed is not None:
-        logits = apply_allowed_tokens(logits, raw, allowed)
+        # Only a min_tokens ban or an overflowing repetition penalty puts -inf in a row before
+        # its mask; the other transforms add finite values, so without those rows cannot be left
+        # with nothing, and the fallback is not built.
+        can_ban = tensors.min_tokens_bans is not None or tensors.repetition_penalties is not None
+        logits = apply_allowed_tokens(logits, raw, allowed, grammar_wins=can_ban)
     greedy_tokens = logits.argmax(dim=-1)
     if not tensors.sampled_rows:
         return greedy_tokens
@@ -268,13 +272,17 @@ def sample_next_tokens(
     return sample(logits, SamplingTensors.build(params, generators, logits.device), token_ids, output_ids)
 
 
-def apply_allowed_tokens(logits: torch.Tensor, raw: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
-    """-inf for every token a constrained row's grammar does not allow. A row left with no
-    allowed token (bans and grammar disagree) takes its raw logits under the grammar's mask alone,
-    chosen on the device (no host sync)."""
+def apply_allowed_tokens(
+    logits: torch.Tensor, raw: torch.Tensor, allowed: AllowedTokens, *, grammar_wins: bool = True
+) -> torch.Tensor:
+    """-inf for every token a constrained row's grammar does not allow. With `grammar_wins`, a
+    row left with no allowed token (bans and grammar disagree) takes its raw logits under the
+    grammar's mask alone, chosen on the device (no host sync)."""
     if logits is raw:  # never write into the caller's logits
         logits = logits.clone()
     apply_token_bitmask(logits, allowed.bitmask, allowed.rows)
+    if not grammar_wins:
+        return logits
     rows = allowed.rows
     grammar_only = raw[rows].float()
     apply_token_bitmask(grammar_only, allowed.bitmask, torch.arange(len(rows), device=rows.device))
