@@ -40,13 +40,13 @@ def run(engine: Engine, max_steps: int = 2000) -> dict[str, list]:
     raise AssertionError(f"engine still has work after {max_steps} steps")
 
 
-def answer(smollm2, outputs) -> tuple[str, str | None]:
-    ids = [output.token_id for output in outputs if output.token_id is not None]
-    return smollm2.loaded.tokenizer.decode(ids, skip_special_tokens=True), outputs[-1].finish_reason
-
-
 def token_ids(outputs) -> list[int]:
     return [output.token_id for output in outputs if output.token_id is not None]
+
+
+def answer(smollm2, outputs) -> tuple[str, str | None]:
+    text = smollm2.loaded.tokenizer.decode(token_ids(outputs), skip_special_tokens=True)
+    return text, outputs[-1].finish_reason
 
 
 @pytest.fixture(scope="module")
