@@ -124,14 +124,15 @@ def _add_client_processes_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _workload(args):
+def _workload(args, *, seed: int | None = None, num_requests: int | None = None):
+    """The workload the arguments name; `seed` and `num_requests` override theirs."""
     from infer.bench.serving.workloads import make_workload
 
     return make_workload(
         args.workload,
         concurrency=args.concurrency,
-        seed=args.seed,
-        num_requests=args.num_requests,
+        seed=args.seed if seed is None else seed,
+        num_requests=num_requests or args.num_requests,
         vocab_size=args.vocab_size,
     )
 
@@ -164,7 +165,6 @@ def _run_engine_only(args) -> int:
     from infer.bench.serving.engine_only import engine_only_markdown, run_engine_only
     from infer.bench.serving.matrix import run_seed
     from infer.bench.serving.report import write_json
-    from infer.bench.serving.workloads import make_workload
     from infer.engine.config import EngineConfig
     from infer.engine.engine import Engine
 
@@ -176,23 +176,14 @@ def _run_engine_only(args) -> int:
     gc.collect()
     gc.freeze()
 
-    def requests(seed: int, num_requests: int | None):
-        return make_workload(
-            args.workload,
-            concurrency=workload.concurrency,
-            seed=seed,
-            num_requests=num_requests,
-            vocab_size=args.vocab_size,
-        )
-
     try:
         # Untimed: first-call costs (kernel variants, allocator) stay out of the numbers.
-        run_engine_only(engine, requests(run_seed(args.seed, "warm-up", workload.concurrency), 8))
+        warm_up = _workload(args, seed=run_seed(args.seed, "warm-up", workload.concurrency), num_requests=8)
+        run_engine_only(engine, warm_up)
         # Each repeat draws requests of its own (the first: --seed's): with a prefix cache, a
         # repeat of the same requests would hit what the one before it left.
         runs = [run_engine_only(engine, workload)]
-        for i in range(1, args.repeats):
-            runs.append(run_engine_only(engine, requests(args.seed + i, args.num_requests)))
+        runs += [run_engine_only(engine, _workload(args, seed=args.seed + i)) for i in range(1, args.repeats)]
     finally:
         engine.shutdown()
     report = {
