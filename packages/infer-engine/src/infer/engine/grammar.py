@@ -28,8 +28,7 @@ from infer.engine.grammar_spec import GrammarSpec, GrammarSpecError, llguidance_
 class Grammar:
     """A compiled grammar, shared by every request with its spec; `matcher()` starts one."""
 
-    def __init__(self, spec: GrammarSpec, initial):
-        self.spec = spec
+    def __init__(self, initial):
         self._initial = initial  # an llguidance LLMatcher at the start state; only ever copied
 
     def matcher(self) -> "GrammarMatcher":
@@ -68,11 +67,6 @@ class GrammarMatcher:
         """It refused a token (or failed): it allows nothing from then on."""
         return self._matcher.is_error()
 
-    @property
-    def is_stopped(self) -> bool:
-        """The output is complete: only EOS is allowed from here (before and after it is taken)."""
-        return self._matcher.is_stopped()
-
 
 class GrammarCompiler:
     """Compiles GrammarSpecs for one model's vocabulary. The tokenizer's view is built once
@@ -96,7 +90,7 @@ class GrammarCompiler:
         if grammar is not None:
             self._cache.move_to_end(spec)
             return grammar
-        grammar = Grammar(spec, self._matcher_for(spec))
+        grammar = Grammar(self._matcher_for(spec))
         self._cache[spec] = grammar
         if len(self._cache) > self.max_cached:
             self._cache.popitem(last=False)
