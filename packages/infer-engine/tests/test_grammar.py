@@ -38,6 +38,14 @@ SCHEMAS = [
      "additionalProperties": False},
     {"type": "array", "prefixItems": [{"type": "string", "maxLength": 3}, {"type": "integer"}],
      "items": False},
+    # oneOf: a walk that matched two alternatives would fail validation (exactly one must match).
+    {"type": "array", "items": {"oneOf": [{"type": "integer", "maximum": 9}, {"type": "string", "maxLength": 2},
+     {"type": "null"}]}, "minItems": 1, "maxItems": 3},
+    # A discriminated union as pydantic writes it: $refs, open objects, a const tag.
+    {"$defs": {"cat": {"type": "object", "properties": {"kind": {"const": "cat"}, "n": {"type": "integer"}},
+     "required": ["kind", "n"]}, "dog": {"type": "object", "properties": {"kind": {"const": "dog"},
+     "ok": {"type": "boolean"}}, "required": ["kind", "ok"]}}, "oneOf": [{"$ref": "#/$defs/cat"},
+     {"$ref": "#/$defs/dog"}], "discriminator": {"propertyName": "kind"}},
 ]  # fmt: skip
 REGEXES = [
     r"\d{3}-\d{4}",

@@ -47,6 +47,30 @@ def test_the_schema_the_openai_client_sends_for_a_pydantic_model_is_supported():
     assert spec.kind == JSON_SCHEMA and json.loads(spec.source) == schema
 
 
+class Cat(BaseModel):
+    kind: Literal["cat"]
+    lives: int
+
+
+class Dog(BaseModel):
+    kind: Literal["dog"]
+    good: bool
+
+
+class Pet(BaseModel):
+    pet: Cat | Dog = Field(discriminator="kind")
+    nickname: str | int
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_oneof_that_no_value_can_match_twice_is_supported(strict):
+    # pydantic's discriminated union: oneOf of $refs, with a `discriminator` annotation.
+    schema = to_strict_json_schema(Pet) if strict else Pet.model_json_schema()
+    assert "oneOf" in json.dumps(schema)
+    assert GrammarSpec.json_schema(schema).kind == JSON_SCHEMA
+    assert GrammarSpec.json_schema({"oneOf": [{"type": "string"}, {"type": "integer"}]}).kind == JSON_SCHEMA
+
+
 def test_the_same_schema_in_another_key_order_is_the_same_spec():
     a = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "string"}}}
     b = {"properties": {"y": {"type": "string"}, "x": {"type": "integer"}}, "type": "object"}
@@ -62,6 +86,18 @@ def test_the_same_schema_in_another_key_order_is_the_same_spec():
         ({"not": {"type": "string"}}, "not", "not"),
         ({"type": "array", "uniqueItems": True}, "uniqueItems", "uniqueItems"),
         ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "oneOf", "oneOf"),
+        (
+            # the first oneOf is fine; the second may match twice (an integer is a number)
+            {
+                "type": "object",
+                "properties": {
+                    "a": {"oneOf": [{"type": "string"}, {"type": "null"}]},
+                    "b": {"items": {"oneOf": [{"type": "number"}, {"type": "integer"}]}},
+                },
+            },
+            "oneOf",
+            "properties.b.items.oneOf",
+        ),
         ({"type": "number", "multipleOf": 0}, "multipleOf", "multipleOf"),
         ({"if": {"type": "string"}, "then": {"minLength": 2}}, "if", "if"),
         (

@@ -121,7 +121,8 @@ def _schema_format(schema: dict) -> dict:
     ("response_format", "named"),
     [
         (_schema_format({"type": "array", "uniqueItems": True}), "uniqueItems"),
-        (_schema_format({"oneOf": [{"type": "string"}, {"type": "null"}]}), "oneOf"),
+        # 5 matches both: a oneOf the grammar could only enforce as an anyOf
+        (_schema_format({"oneOf": [{"type": "number"}, {"type": "integer"}]}), "oneOf"),
         ({"type": "regex", "pattern": "a(?=b)"}, "cannot be enforced"),
     ],
 )

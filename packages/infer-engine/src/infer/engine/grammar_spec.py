@@ -24,16 +24,21 @@ REGEX = "regex"
 # Keywords that describe a value and never constrain it.
 ANNOTATIONS = frozenset(
     {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-     "readOnly", "writeOnly"}
+     "readOnly", "writeOnly",
+     # OpenAPI's (pydantic writes it for a discriminated union): it names the property that tells
+     # the oneOf's alternatives apart, whose const values already do so.
+     "discriminator"}
 )  # fmt: skip
 # Keywords the engine enforces: every output of the grammar layer's random walks over the suite
-# of docs/structured-output.md validated against them. `oneOf` is not among them yet: the grammar
-# can only make it `anyOf`, which is wrong when two alternatives both match; `uniqueItems` no
-# grammar library enforces.
+# of docs/structured-output.md validated against them. `oneOf` only where no value can match two
+# of its alternatives (llguidance proves it: distinct types, distinct const/enum values, closed
+# objects with distinct required properties), since a grammar can only enforce it as `anyOf`;
+# `uniqueItems` no grammar library enforces.
 CONSTRAINTS = frozenset(
     {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
      "maxItems", "enum", "const", "pattern", "minLength", "maxLength", "format", "minimum", "maximum",
-     "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "anyOf", "$ref", "$defs", "definitions"}
+     "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "$ref", "$defs",
+     "definitions"}
 )  # fmt: skip
 TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 FORMATS = frozenset({"date", "date-time", "uuid", "email"})
@@ -138,7 +143,7 @@ def _check_value(keyword: str, value, where: str, depth: int) -> None:
         if keyword == "items" and isinstance(value, list):
             refuse("items as a list (tuple validation) is not supported; give one schema for every item")
         _check(value, where, depth + 1)
-    elif keyword in ("anyOf", "prefixItems"):
+    elif keyword in ("anyOf", "oneOf", "prefixItems"):
         if not isinstance(value, list) or not value:
             refuse(f"{keyword} must be a non-empty list of schemas")
         for i, subschema in enumerate(value):
@@ -223,19 +228,91 @@ def llguidance_grammar(spec: "GrammarSpec") -> str:
     from llguidance import LLMatcher
 
     if spec.kind == JSON_SCHEMA:
+        schema = _with_ascii_patterns(json.loads(spec.source))
         return LLMatcher.grammar_from_json_schema(
-            _with_ascii_patterns(json.loads(spec.source)), defaults=_JSON_OPTIONS
+            _one_of_refs_inlined(schema, schema), defaults=_JSON_OPTIONS
         )
     if spec.kind == JSON_OBJECT:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
     return LLMatcher.grammar_from_regex(ascii_classes(spec.source))
 
 
+def _one_of_refs_inlined(schema, root):
+    """`schema` with each `oneOf` alternative that is a `$ref` replaced by the definition it
+    names: llguidance proves alternatives disjoint only from what they hold, never through a
+    `$ref`, and pydantic writes a discriminated union as a oneOf of `$ref`s."""
+    if isinstance(schema, list):
+        return [_one_of_refs_inlined(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    inlined = {key: _one_of_refs_inlined(value, root) for key, value in schema.items()}
+    if isinstance(inlined.get("oneOf"), list):
+        inlined["oneOf"] = [_definition(alternative, root) for alternative in inlined["oneOf"]]
+    return inlined
+
+
+def _definition(alternative, root):
+    ref = alternative.get("$ref") if isinstance(alternative, dict) else None
+    if not isinstance(ref, str) or set(alternative) - ANNOTATIONS != {"$ref"}:
+        return alternative
+    section, _, name = ref.removeprefix("#/").partition("/")
+    definitions = (
+        root.get(section) if isinstance(root, dict) and section in ("$defs", "definitions") else None
+    )
+    target = definitions.get(name) if isinstance(definitions, dict) else None
+    # Not followed further: a definition that is itself a bare $ref keeps its $ref (and the
+    # oneOf is refused as it was), so a cycle of $refs cannot loop here.
+    return target if isinstance(target, dict) else alternative
+
+
 def _check_grammar(spec: "GrammarSpec") -> None:
     """GrammarSpecError with llguidance's reason when it cannot build the grammar (a regex
-    feature no automaton has, such as lookahead)."""
+    feature no automaton has, such as lookahead; a `oneOf` whose alternatives may overlap)."""
+    reason = _grammar_error(spec)
+    if reason is None:
+        return
+    if spec.kind == JSON_SCHEMA and "oneOf" in reason:
+        path = _overlapping_one_of(json.loads(spec.source))
+        raise GrammarSpecError(
+            f"JSON Schema keyword 'oneOf' (at {path}) is supported only where no value can match two of "
+            "its alternatives (different types, different const or enum values, or objects with "
+            "additionalProperties false and different required properties); use anyOf if any match "
+            "will do",
+            keyword="oneOf",
+            path=path,
+        )
+    raise GrammarSpecError(f"the {spec.kind} cannot be enforced: {reason}")
+
+
+def _grammar_error(spec: "GrammarSpec") -> str | None:
     from llguidance import LLMatcher
 
     is_error, messages = LLMatcher.validate_grammar_with_warnings(llguidance_grammar(spec))
-    if is_error:
-        raise GrammarSpecError(f"the {spec.kind} cannot be enforced: {messages[0].splitlines()[0]}")
+    return messages[0].splitlines()[0] if is_error else None
+
+
+def _overlapping_one_of(schema) -> str:
+    """Where the first `oneOf` (in document order) that llguidance refuses alone is: each is
+    tried with the root's definitions beside it, for the `$ref`s in it."""
+    definitions = {
+        key: schema[key] for key in ("$defs", "definitions") if isinstance(schema, dict) and key in schema
+    }
+    first = None
+    for path, alternatives in _one_ofs(schema, ""):
+        first = first or path
+        alone = GrammarSpec(JSON_SCHEMA, json.dumps({"oneOf": alternatives, **definitions}))
+        if _grammar_error(alone) is not None:
+            return path
+    return first or "oneOf"
+
+
+def _one_ofs(schema, path: str):
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            where = f"{path}.{key}" if path else key
+            if key == "oneOf":
+                yield where, value
+            yield from _one_ofs(value, where)
+    elif isinstance(schema, list):
+        for i, item in enumerate(schema):
+            yield from _one_ofs(item, f"{path}.{i}")
