@@ -641,7 +641,30 @@ def _check_response(response: httpx.Response, expect: dict, request_json) -> lis
                 problems.append(f"{path} is JSON but not an object")
         except (TypeError, ValueError):
             problems.append(f"{path} is not a JSON string: {_get(body, path)!r}")
+    for validation in expect.get("validates", []):
+        problems += _validation_problems(_get(body, validation["path"]), validation)
     return problems
+
+
+def _validation_problems(value, validation: dict) -> list[str]:
+    """`validates` items: the text at `path` fully matches `regex` (ECMA's ASCII `\\d`), or is
+    JSON that `json_schema` validates (by jsonschema, with formats checked)."""
+    path = validation["path"]
+    if not isinstance(value, str):
+        return [f"{path} is not a string: {value!r}"]
+    if "regex" in validation:
+        matched = re.fullmatch(validation["regex"], value, re.ASCII)
+        return [] if matched else [f"{path} = {value!r} does not match {validation['regex']!r}"]
+    import jsonschema
+
+    try:
+        decoded = json.loads(value)
+    except ValueError:
+        return [f"{path} is not JSON: {value!r}"]
+    checker = jsonschema.Draft202012Validator(
+        validation["json_schema"], format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+    )
+    return [f"{path} = {value!r}: {error.message}" for error in checker.iter_errors(decoded)]
 
 
 _MISSING = object()

@@ -39,8 +39,8 @@ SCHEMAS = [
     {"type": "array", "prefixItems": [{"type": "string", "maxLength": 3}, {"type": "integer"}],
      "items": False},
     # oneOf: a walk that matched two alternatives would fail validation (exactly one must match).
-    {"type": "array", "items": {"oneOf": [{"type": "integer", "maximum": 9}, {"type": "string", "maxLength": 2},
-     {"type": "null"}]}, "minItems": 1, "maxItems": 3},
+    {"type": "array", "items": {"oneOf": [{"type": "integer", "maximum": 9},
+     {"type": "string", "maxLength": 2}, {"type": "null"}]}, "minItems": 1, "maxItems": 3},
     # A discriminated union as pydantic writes it: $refs, open objects, a const tag.
     {"$defs": {"cat": {"type": "object", "properties": {"kind": {"const": "cat"}, "n": {"type": "integer"}},
      "required": ["kind", "n"]}, "dog": {"type": "object", "properties": {"kind": {"const": "dog"},
@@ -147,6 +147,14 @@ def test_a_forbidden_token_is_refused_and_leaves_the_matcher_dead(compiler, toke
     matcher = compiler.compile(GrammarSpec.regex("(yes|no)")).matcher()
     (x_token,) = tokenizer.encode("x", add_special_tokens=False)
     assert not matcher.advance(x_token) and matcher.is_dead
+
+
+def test_properties_are_written_in_the_schemas_order(compiler, tokenizer):
+    properties = {"zeta": {"const": 1}, "alpha": {"const": 2}, "mid": {"const": 3}}
+    schema = {"type": "object", "properties": properties, "required": list(properties),
+              "additionalProperties": False}  # fmt: skip
+    ids, ended = random_walk(compiler, tokenizer, GrammarSpec.json_schema(schema), seed=0)
+    assert ended and tokenizer.decode(ids) == '{"zeta":1,"alpha":2,"mid":3}'
 
 
 def test_a_spec_compiles_once(compiler):

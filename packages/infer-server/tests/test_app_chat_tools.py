@@ -9,6 +9,7 @@ construction (a think block, then content) the thinking tests.
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -28,6 +29,24 @@ TIME_TOOL = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
+BOOKING_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "book_table",
+        "description": "Book a restaurant table",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "restaurant": {"type": "string", "minLength": 1, "maxLength": 30},
+                "guests": {"type": "integer", "minimum": 1, "maximum": 12},
+                "time": {"type": "string", "pattern": "^([01][0-9]|2[0-3]):[0-5][0-9]$"},
+                "seating": {"enum": ["inside", "terrace"]},
+            },
+            "required": ["restaurant", "guests", "time"],
+            "additionalProperties": False,
+        },
+    },
+}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
@@ -37,29 +56,30 @@ def _prompt_tokens(loaded, messages, **render_kwargs) -> int:
     return len(loaded.tokenizer.encode(prompt, add_special_tokens=False))
 
 
-def _assert_one_call(choice, tool_names: set[str]) -> dict:
-    """The answer is one parsed call to one of `tool_names`, its arguments a JSON object."""
+def _assert_one_call(choice, tools: list[dict]) -> dict:
+    """The answer is one parsed call to one of `tools`, its arguments valid for that tool."""
     assert choice.finish_reason == "tool_calls", f"no call parsed from content {choice.message.content!r}"
+    assert choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_")
-    assert call.function.name in tool_names
+    parameters = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+    assert call.function.name in parameters
     arguments = json.loads(call.function.arguments)
-    assert isinstance(arguments, dict)
+    jsonschema.validate(arguments, parameters[call.function.name])
     return arguments
 
 
 # A forced call (named or "required") is the server writing the call's opening after the prompt
-# and stopping at </tool_call>; the model writes the rest. Nothing constrains the arguments to the
-# function's schema (no constrained decoding), so the tests ask for a JSON object, not for `city`.
-# Which answers SmolLM2 closes as a call is its own greedy choice: the prompts below are ones it
-# does (measured), and the last test shows what a call it botches becomes.
+# and a grammar holding the rest to the function's parameters (infer.server.tool_grammar): the
+# answer is always one call to a tool of the request, its arguments validating (by `jsonschema`,
+# never the grammar) against that tool's schema, whatever the model would have written alone.
 
 
 def test_named_tool_choice_answers_with_a_call_to_that_function(server):
     answer = server.openai_client().chat.completions.create(
         model=server.model, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice=NAMED, temperature=0
     )
-    _assert_one_call(answer.choices[0], {"get_weather"})
+    _assert_one_call(answer.choices[0], [WEATHER_TOOL])
 
 
 def test_a_tool_call_answer_message_carries_refusal_null(server):
@@ -87,7 +107,7 @@ def test_a_tool_loop_sends_the_sdk_dump_of_the_call_back_and_gets_an_answer(serv
     first = client.chat.completions.create(
         model=server.model, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice=NAMED, temperature=0
     )
-    _assert_one_call(first.choices[0], {"get_weather"})
+    _assert_one_call(first.choices[0], [WEATHER_TOOL])
     dumped = first.choices[0].message.model_dump()
     assert dumped["refusal"] is None and dumped["tool_calls"][0]["id"]
     call_id = dumped["tool_calls"][0]["id"]
@@ -108,7 +128,7 @@ def test_required_tool_choice_answers_with_a_call_to_one_of_the_tools(server):
         temperature=0,
         max_tokens=64,
     )
-    _assert_one_call(answer.choices[0], {"get_weather", "get_time"})
+    _assert_one_call(answer.choices[0], [WEATHER_TOOL, TIME_TOOL])
 
 
 def test_required_call_prompt_is_the_rendering_plus_the_opening_of_any_call(server, smollm2_loaded):
@@ -120,9 +140,9 @@ def test_required_call_prompt_is_the_rendering_plus_the_opening_of_any_call(serv
     assert answer.usage.prompt_tokens == len(expected)
 
 
-def test_a_required_call_the_model_botches_is_content_that_starts_with_the_forced_opening(server):
-    # SmolLM2 names "Paris" here, no tool of the request's: the block is given back as text, the
-    # opening the server wrote included, and the answer is not an error.
+def test_a_required_call_is_a_call_where_the_model_alone_names_no_tool(server):
+    # Unconstrained, SmolLM2 writes `{"name": "Paris"` after this opening (measured before the
+    # grammar): no tool of the request's, so no call. Held to the grammar it calls get_weather.
     answer = server.openai_client().chat.completions.create(
         model=server.model,
         messages=QUESTION,
@@ -131,9 +151,55 @@ def test_a_required_call_the_model_botches_is_content_that_starts_with_the_force
         temperature=0,
         max_tokens=32,
     )
-    choice = answer.choices[0]
-    assert choice.finish_reason == "length" and choice.message.tool_calls is None
-    assert choice.message.content.startswith('<tool_call>\n{"name": "Paris"')
+    _assert_one_call(answer.choices[0], [WEATHER_TOOL])
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "book_table"}}]
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_call_arguments_hold_to_a_rich_schema_streamed_or_not(server, tool_choice, stream):
+    body = {
+        "messages": [{"role": "user", "content": "Book a table for two at Luigi's tonight at 8."}],
+        "tools": [WEATHER_TOOL, BOOKING_TOOL],
+        "tool_choice": tool_choice,
+        "temperature": 0.8,
+        "seed": 11,
+        "max_tokens": 120,
+    }
+    if not stream:
+        answer = server.openai_client().chat.completions.create(model=server.model, **body)
+        arguments = _assert_one_call(answer.choices[0], [WEATHER_TOOL, BOOKING_TOOL])
+    else:
+        events = _stream_events(server, {**body, "stream": True})
+        chunks = [json.loads(payload) for payload in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        (call,) = [c for chunk in chunks for c in chunk["choices"][0]["delta"].get("tool_calls", [])]
+        assert call["function"]["name"] in ("get_weather", "book_table")
+        arguments = json.loads(call["function"]["arguments"])
+        tool = WEATHER_TOOL if call["function"]["name"] == "get_weather" else BOOKING_TOOL
+        jsonschema.validate(arguments, tool["function"]["parameters"])
+    assert isinstance(arguments, dict)
+
+
+def test_a_forced_call_to_a_tool_whose_schema_cannot_be_enforced_is_a_400_naming_it(server):
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "tag",
+            "parameters": {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+        },
+    }
+    client = server.openai_client()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=server.model, messages=QUESTION, tools=[tool], tool_choice="required", max_tokens=4
+        )
+    assert caught.value.body["param"] == "tools.0.function.parameters.properties.tags.uniqueItems"
+    assert "uniqueItems" in caught.value.message
+    # Not forced, nothing is enforced: the same tool is fine.
+    answer = client.chat.completions.create(model=server.model, messages=QUESTION, tools=[tool], max_tokens=4)
+    assert answer.choices[0].finish_reason in ("length", "stop", "tool_calls")
 
 
 def test_forced_call_prompt_is_the_rendering_plus_the_calls_opening(server, smollm2_loaded):

@@ -1,9 +1,11 @@
 """What a request's output must be (structured output): text matching a JSON schema, any JSON
-object, or text matching a regular expression; and the JSON Schema subset the engine enforces.
+object, a regular expression, or a Lark grammar (the server's forced tool calls: fixed text around
+JSON arguments); and the JSON Schema subset the engine enforces.
 
 A `GrammarSpec` is plain data (it crosses to the engine process inside SamplingParams) and its own
-cache key: a schema is held as canonical JSON text (sorted keys, no spaces), so two requests with
-the same schema written in another key order compile once.
+cache key: a schema is held as compact JSON text in the order it was written, since the output
+writes an object's properties in the order the schema declares them (as OpenAI's strict mode
+does; sorted keys would have the model write `{"age"` before `{"name"`).
 
 `check_json_schema` refuses, by name, every keyword the engine would not enforce: a schema the
 engine cannot hold its output to is an error (a 400 naming the keyword), never a constraint
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 JSON_SCHEMA = "json_schema"
 JSON_OBJECT = "json_object"
 REGEX = "regex"
+LARK = "lark"
+KINDS = (JSON_SCHEMA, JSON_OBJECT, REGEX, LARK)
 
 # Keywords that describe a value and never constrain it.
 ANNOTATIONS = frozenset(
@@ -59,14 +63,15 @@ class GrammarSpecError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    kind: str  # JSON_SCHEMA, JSON_OBJECT or REGEX
-    source: str = ""  # JSON_SCHEMA: the schema as canonical JSON text; REGEX: the pattern
+    kind: str  # one of KINDS
+    # JSON_SCHEMA: the schema as compact JSON text; REGEX: the pattern; LARK: the grammar
+    source: str = ""
 
     @classmethod
     def json_schema(cls, schema: dict | bool) -> "GrammarSpec":
         """The spec of a JSON schema, checked (GrammarSpecError if the engine cannot enforce it)."""
         check_json_schema(schema)
-        spec = cls(JSON_SCHEMA, json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        spec = cls(JSON_SCHEMA, json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
         _check_grammar(spec)
         return spec
 
@@ -88,9 +93,25 @@ class GrammarSpec:
         _check_grammar(spec)
         return spec
 
+    @classmethod
+    def lark(cls, grammar: str) -> "GrammarSpec":
+        """The spec of a grammar in llguidance's Lark dialect, whose JSON values are written by
+        `lark_json` (so they hold the same subset, compact); GrammarSpecError if it does not
+        build. The server composes these (a forced tool call: fixed text around the arguments)."""
+        spec = cls(LARK, grammar)
+        _check_grammar(spec)
+        return spec
+
     def __post_init__(self):
-        if self.kind not in (JSON_SCHEMA, JSON_OBJECT, REGEX):
-            raise ValueError(f"kind must be {JSON_SCHEMA}, {JSON_OBJECT} or {REGEX}, got {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+
+
+def lark_json(schema: dict) -> str:
+    """A Lark expression for a JSON value that matches `schema`, held to what
+    `GrammarSpec.json_schema` holds (checked the same way: GrammarSpecError naming the keyword)."""
+    GrammarSpec.json_schema(schema)
+    return "%json " + json.dumps({**_prepared_schema(schema), "x-guidance": _JSON_OPTIONS})
 
 
 def check_json_schema(schema: dict | bool) -> None:
@@ -228,13 +249,20 @@ def llguidance_grammar(spec: "GrammarSpec") -> str:
     from llguidance import LLMatcher
 
     if spec.kind == JSON_SCHEMA:
-        schema = _with_ascii_patterns(json.loads(spec.source))
         return LLMatcher.grammar_from_json_schema(
-            _one_of_refs_inlined(schema, schema), defaults=_JSON_OPTIONS
+            _prepared_schema(json.loads(spec.source)), defaults=_JSON_OPTIONS
         )
     if spec.kind == JSON_OBJECT:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+    if spec.kind == LARK:
+        return LLMatcher.grammar_from_lark(spec.source)
     return LLMatcher.grammar_from_regex(ascii_classes(spec.source))
+
+
+def _prepared_schema(schema):
+    """What llguidance is given for a schema: ASCII classes, oneOf's $refs inlined."""
+    schema = _with_ascii_patterns(schema)
+    return _one_of_refs_inlined(schema, schema)
 
 
 def _one_of_refs_inlined(schema, root):

@@ -10,16 +10,20 @@ that OpenAI answers with 400, are here, each error naming its field:
 
 `tool_choice` "none" means the tools are neither shown to the model nor looked for in its answer.
 A named or "required" choice starts the answer with the opening of the family's call format (see
-infer.server.tool_parsers.ToolCallFormat), so the model writes the call rather than prose; without
-constrained decoding that is the strongest push we have, and a malformed answer stays content.
+infer.server.tool_parsers.ToolCallFormat), and the rest of the call is held to a grammar
+(infer.server.tool_grammar): the answer is always a call to one of the tools whose arguments
+validate against its `parameters`. Those must then be in the JSON Schema subset structured output
+enforces; a keyword outside it is a 400 naming the tool's field.
 """
 
 from dataclasses import dataclass
 from typing import Any
 
+from infer.engine.grammar_spec import GrammarSpec
 from infer.server import errors
 from infer.server.errors import ApiError
 from infer.server.schemas import ChatCompletionRequest
+from infer.server.tool_grammar import ToolSchemaError, forced_call_grammar
 from infer.server.tool_parsers import ToolCallFormat
 
 
@@ -32,6 +36,10 @@ class ToolUse:
     forced_name: str | None = None  # tool_choice {"type": "function", "function": {"name": ...}}
     required: bool = False  # tool_choice "required": some call, the model picks which
 
+    @property
+    def forced(self) -> bool:
+        return self.forced_name is not None or self.required
+
     def call_prefix(self, tool_format: ToolCallFormat) -> str:
         """The start of the answer written for the model ("" when the model may answer freely)."""
         if self.forced_name is not None:
@@ -41,8 +49,22 @@ class ToolUse:
     def stop(self, tool_format: ToolCallFormat) -> list[str]:
         """Stop strings for the answer: a forced call ends at its closing marker (one call, and no
         prose after it for the parser to mistake for part of the answer)."""
-        forced = self.forced_name is not None or self.required
-        return [tool_format.call_end] if forced and tool_format.call_end else []
+        return [tool_format.call_end] if self.forced and tool_format.call_end else []
+
+    def grammar(self, tool_format: ToolCallFormat) -> GrammarSpec | None:
+        """What the answer after `call_prefix` is held to (None when the model answers freely):
+        the rest of a call to the named function, or to any of the tools for "required". An
+        ApiError 400 names a tool whose parameters no grammar can enforce."""
+        if not self.forced:
+            return None
+        tools = [
+            (tool["function"]["name"], tool["function"].get("parameters")) for tool in self.template_tools
+        ]
+        try:
+            return forced_call_grammar(tool_format, tools, self.forced_name)
+        except ToolSchemaError as error:
+            code = "unsupported_value" if error.keyword else "invalid_value"
+            raise ApiError(400, str(error), errors.INVALID_REQUEST, error.field, code) from None
 
 
 def tool_use(body: ChatCompletionRequest) -> ToolUse | None:

@@ -22,6 +22,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from infer.engine.client import EngineDeadError
+from infer.engine.grammar_spec import GrammarSpec
 from infer.engine.output_processor import StepOutput
 from infer.engine.protocol import TokenLogprobs
 from infer.engine.request import FINISH_ABORT, InvalidParamError, QueueFullError, RequestTooLongError
@@ -41,13 +42,18 @@ def sampling_params(
     max_model_len: int,
     prompt_field: str,
     extra_stop: Sequence[str] = (),
+    grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; no token limit means "as many as the context leaves".
     `extra_stop`: the server's own stop strings besides the client's (e.g. a forced tool call's
-    closing marker). ApiError 400 context_length_exceeded when prompt + limit do not fit."""
+    closing marker); `grammar`: the server's own constraint (a forced tool call's), which takes
+    the place of `response_format`'s, since the answer is then a call and has no content.
+    ApiError 400 context_length_exceeded when prompt + limit do not fit."""
     room = max_model_len - num_prompt_tokens
     kwargs = body.to_sampling_kwargs(max_new_tokens_default=max(room, 1))
     kwargs["stop"] += [text for text in extra_stop if text not in kwargs["stop"]]
+    if grammar is not None:
+        kwargs["grammar"] = grammar
     max_new_tokens = kwargs["max_new_tokens"]
     if num_prompt_tokens + max_new_tokens > max_model_len:
         raise errors.context_length_exceeded(num_prompt_tokens, max_new_tokens, max_model_len, prompt_field)

@@ -64,6 +64,7 @@ async def create_chat_completion(request: Request) -> Response:
         server.max_model_len,
         prompt_field="messages",
         extra_stop=tools.stop(tool_format) if tools is not None else (),
+        grammar=tools.grammar(tool_format) if tools is not None else None,
     )
     # One parser per choice: each reads its own text.
     chat_outputs = [

@@ -1,0 +1,137 @@
+"""The grammar of a forced tool call, on SmolLM2's real tokenizer: random walks through the tokens
+it allows, after the call's opening the server writes, always read back by the family's own
+parser (infer.server.tool_parsers) as exactly one call to an allowed tool, whose arguments
+`jsonschema` validates against the tool's parameters. Neither oracle is the grammar itself."""
+
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+
+from infer.engine.grammar import GrammarCompiler
+from infer.models.load import load_model_info
+from infer.server.tool_grammar import ToolSchemaError, forced_call_grammar
+from infer.server.tool_parsers import GEMMA_TOOL_CODE, HERMES, LLAMA3_JSON, ParsedToolCall
+
+MAX_TOKENS = 200
+CLOSERS = ('"', "}", "]", ",", ")", "`")
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+BOOKING = {
+    "$defs": {"guest": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+              "vip": {"type": "boolean"}}, "required": ["name"], "additionalProperties": False}},
+    "type": "object",
+    "properties": {
+        "guests": {"type": "array", "items": {"$ref": "#/$defs/guest"}, "minItems": 1, "maxItems": 2},
+        "note": {"type": ["string", "null"], "maxLength": 10},
+        "lead": {"$ref": "#/$defs/guest"},
+    },
+    "required": ["guests"],
+    "additionalProperties": False,
+}  # fmt: skip
+TOOLS = [("get_weather", WEATHER), ("book", BOOKING), ("ping", None)]
+PARAMETERS = {name: parameters or {"type": "object", "maxProperties": 0} for name, parameters in TOOLS}
+FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "gemma_tool_code": GEMMA_TOOL_CODE}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_model_info("smollm2-135m-instruct").tokenizer.hf_tokenizer
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+@pytest.fixture(scope="module")
+def closing_ids(tokenizer) -> frozenset[int]:
+    """The tokens whose text holds something that may close a value, and EOS."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    closing = {i for i, text in enumerate(texts) if any(c in text for c in CLOSERS)}
+    return frozenset(closing | {tokenizer.eos_token_id})
+
+
+def random_walk(compiler, tokenizer, closing_ids, spec, seed) -> str | None:
+    """Random allowed tokens (after 30, preferring closing ones, so walks end): the text, or None
+    when the walk did not reach EOS."""
+    rng = random.Random(seed)
+    matcher = compiler.compile(spec).matcher()
+    bitmask = compiler.allocate_bitmask(1)
+    ids = []
+    for step in range(MAX_TOKENS):
+        matcher.fill_bitmask(bitmask, 0)
+        bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = torch.nonzero(bits.flatten()[: compiler.vocab_size]).flatten().tolist()
+        if step > 30:
+            allowed = [t for t in allowed if t in closing_ids] or allowed
+        token = rng.choice(allowed)
+        if token == tokenizer.eos_token_id:
+            return tokenizer.decode(ids)
+        assert matcher.advance(token)
+        ids.append(token)
+    return None
+
+
+def parsed_calls(tool_format, prefix: str, text: str) -> list:
+    parser = tool_format.parser([name for name, _ in TOOLS])
+    return [piece for piece in parser.feed(prefix + text) + parser.finish() if piece != ""]
+
+
+@pytest.mark.parametrize("forced_name", ["get_weather", "book", "ping", None])
+@pytest.mark.parametrize("format_name", FORMATS)
+def test_a_walk_through_a_forced_call_is_one_call_whose_arguments_validate(
+    compiler, tokenizer, closing_ids, format_name, forced_name
+):
+    tool_format = FORMATS[format_name]
+    spec = forced_call_grammar(tool_format, TOOLS, forced_name)
+    prefix = tool_format.named_call_prefix(forced_name) if forced_name else tool_format.any_call_prefix
+    finished, names = 0, set()
+    for seed in range(6):
+        text = random_walk(compiler, tokenizer, closing_ids, spec, seed)
+        if text is None:
+            continue
+        finished += 1
+        calls = parsed_calls(tool_format, prefix, text)
+        assert len(calls) == 1 and isinstance(calls[0], ParsedToolCall), (text, calls)
+        (call,) = calls
+        assert forced_name is None or call.name == forced_name
+        names.add(call.name)
+        jsonschema.validate(json.loads(call.arguments), PARAMETERS[call.name])
+    assert finished >= 4
+    if forced_name is None:
+        assert len(names) >= 2, names  # "required" lets the model pick among the tools
+
+
+def test_a_parameters_keyword_that_cannot_be_enforced_names_the_tools_field():
+    tools = [("f", {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}})]
+    for tool_format in FORMATS.values():
+        with pytest.raises(ToolSchemaError) as raised:
+            forced_call_grammar(tool_format, tools, None)
+        assert raised.value.keyword == "uniqueItems"
+        assert raised.value.field == "tools.0.function.parameters.properties.tags.uniqueItems"
+
+
+def test_only_the_named_function_is_checked_for_a_named_call():
+    tools = [("f", {"type": "object", "properties": {"a": {"not": {}}}}), *TOOLS]
+    forced_call_grammar(HERMES, tools, "get_weather")
+    with pytest.raises(ToolSchemaError):
+        forced_call_grammar(HERMES, tools, None)
+
+
+def test_a_property_tool_code_cannot_name_is_refused_for_gemma_only():
+    tools = [("f", {"type": "object", "properties": {"max-size": {"type": "integer"}}})]
+    forced_call_grammar(HERMES, tools, "f")
+    with pytest.raises(ToolSchemaError, match="max-size"):
+        forced_call_grammar(GEMMA_TOOL_CODE, tools, "f")
