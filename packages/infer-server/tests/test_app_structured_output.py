@@ -1,6 +1,6 @@
-"""response_format on a real server through the official `openai` client: answers parse and
-validate by pydantic (`chat.completions.parse`), `jsonschema` and `re.fullmatch`, never by the
-grammar itself; streamed and not, chat and completions; what cannot be enforced is a 400 that
+"""response_format on a real server through the official `openai` client and LangChain's
+`with_structured_output`: answers parse and validate by pydantic (`chat.completions.parse`),
+`jsonschema` and `re.fullmatch`, never by the grammar itself; streamed and not, chat and completions; what cannot be enforced is a 400 that
 names it."""
 
 import enum
@@ -55,6 +55,19 @@ def test_chat_completions_parse_returns_the_pydantic_model(server):
     assert completion.choices[0].finish_reason == "stop"
     assert isinstance(message.parsed, Cat), message.content  # pydantic validated it
     Cat.model_validate_json(message.content)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output_returns_the_pydantic_model(server, method):
+    # json_schema sends response_format; function_calling sends the model as a tool and names it
+    # in tool_choice, so the arguments are held to its schema by the forced call's grammar.
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        model=server.model, base_url=f"{server.base_url}/v1", api_key="unused", temperature=0, max_retries=0
+    )
+    cat = llm.with_structured_output(Cat, method=method).invoke(QUESTION[0]["content"])
+    assert isinstance(cat, Cat), cat
 
 
 @pytest.mark.parametrize("stream", [False, True])
