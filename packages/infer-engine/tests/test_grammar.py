@@ -149,6 +149,32 @@ def test_a_forbidden_token_is_refused_and_leaves_the_matcher_dead(compiler, toke
     assert not matcher.advance(x_token) and matcher.is_dead
 
 
+def test_a_rolled_back_matcher_is_where_a_fresh_one_over_the_kept_tokens_is(compiler, tokenizer):
+    # Speculative decoding rejects draft tokens: the matcher must forget exactly those.
+    spec = GrammarSpec.json_schema(SCHEMAS[3])
+    ids, ended = random_walk(compiler, tokenizer, spec, seed=1)
+    assert ended and len(ids) > 6
+    bitmask, fresh_bitmask = compiler.allocate_bitmask(1), compiler.allocate_bitmask(1)
+    matcher = compiler.compile(spec).matcher()
+    for token in ids:
+        assert matcher.advance(token)
+    assert matcher.is_terminal
+    position = len(ids)
+    for kept in (len(ids) - 1, len(ids) - 4, 2):
+        matcher.rollback(position - kept)
+        position = kept
+        fresh = compiler.compile(spec).matcher()
+        for token in ids[:kept]:
+            assert fresh.advance(token)
+        matcher.fill_bitmask(bitmask, 0)
+        fresh.fill_bitmask(fresh_bitmask, 0)
+        assert torch.equal(bitmask, fresh_bitmask) and not matcher.is_terminal
+    # And it goes on from there to the same end.
+    for token in ids[2:]:
+        assert matcher.advance(token)
+    assert matcher.is_terminal
+
+
 def test_properties_are_written_in_the_schemas_order(compiler, tokenizer):
     properties = {"zeta": {"const": 1}, "alpha": {"const": 2}, "mid": {"const": 3}}
     schema = {"type": "object", "properties": properties, "required": list(properties),
