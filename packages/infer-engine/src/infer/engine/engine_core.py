@@ -227,19 +227,25 @@ class EngineCore:
         finished: list[str] = []
         num_prompt_tokens = self._num_prompt_tokens(decision)
         masks = None
+        collected_for_masks: list[EngineOutput] = []
         if self.structured_output:
             masks = self.structured_output.allowed
-            # A grammar's mask needs its request's last token: collect the step still running
-            # (async scheduling) before this one samples. Batches without a constrained
-            # request keep their overlap.
             if self._launched and self.structured_output.constrains_any(decision.num_scheduled_tokens):
-                while self._launched:
-                    outputs += self._collect(self._launched.popleft(), finished)
+                # A grammar's mask needs its request's last token, which the step still running
+                # (async scheduling) samples: that step is collected once this one's forward is
+                # queued (the runner asks for the masks then), so the device runs the forward
+                # while the host reads the tokens and fills the masks.
+                def masks(sampling_ids):
+                    while self._launched:
+                        collected_for_masks.extend(self._collect(self._launched.popleft(), finished))
+                    return self.structured_output.allowed(sampling_ids)
+
         try:
             self.runner.launch(decision, masks)
         except Exception as error:  # noqa: BLE001 - a failed forward fails its step's requests, not the engine
-            outputs += self._fail(decision, error, finished)
+            outputs += collected_for_masks + self._fail(decision, error, finished)
         else:
+            outputs += collected_for_masks
             self._launched.append(decision)
             self._counters["prompt_tokens"] += num_prompt_tokens
         # Async scheduling leaves the latest step running while it has work; otherwise, and to
