@@ -1,7 +1,7 @@
 """response_format on a real server through the official `openai` client and LangChain's
 `with_structured_output`: answers parse and validate by pydantic (`chat.completions.parse`),
-`jsonschema` and `re.fullmatch`, never by the grammar itself; streamed and not, chat and completions; what cannot be enforced is a 400 that
-names it."""
+`jsonschema` and `re.fullmatch`, never by the grammar itself; streamed and not, chat and
+completions; what cannot be enforced is a 400 that names it."""
 
 import enum
 import json
