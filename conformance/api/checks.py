@@ -112,6 +112,33 @@ def metrics_count_usage(case: dict, impl, options) -> None:
         assert moved == usage[usage_key], f"{name} moved by {moved}, usage.{usage_key} is {usage[usage_key]}"
 
 
+def stats_record_matches_usage(case: dict, impl, options) -> None:
+    client, model = _connect(case, options)
+    response = _send(client, case["request"], model)
+    assert response.status_code == 200, _report(case, response, [f"status {response.status_code}"])
+    body = response.json()
+    deadline = time.monotonic() + 30.0
+    while True:  # the record lands when the engine loop dispatches the final output
+        snapshot = client.get("/v1/stats")
+        assert snapshot.status_code == 200, f"/v1/stats answered {snapshot.status_code}"
+        stats = snapshot.json()
+        records = [record for record in stats.get("requests", []) if record.get("request_id") == body["id"]]
+        if records or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert records, f"no record of {body['id']} in /v1/stats"
+    (record,) = records
+    usage, choice = body["usage"], body["choices"][0]
+    assert record["prompt_tokens"] == usage["prompt_tokens"], record
+    assert record["completion_tokens"] == usage["completion_tokens"], record
+    assert record["finish_reason"] == choice["finish_reason"], record
+    assert isinstance(record["ttft_s"], float) and record["ttft_s"] > 0, record
+    for key in ("totals", "finish_reasons", "history"):
+        assert isinstance(stats.get(key), dict), f"/v1/stats has no {key} object"
+    for name, points in stats["history"].items():
+        assert all(len(point) == 2 for point in points), f"history {name} is not [second, value] pairs"
+
+
 def disconnect_aborts(case: dict, impl, options) -> None:
     client, model = _connect(case, options)
     gauge = "infer_requests_running"

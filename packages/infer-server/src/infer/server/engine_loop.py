@@ -11,7 +11,8 @@ the event loop) puts each into its request's `RequestHandle`.
 
 The metrics of a request (time to first token, inter-token latency, finish reason, token counts)
 are recorded in `_dispatch` from the step's arrival time; the gauges (running, waiting, KV use)
-from the statistics the core sends with every step.
+from the statistics the core sends with every step. The dashboard's statistics
+(infer.server.stats) are fed at the same two places.
 """
 
 import asyncio
@@ -23,6 +24,7 @@ from infer.engine.client import EngineDeadError
 from infer.engine.output_processor import StepOutput
 from infer.engine.sampling_params import SamplingParams
 from infer.server.metrics import ServerMetrics
+from infer.server.stats import ServerStats, request_record
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,9 @@ class RequestHandle:
         self.outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
         # Resolved with the final StepOutput (finished, aborted or failed).
         self.done: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
+        self.first_token_s: float | None = None
         self.last_token_s: float | None = None
+        self.queue_s: float | None = None
         self.client_gone = False
         # Set when the request ended because the engine itself failed (not its batch's forward).
         self.engine_failed = False
@@ -55,9 +59,16 @@ class RequestHandle:
 class EngineLoop:
     """Owns the engine thread; every public method is called from the event loop."""
 
-    def __init__(self, engine, metrics: ServerMetrics, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        engine,
+        metrics: ServerMetrics,
+        loop: asyncio.AbstractEventLoop,
+        stats: ServerStats | None = None,
+    ):
         self.engine = engine
         self.metrics = metrics
+        self.stats = stats if stats is not None else ServerStats()
         self._loop = loop
         self._handles: dict[str, RequestHandle] = {}
         self._stopping = threading.Event()
@@ -99,6 +110,7 @@ class EngineLoop:
         if client_gone:
             handle.client_gone = True
             self.metrics.client_disconnects_total.inc()
+            self.stats.on_disconnect()
         self.engine.abort(handle.request_id)
 
     def abort_all(self) -> int:
@@ -135,6 +147,7 @@ class EngineLoop:
 
     def _update_gauges(self) -> None:
         stats = self.engine.stats()
+        self.stats.on_engine_stats(stats)
         metrics = self.metrics
         metrics.requests_running.set(stats.num_running)
         metrics.requests_waiting.set(stats.num_waiting)
@@ -165,15 +178,19 @@ class EngineLoop:
 
     def _dispatch(self, outputs: list[StepOutput], step_done_s: float) -> None:
         metrics = self.metrics
+        num_tokens = 0
         for output in outputs:
             handle = self._handles.get(output.request_id)
             if handle is None:
                 continue
             if output.token_id is not None:
+                num_tokens += 1
                 if handle.last_token_s is None:
                     metrics.time_to_first_token_seconds.observe(step_done_s - handle.arrival_s)
+                    handle.first_token_s = step_done_s
                     if output.queue_time_s is not None:
                         metrics.request_queue_time_seconds.observe(output.queue_time_s)
+                        handle.queue_s = output.queue_time_s
                 else:
                     metrics.inter_token_latency_seconds.observe(step_done_s - handle.last_token_s)
                 handle.last_token_s = step_done_s
@@ -181,6 +198,7 @@ class EngineLoop:
             if output.finished:
                 del self._handles[output.request_id]
                 handle.done.set_result(output)
+                self.stats.on_finished(_record(handle, output, self.stats.clock()))
                 metrics.request_latency_seconds.observe(step_done_s - handle.arrival_s)
                 metrics.requests_total.inc(finish_reason=output.finish_reason or FINISH_ERROR)
                 metrics.prompt_tokens_total.inc(output.prompt_tokens)
@@ -188,6 +206,8 @@ class EngineLoop:
                 if self.engine.config.use_prefix_caching:
                     self._observe_cached(output)
         metrics.queue_depth.set(len(self._handles))
+        if num_tokens:
+            self.stats.on_tokens(num_tokens)
 
     def _observe_cached(self, final: StepOutput) -> None:
         metrics, cached = self.metrics, final.cached_tokens
@@ -203,3 +223,26 @@ class EngineLoop:
             handle.engine_failed = True
         finals = [StepOutput(request_id, None, "", True, None, message, 0, 0) for request_id in self._handles]
         self._dispatch(finals, time.monotonic())
+
+
+def _record(handle: RequestHandle, final: StepOutput, finished_at: float):
+    """The finished request's statistics: an abort is "cancelled" (its client went away, or the
+    server drained), a failure "error"."""
+    if final.finish_reason is None:
+        reason = FINISH_ERROR
+    elif final.finish_reason == "abort":
+        reason = "cancelled"
+    else:
+        reason = final.finish_reason
+    return request_record(
+        handle.request_id,
+        finished_at=finished_at,
+        finish_reason=reason,
+        prompt_tokens=final.prompt_tokens,
+        cached_tokens=final.cached_tokens,
+        completion_tokens=final.completion_tokens,
+        arrival_s=handle.arrival_s,
+        first_token_s=handle.first_token_s,
+        last_token_s=handle.last_token_s,
+        queue_s=handle.queue_s,
+    )

@@ -1,4 +1,4 @@
-"""GET /health, GET /v1/models and GET /metrics: the endpoints around generation."""
+"""GET /health, GET /v1/models, GET /metrics and GET /v1/stats: the endpoints around generation."""
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -44,3 +44,10 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     server: ServerState = request.app.state.server
     return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/stats")
+async def stats(request: Request) -> Response:
+    """The dashboard's numbers (infer.server.stats): recent requests and 1 Hz histories."""
+    server: ServerState = request.app.state.server
+    return JSONResponse(server.stats.snapshot())

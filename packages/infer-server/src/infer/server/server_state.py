@@ -17,6 +17,7 @@ from infer.server.engine_loop import EngineLoop
 from infer.server.errors import ApiError
 from infer.server.limits import RequestLimits
 from infer.server.metrics import ServerMetrics
+from infer.server.stats import ServerStats
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class ServerState:
         self._served_model_name = served_model_name
         self.limits = limits or RequestLimits()
         self.metrics = metrics
+        self.stats = ServerStats()
         self.phase = LOADING
         self.failure: str | None = None
         self.created = int(time.time())
@@ -76,7 +78,7 @@ class ServerState:
 
     def _start_engine(self, engine) -> None:
         self.engine = engine
-        self.engine_loop = EngineLoop(engine, self.metrics, asyncio.get_running_loop())
+        self.engine_loop = EngineLoop(engine, self.metrics, asyncio.get_running_loop(), self.stats)
         self.engine_loop.start()
         self.phase = READY
         logger.info("serving %s (context %d tokens)", self.served_model_name, self.max_model_len)

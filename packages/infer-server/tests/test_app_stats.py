@@ -1,0 +1,78 @@
+"""GET /v1/stats on a real server: after a few requests (two sharing a prefix, one whose client
+hangs up) each finished request has its record, and the record's numbers are the ones its
+client got (usage, cached tokens, finish reason; time to first token within what the client
+waited); the totals and the 1 Hz histories account for them."""
+
+import time
+
+import httpx
+import pytest
+
+PREFIX = "The history of the city begins with a small harbour, a market and a bridge over the river. " * 4
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server(max_batch_size=4, use_chunked_prefill=True, use_prefix_caching=True)
+
+
+def stats(server) -> dict:
+    response = httpx.get(f"{server.base_url}/v1/stats", timeout=30.0)
+    assert response.status_code == 200
+    return response.json()
+
+
+def wait_for_records(server, count: int, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snapshot = stats(server)
+        if len(snapshot["requests"]) >= count or time.monotonic() > deadline:
+            return snapshot
+        time.sleep(0.05)
+
+
+def test_each_finished_request_has_the_record_its_client_saw(server):
+    before = stats(server)
+    answers = []
+    with httpx.Client(base_url=server.base_url, timeout=120.0) as client:
+        for ending in ("Its people", "Its bridges"):
+            body = {"model": server.model, "prompt": PREFIX + ending, "max_tokens": 6, "temperature": 0}
+            started = time.monotonic()
+            response = client.post("/v1/completions", json=body)
+            answers.append((response.json(), time.monotonic() - started))
+        long_body = {"model": server.model, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True}
+        with client.stream("POST", "/v1/completions", json={**long_body, "stream": True}) as stream:
+            events = (line for line in stream.iter_lines() if line.startswith("data:"))
+            next(events), next(events)  # generating; then the client hangs up
+    snapshot = wait_for_records(server, len(before["requests"]) + 3)
+    records = {record["request_id"]: record for record in snapshot["requests"]}
+    for answer, waited_s in answers:
+        record = records[answer["id"]]
+        usage = answer["usage"]
+        assert record["prompt_tokens"] == usage["prompt_tokens"]
+        assert record["completion_tokens"] == usage["completion_tokens"]
+        assert record["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+        assert record["finish_reason"] == answer["choices"][0]["finish_reason"]
+        assert 0 < record["ttft_s"] <= waited_s
+        assert record["decode_tokens_per_s"] > 0 and record["prefill_tokens_per_s"] > 0
+    assert records[answers[1][0]["id"]]["cached_tokens"] > 0  # the second reused the first's prefix
+    (cancelled,) = [r for r in snapshot["requests"][len(before["requests"]) :] if r["request_id"] not in
+                    {answer["id"] for answer, _ in answers}]  # fmt: skip
+    assert cancelled["finish_reason"] == "cancelled" and cancelled["completion_tokens"] >= 2
+
+    new = snapshot["requests"][len(before["requests"]) :]
+    totals, old_totals = snapshot["totals"], before["totals"]
+    assert totals["requests"] - old_totals["requests"] == 3
+    assert totals["disconnects"] - old_totals["disconnects"] == 1
+    assert totals["generated_tokens"] - old_totals["generated_tokens"] == sum(
+        r["completion_tokens"] for r in new
+    )
+    cached = sum(r["cached_tokens"] for r in new)
+    assert totals["prompt_tokens_cached"] - old_totals["prompt_tokens_cached"] == cached
+    history = snapshot["history"]
+    assert sum(value for _, value in history["disconnects_per_s"]) == totals["disconnects"]
+    assert max(value for _, value in history["requests_running"]) >= 1
+    assert all(value > 0 for _, value in history["kv_total_bytes"])
+    assert history["prefix_cache_budget_bytes"]  # a point per second the engine stepped
+    seconds = [second for second, _ in history["requests_running"]]
+    assert seconds == sorted(set(seconds))  # one point per second, in order

@@ -1,0 +1,65 @@
+"""infer.server.stats by itself: 1 Hz histories keep one point per second (the last value, or
+the sum for rates) over a bounded window; a request's record is the arithmetic of its moments.
+The clock is a plain function the test sets (ServerStats takes one), not a mock."""
+
+import pytest
+
+from infer.server.stats import History, ServerStats, request_record
+
+
+def test_a_history_keeps_the_last_value_of_each_second_within_its_window():
+    history = History(window_s=3)
+    for now, value in [(10.1, 1), (10.9, 2), (11.0, 5), (12.5, 7), (13.2, 8)]:
+        history.record(now, value)
+    assert history.as_list() == [[11, 5], [12, 7], [13, 8]]
+
+
+def test_a_rate_history_sums_what_happened_in_each_second():
+    history = History()
+    for now, amount in [(5.0, 3), (5.7, 4), (7.2, 1)]:
+        history.add(now, amount)
+    assert history.as_list() == [[5, 7], [7, 1]]
+
+
+def test_a_record_is_the_arithmetic_of_the_requests_moments():
+    record = request_record(
+        "r", finished_at=1000.0, finish_reason="stop", prompt_tokens=100, cached_tokens=60,
+        completion_tokens=11, arrival_s=50.0, first_token_s=50.5, last_token_s=51.5, queue_s=0.1,
+    )  # fmt: skip
+    assert record.ttft_s == pytest.approx(0.5)
+    assert record.prefill_tokens_per_s == pytest.approx(40 / 0.4)  # prefilled over ttft - queue
+    assert record.decode_tokens_per_s == pytest.approx(10 / 1.0)  # tokens after the first
+    assert record.prefilled_tokens == 40
+
+
+def test_a_request_that_ended_before_its_first_token_has_no_speeds():
+    record = request_record(
+        "r", finished_at=1.0, finish_reason="cancelled", prompt_tokens=8, cached_tokens=0,
+        completion_tokens=0, arrival_s=1.0, first_token_s=None, last_token_s=None, queue_s=None,
+    )  # fmt: skip
+    assert record.ttft_s is record.prefill_tokens_per_s is record.decode_tokens_per_s is None
+
+
+def test_the_snapshot_counts_what_was_recorded():
+    now = [100.0]
+    stats = ServerStats(clock=lambda: now[0])
+    stats.on_tokens(3)
+    now[0] = 101.2
+    stats.on_tokens(2)
+    stats.on_disconnect()
+    for reason, cached in [("stop", 4), ("cancelled", 0)]:
+        stats.on_finished(
+            request_record(
+                reason, finished_at=now[0], finish_reason=reason, prompt_tokens=10, cached_tokens=cached,
+                completion_tokens=2, arrival_s=0.0, first_token_s=1.0, last_token_s=2.0, queue_s=0.5,
+            )
+        )  # fmt: skip
+    snapshot = stats.snapshot()
+    assert snapshot["history"]["generated_tokens_per_s"] == [[100, 3], [101, 2]]
+    assert snapshot["history"]["disconnects_per_s"] == [[101, 1]]
+    assert snapshot["totals"] == {
+        "requests": 2, "prompt_tokens_cached": 4, "prompt_tokens_prefilled": 16, "generated_tokens": 5,
+        "disconnects": 1,
+    }  # fmt: skip
+    assert snapshot["finish_reasons"] == {"stop": 1, "cancelled": 1}
+    assert [record["request_id"] for record in snapshot["requests"]] == ["stop", "cancelled"]
