@@ -10,6 +10,7 @@ nox -s serve          the OpenAI-compatible server on the default model
 """
 
 import os
+import shutil
 import sys
 
 import nox
@@ -45,12 +46,23 @@ def test_env(session: nox.Session) -> dict[str, str]:
 def tests(session: nox.Session) -> None:
     """Every CPU test and the conformance suites; fetches the real models on first use."""
     install_infer(session)
+    install_chromium(session)
     env = test_env(session)
     for alias in ("smollm2-135m-instruct", "gemma-3-270m"):
         session.run("infer", "models", "fetch", alias, env=env)
     session.run("pytest", "-m", "not gpu", *session.posargs, env=env)
     if not session.posargs:
         api_suite_against_infer_serve(session, env)
+
+
+def install_chromium(session: nox.Session) -> None:
+    """Debian's chromium, for the dashboard's real-browser test (test_dashboard_browser.py), when
+    the machine lacks it (~20 s; it needs root, as CI runs)."""
+    if shutil.which("chromium"):
+        return
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    session.run("apt-get", "update", "-q", external=True, env=env)  # a fresh machine's lists may be stale
+    session.run("apt-get", "install", "-y", "-q", "chromium", external=True, env=env)
 
 
 def api_suite_against_infer_serve(session: nox.Session, env: dict) -> None:

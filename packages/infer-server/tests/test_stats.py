@@ -1,5 +1,5 @@
-"""infer.server.stats by itself: 1 Hz histories keep one point per second (the last value, or
-the sum for rates) over a bounded window; a request's record is the arithmetic of its moments.
+"""infer.server.stats by itself: 1 Hz histories keep one point per second (the highest value,
+or the sum for rates) over a bounded window; a request's record is the arithmetic of its moments.
 The clock is a plain function the test sets (ServerStats takes one), not a mock."""
 
 import pytest
@@ -7,9 +7,9 @@ import pytest
 from infer.server.stats import History, ServerStats, request_record
 
 
-def test_a_history_keeps_the_last_value_of_each_second_within_its_window():
+def test_a_history_keeps_the_highest_value_of_each_second_within_its_window():
     history = History(window_s=3)
-    for now, value in [(10.1, 1), (10.9, 2), (11.0, 5), (12.5, 7), (13.2, 8)]:
+    for now, value in [(10.1, 1), (10.9, 2), (11.0, 5), (12.5, 7), (12.8, 0), (13.2, 8)]:
         history.record(now, value)
     assert history.as_list() == [[11, 5], [12, 7], [13, 8]]
 

@@ -1,7 +1,10 @@
-"""GET /health, GET /v1/models, GET /metrics and GET /v1/stats: the endpoints around generation."""
+"""GET /health, GET /v1/models, GET /metrics, GET /v1/stats and GET /dashboard: the endpoints
+around generation."""
+
+from importlib.resources import files
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from infer.server import responses
 from infer.server.metrics import CONTENT_TYPE
@@ -51,3 +54,9 @@ async def stats(request: Request) -> Response:
     """The dashboard's numbers (infer.server.stats): recent requests and 1 Hz histories."""
     server: ServerState = request.app.state.server
     return JSONResponse(server.stats.snapshot())
+
+
+@router.get("/dashboard")
+async def dashboard() -> Response:
+    """The live dashboard: one self-contained page (no CDN) that reads /v1/stats each second."""
+    return HTMLResponse(files("infer.server").joinpath("dashboard.html").read_text(encoding="utf-8"))

@@ -8,7 +8,8 @@ chart needs, per request and per second:
   prefilled, not cached, prompt tokens over the time from being scheduled to its first token),
   decode speed, prompt tokens cached and prefilled, and how it ended (stop, length, cancelled
   when its client went away, error).
-- `History`: one point per second (the last value seen in that second), the newest `window_s`.
+- `History`: one point per second (the highest value seen in that second, so a request that ran
+  for a fraction of it still shows), the newest `window_s`.
   Series: running and waiting requests, KV bytes used and total, prefix-cache bytes and budget,
   generated tokens per second, disconnects per second.
 
@@ -80,7 +81,7 @@ def request_record(
 
 
 class History:
-    """One value per whole second (the last recorded in it), the newest `window_s` seconds."""
+    """One value per whole second (the highest recorded in it), the newest `window_s` seconds."""
 
     def __init__(self, window_s: int = WINDOW_S):
         self.points: deque[tuple[int, float]] = deque(maxlen=window_s)
@@ -88,7 +89,7 @@ class History:
     def record(self, now: float, value: float) -> None:
         second = int(now)
         if self.points and self.points[-1][0] == second:
-            self.points[-1] = (second, value)
+            self.points[-1] = (second, max(self.points[-1][1], value))
         else:
             self.points.append((second, value))
 
@@ -146,6 +147,8 @@ class ServerStats:
         with self._lock:
             for name, value in values.items():
                 self.history[name].record(now, value)
+            for name in RATE_SERIES:  # a point for every second the engine ran, 0 if nothing happened
+                self.history[name].add(now, 0)
 
     def on_tokens(self, count: int) -> None:
         now = self.clock()
