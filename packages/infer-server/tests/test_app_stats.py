@@ -76,3 +76,46 @@ def test_each_finished_request_has_the_record_its_client_saw(server):
     assert history["prefix_cache_budget_bytes"]  # a point per second the engine stepped
     seconds = [second for second, _ in history["requests_running"]]
     assert seconds == sorted(set(seconds))  # one point per second, in order
+
+
+def test_stats_and_metrics_give_the_same_numbers(server):
+    """The page's numbers and Prometheus's agree (read when idle, after the test above), parsed
+    by prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client(base_url=server.base_url, timeout=30.0) as client:
+        deadline = time.monotonic() + 30
+        while (
+            client.get("/v1/stats").json()["history"]["requests_running"][-1][1]
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        time.sleep(1.1)  # a second with nothing running, so the last gauge points read idle
+        snapshot = client.get("/v1/stats").json()
+        samples = {}
+        for family in text_string_to_metric_families(client.get("/metrics").text):
+            for sample in family.samples:
+                samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    totals = snapshot["totals"]
+    assert totals["requests"] >= 3
+
+    def metric(name, **labels):
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    by_reason = {
+        labels[0][1]: value for (name, labels), value in samples.items() if name == "infer_requests_total"
+    }
+    assert totals["requests"] == sum(by_reason.values())
+    reasons = snapshot["finish_reasons"]
+    assert reasons.get("cancelled", 0) == by_reason["abort"]
+    assert all(reasons.get(reason, 0) == by_reason[reason] for reason in ("stop", "length"))
+    assert totals["disconnects"] == metric("infer_client_disconnects_total")
+    assert totals["prompt_tokens_cached"] == metric("infer_prompt_tokens_cached_total")
+    assert totals["prompt_tokens_prefilled"] == metric("infer_prompt_tokens_prefilled_total")
+    assert totals["generated_tokens"] == metric("infer_generation_tokens_total")
+    matches = snapshot["prefix_cache_matches"]
+    assert sum(matches.values()) >= 3 and matches.get("lcp", 0) >= 1  # the second request parted mid-way
+    for kind, count in matches.items():
+        assert count == metric("infer_prefix_cache_matches_total", kind=kind)
+    assert snapshot["history"]["kv_total_bytes"][-1][1] == metric("infer_kv_cache_total_bytes")
+    assert snapshot["history"]["prefix_cache_bytes"][-1][1] == metric("infer_prefix_cache_used_bytes")

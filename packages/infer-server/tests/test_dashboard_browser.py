@@ -130,6 +130,8 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server):
     hits = sum(r["cached_tokens"] > 0 for r in requests)
     assert dom.tiles["hit_rate"].strip() == f"{100 * hits / len(requests):.1f}%"
     assert "cancelled: 1" in dom.tiles["finish_reasons"]
+    for kind, count in stats["prefix_cache_matches"].items():
+        assert f"{kind}: {count}" in dom.tiles["match_kinds"]
     assert "pressure" in dom.hidden  # the cache is far below its budget (here the KV pool)
     used, pool = history["prefix_cache_bytes"][-1][1], history["kv_total_bytes"][-1][1]
     assert dom.tiles["cache_usage"].strip() == f"{100 * used / pool:.1f}%"

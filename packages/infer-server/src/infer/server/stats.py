@@ -132,6 +132,9 @@ class ServerStats:
             "disconnects": 0,
         }
         self.finish_reasons: dict[str, int] = {}
+        # Admissions by what the prefix cache held (miss, prefix, supersequence, lcp): the core's
+        # own running counts, as its latest step sent them.
+        self.prefix_cache_matches: dict[str, int] = {}
 
     def on_engine_stats(self, stats) -> None:
         """The core's state after a step (infer.engine.protocol.EngineStats)."""
@@ -145,6 +148,7 @@ class ServerStats:
             "prefix_cache_budget_bytes": stats.prefix_cache_budget_bytes,
         }
         with self._lock:
+            self.prefix_cache_matches = dict(stats.prefix_cache_matches)
             for name, value in values.items():
                 self.history[name].record(now, value)
             for name in RATE_SERIES:  # a point for every second the engine ran, 0 if nothing happened
@@ -171,13 +175,14 @@ class ServerStats:
             self.finish_reasons[record.finish_reason] = self.finish_reasons.get(record.finish_reason, 0) + 1
 
     def snapshot(self) -> dict:
-        """GET /v1/stats: {"time", "totals", "finish_reasons", "requests" (oldest first),
-        "history": {series: [[unix_second, value], ...]}}."""
+        """GET /v1/stats: {"time", "totals", "finish_reasons", "prefix_cache_matches", "requests"
+        (oldest first), "history": {series: [[unix_second, value], ...]}}."""
         with self._lock:
             return {
                 "time": self.clock(),
                 "totals": dict(self.totals),
                 "finish_reasons": dict(self.finish_reasons),
+                "prefix_cache_matches": dict(self.prefix_cache_matches),
                 "requests": [asdict(record) for record in self.records],
                 "history": {name: history.as_list() for name, history in self.history.items()},
             }
