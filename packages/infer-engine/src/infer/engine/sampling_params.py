@@ -51,8 +51,9 @@ class SamplingParams:
     # None: no logprobs. They are of the model's raw distribution (log_softmax of its logits,
     # before logit bias, penalties, temperature and truncation), as vLLM returns by default.
     logprobs: int | None = None
-    # Structured output: what the whole output must be (a JSON schema, any JSON object, or a
-    # regex); the engine allows only tokens that keep it possible, and EOS once it is complete.
+    # Structured output: what the whole output must be (a JSON schema, any JSON object, a regex,
+    # or a Lark grammar); the engine allows only tokens that keep it possible, and EOS once it is
+    # complete.
     grammar: GrammarSpec | None = None
 
     def __post_init__(self):
