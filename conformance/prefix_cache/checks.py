@@ -56,6 +56,10 @@ def eviction_frees_unlocked_leaves_lru(case: dict, impl: str) -> None:
     _run(case, impl, "eviction_frees_unlocked_leaves_lru")
 
 
+def entries_are_the_runs_between_branches(case: dict, impl: str) -> None:
+    _run(case, impl, "entries_are_the_runs_between_branches")
+
+
 def no_leak(case: dict, impl: str) -> None:
     _run(case, impl, "no_leak")
 
@@ -120,7 +124,8 @@ def _machine_for(make, case: dict, clause: str) -> type:
             super().__init__()
             self.allocator = BlockAllocator(num_blocks)
             self.tree = make(self.allocator, size, max_blocks)
-            # The model: path -> {"block", "locks", "used"}; `clock` orders uses like the tree's.
+            # The model: path -> {"block", "locks", "used", "hits"}; `clock` orders uses like the
+            # tree's; "hits" are the count_hit calls whose last reused token is in the path's block.
             self.paths: dict[tuple[int, ...], dict] = {}
             self.clock = 0
             self.inserted: set[tuple[int, ...]] = set()
@@ -151,6 +156,40 @@ def _machine_for(make, case: dict, clause: str) -> type:
 
         def evictable_leaves(self) -> list[tuple[int, ...]]:
             return [p for p, node in self.paths.items() if not node["locks"] and self.is_leaf(p)]
+
+        def parent_path(self, path) -> tuple[int, ...]:
+            return path[: (len(path) - 1) // size * size]
+
+        def children(self, path) -> list[tuple[int, ...]]:
+            if len(path) % size:  # a partial block is always a leaf
+                return []
+            n = len(path)
+            return [p for p in self.paths if n < len(p) <= n + size and p[:n] == path]
+
+        def drop(self, path) -> None:
+            """The path's block left the tree: its hits go to the block above (none at the top)."""
+            node = self.paths.pop(path)
+            if self.parent_path(path) in self.paths:
+                self.paths[self.parent_path(path)]["hits"] += node["hits"]
+
+        def model_entries(self) -> list[tuple[int, int, int, int]]:
+            """(start, tokens, blocks, hits) of each run: from a path under the root or a branch,
+            down while the path has exactly one child; hits over the run's whole subtree."""
+            heads = [p for p in self.paths if len(p) <= size or len(self.children(self.parent_path(p))) != 1]
+            entries = []
+            for head in heads:
+                path, blocks = head, 1
+                while len(self.children(path)) == 1:
+                    (path,) = self.children(path)
+                    blocks += 1
+                below = [
+                    node["hits"]
+                    for p, node in self.paths.items()
+                    if p == head or (len(head) % size == 0 and len(p) > len(head) and p[: len(head)] == head)
+                ]
+                start = len(self.parent_path(head))
+                entries.append((start, len(path) - start, blocks, sum(below)))
+            return sorted(entries)
 
         def touch(self, paths) -> None:
             self.clock += 1
@@ -187,7 +226,7 @@ def _machine_for(make, case: dict, clause: str) -> type:
                     new_paths.append(holder[0])
                     continue
                 assert block in taken, f"insert({tokens}) did not take block {block} for new tokens {path}"
-                self.paths[path] = {"block": block, "locks": 0, "used": 0}
+                self.paths[path] = {"block": block, "locks": 0, "used": 0, "hits": 0}
                 new_paths.append(path)
                 for other in same_block:
                     if (
@@ -195,7 +234,7 @@ def _machine_for(make, case: dict, clause: str) -> type:
                         and path[: len(other)] == other
                         and not self.paths[other]["locks"]
                     ):
-                        del self.paths[other]
+                        self.drop(other)
             self.touch(new_paths)
             # Blocks gone in this insert besides those the model absorbed: evicted for max_blocks.
             model_blocks = {node["block"]: path for path, node in self.paths.items()}
@@ -205,12 +244,12 @@ def _machine_for(make, case: dict, clause: str) -> type:
                     assert not self.paths[path]["locks"], (
                         f"insert over max_blocks evicted locked block {block}"
                     )
-                del self.paths[path]
+                self.drop(path)
 
         def make_room(self, num):
             evicted = self.tree.evict(num - self.allocator.num_free)
             for block in evicted:
-                del self.paths[self.model_path_of(block)]
+                self.drop(self.model_path_of(block))
 
         @rule(query=TOKENS, cap=st.integers(min_value=0, max_value=12) | st.none(), lock=st.booleans())
         def match(self, query, cap, lock):
@@ -250,9 +289,14 @@ def _machine_for(make, case: dict, clause: str) -> type:
                     start = len(m.block_ids) * size
                     assert copied[start : start + m.copy_tokens] == tuple(query[start : m.num_tokens])
                     assert m.copy_block not in m.block_ids
-            if lock and m.num_tokens:
+            if not m.num_tokens:
+                return
+            # The block of the last token reused: where count_hit counts, lock starts from.
+            last = self.model_path_of(m.copy_block if m.copy_block is not None else m.block_ids[-1])
+            self.tree.count_hit(m, m.num_tokens)
+            self.paths[last]["hits"] += 1
+            if lock:
                 self.tree.lock(m)
-                last = self.model_path_of(m.copy_block if m.copy_block is not None else m.block_ids[-1])
                 held = self.block_paths(last)
                 for path in held:
                     self.paths[path]["locks"] += 1
@@ -299,7 +343,7 @@ def _machine_for(make, case: dict, clause: str) -> type:
                         f"evicted {path}, not a least recently used leaf"
                     )
                     assert self.allocator.refcount(block) == 0, f"evicted block {block} is still held"
-                del self.paths[path]
+                self.drop(path)
 
         @invariant()
         def tree_holds_the_model(self):
@@ -315,6 +359,14 @@ def _machine_for(make, case: dict, clause: str) -> type:
                     f"the tree counts {self.tree.num_locked_blocks} locked blocks, the model {locked}"
                 )
                 assert self.tree.num_evictable_blocks == len(tree_blocks) - locked
+
+        @invariant()
+        def entries_are_the_model_runs(self):
+            if self.checking("entries_are_the_runs_between_branches"):
+                entries = self.tree.entries()
+                got = sorted((e.start, e.num_tokens, e.num_blocks, e.hits) for e in entries)
+                assert got == self.model_entries(), f"entries() gives {got}, the model {self.model_entries()}"
+                assert sum(e.num_blocks for e in entries) == self.tree.num_blocks
 
         def teardown(self):
             if self.checking("no_leak"):

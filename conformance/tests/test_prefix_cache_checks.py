@@ -90,12 +90,34 @@ class KeepsEvictedBlocks(PrefixTree):
             self.allocator.free = free
 
 
-def assertion_messages(check, broken) -> list[str]:
+class LosesHitsOnEviction(PrefixTree):
+    """A run's hits go with the blocks they were counted in."""
+
+    def _remove(self, node):
+        node.hits = 0
+        super()._remove(node)
+
+
+class SplitsRunsAtSequenceEnds(PrefixTree):
+    """A sequence ending inside a chain (an earlier turn of a conversation) starts a new run."""
+
+    def entries(self):
+        for node in self._nodes.values():
+            if node.ends and len(node.children) == 1:
+                node.children = {**node.children, -1: {}}  # a second key: looks like a branch
+        try:
+            return super().entries()
+        finally:
+            for node in self._nodes.values():
+                node.children.pop(-1, None)
+
+
+def assertion_messages(check, broken, case=FAST) -> list[str]:
     checks.TREES["Broken"] = lambda allocator, block_size, max_blocks: broken(
         allocator, block_size, max_blocks=max_blocks
     )
     try:
-        check(FAST, "Broken")
+        check(case, "Broken")
     except Exception as error:  # noqa: BLE001 - only assertions are the check's verdict
         return [str(e) for e in getattr(error, "exceptions", [error]) if type(e) is AssertionError]
     finally:
@@ -104,19 +126,22 @@ def assertion_messages(check, broken) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("broken", "check", "says"),
+    ("broken", "check", "says", "case"),
     [
-        (StopsOneTokenShort, checks.match_is_longest_common_prefix, "longest common prefix"),
-        (CallsEverythingAPrefix, checks.match_kinds, "prefix"),
-        (SharesTheBlockItEndsIn, checks.reuse_is_token_granular, ""),
-        (UnlocksBelowZero, checks.lock_count_never_negative, "did not raise LockError"),
-        (EvictsLockedLeaves, checks.locked_never_evicted, "locked block"),
-        (EvictsMostRecentlyUsed, checks.eviction_frees_unlocked_leaves_lru, "least recently used"),
-        (KeepsEvictedBlocks, checks.no_leak, ""),
+        (StopsOneTokenShort, checks.match_is_longest_common_prefix, "longest common prefix", {}),
+        (CallsEverythingAPrefix, checks.match_kinds, "prefix", {}),
+        (SharesTheBlockItEndsIn, checks.reuse_is_token_granular, "", {}),
+        (UnlocksBelowZero, checks.lock_count_never_negative, "did not raise LockError", {}),
+        (EvictsLockedLeaves, checks.locked_never_evicted, "locked block", {}),
+        (EvictsMostRecentlyUsed, checks.eviction_frees_unlocked_leaves_lru, "least recently used", {}),
+        (KeepsEvictedBlocks, checks.no_leak, "", {}),
+        # Blocks of one token make deep trees, where evicted blocks have a parent to give hits to.
+        (LosesHitsOnEviction, checks.entries_are_the_runs_between_branches, "entries()", {"block_size": 1}),
+        (SplitsRunsAtSequenceEnds, checks.entries_are_the_runs_between_branches, "entries()", {}),
     ],
-    ids=lambda value: value.__name__ if isinstance(value, type) else None,
+    ids=lambda value: value.__name__ if isinstance(value, type) else "",
 )
-def test_broken_tree_fails_its_clause(broken, check, says):
-    messages = assertion_messages(check, broken)
+def test_broken_tree_fails_its_clause(broken, check, says, case):
+    messages = assertion_messages(check, broken, {**FAST, **case})
     assert messages, f"{check.__name__} passed {broken.__name__}"
     assert any(says in message for message in messages), messages

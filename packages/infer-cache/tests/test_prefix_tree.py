@@ -161,6 +161,37 @@ def test_evict_idle_frees_what_was_not_used_for_the_ttl():
     assert tree.match([5, 6, 7, 8]).num_tokens == 4
 
 
+def test_entries_are_the_shared_system_prompt_and_each_conversation_after_it():
+    now = [10.0]
+    tree, _ = tree_with(clock=lambda: now[0])
+    first = SYSTEM + [1, 2, 3]  # blocks: [100..103] [104..107] [108 109 1 2] [3]
+    insert(tree, first, "a")
+    now[0] = 20.0
+    insert(tree, SYSTEM + [4, 5, 6], "b")  # parts from `first` inside the third block
+    now[0] = 30.0
+    second_turn = SYSTEM + [4, 5, 6, 7, 8]  # a later turn of b: the same run grows
+    insert(tree, second_turn, "c")
+    entry = {(e.start, e.num_tokens): e for e in tree.entries()}
+    assert sorted(entry) == [(0, 8), (8, 5), (8, 7)]
+    assert [entry[key].num_blocks for key in sorted(entry)] == [2, 2, 2]
+    assert sum(e.num_blocks for e in entry.values()) == tree.num_blocks
+    assert entry[0, 8].created_s == 10.0 and entry[8, 7].created_s == 20.0
+    assert (entry[0, 8].last_used_s, entry[8, 5].last_used_s, entry[8, 7].last_used_s) == (30.0, 10.0, 30.0)
+    assert all(e.hits == 0 and not e.in_use for e in entry.values())
+
+    m = tree.match(SYSTEM + [9])  # same system prompt, another question: reads [108 109] of a branch
+    tree.lock(m)
+    tree.count_hit(m, m.num_tokens)
+    hits = {(e.start, e.num_tokens): (e.hits, e.in_use) for e in tree.entries()}
+    branch = (8, 5) if m.copy_block == tree.match(first).block_ids[2] else (8, 7)
+    assert hits[0, 8] == (1, True) and hits[branch] == (1, True)
+    assert sum(h for h, _ in hits.values()) == 2  # the trunk and the one branch it read
+
+    tree.unlock(m)
+    tree.evict(tree.num_blocks - 2)  # the branches go; their hit stays with the trunk
+    assert [(e.start, e.num_tokens, e.hits) for e in tree.entries()] == [(0, 8, 1)]
+
+
 def test_insert_of_a_free_block_raises_and_changes_nothing():
     tree, allocator = tree_with(SYSTEM)
     before = tree.block_ids()

@@ -6,7 +6,9 @@ import argparse
 import csv
 import difflib
 import heapq
+import math
 import random
+import time
 import unittest
 
 import pytest
@@ -312,3 +314,33 @@ def test_preempted_requests_resume_from_the_cache_with_the_same_tokens(tiny_mode
     assert all(num_cached <= len(prompt) for (_, num_cached), prompt in zip(with_cache, prompts, strict=True))
     for engine in (plain, cached):
         engine.shutdown()
+
+
+def test_the_core_sends_the_cache_entries_once_a_second_and_when_it_falls_idle(tiny_models):
+    model = tiny_models["llama-tiny"]
+    engine = Engine(EngineConfig(**SETTINGS, use_prefix_caching=True), loaded_model=model.loaded)
+    system = list(range(30, 50))  # five blocks of 4
+    run(engine, [system + [60, 61]])
+    engine.add_request(system + [70, 71], SamplingParams(max_new_tokens=6, **GREEDY))  # reuses the 20
+    started, walks = time.monotonic(), 0
+    while engine.has_work():
+        engine.step()
+        walks += engine.stats().prefix_cache_entries is not None
+    # Once a second while it works (the first step: a second since the first run's idle walk may
+    # not have passed), and once when it fell idle.
+    assert 1 <= walks <= math.ceil(time.monotonic() - started) + 1
+    stats = engine.stats()  # the last step's: the engine fell idle, so it walked the tree as it stays
+    entries = stats.prefix_cache_entries
+    assert stats.prefix_cache_num_entries == len(entries) == 3
+    # Most recently used first, a run before the runs below it: the second conversation's
+    # insert used its branch and the trunk last.
+    trunk, second, first = entries
+    assert (trunk.start, trunk.num_tokens, trunk.hits) == (0, 20, 1)
+    assert trunk.bytes == 5 * engine.core.kv_pool.shape.bytes_per_block()
+    assert sum(entry.bytes for entry in entries) == stats.prefix_cache_bytes
+    assert [(entry.start, entry.hits) for entry in (second, first)] == [(20, 0), (20, 0)]
+    assert trunk.last_used_at == second.last_used_at > first.last_used_at
+    assert trunk.created_at <= first.created_at < second.created_at <= time.time()
+    assert not any(entry.in_use or entry.int8_bytes for entry in entries)
+    assert engine.core.stats().prefix_cache_entries is None  # walked since it fell idle
+    engine.shutdown()

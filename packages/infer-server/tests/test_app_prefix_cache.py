@@ -102,5 +102,6 @@ def test_metrics_count_matches_tokens_saved_and_cache_bytes(start_server):
     assert samples["infer_prompt_tokens_prefilled_total"] == total_prompt - cached
     assert samples["infer_prefix_cache_cached_tokens_count"] == 2
     assert samples["infer_prefix_cache_cached_tokens_sum"] == cached
+    assert samples["infer_prefix_cache_blocks"] > 0
     assert samples["infer_prefix_cache_entries"] > 0
     assert samples["infer_prefix_cache_used_bytes"] > 0

@@ -78,6 +78,44 @@ def test_each_finished_request_has_the_record_its_client_saw(server):
     assert seconds == sorted(set(seconds))  # one point per second, in order
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_answer_that_became_tool_calls_is_recorded_as_tool_calls(server, stream):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    before = stats(server)
+    answer = client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        max_tokens=40,
+        stream=stream,
+    )
+    if stream:
+        chunks = list(answer)
+        request_id, reason = (
+            chunks[0].id,
+            next(c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason),
+        )
+    else:
+        request_id, reason = answer.id, answer.choices[0].finish_reason
+    assert reason == "tool_calls"
+    snapshot = wait_for_records(server, len(before["requests"]) + 1)
+    (record,) = [r for r in snapshot["requests"] if r["request_id"] == request_id]
+    assert record["finish_reason"] == "tool_calls"
+    assert snapshot["finish_reasons"]["tool_calls"] == before["finish_reasons"].get("tool_calls", 0) + 1
+
+
 def test_stats_and_metrics_give_the_same_numbers(server):
     """The page's numbers and Prometheus's agree (read when idle, after the test above), parsed
     by prometheus_client's own parser."""
@@ -108,7 +146,10 @@ def test_stats_and_metrics_give_the_same_numbers(server):
     assert totals["requests"] == sum(by_reason.values())
     reasons = snapshot["finish_reasons"]
     assert reasons.get("cancelled", 0) == by_reason["abort"]
-    assert all(reasons.get(reason, 0) == by_reason[reason] for reason in ("stop", "length"))
+    # /metrics counts a tool-call answer by the engine's reason, and apart.
+    answered = sum(reasons.get(reason, 0) for reason in ("stop", "length", "tool_calls"))
+    assert answered == by_reason["stop"] + by_reason["length"]
+    assert reasons.get("tool_calls", 0) == metric("infer_tool_call_answers_total")
     assert totals["disconnects"] == metric("infer_client_disconnects_total")
     assert totals["prompt_tokens_cached"] == metric("infer_prompt_tokens_cached_total")
     assert totals["prompt_tokens_prefilled"] == metric("infer_prompt_tokens_prefilled_total")

@@ -1,7 +1,8 @@
 """GET /dashboard in a real browser: a real server gets a few requests (two sharing a prefix, one
-whose client hangs up), headless Chromium renders the page (its script reading /v1/stats as a
-person's browser would), and the rendered DOM shows every chart with one point per request or
-per second of history, and tiles with the numbers /v1/stats holds. The screenshot is saved to
+whose client hangs up, a chat answered with a tool call), headless Chromium renders the page
+(its script reading /v1/stats as a person's browser would), and the rendered DOM shows every
+chart with one point per request or per second of history, tiles with the numbers /v1/stats
+holds, and a row per prefix-cache entry. The screenshot is saved to
 `test-artifacts/dashboard.png` (docs/dashboard.md shows it).
 
 Chromium is Debian's `chromium` package; `nox -s tests` installs it when it is missing.
@@ -19,22 +20,42 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 ARTIFACTS = REPO / "test-artifacts"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 PREFIX = "The history of the city begins with a small harbour, a market and a bridge over the river. " * 4
 
 
 class Dom(HTMLParser):
-    """The rendered page's charts (data-chart -> attributes, and the shapes inside) and tiles."""
+    """The rendered page's charts (data-chart -> attributes, and the shapes inside), tiles, and
+    tables (data-table -> the text of each body row's cells)."""
 
     def __init__(self):
         super().__init__()
         self.charts: dict[str, dict] = {}
         self.tiles: dict[str, str] = {}
         self.hidden: set[str] = set()
+        self.tables: dict[str, list[list[str]]] = {}
         self._chart = None
         self._tile = None
+        self._table = None
+        self._in_body = False
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
+        if tag == "table" and "data-table" in attrs:
+            self._table = attrs["data-table"]
+            self.tables[self._table] = []
+        elif self._table is not None and tag == "tbody":
+            self._in_body = True
+        elif self._in_body and tag == "tr":
+            self.tables[self._table].append([])
+        elif self._in_body and tag == "td":
+            self.tables[self._table][-1].append("")
         if tag == "svg" and "data-chart" in attrs:
             self._chart = attrs["data-chart"]
             self.charts[self._chart] = {"points": attrs.get("data-points"), "shapes": []}
@@ -49,12 +70,16 @@ class Dom(HTMLParser):
     def handle_endtag(self, tag):
         if tag == "svg":
             self._chart = None
+        elif tag == "table":
+            self._table, self._in_body = None, False
         elif self._tile is not None:
             self._tile = None
 
     def handle_data(self, data):
         if self._tile is not None:
             self.tiles[self._tile] += data
+        elif self._in_body and self.tables[self._table] and self.tables[self._table][-1]:
+            self.tables[self._table][-1][-1] += data
 
 
 def chromium() -> str:
@@ -87,8 +112,19 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server):
         with client.stream("POST", "/v1/completions", json={**long_body, "stream": True}) as stream:
             events = (line for line in stream.iter_lines() if line.startswith("data:"))
             next(events), next(events)  # then the client hangs up
+        call = {
+            "model": server.model,
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": [WEATHER_TOOL],
+            "tool_choice": "required",
+            "max_tokens": 40,
+        }
+        assert (
+            client.post("/v1/chat/completions", json=call).json()["choices"][0]["finish_reason"]
+            == "tool_calls"
+        )
         deadline = time.monotonic() + 60
-        while len(client.get("/v1/stats").json()["requests"]) < 3 and time.monotonic() < deadline:
+        while len(client.get("/v1/stats").json()["requests"]) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         page = client.get("/dashboard")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -99,7 +135,7 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server):
     dom.feed(browse(f"{server.base_url}/dashboard", "--dump-dom"))
     stats = httpx.get(f"{server.base_url}/v1/stats").json()  # idle now: what the page showed
     requests, history = stats["requests"], stats["history"]
-    assert len(requests) == 3
+    assert len(requests) == 4
     per_request = {"ttft": 1, "prefill_speed": 1}
     for name, lines in per_request.items():
         chart = dom.charts[name]
@@ -118,6 +154,7 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server):
         "throughput": ["generated_tokens_per_s"],
         "running_waiting": ["requests_running", "requests_waiting"],
         "cache_memory": ["prefix_cache_bytes", "prefix_cache_budget_bytes"],
+        "memory_roofline": ["memory_roofline_percent"],
     }.items():
         shown = int(dom.charts[name]["points"])
         assert shown >= 1 and len(history[series[0]]) - shown in (0, 1), name
@@ -129,7 +166,25 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server):
     assert totals["disconnects"] == 1 and int(dom.tiles["prompt_tokens_cached"]) > 0
     hits = sum(r["cached_tokens"] > 0 for r in requests)
     assert dom.tiles["hit_rate"].strip() == f"{100 * hits / len(requests):.1f}%"
-    assert "cancelled: 1" in dom.tiles["finish_reasons"]
+    assert "cancelled: 1" in dom.tiles["finish_reasons"] and "tool_calls: 1" in dom.tiles["finish_reasons"]
+    # % of the memory roofline: each second's decode bandwidth over the measured copy bandwidth
+    # (the page's last second may have grown since it read it).
+    shown = [float(a["data-value"]) for t, a in dom.charts["memory_roofline"]["shapes"] if t == "circle"]
+    roofline = [value for _, value in history["memory_roofline_percent"]]
+    assert shown[:-1] == pytest.approx(roofline[: len(shown) - 1]) and all(0 < v < 100 for v in roofline)
+    # The prefix cache's entries: the tile counts them, the table shows the most recent ones.
+    entries = stats["prefix_cache_entries"]
+    assert dom.tiles["cache_entries"].strip() == str(stats["prefix_cache_num_entries"]) != "0"
+    rows = dom.tables["cache_entries"]
+    assert len(rows) == min(20, len(entries)) >= 3  # the shared prefix and the runs after it
+    for row, entry in zip(rows, entries, strict=False):
+        assert [int(cell) for cell in row[:2]] + [int(row[3])] == [
+            entry["start"],
+            entry["num_tokens"],
+            entry["hits"],
+        ]
+        assert float(row[2]) == pytest.approx((entry["bytes"] + entry["int8_bytes"]) / 1e3, abs=0.05)
+    assert sum(entry["hits"] for entry in entries if entry["start"] == 0) >= 1  # the prefix was reused
     for kind, count in stats["prefix_cache_matches"].items():
         assert f"{kind}: {count}" in dom.tiles["match_kinds"]
     assert "pressure" in dom.hidden  # the cache is far below its budget (here the KV pool)

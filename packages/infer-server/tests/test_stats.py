@@ -2,8 +2,11 @@
 or the sum for rates) over a bounded window; a request's record is the arithmetic of its moments.
 The clock is a plain function the test sets (ServerStats takes one), not a mock."""
 
+import dataclasses
+
 import pytest
 
+from infer.engine.protocol import EngineStats, PrefixCacheEntry
 from infer.server.stats import History, ServerStats, request_record
 
 
@@ -63,3 +66,71 @@ def test_the_snapshot_counts_what_was_recorded():
     }  # fmt: skip
     assert snapshot["finish_reasons"] == {"stop": 1, "cancelled": 1}
     assert [record["request_id"] for record in snapshot["requests"]] == ["stop", "cancelled"]
+
+
+def engine_stats(**fields) -> EngineStats:
+    """The core's statistics after a step: zeros but `fields`."""
+    required = [
+        f.name
+        for f in dataclasses.fields(EngineStats)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    return EngineStats(**{**dict.fromkeys(required, 0), **fields})
+
+
+def test_the_roofline_is_each_seconds_decode_bandwidth_over_the_copy_bandwidth():
+    now = [100.2]
+    stats = ServerStats(clock=lambda: now[0])
+    for now[0], read, taken in [
+        (100.2, 0, 0.0),  # nothing decoded yet: no point
+        (100.5, 3e9, 1.0),  # 3 GB in 1 s
+        (101.2, 4.5e9, 1.5),  # 1.5 GB in 0.5 s
+        (101.4, 4.5e9, 1.5),  # a prefill step: nothing counted
+        (101.7, 5.0e9, 2.0),  # 0.5 GB in 0.5 s: second 101 read 2 GB in 1 s
+        (103.0, 5.0e9, 2.0),  # idle
+    ]:
+        stats.on_engine_stats(
+            engine_stats(
+                decode_bytes_total=int(read), decode_time_s_total=taken, copy_bandwidth_bytes_per_s=4e9
+            )
+        )
+    snapshot = stats.snapshot()
+    assert snapshot["history"]["memory_roofline_percent"] == [[100, 75.0], [101, 50.0]]
+    assert snapshot["copy_bandwidth_bytes_per_s"] == 4e9
+
+
+def test_cache_entries_are_the_latest_walk_with_their_ages_now():
+    now = [50.0]
+    stats = ServerStats(clock=lambda: now[0])
+    entry = PrefixCacheEntry(
+        start=0,
+        num_tokens=20,
+        bytes=4096,
+        int8_bytes=0,
+        hits=3,
+        created_at=40.0,
+        last_used_at=49.0,
+        in_use=False,
+    )
+    stats.on_engine_stats(engine_stats(prefix_cache_num_entries=1, prefix_cache_entries=(entry,)))
+    now[0] = 52.5
+    stats.on_engine_stats(engine_stats())  # a step that did not walk the tree keeps the last walk
+    (shown,) = stats.snapshot()["prefix_cache_entries"]
+    assert shown == {**dataclasses.asdict(entry), "age_s": 12.5, "idle_s": 3.5}
+    assert stats.snapshot()["prefix_cache_num_entries"] == 1
+
+
+def test_an_answer_that_became_tool_calls_corrects_its_record():
+    stats = ServerStats()
+    for request_id in ("a", "b"):
+        stats.on_finished(
+            request_record(
+                request_id, finished_at=1.0, finish_reason="stop", prompt_tokens=5, cached_tokens=0,
+                completion_tokens=2, arrival_s=0.0, first_token_s=0.5, last_token_s=0.6, queue_s=0.1,
+            )
+        )  # fmt: skip
+    stats.on_answer_finish_reason("a", "tool_calls")
+    stats.on_answer_finish_reason("gone", "tool_calls")  # out of the window: nothing to correct
+    snapshot = stats.snapshot()
+    assert [r["finish_reason"] for r in snapshot["requests"]] == ["tool_calls", "stop"]
+    assert snapshot["finish_reasons"] == {"stop": 1, "tool_calls": 1}

@@ -20,7 +20,7 @@ from infer.cache.kv_pool import (
     num_blocks_for_memory,
 )
 from infer.cache.kv_quant import QuantizedKVStore
-from infer.cache.prefix_tree import MISS, MatchKind, PrefixMatch, PrefixTree
+from infer.cache.prefix_tree import MISS, MatchKind, PrefixEntry, PrefixMatch, PrefixTree
 from infer.cache.protocol import BlockAllocatorProtocol, KVPool
 from infer.cache.shape import KVCacheShape
 
@@ -42,6 +42,7 @@ __all__ = [
     "MatchKind",
     "OwnerError",
     "PagedKVPool",
+    "PrefixEntry",
     "PrefixMatch",
     "PrefixTree",
     "QuantizedKVStore",

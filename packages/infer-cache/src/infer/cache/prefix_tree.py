@@ -37,8 +37,12 @@ blocks before a request shares them, and gives the (slot, block) restores to run
 reads them. Eviction for blocks takes leaves in blocks first, least recently used first, and int8
 leaves only when they stand in the way; `evict_idle` and `clear` take both kinds.
 
-Which calls change the tree: `match` reads only (not even the LRU clock); `lock`, `unlock`,
-`insert`, `evict`, `evict_idle`, `discard` and `warm` change it. A call that raises has changed nothing.
+What it holds, for people (`entries`): the runs of tokens between branches, each with its size,
+its hits (`count_hit`, once per request that reuses it) and when it was made and last used.
+
+Which calls change the tree: `match` and `entries` read only (not even the LRU clock); `lock`,
+`unlock`, `count_hit`, `insert`, `evict`, `evict_idle`, `discard` and `warm` change it. A call
+that raises has changed nothing.
 """
 
 import dataclasses
@@ -78,6 +82,10 @@ class _Node:
     depth: int = 0  # tokens from the root to this node's end
     last_access: int = 0  # the tree's operation counter: LRU order without clock ties
     last_access_s: float = 0.0
+    created_s: float = 0.0
+    # Reuses whose last token is in this node (and in nodes evicted below it since): a run's
+    # hits are the sum over its subtree (see PrefixTree.entries).
+    hits: int = 0
     # Offsets (1..len(tokens)) at which an inserted sequence ended in this node.
     # (A frozenset: most nodes end nothing, and share the one empty frozenset.)
     ends: frozenset[int] = frozenset()
@@ -118,6 +126,23 @@ class PrefixMatch:
 
 
 MISS = PrefixMatch(MatchKind.MISS, 0, 0)
+
+
+@dataclass(frozen=True)
+class PrefixEntry:
+    """A run of cached tokens with no branch inside (from `PrefixTree.entries`): tokens
+    [start, start + num_tokens) of the sequences through it, in `num_blocks` pool blocks and
+    `num_int8_blocks` int8 slots. `hits`: reuses that read into it (or into a run below it);
+    times are the tree's clock."""
+
+    start: int
+    num_tokens: int
+    num_blocks: int
+    num_int8_blocks: int
+    hits: int
+    last_used_s: float
+    created_s: float
+    in_use: bool  # a running request reads it: it cannot be evicted now
 
 
 class PrefixTree:
@@ -250,6 +275,49 @@ class PrefixTree:
             return MatchKind.PREFIX
         return MatchKind.SUPERSEQUENCE if num_matched == len(tokens) else MatchKind.LCP
 
+    def entries(self) -> list["PrefixEntry"]:
+        """The runs of cached tokens, one per edge of the radix tree that the block trie spells:
+        a run starts at a root or a branch and goes down while each node has one child, so that
+        a shared system prompt is one entry and each conversation after it another. Parents come
+        before their children. Reads only; walks every node (O(blocks held))."""
+        runs: list[list] = []  # [head, tail, parent index, blocks, int8 blocks, hits]
+        for root in self._roots.values():
+            stack = [(child, -1) for child_runs in root.children.values() for child in child_runs.values()]
+            while stack:
+                head, parent = stack.pop()
+                node, blocks, cold, hits = head, 0, 0, 0
+                while True:
+                    blocks += node.slot is None
+                    cold += node.slot is not None
+                    hits += node.hits
+                    if len(node.children) != 1:
+                        break
+                    (child_runs,) = node.children.values()
+                    if len(child_runs) != 1:
+                        break
+                    (node,) = child_runs.values()
+                index = len(runs)
+                runs.append([head, node, parent, blocks, cold, hits])
+                stack.extend((c, index) for child_runs in node.children.values() for c in child_runs.values())
+        for run in reversed(runs):  # children after parents: sum hits up the tree
+            if run[2] >= 0:
+                runs[run[2]][5] += run[5]
+        return [
+            PrefixEntry(
+                start=head.depth - len(head.tokens),
+                num_tokens=tail.depth - head.depth + len(head.tokens),
+                num_blocks=blocks,
+                num_int8_blocks=cold,
+                hits=hits,
+                # A use marks a node and every node above it: the head is the run's latest, and
+                # was made no later than anything below it.
+                last_used_s=head.last_access_s,
+                created_s=head.created_s,
+                in_use=head.lock_count > 0,
+            )
+            for head, tail, _, blocks, cold, hits in runs
+        ]
+
     # -- changing --------------------------------------------------------------------------------
 
     def lock(self, match: PrefixMatch) -> None:
@@ -277,6 +345,12 @@ class PrefixTree:
             node.lock_count -= 1
             self._num_locked -= node.lock_count == 0 and node.slot is None
             self._note(node)
+
+    def count_hit(self, match: PrefixMatch, num_tokens: int) -> None:
+        """Counts one reuse of the match's first `num_tokens` tokens (what a request took of it)
+        for `entries`' hits."""
+        if num_tokens > 0:
+            match._read[min((num_tokens - 1) // self.block_size, len(match._read) - 1)].hits += 1
 
     def warm(self, match: PrefixMatch, blocks: Sequence[int]) -> tuple[PrefixMatch, list[tuple[int, int]]]:
         """Moves the match's int8 nodes into `blocks` (match.num_cold of them, the tree's: taken
@@ -401,7 +475,7 @@ class PrefixTree:
         self._roots[salt] = root
         for chunk, block in zip(chunks[len(path) :], new_blocks, strict=True):
             runs = node.children.setdefault(chunk[0], {})
-            child = _Node(chunk, block, node, depth=node.depth + len(chunk))
+            child = _Node(chunk, block, node, depth=node.depth + len(chunk), created_s=now)
             runs[chunk] = child
             self._nodes[block] = child
             if len(runs) > 1:
@@ -609,6 +683,8 @@ class PrefixTree:
         del runs[node.tokens]
         if not runs:
             del parent.children[node.tokens[0]]
+        if parent.parent is not None:
+            parent.hits += node.hits  # the reuses that reached it reached its parent's run too
         if parent.parent is None and not parent.children:  # an empty root: its salt is gone
             del self._roots[next(salt for salt, root in self._roots.items() if root is parent)]
         if node.slot is not None:

@@ -129,6 +129,7 @@ class KVCacheManager:
             # reuses its own outputs, and its prompt was answered for already).
             request.num_cached_tokens = min(num_reused, request.num_prompt_tokens)
         self._matches[request.request_id] = match
+        tree.count_hit(match, num_reused)
         if copy is not None:
             self._ops.append((COPY, *copy))
         return True

@@ -117,6 +117,38 @@ class EngineStats:
     # Shadow re-runs without the cache (prefix_cache_shadow_rate), and those whose tokens differed.
     prefix_cache_shadow_runs: int = 0
     prefix_cache_shadow_divergences: int = 0
+    # The tree's runs (most recently used first, at most ENTRIES_SENT of them) and how many there
+    # are; None in the steps that did not walk the tree (see EngineCore._prefix_cache_entries).
+    prefix_cache_num_entries: int | None = None
+    prefix_cache_entries: tuple["PrefixCacheEntry", ...] | None = None
+    # Decode against the memory roofline (infer.engine.roofline): what the decode steps that ran
+    # back to back read (bytes) and took (seconds from each one's start to the next one's), and
+    # the copy bandwidth measured at start-up (bytes/s). Achieved bandwidth over a stretch is
+    # d(bytes) / d(time); over the copy bandwidth, the share of the roofline.
+    decode_bytes_total: int = 0
+    decode_time_s_total: float = 0.0
+    copy_bandwidth_bytes_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PrefixCacheEntry:
+    """One run of the prefix cache's tokens between branches (infer.cache.PrefixEntry), as a
+    person reads it: tokens [start, start + num_tokens) of the sequences through it; `bytes` of
+    KV blocks and `int8_bytes` of int8 slots; `hits`, requests that reused part of it (or of a
+    run below it); when it was made and last used (Unix seconds); `in_use` while a running
+    request reads it (it cannot be evicted then)."""
+
+    start: int
+    num_tokens: int
+    bytes: int
+    int8_bytes: int
+    hits: int
+    created_at: float
+    last_used_at: float
+    in_use: bool
+
+
+ENTRIES_SENT = 100
 
 
 @dataclass(slots=True)

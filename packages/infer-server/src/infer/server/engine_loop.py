@@ -50,6 +50,14 @@ class RequestHandle:
         self.client_gone = False
         # Set when the request ended because the engine itself failed (not its batch's forward).
         self.engine_failed = False
+        # EngineLoop.answered for this handle (None for a handle made outside an EngineLoop).
+        self._on_answer = None
+
+    def answered(self, finish_reason: str) -> None:
+        """The finish_reason its client got, once the answer is made: the statistics record the
+        engine's until then, and a chat answer that became tool calls reads "tool_calls"."""
+        if self._on_answer is not None:
+            self._on_answer(self, finish_reason)
 
     @property
     def finished(self) -> bool:
@@ -97,6 +105,7 @@ class EngineLoop:
         """Queues a request in the engine. Raises what `Engine.add_request` raises (QueueFullError,
         RequestTooLongError, ValueError) and then has queued nothing."""
         handle = RequestHandle(request_id, time.monotonic())
+        handle._on_answer = self._answered
         self.engine.add_request(prompt_ids, params, request_id=request_id, cache_salt=cache_salt)
         self._handles[request_id] = handle
         self.metrics.queue_depth.set(len(self._handles))
@@ -119,6 +128,11 @@ class EngineLoop:
         for handle in handles:
             self.abort(handle, client_gone=False)
         return len(handles)
+
+    def _answered(self, handle: RequestHandle, finish_reason: str) -> None:
+        if finish_reason == "tool_calls":
+            self.metrics.tool_call_answers_total.inc()
+            self.stats.on_answer_finish_reason(handle.request_id, finish_reason)
 
     # -- the engine thread ------------------------------------------------------------------
 
@@ -156,6 +170,9 @@ class EngineLoop:
         metrics.kv_cache_total_bytes.set(stats.kv_bytes_total)
         metrics.prefill_tokens_per_second.set(stats.prompt_tokens_per_s)
         metrics.decode_tokens_per_second.set(stats.generation_tokens_per_s)
+        metrics.decode_read_bytes_total.set_total(stats.decode_bytes_total)
+        metrics.decode_seconds_total.set_total(stats.decode_time_s_total)
+        metrics.copy_bandwidth_bytes_per_second.set(stats.copy_bandwidth_bytes_per_s)
         if self.engine.config.use_prefix_caching:  # otherwise they stay 0: skip them every step
             self._update_prefix_cache_gauges(stats)
 
@@ -165,7 +182,9 @@ class EngineLoop:
             metrics.prefix_cache_matches_total.set_total(count, kind=kind)
         metrics.prefix_cache_used_bytes.set(stats.prefix_cache_bytes)
         metrics.prefix_cache_budget_bytes.set(stats.prefix_cache_budget_bytes)
-        metrics.prefix_cache_entries.set(stats.prefix_cache_blocks)
+        metrics.prefix_cache_blocks.set(stats.prefix_cache_blocks)
+        if stats.prefix_cache_num_entries is not None:
+            metrics.prefix_cache_entries.set(stats.prefix_cache_num_entries)
         metrics.prefix_cache_evictions_total.set_total(stats.prefix_cache_evicted_blocks)
         metrics.prefix_cache_evicted_bytes_total.set_total(stats.prefix_cache_evicted_bytes)
         metrics.prefix_cache_quantized_bytes.set(stats.prefix_cache_quantized_bytes)

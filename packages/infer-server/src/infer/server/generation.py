@@ -355,6 +355,7 @@ async def parsed_choice_events(
         yield _piece_event(stream, piece, num_calls_sent, *pending.take())
         num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
     reason = finish_reason(output.finish_reason, chat_output.num_tool_calls)
+    handle.answered(reason)
     yield stream.finish(reason, "", *pending.take())
 
 

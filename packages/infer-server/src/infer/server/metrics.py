@@ -286,6 +286,25 @@ class ServerMetrics:
         self.decode_tokens_per_second = registry.gauge(
             "infer_decode_tokens_per_second", "Tokens generated per second, over the last engine steps."
         )
+        self.decode_read_bytes_total = registry.counter(
+            "infer_decode_read_bytes_total",
+            "Bytes the decode steps that ran back to back had to read (weights once a step, each "
+            "sequence's K/V): over infer_decode_seconds_total, the bandwidth decoding achieved.",
+        )
+        self.decode_seconds_total = registry.counter(
+            "infer_decode_seconds_total",
+            "Time of the decode steps that ran back to back (each step's start to the next one's).",
+        )
+        self.copy_bandwidth_bytes_per_second = registry.gauge(
+            "infer_copy_bandwidth_bytes_per_second",
+            "The device's copy bandwidth (bytes read + written by a large copy), measured at start-up: "
+            "the memory roofline decode is measured against.",
+        )
+        self.tool_call_answers_total = registry.counter(
+            "infer_tool_call_answers_total",
+            "Chat answers that became tool calls (finish_reason tool_calls; infer_requests_total "
+            "counts them by the engine's reason, stop or length).",
+        )
         self.requests_total = registry.counter(
             "infer_requests_total", "Finished requests, by finish reason.", ["finish_reason"]
         )
@@ -335,8 +354,13 @@ class ServerMetrics:
         self.prefix_cache_budget_bytes = registry.gauge(
             "infer_prefix_cache_budget_bytes", "The prefix cache's byte budget (0: none but the KV pool)."
         )
+        self.prefix_cache_blocks = registry.gauge(
+            "infer_prefix_cache_blocks", "KV blocks the prefix cache holds (one per tree node)."
+        )
         self.prefix_cache_entries = registry.gauge(
-            "infer_prefix_cache_entries", "KV blocks the prefix cache holds (one per tree node)."
+            "infer_prefix_cache_entries",
+            "Runs of cached tokens between branches of the prefix tree (a shared system prompt is one, "
+            "each conversation after it another); counted at most once a second.",
         )
         self.prefix_cache_evictions_total = registry.counter(
             "infer_prefix_cache_evictions_total", "KV blocks the prefix cache evicted."

@@ -103,21 +103,23 @@ async def create_chat_completion(request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     usage = total_usage([choice.final for choice in collected], report_cached=report_cached)
     bodies = []
-    for index, (choice, chat_output, logprobs) in enumerate(
-        zip(collected, chat_outputs, choice_logprobs, strict=True)
+    for index, (choice, chat_output, logprobs, handle) in enumerate(
+        zip(collected, chat_outputs, choice_logprobs, handles, strict=True)
     ):
         answer = chat_output.parse(choice.text) if chat_output else ChatAnswer(choice.text, None)
         tool_calls = [
             responses.tool_call(responses.new_tool_call_id(), call.name, call.arguments)
             for call in answer.tool_calls
         ]
+        reason = finish_reason(choice.final.finish_reason, len(tool_calls))
+        handle.answered(reason)
         bodies.append(
             responses.chat_completion(
                 request_id,
                 created,
                 body.model,
                 answer.content,
-                finish_reason(choice.final.finish_reason, len(tool_calls)),
+                reason,
                 usage,
                 tool_calls=tool_calls,
                 token_ids=choice.token_ids,

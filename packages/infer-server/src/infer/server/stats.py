@@ -6,18 +6,23 @@ chart needs, per request and per second:
 
 - `RequestRecord`: a finished request's time to first token, queue wait, prefill speed (its
   prefilled, not cached, prompt tokens over the time from being scheduled to its first token),
-  decode speed, prompt tokens cached and prefilled, and how it ended (stop, length, cancelled
-  when its client went away, error).
+  decode speed, prompt tokens cached and prefilled, and how it ended (stop, length, tool_calls
+  once its chat answer became tool calls, cancelled when its client went away, error).
 - `History`: one point per second (the highest value seen in that second, so a request that ran
   for a fraction of it still shows), the newest `window_s`.
   Series: running and waiting requests, KV bytes used and total, prefix-cache bytes and budget,
-  generated tokens per second, disconnects per second.
+  generated tokens per second, disconnects per second, and the % of the memory roofline that
+  decoding reached in each second (bytes the decode steps read over their time, over the copy
+  bandwidth the engine measured at start-up: infer.engine.roofline).
+- The prefix cache's entries (runs of tokens between branches of its tree), as the engine last
+  walked them (once a second while it works, and once when it falls idle).
 
 `ServerStats` is updated from the engine thread (each step's EngineStats) and the event loop
 (each dispatched token, each finished request), so it takes a lock; `snapshot()` is the JSON of
 GET /v1/stats. Times in records and histories are Unix seconds.
 """
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -32,7 +37,7 @@ MAX_RECORDS = 500  # the most recent finished requests kept
 class RequestRecord:
     request_id: str
     finished_at: float  # Unix seconds
-    finish_reason: str  # stop | length | cancelled | error
+    finish_reason: str  # stop | length | tool_calls | cancelled | error
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -114,6 +119,8 @@ GAUGE_SERIES = (
     "prefix_cache_budget_bytes",
 )
 RATE_SERIES = ("generated_tokens_per_s", "disconnects_per_s")
+# Derived in snapshot() from what the decode steps read and took in each second.
+ROOFLINE_SERIES = "memory_roofline_percent"
 
 
 class ServerStats:
@@ -135,6 +142,15 @@ class ServerStats:
         # Admissions by what the prefix cache held (miss, prefix, supersequence, lcp): the core's
         # own running counts, as its latest step sent them.
         self.prefix_cache_matches: dict[str, int] = {}
+        # The engine's latest walk of the prefix cache: its entries (PrefixCacheEntry, made into
+        # JSON only when asked for) and how many there were.
+        self.prefix_cache_entries: tuple = ()
+        self.prefix_cache_num_entries = 0
+        # Decode steps: bytes read and seconds taken in each second, and the core's totals so far.
+        self._decode_bytes = History(window_s)
+        self._decode_seconds = History(window_s)
+        self._decode_totals = (0, 0.0)
+        self.copy_bandwidth_bytes_per_s = 0.0
 
     def on_engine_stats(self, stats) -> None:
         """The core's state after a step (infer.engine.protocol.EngineStats)."""
@@ -151,6 +167,15 @@ class ServerStats:
             self.prefix_cache_matches = dict(stats.prefix_cache_matches)
             for name, value in values.items():
                 self.history[name].record(now, value)
+            self.copy_bandwidth_bytes_per_s = stats.copy_bandwidth_bytes_per_s
+            totals = (stats.decode_bytes_total, stats.decode_time_s_total)
+            if totals[1] > self._decode_totals[1]:
+                self._decode_bytes.add(now, totals[0] - self._decode_totals[0])
+                self._decode_seconds.add(now, totals[1] - self._decode_totals[1])
+                self._decode_totals = totals
+            if stats.prefix_cache_entries is not None:
+                self.prefix_cache_entries = stats.prefix_cache_entries
+                self.prefix_cache_num_entries = stats.prefix_cache_num_entries
             for name in RATE_SERIES:  # a point for every second the engine ran, 0 if nothing happened
                 self.history[name].add(now, 0)
 
@@ -174,15 +199,58 @@ class ServerStats:
             self.totals["prompt_tokens_prefilled"] += record.prefilled_tokens
             self.finish_reasons[record.finish_reason] = self.finish_reasons.get(record.finish_reason, 0) + 1
 
-    def snapshot(self) -> dict:
-        """GET /v1/stats: {"time", "totals", "finish_reasons", "prefix_cache_matches", "requests"
-        (oldest first), "history": {series: [[unix_second, value], ...]}}."""
+    def on_answer_finish_reason(self, request_id: str, finish_reason: str) -> None:
+        """The finish_reason the request's client got, where it differs from the engine's (a chat
+        answer that became tool calls), once the answer is made: after its record, which it
+        corrects (the answer is made right after, so its record is among the newest)."""
         with self._lock:
+            for index in range(len(self.records) - 1, -1, -1):
+                record = self.records[index]
+                if record.request_id == request_id:
+                    break
+            else:
+                return  # dropped from the window already
+            if record.finish_reason == finish_reason:
+                return
+            self.finish_reasons[record.finish_reason] -= 1
+            if not self.finish_reasons[record.finish_reason]:
+                del self.finish_reasons[record.finish_reason]
+            self.finish_reasons[finish_reason] = self.finish_reasons.get(finish_reason, 0) + 1
+            self.records[index] = dataclasses.replace(record, finish_reason=finish_reason)
+
+    def snapshot(self) -> dict:
+        """GET /v1/stats: {"time", "totals", "finish_reasons", "prefix_cache_matches",
+        "prefix_cache_num_entries", "prefix_cache_entries" (most recently used first, with their
+        age and idle time now), "copy_bandwidth_bytes_per_s", "requests" (oldest first), "history": {series:
+        [[unix_second, value], ...]}}."""
+        with self._lock:
+            now = self.clock()
+            history = {name: history.as_list() for name, history in self.history.items()}
+            history[ROOFLINE_SERIES] = self._roofline_percent()
             return {
-                "time": self.clock(),
+                "time": now,
                 "totals": dict(self.totals),
                 "finish_reasons": dict(self.finish_reasons),
                 "prefix_cache_matches": dict(self.prefix_cache_matches),
+                "prefix_cache_num_entries": self.prefix_cache_num_entries,
+                "prefix_cache_entries": [
+                    {**asdict(entry), "age_s": now - entry.created_at, "idle_s": now - entry.last_used_at}
+                    for entry in self.prefix_cache_entries
+                ],
+                "copy_bandwidth_bytes_per_s": self.copy_bandwidth_bytes_per_s,
                 "requests": [asdict(record) for record in self.records],
-                "history": {name: history.as_list() for name, history in self.history.items()},
+                "history": history,
             }
+
+    def _roofline_percent(self) -> list[list[float]]:
+        """Each second's decode bandwidth (bytes read over the time taken) as a % of the copy
+        bandwidth; only seconds in which decode steps ran back to back have a point."""
+        bandwidth = self.copy_bandwidth_bytes_per_s
+        if not bandwidth:
+            return []
+        return [
+            [second, 100 * read / seconds / bandwidth]
+            for (second, read), (_, seconds) in zip(
+                self._decode_bytes.points, self._decode_seconds.points, strict=True
+            )
+        ]
