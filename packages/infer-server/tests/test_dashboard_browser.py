@@ -27,6 +27,7 @@ WEATHER_TOOL = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
+KIND_COLORS = {"miss": "#e53935", "prefix": "#4caf50", "supersequence": "#26c6da", "lcp": "#ffa726"}
 PREFIX = "The history of the city begins with a small harbour, a market and a bridge over the river. " * 4
 
 
@@ -155,6 +156,9 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server):
         "running_waiting": ["requests_running", "requests_waiting"],
         "cache_memory": ["prefix_cache_bytes", "prefix_cache_budget_bytes"],
         "memory_roofline": ["memory_roofline_percent"],
+        "cache_admissions": [
+            f"prefix_cache_{kind}_per_s" for kind in ("miss", "prefix", "supersequence", "lcp")
+        ],
     }.items():
         shown = int(dom.charts[name]["points"])
         assert shown >= 1 and len(history[series[0]]) - shown in (0, 1), name
@@ -187,6 +191,11 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server):
     assert sum(entry["hits"] for entry in entries if entry["start"] == 0) >= 1  # the prefix was reused
     for kind, count in stats["prefix_cache_matches"].items():
         assert f"{kind}: {count}" in dom.tiles["match_kinds"]
+        # Each admission in the second it happened (the page may lack the newest second).
+        shown = sum(float(a["data-value"]) for t, a in dom.charts["cache_admissions"]["shapes"]
+                    if t == "circle" and a["fill"] == KIND_COLORS[kind])  # fmt: skip
+        assert shown in (count, sum(value for _, value in history[f"prefix_cache_{kind}_per_s"][:-1])), kind
+    assert dom.tiles["evicted"].strip() == "0.0 MB"  # nothing evicted: the pool is far from full
     assert "pressure" in dom.hidden  # the cache is far below its budget (here the KV pool)
     used, pool = history["prefix_cache_bytes"][-1][1], history["kv_total_bytes"][-1][1]
     assert dom.tiles["cache_usage"].strip() == f"{100 * used / pool:.1f}%"

@@ -134,3 +134,20 @@ def test_an_answer_that_became_tool_calls_corrects_its_record():
     snapshot = stats.snapshot()
     assert [r["finish_reason"] for r in snapshot["requests"]] == ["tool_calls", "stop"]
     assert snapshot["finish_reasons"] == {"stop": 1, "tool_calls": 1}
+
+
+def test_cache_admissions_by_kind_and_evictions_are_counted_per_second():
+    now = [10.2]
+    stats = ServerStats(clock=lambda: now[0])
+    for now[0], matches, evicted in [
+        (10.2, {"miss": 1}, 0),
+        (10.7, {"miss": 1, "lcp": 2}, 0),
+        (11.3, {"miss": 2, "lcp": 2, "prefix": 1}, 4096),
+    ]:
+        stats.on_engine_stats(engine_stats(prefix_cache_matches=matches, prefix_cache_evicted_bytes=evicted))
+    history = stats.snapshot()["history"]
+    assert history["prefix_cache_miss_per_s"] == [[10, 1], [11, 1]]
+    assert history["prefix_cache_lcp_per_s"] == [[10, 2], [11, 0]]
+    assert history["prefix_cache_prefix_per_s"] == [[10, 0], [11, 1]]
+    assert history["prefix_cache_supersequence_per_s"] == [[10, 0], [11, 0]]
+    assert history["prefix_cache_evicted_bytes_per_s"] == [[10, 0], [11, 4096]]

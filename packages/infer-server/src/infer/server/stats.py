@@ -11,7 +11,8 @@ chart needs, per request and per second:
 - `History`: one point per second (the highest value seen in that second, so a request that ran
   for a fraction of it still shows), the newest `window_s`.
   Series: running and waiting requests, KV bytes used and total, prefix-cache bytes and budget,
-  generated tokens per second, disconnects per second, and the % of the memory roofline that
+  generated tokens per second, disconnects per second, the prefix cache's admissions by match
+  kind and evicted bytes per second, and the % of the memory roofline that
   decoding reached in each second (bytes the decode steps read over their time, over the copy
   bandwidth the engine measured at start-up: infer.engine.roofline).
 - The prefix cache's entries (runs of tokens between branches of its tree), as the engine last
@@ -118,7 +119,14 @@ GAUGE_SERIES = (
     "prefix_cache_bytes",
     "prefix_cache_budget_bytes",
 )
-RATE_SERIES = ("generated_tokens_per_s", "disconnects_per_s")
+# The prefix cache's admissions by match kind (what it held of each request taken in: a hit
+# rate per second) and its evictions, per second, from the core's running totals.
+MATCH_KINDS = ("miss", "prefix", "supersequence", "lcp")
+CACHE_RATE_SERIES = (
+    *(f"prefix_cache_{kind}_per_s" for kind in MATCH_KINDS),
+    "prefix_cache_evicted_bytes_per_s",
+)
+RATE_SERIES = ("generated_tokens_per_s", "disconnects_per_s", *CACHE_RATE_SERIES)
 # Derived in snapshot() from what the decode steps read and took in each second.
 ROOFLINE_SERIES = "memory_roofline_percent"
 
@@ -151,6 +159,7 @@ class ServerStats:
         self._decode_seconds = History(window_s)
         self._decode_totals = (0, 0.0)
         self.copy_bandwidth_bytes_per_s = 0.0
+        self._cache_totals = dict.fromkeys(CACHE_RATE_SERIES, 0)  # the core's, at its last step
 
     def on_engine_stats(self, stats) -> None:
         """The core's state after a step (infer.engine.protocol.EngineStats)."""
@@ -176,8 +185,18 @@ class ServerStats:
             if stats.prefix_cache_entries is not None:
                 self.prefix_cache_entries = stats.prefix_cache_entries
                 self.prefix_cache_num_entries = stats.prefix_cache_num_entries
-            for name in RATE_SERIES:  # a point for every second the engine ran, 0 if nothing happened
-                self.history[name].add(now, 0)
+            cache_totals = {
+                **{
+                    f"prefix_cache_{kind}_per_s": stats.prefix_cache_matches.get(kind, 0)
+                    for kind in MATCH_KINDS
+                },
+                "prefix_cache_evicted_bytes_per_s": stats.prefix_cache_evicted_bytes,
+            }
+            for name, total in cache_totals.items():
+                self.history[name].add(now, total - self._cache_totals[name])
+            self._cache_totals = cache_totals
+            for name in ("generated_tokens_per_s", "disconnects_per_s"):  # a point for every second the
+                self.history[name].add(now, 0)  # engine ran, 0 if nothing happened
 
     def on_tokens(self, count: int) -> None:
         now = self.clock()
