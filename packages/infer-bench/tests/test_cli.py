@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -22,7 +23,24 @@ def test_bench_generate_reports_and_matches_transformers(tiny_checkpoints, tmp_p
         checkpoint_bytes = sum(f.get_tensor(name).nbytes for name in f.keys())  # noqa: SIM118
     assert report["memory"]["weights_bytes"] == checkpoint_bytes
     assert report["memory"]["kv_bytes"] > 0
-    assert "| infer | paged |" in capsys.readouterr().out
+    # The roofline: the weights (tied or not, the untied input table is not read) and the K/V of
+    # each decode step's context, over the copy bandwidth measured in the process.
+    config = json.loads((folder / "config.json").read_text())
+    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 4
+    embedding = config["vocab_size"] * config["hidden_size"] * 4
+    weights = checkpoint_bytes - (0 if config["tie_word_embeddings"] else embedding)
+    mean_context = sum(16 + k for k in range(1, 8)) / 7
+    roofline = report["roofline"]
+    assert roofline["bytes_per_decode_token"] == pytest.approx(weights + kv_per_token * mean_context)
+    assert roofline["decode_tokens_per_s"] == pytest.approx(
+        roofline["copy_bandwidth_bytes_per_s"] / roofline["bytes_per_decode_token"]
+    )
+    assert roofline["infer_percent"] == pytest.approx(
+        100 * report["infer"]["decode_tokens_per_s"] / roofline["decode_tokens_per_s"]
+    )
+    assert 0 < roofline["transformers_percent"] < 100
+    out = capsys.readouterr().out
+    assert "| infer | paged |" in out and f"infer decodes at {roofline['infer_percent']:.1f}%" in out
 
 
 def test_profile_writes_a_chrome_trace_and_a_table(tiny_checkpoints, tmp_path, capsys):

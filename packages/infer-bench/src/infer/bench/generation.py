@@ -6,6 +6,11 @@ Timing: prefill is the wall time to the first token (one forward over the prompt
 sample); decode is the time for the remaining tokens. Each step reads its token back to the
 host, which synchronises the device, so wall time is device time.
 
+Roofline: a decode step must read every weight once and the sequence's K/V
+(infer.engine.roofline); over the copy bandwidth the engine measured in this process, the mean
+bytes of the run's decode steps give the fastest decode the device's memory allows, and decode
+tokens/s are reported as a % of it (transformers' too, on the same bytes).
+
 Memory: on CUDA, weights and KV are tensor sizes and `other` is torch.cuda.max_memory_allocated
 during the timed runs minus both. On CPU, `other` is the growth of the peak resident set (VmHWM,
 reset before the runs) over the resident set at their start, when weights and KV are already
@@ -74,6 +79,7 @@ def run_bench_generate(args: argparse.Namespace) -> int:
         runs.append(timing)
     memory = memory_split(loaded.model, engine, probe.finish(), device)
     ours = median_timing(runs)
+    roofline = decode_roofline(engine, len(prompt_ids), args.gen_tokens)
 
     report = {
         "workload": "W1: one request, seeded random prompt, greedy, ignore_eos",
@@ -88,6 +94,10 @@ def run_bench_generate(args: argparse.Namespace) -> int:
             "runs": [r.as_dict() for r in runs],
         },
         "memory": {**memory, "runtime_rss_bytes_before_load": runtime_rss if device.type == "cpu" else None},
+        "roofline": {
+            **roofline,
+            "infer_percent": 100 * ours.decode_tokens_per_s / roofline["decode_tokens_per_s"],
+        },
     }
     if args.compare_hf:
         del engine
@@ -101,11 +111,27 @@ def run_bench_generate(args: argparse.Namespace) -> int:
             "total_speedup": hf_timing.total_s / ours.total_s,
         }
         report["greedy_tokens_match_transformers"] = first_mismatch(token_ids, hf_token_ids)
+        report["roofline"]["transformers_percent"] = (
+            100 * hf_timing.decode_tokens_per_s / roofline["decode_tokens_per_s"]
+        )
     print(markdown_report(report))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nwrote {args.json_path}", file=sys.stderr)
     return 0
+
+
+def decode_roofline(engine: Engine, num_prompt_tokens: int, num_generated: int) -> dict:
+    """The fastest decode the device's memory allows for this run: the copy bandwidth over the
+    mean bytes of its decode steps (the k-th reads the weights and prompt + k tokens of K/V)."""
+    traffic, bandwidth = engine.core.decode_traffic, engine.core.copy_bandwidth
+    steps = range(1, max(num_generated, 2))
+    bytes_per_token = sum(traffic.step_bytes([num_prompt_tokens + k]) for k in steps) / len(steps)
+    return {
+        "bytes_per_decode_token": bytes_per_token,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "decode_tokens_per_s": bandwidth / bytes_per_token,
+    }
 
 
 def random_prompt(loaded, num_tokens: int, *, seed: int) -> list[int]:
@@ -301,6 +327,19 @@ def markdown_report(report: dict) -> str:
             f"{ratio['decode_tokens_per_s']:.2f}x, end to end {ratio['total_speedup']:.2f}x faster; "
             f"greedy tokens identical: {match['match']} (first mismatch at {match['first_mismatch_index']})",
         ]
+    roofline = report["roofline"]
+    lines += [
+        "",
+        f"memory roofline: {roofline['bytes_per_decode_token'] / 1e6:.1f} MB read per decode token "
+        f"(weights and K/V) over a copy bandwidth of {roofline['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
+        f"measured in this process = {roofline['decode_tokens_per_s']:.1f} tok/s; infer decodes at "
+        f"{roofline['infer_percent']:.1f}% of it"
+        + (
+            f", transformers at {roofline['transformers_percent']:.1f}%"
+            if "transformers_percent" in roofline
+            else ""
+        ),
+    ]
     mib = 1024 * 1024
     peak_kind = "allocated" if "cuda" in mem["method"] else "process RSS"
     lines += [

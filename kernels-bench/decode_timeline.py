@@ -1,0 +1,155 @@
+"""Where a batch-1 decode step's time goes on the GPU (issue 15's first measurement).
+
+For each checkpoint: the engine with CUDA graphs and async scheduling decodes 256 tokens after a
+256-token prompt (the W1 shape) three times; the third run is profiled over 20 decode steps with
+torch.profiler, which records every kernel of the graph replays. Printed: the unprofiled decode
+tok/s and % of the memory roofline, the step's period against the time its kernels ran (the rest
+is gaps between kernels: launch latency inside the graph, and host time between steps), the
+kernels' time by kind, and each projection's GEMV time and bandwidth as a % of the copy
+bandwidth. Steps are split at their first host-to-device copy (the graph's inputs).
+
+    python kernels-bench/decode_timeline.py /tmp/ckpt/llama-3.2-1b /tmp/ckpt/gemma-3-1b ...
+"""
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from infer.engine import Engine, EngineConfig, SamplingParams
+
+PROMPT_TOKENS, NEW_TOKENS, PROFILED_FROM, PROFILED_STEPS = 256, 256, 100, 20
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+KINDS = (
+    ("matmul", ("nvjet", "gemv", "gemm", "splitKreduce", "cutlass")),
+    ("attention", ("_decode_split", "_decode_merge", "paged_attention")),
+    ("norm", ("rms_norm",)),
+    ("rope", ("_rope",)),
+    ("store_kv", ("store_kv",)),
+    ("activation", ("activation",)),
+    ("sampling", ("ArgMax", "argmax", "sample")),
+    ("copies", ("Memcpy", "Memset", "memcpy")),
+)
+
+
+def kind_of(kernel: str) -> str:
+    return next((kind for kind, marks in KINDS if any(mark in kernel for mark in marks)), "other")
+
+
+def is_matmul(kernel: str) -> bool:
+    return kind_of(kernel) == "matmul" and "splitKreduce" not in kernel
+
+
+def decode(engine: Engine, profiled: bool) -> tuple[float, list[dict]]:
+    """Decode tok/s of one W1 request; with `profiled`, the kernels of PROFILED_STEPS steps."""
+    prompt = [100 + (7 * i) % 5000 for i in range(PROMPT_TOKENS)]
+    engine.add_request(prompt, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    num_tokens, first, prof, kernels = 0, None, None, []
+    while engine.has_work():
+        if profiled and num_tokens == PROFILED_FROM and prof is None:
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
+        got = sum(output.token_id is not None for output in engine.step())
+        if got and first is None:
+            first = time.perf_counter()
+        elif first is not None:
+            num_tokens += got
+        if prof is not None and num_tokens >= PROFILED_FROM + PROFILED_STEPS + 2:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            kernels = [
+                {"name": e.name, "start": e.time_range.start, "us": e.time_range.elapsed_us()}
+                for e in prof.events()
+                if e.device_type.name == "CUDA"
+            ]
+            prof, profiled = None, False
+    return num_tokens / (time.perf_counter() - first), sorted(kernels, key=lambda k: k["start"])
+
+
+def steps_of(kernels: list[dict]) -> list[tuple[list[dict], float]]:
+    """Whole steps (each from its first host-to-device copy) and each one's period (us)."""
+    copies = [k["name"].startswith("Memcpy HtoD") for k in kernels]
+    starts = [i for i, copy in enumerate(copies) if copy and (i == 0 or not copies[i - 1])]
+    return [
+        (kernels[a:b], kernels[b]["start"] - kernels[a]["start"])
+        for a, b in zip(starts, starts[1:], strict=False)
+    ]
+
+
+def report(folder: str) -> None:
+    config = EngineConfig(
+        model=folder, device="cuda", dtype="bfloat16", max_batch_size=1, max_seq_len=1024,
+        use_chunked_prefill=True, use_cuda_graphs=True, async_scheduling=True,
+    )  # fmt: skip
+    engine = Engine(config)
+    decode(engine, profiled=False)  # warm-up
+    tok_per_s, _ = decode(engine, profiled=False)
+    _, kernels = decode(engine, profiled=True)
+    core = engine.core
+    bandwidth = core.copy_bandwidth
+    mean_bytes = statistics.mean(
+        core.decode_traffic.step_bytes([PROMPT_TOKENS + k]) for k in range(1, NEW_TOKENS)
+    )
+    steps = steps_of(kernels)
+    period = statistics.median(p for _, p in steps)
+    busy = statistics.median(sum(k["us"] for k in step) for step, _ in steps)
+    by_kind = defaultdict(float)
+    for step, _ in steps:
+        for k in step:
+            by_kind[kind_of(k["name"])] += k["us"] / len(steps)
+    model = core.loaded.model
+    percent = 100 * tok_per_s * mean_bytes / bandwidth
+    print(
+        f"\n## {folder}: {tok_per_s:.0f} tok/s = {percent:.1f}% of the memory roofline "
+        f"({mean_bytes / 1e6:.0f} MB a token, copy bandwidth {bandwidth / 1e9:.0f} GB/s)\n"
+    )
+    print(
+        f"profiled step: period {period:.0f} us, kernels {busy:.0f} us, gaps {period - busy:.0f} us "
+        f"({len(steps[0][0])} kernels a step); reading the bytes at the copy bandwidth: "
+        f"{mean_bytes / bandwidth * 1e6:.0f} us\n"
+    )
+    print("| kind | us a step | % of kernel time |\n|---|---:|---:|")
+    for kind, us in sorted(by_kind.items(), key=lambda item: -item[1]):
+        print(f"| {kind} | {us:.1f} | {100 * us / busy:.1f} |")
+    # GEMVs in order: each layer's four projections, then the LM head (a split-K GEMV's reduce
+    # kernel counts with it).
+    num_layers = model.config.num_layers
+    times = defaultdict(list)
+    for step, _ in steps:
+        gemvs = []
+        for k in step:
+            if is_matmul(k["name"]):
+                gemvs.append(k["us"])
+            elif "splitKreduce" in k["name"]:
+                gemvs[-1] += k["us"]
+        for i, name in enumerate(PROJECTIONS):
+            times[name].append(sum(gemvs[i : 4 * num_layers : 4]) / num_layers)
+        times["lm_head"].append(gemvs[-1])
+    layer = model.layers[0]
+    weights = {
+        "qkv_proj": layer.self_attn.qkv_proj.weight,
+        "o_proj": layer.self_attn.o_proj.weight,
+        "gate_up_proj": layer.mlp.gate_up_proj.weight,
+        "down_proj": layer.mlp.down_proj.weight,
+        "lm_head": model.lm_head.weight,
+    }
+    print("\n| GEMV | weight | us | % of copy bandwidth |\n|---|---|---:|---:|")
+    for name, weight in weights.items():
+        us = statistics.median(times[name])
+        nbytes = weight.numel() * weight.element_size()
+        print(f"| {name} | {list(weight.shape)} | {us:.1f} | {100 * nbytes / (us * 1e-6) / bandwidth:.0f} |")
+    engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoints", nargs="+")
+    for folder in parser.parse_args().checkpoints:
+        report(folder)
+
+
+if __name__ == "__main__":
+    main()
