@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from infer.kernels import TOLERANCES, assert_close, paged_attention, paged_attention_ref
+from infer.kernels import TOLERANCES, assert_close, paged_attention, paged_attention_cpu, paged_attention_ref
 
 # The module, not the function that infer.kernels exports under the same name.
 paged_attention_module = importlib.import_module("infer.kernels.paged_attention")
@@ -124,6 +124,61 @@ def test_reference_writes_into_out():
     out = torch.full_like(q, float("nan"))
     assert paged_attention(q, k_cache, v_cache, out=out, **kwargs) is out
     torch.testing.assert_close(out, paged_attention_ref(q, k_cache, v_cache, **kwargs))
+
+
+# --- the CPU path against the reference ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads", HEAD_SHAPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("sliding_window", [None, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_path_equals_the_reference(heads, block_size, sliding_window, dtype):
+    q, k_cache, v_cache, kwargs = make_batch(
+        MIXED["decode"], MIXED["extend"], heads, block_size, dtype, "cpu", 4
+    )
+    out = paged_attention_cpu(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, paged_attention_ref(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs))
+
+
+@pytest.mark.parametrize("sliding_window", [None, 4])
+def test_cpu_path_reads_the_decode_key_slots_it_is_given(sliding_window):
+    """The slots made once per step stand for the block table: the result is the reference's for
+    the table they were made from (here a shuffled one), whatever table is passed."""
+    q, k_cache, v_cache, kwargs = make_batch(
+        MIXED["decode"], MIXED["extend"], (4, 2, 64), 3, torch.float32, "cpu", 6
+    )
+    block_size = k_cache.shape[1]
+    shuffled = dict(
+        kwargs, block_tables=kwargs["block_tables"][:, torch.randperm(kwargs["block_tables"].shape[1])]
+    )
+    slots = []
+    for b, seq_len in enumerate(kwargs["seq_lens"][: kwargs["num_decode_rows"]].tolist()):
+        positions = torch.arange(seq_len)
+        slots.append(
+            shuffled["block_tables"][b, positions // block_size].long() * block_size + positions % block_size
+        )
+    out = paged_attention(
+        q, k_cache, v_cache, sliding_window=sliding_window, decode_key_slots=tuple(slots), **kwargs
+    )
+    decode = slice(0, kwargs["num_decode_rows"])
+    expected = paged_attention_ref(q, k_cache, v_cache, sliding_window=sliding_window, **shuffled)
+    assert_close(out[decode], expected[decode])
+    assert not torch.allclose(
+        out[decode], paged_attention_ref(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)[decode]
+    )
+
+
+@pytest.mark.parametrize(
+    "decode, extend", [([], [(5, 12), (3, 3)]), ([7, 2, 33], [])], ids=["no-decode-rows", "no-extend-rows"]
+)
+def test_cpu_path_on_one_sided_batches_writes_into_out(decode, extend):
+    q, k_cache, v_cache, kwargs = make_batch(decode, extend, (4, 2, 64), 3, torch.float32, "cpu", seed=5)
+    out = torch.full_like(q, float("nan"))
+    assert paged_attention(q, k_cache, v_cache, out=out, sliding_window=5, **kwargs) is out  # the CPU path
+    expected = brute_force(q, k_cache, v_cache, sliding_window=5, **kwargs)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 # --- the Triton kernels against the reference ----------------------------------------------------

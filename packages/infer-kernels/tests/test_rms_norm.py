@@ -47,6 +47,14 @@ small_shapes = dict(
 )
 
 
+@settings(max_examples=30, deadline=None)
+@given(**small_shapes)
+def test_cpu_path_matches_reference(tokens, hidden, dtype, offset):
+    """rms_norm and add_rms_norm on a CPU tensor take the CPU path (torch's fused F.rms_norm)."""
+    check_rms_norm(tokens, hidden, dtype, offset, "cpu")
+    check_add_rms_norm(tokens, hidden, dtype, offset, "cpu")
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**small_shapes)
 def test_rms_norm_interpreted_matches_reference(triton_on_cpu, tokens, hidden, dtype, offset):

@@ -274,6 +274,16 @@ class ModelRunner:
         hidden = self.model(self.forward_batch(step, logits_indices=step.logits_indices))
         return self.model.compute_logits(hidden)
 
+    def _decode_key_slots(self, step: StepInputs) -> tuple[torch.Tensor, ...]:
+        """Each decode row's key slots through its block table (AttentionMetadata.decode_key_slots)."""
+        block_size = self.kv_pool.block_size
+        slots = []
+        for row in range(step.num_decode_rows):
+            positions = np.arange(int(step.seq_lens[row]))
+            blocks = step.block_tables[row, positions // block_size].astype(np.int64)
+            slots.append(torch.from_numpy(blocks * block_size + positions % block_size))
+        return tuple(slots)
+
     def forward_batch(self, step: StepInputs, *, logits_indices: np.ndarray) -> ForwardBatch:
         def device(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
@@ -286,6 +296,7 @@ class ModelRunner:
             num_decode_rows=step.num_decode_rows,
             max_query_len=int(np.diff(step.query_start_loc).max()),
             max_seq_len=int(step.seq_lens.max()),
+            decode_key_slots=self._decode_key_slots(step) if self.device.type == "cpu" else None,
         )
         input_ids = device(step.input_ids)
         if step.input_ids.min(initial=0) < 0:

@@ -6,8 +6,13 @@ plain PyTorch that is both the test oracle and the CPU path.
 
 from infer.kernels._version import INTERFACE_VERSION, __version__
 from infer.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
-from infer.kernels.paged_attention import extend_tile_size, paged_attention, paged_attention_ref
-from infer.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
+from infer.kernels.paged_attention import (
+    extend_tile_size,
+    paged_attention,
+    paged_attention_cpu,
+    paged_attention_ref,
+)
+from infer.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_cpu, rms_norm_ref
 from infer.kernels.rope import rope, rope_ref, rope_tables
 from infer.kernels.store_kv import store_kv, store_kv_ref
 from infer.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
@@ -27,8 +32,10 @@ __all__ = [
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_ref",
     "paged_attention",
+    "paged_attention_cpu",
     "paged_attention_ref",
     "rms_norm",
+    "rms_norm_cpu",
     "rms_norm_ref",
     "rope",
     "rope_ref",

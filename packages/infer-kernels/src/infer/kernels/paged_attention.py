@@ -28,12 +28,18 @@ Two Triton kernels, one per kind of row:
   passes `extend_tiles` instead, a device map of (row, tile) per program (`extend_tile_size`
   queries a tile) whose grid is the map's length: the graph fixes only how many tiles fit.
 
+On a CPU the reference serves, but for decode rows: `paged_attention_cpu` gathers each decode
+row's keys and runs them through torch's fused SDPA (one call instead of the reference's dozen
+ops a row and layer, which dominate a CPU decode step's attention), and leaves extend rows to
+the reference.
+
 Scores, softmax and accumulators are fp32. Dots run in tf32 for bf16/fp16 inputs (tf32 holds
 them exactly, on tensor cores) and in full fp32 for fp32 inputs; the
 extend kernel's q.k runs in the inputs' own dtype on CUDA (the same exact products, twice as fast).
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -519,6 +525,72 @@ def paged_attention_ref(
     return result
 
 
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    num_decode_rows: int,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    extend_tiles: torch.Tensor | None = None,
+    decode_key_slots: tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:
+    """The CPU path (same contract as paged_attention_ref): each decode row's keys (the last
+    `sliding_window` of them with one) gathered through its block table, or through
+    `decode_key_slots[b]` (its keys' slots, made once for every layer) when given, and attended
+    by `F.scaled_dot_product_attention`, which computes in fp32 for any input dtype; extend rows
+    by the reference."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    result = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    num_rows = seq_lens.shape[0]
+    if num_decode_rows < num_rows:  # the extend rows, through the reference (into `result`)
+        bounds = query_start_loc[num_decode_rows:]
+        start = int(bounds[0])
+        paged_attention_ref(
+            q[start:],
+            k_cache,
+            v_cache,
+            query_start_loc=bounds - start,
+            seq_lens=seq_lens[num_decode_rows:],
+            block_tables=block_tables[num_decode_rows:],
+            num_decode_rows=0,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            scale=scale,
+            sliding_window=sliding_window,
+            out=result[start:],
+        )
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    for b, seq_len in enumerate(seq_lens[:num_decode_rows].tolist()):
+        first = 0 if sliding_window is None else max(seq_len - sliding_window, 0)
+        if decode_key_slots is not None:
+            slots = decode_key_slots[b][first:seq_len]
+        else:
+            positions = torch.arange(first, seq_len)
+            slots = block_tables[b, positions // block_size].long() * block_size + positions % block_size
+        # [1, heads, keys, D]; SDPA shares each KV head among its group of query heads.
+        keys = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        values = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+        row = F.scaled_dot_product_attention(
+            q[b].view(1, num_q_heads, 1, head_dim),
+            keys,
+            values,
+            scale=scale,
+            enable_gqa=num_q_heads != num_kv_heads,
+        )
+        result[b] = row.view(num_q_heads, head_dim)
+    return result
+
+
 def _check(
     q,
     k_cache,
@@ -617,6 +689,7 @@ def paged_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     extend_tiles: torch.Tensor | None = None,
+    decode_key_slots: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """q `[N, Hq, D]`, the tokens of B rows back to back (`query_start_loc` `[B+1]`), against
     each row's keys 0..seq_lens[b]-1 in the caches `[num_blocks, block_size, Hkv, D]` through
@@ -632,6 +705,9 @@ def paged_attention(
     serving tile `extend_tiles[1, s]` (of `extend_tile_size(D)` queries) of row
     `extend_tiles[0, s]` (an absolute row, -1 for none); it must name every tile of every extend
     row once. None: the grid covers every extend row up to max_query_len.
+
+    `decode_key_slots` (CPU only, else ignored): each decode row's key slots, int64 `[seq_lens[b]]`
+    (AttentionMetadata.decode_key_slots), which the CPU path reads instead of the block table.
     """
     kwargs = dict(
         query_start_loc=query_start_loc,
@@ -646,6 +722,10 @@ def paged_attention(
     )
     _check(q, k_cache, v_cache, out, **kwargs)
     if not use_triton(q):
+        if q.device.type == "cpu":
+            return paged_attention_cpu(
+                q, k_cache, v_cache, out=out, decode_key_slots=decode_key_slots, **kwargs
+            )
         return paged_attention_ref(q, k_cache, v_cache, out=out, **kwargs)
     if q.stride(-1) != 1:
         q = q.contiguous()  # read only: a copy changes nothing the caller sees

@@ -46,6 +46,7 @@ def attention(
         scale=scale,
         sliding_window=sliding_window,
         extend_tiles=metadata.extend_tiles,
+        decode_key_slots=metadata.decode_key_slots,
     )
 
 

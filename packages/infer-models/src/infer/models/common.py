@@ -15,19 +15,7 @@ from infer.kernels import add_rms_norm, gelu_tanh_and_mul, rms_norm, rope, rope_
 from infer.models.attention import attention
 from infer.models.config import ModelConfig, RopeConfig
 from infer.models.forward_batch import ForwardBatch
-
-
-class Linear(nn.Module):
-    """`x @ weight.T + bias` with uninitialised parameters: every weight comes from a checkpoint,
-    and skipping nn.Linear's random init keeps building a model on the meta device instant."""
-
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+from infer.models.linear import Linear
 
 
 class Embedding(nn.Module):

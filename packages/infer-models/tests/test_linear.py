@@ -1,0 +1,46 @@
+"""dense_linear (infer.models.linear) against F.linear: the CPU split path for a few fp32 rows
+gives the same outputs, with and without bias, and every other input goes to F.linear itself."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infer.models.linear import CPU_SPLIT, CPU_SPLIT_MAX_ROWS, Linear, dense_linear
+
+
+@pytest.mark.parametrize("rows", range(1, CPU_SPLIT_MAX_ROWS + 1))
+@pytest.mark.parametrize("shape", [(576, 3 * 576), (1536, 576), (49152 // 16, 576), (8, 5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_cpu_split_path_equals_f_linear(rows, shape, bias):
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    out = dense_linear(x, weight, b)
+    assert out.shape == (rows, out_features) and out.is_contiguous()
+    # Against float64: fp32 sums in another order differ by ~1e-6 of their terms' size (~30 here).
+    exact = F.linear(x.double(), weight.double(), b.double() if bias else None)
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(F.linear(x, weight, b).double(), exact, rtol=1e-5, atol=1e-4)
+
+
+def test_other_inputs_go_to_f_linear_unchanged(monkeypatch):
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda *args: calls.append(args) or real(*args))
+    weight = torch.randn(3 * CPU_SPLIT, 16)
+    for x, w in [
+        (torch.randn(CPU_SPLIT_MAX_ROWS + 1, 16), weight),  # a prompt chunk
+        (torch.randn(1, 16, dtype=torch.bfloat16), weight.bfloat16()),  # not fp32
+        (torch.randn(1, 16), torch.randn(CPU_SPLIT + 1, 16)),  # rows that do not split evenly
+    ]:
+        assert torch.equal(dense_linear(x, w), real(x, w))
+    assert len(calls) == 3
+
+
+def test_a_linear_layer_decodes_through_it():
+    layer = Linear(16, 3 * CPU_SPLIT)
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(1, 16)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
