@@ -1,7 +1,8 @@
 """Fused kernels for LLM inference: Triton on CUDA, PyTorch references on the CPU.
 
 Each op has one public function that checks its inputs and dispatches, and a `*_ref` twin in
-plain PyTorch that is both the test oracle and the CPU path.
+plain PyTorch that is the test oracle and the CPU path, except where a CPU path of its own is
+faster (`paged_attention_cpu`, `rms_norm_cpu`, each tested against its reference).
 """
 
 from infer.kernels._version import INTERFACE_VERSION, __version__

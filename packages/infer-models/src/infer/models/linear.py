@@ -30,6 +30,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         or x.dim() != 2
         or x.shape[0] > CPU_SPLIT_MAX_ROWS
         or num_out % CPU_SPLIT
+        or not weight.is_contiguous()
     ):
         return F.linear(x, weight, bias)
     num_rows, num_in = x.shape
