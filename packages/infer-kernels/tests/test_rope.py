@@ -43,6 +43,25 @@ def check_rope(batch, tokens, num_q_heads, num_kv_heads, head_dim, dtype, device
     assert_close(k, expected_k)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.sampled_from([None, 1, 3]),
+    tokens=st.integers(1, 17),
+    num_kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([64, 80, 96, 128, 256, 6]),
+    dtype=st.sampled_from(DTYPES),
+    fused_qkv=st.booleans(),
+    per_token=st.booleans(),
+)
+def test_rope_cpu_path_matches_reference(
+    batch, tokens, num_kv_heads, group, head_dim, dtype, fused_qkv, per_token
+):
+    """A CPU tensor takes rope_cpu (fp32: its own ops; other dtypes: the reference)."""
+    args = (batch, tokens, num_kv_heads * group, num_kv_heads, head_dim, dtype, "cpu")
+    check_rope(*args, fused_qkv=fused_qkv, per_token=per_token)
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     batch=st.sampled_from([None, 1, 3]),

@@ -2,7 +2,7 @@
 
 Each op has one public function that checks its inputs and dispatches, and a `*_ref` twin in
 plain PyTorch that is the test oracle and the CPU path, except where a CPU path of its own is
-faster (`paged_attention_cpu`, `rms_norm_cpu`, each tested against its reference).
+faster (`paged_attention_cpu`, `rms_norm_cpu`, `rope_cpu`, each tested against its reference).
 """
 
 from infer.kernels._version import INTERFACE_VERSION, __version__
@@ -14,7 +14,7 @@ from infer.kernels.paged_attention import (
     paged_attention_ref,
 )
 from infer.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_cpu, rms_norm_ref
-from infer.kernels.rope import rope, rope_ref, rope_tables
+from infer.kernels.rope import rope, rope_cpu, rope_ref, rope_tables
 from infer.kernels.store_kv import store_kv, store_kv_ref
 from infer.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 from infer.kernels.tolerance import TOLERANCES, Tolerance, assert_close
@@ -39,6 +39,7 @@ __all__ = [
     "rms_norm_cpu",
     "rms_norm_ref",
     "rope",
+    "rope_cpu",
     "rope_ref",
     "rope_tables",
     "silu_and_mul",

@@ -7,6 +7,8 @@ Residual stream: blocks pass `(hidden, residual)` and the next norm adds the two
 updates that tensor.
 """
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,6 +56,11 @@ class RotaryEmbedding:
         self.max_positions = max_positions
         self.rope = rope
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        # On a CPU: (the forward's positions tensor, by weak reference; its rows of the tables),
+        # gathered by the first layer and reused by the others while it is the same tensor (a
+        # CPU pays per op, not per byte). A ForwardBatch's positions are never written in place
+        # (and inference tensors keep no version counter to tell).
+        self._rows: tuple[weakref.ref, torch.Tensor, torch.Tensor] | None = None
 
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._tables is None or self._tables[0].device != device:
@@ -64,6 +71,12 @@ class RotaryEmbedding:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> None:
         cos, sin = self.tables(q.device)
+        if q.device.type == "cpu":
+            rows = self._rows
+            if rows is None or rows[0]() is not positions:
+                rows = self._rows = (weakref.ref(positions), cos[positions], sin[positions])
+            rope(q, k, rows[1], rows[2], None)
+            return
         rope(q, k, cos, sin, positions)
 
 
