@@ -19,6 +19,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from infer.bench.generation import decode_roofline
 from infer.engine import Engine, EngineConfig, SamplingParams
 
 PROMPT_TOKENS, NEW_TOKENS, PROFILED_FROM, PROFILED_STEPS = 256, 256, 100, 20
@@ -89,10 +90,8 @@ def report(folder: str) -> None:
     tok_per_s, _ = decode(engine, profiled=False)
     _, kernels = decode(engine, profiled=True)
     core = engine.core
-    bandwidth = core.copy_bandwidth
-    mean_bytes = statistics.mean(
-        core.decode_traffic.step_bytes([PROMPT_TOKENS + k]) for k in range(1, NEW_TOKENS)
-    )
+    roofline = decode_roofline(engine, PROMPT_TOKENS, NEW_TOKENS)
+    bandwidth, mean_bytes = roofline["copy_bandwidth_bytes_per_s"], roofline["bytes_per_decode_token"]
     steps = steps_of(kernels)
     period = statistics.median(p for _, p in steps)
     busy = statistics.median(sum(k["us"] for k in step) for step, _ in steps)

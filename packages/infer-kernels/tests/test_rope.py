@@ -43,8 +43,8 @@ def check_rope(batch, tokens, num_q_heads, num_kv_heads, head_dim, dtype, device
     assert_close(k, expected_k)
 
 
-@settings(max_examples=40, deadline=None)
-@given(
+# Token layouts, GQA groups and head dims (Gemma's 256, and 6 below any tile) of the checks below.
+ROPE_CASES = dict(
     batch=st.sampled_from([None, 1, 3]),
     tokens=st.integers(1, 17),
     num_kv_heads=st.integers(1, 3),
@@ -54,6 +54,10 @@ def check_rope(batch, tokens, num_q_heads, num_kv_heads, head_dim, dtype, device
     fused_qkv=st.booleans(),
     per_token=st.booleans(),
 )
+
+
+@settings(max_examples=40, deadline=None)
+@given(**ROPE_CASES)
 def test_rope_cpu_path_matches_reference(
     batch, tokens, num_kv_heads, group, head_dim, dtype, fused_qkv, per_token
 ):
@@ -63,16 +67,7 @@ def test_rope_cpu_path_matches_reference(
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    batch=st.sampled_from([None, 1, 3]),
-    tokens=st.integers(1, 17),
-    num_kv_heads=st.integers(1, 3),
-    group=st.sampled_from([1, 3, 4]),
-    head_dim=st.sampled_from([64, 80, 96, 128, 256, 6]),
-    dtype=st.sampled_from(DTYPES),
-    fused_qkv=st.booleans(),
-    per_token=st.booleans(),
-)
+@given(**ROPE_CASES)
 def test_rope_interpreted_matches_reference(
     triton_on_cpu, batch, tokens, num_kv_heads, group, head_dim, dtype, fused_qkv, per_token
 ):
