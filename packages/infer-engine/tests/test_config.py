@@ -49,6 +49,8 @@ def test_defaults_are_valid_and_continuous():
         ({"dtype": "fp8"}, "dtype must be one of"),
         ({"device": "tpu"}, "device must be auto, cpu, cuda or cuda:N"),
         ({"model": ""}, "model must be a non-empty string"),
+        ({"quantization": "int4"}, "quantization must be one of"),
+        ({"device_memory_limit_gib": 0}, "device_memory_limit_gib must be a number > 0"),
     ],
 )
 def test_invalid_settings_name_the_rule(changes, rule):
@@ -124,6 +126,12 @@ def test_cli_rejects_a_combination_the_config_rejects():
 def test_cli_parses_float_and_optional_int_flags():
     config = _parse(["--kv-cache-memory-fraction", "0.8", "--max-prefill-chunks-per-step", "2"])
     assert (config.kv_cache_memory_fraction, config.max_prefill_chunks_per_step) == (0.8, 2)
+
+
+def test_cli_parses_the_quantization_and_the_memory_limit():
+    config = _parse(["--quantization", "int8", "--device-memory-limit-gib", "16"])
+    assert (config.quantization, config.device_memory_limit_gib) == ("int8", 16.0)
+    assert _parse([]).quantization is None
 
 
 def test_cli_choices_come_from_the_config():

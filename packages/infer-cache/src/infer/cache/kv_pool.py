@@ -134,8 +134,12 @@ def num_blocks_for_memory(shape: KVCacheShape, kv_bytes_budget: int) -> int:
     return num_blocks
 
 
-def kv_budget_from_free_memory(device: torch.device | str, fraction: float) -> int:
+def kv_budget_from_free_memory(
+    device: torch.device | str, fraction: float, *, memory_limit_bytes: int | None = None
+) -> int:
     """`fraction` of the device memory free now, in bytes: a budget for num_blocks_for_memory().
+    With `memory_limit_bytes`, free memory is at most that limit less what this process's
+    allocator holds already.
 
     CUDA only; call it after the weights are loaded, so what they take is not counted as free.
     """
@@ -148,4 +152,6 @@ def kv_budget_from_free_memory(device: torch.device | str, fraction: float) -> i
             "pass num_blocks to PagedKVPool explicitly"
         )
     free_bytes, _total_bytes = torch.cuda.mem_get_info(device)
+    if memory_limit_bytes is not None:
+        free_bytes = min(free_bytes, max(0, memory_limit_bytes - torch.cuda.memory_reserved(device)))
     return int(free_bytes * fraction)

@@ -16,6 +16,7 @@ import torch
 from infer.engine.config import DTYPES, EngineConfig, resolve_device, resolve_dtype
 from infer.engine.sampling_params import SamplingParams
 from infer.models import DEFAULT_MODEL
+from infer.models.quantization import QUANTIZATION_METHODS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +53,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-seq-len", type=int, default=None, help="prompt + new tokens (default: model's, <= 4096)"
     )
     parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_METHODS,
+        default=None,
+        help="8-bit Linear weights, quantized at load on a dense checkpoint (default: as stored)",
+    )
+    parser.add_argument(
+        "--device-memory-limit-gib",
+        type=float,
+        default=None,
+        help="most CUDA memory the engine takes, weights included (default: the whole device)",
+    )
+    parser.add_argument(
         "--use-cuda-graphs", action="store_true", help="decode by replaying CUDA graphs (CUDA only)"
     )
     parser.add_argument(
@@ -83,18 +96,22 @@ def load_engine(args: argparse.Namespace, *, max_batch_size: int = 1):
     """(LoadedModel, Engine) for the model, device, dtype and graph flags in `args`: the same
     engine core as `infer serve`, stepped in this thread."""
     from infer.engine.engine import Engine
+    from infer.engine.engine_core import limit_device_memory
     from infer.models.load import load_model
 
     device, dtype = resolve_device_and_dtype(args)
-    loaded = load_model(args.model, dtype=dtype, device=device)
     config = EngineConfig(
         model=args.model,
         device=str(device),
+        quantization=args.quantization,
+        device_memory_limit_gib=args.device_memory_limit_gib,
         max_seq_len=args.max_seq_len,
         max_batch_size=max_batch_size,
         use_cuda_graphs=args.use_cuda_graphs,
         async_scheduling=args.async_scheduling,
     )
+    limit_device_memory(config, device)  # before the weights, which count against it
+    loaded = load_model(args.model, dtype=dtype, device=device, quantization=args.quantization)
     return loaded, Engine(config, loaded_model=loaded)
 
 
@@ -157,7 +174,7 @@ def run_generate(args: argparse.Namespace) -> int:
         f"[{num_tokens} tokens, finish {finish_reason}; prompt {len(prompt_ids)} tokens in {prefill_s:.3f} s "
         f"({len(prompt_ids) / prefill_s:.0f} tokens/s); decode {decode_rate}; "
         f"{'CUDA graphs' if engine.config.use_cuda_graphs else 'eager'}, {engine.core.device}, "
-        f"{next(loaded.model.parameters()).dtype}]",
+        f"{_weights_description(loaded.model)}]",
         file=sys.stderr,
     )
     return 0
@@ -165,3 +182,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _weights_description(model) -> str:
+    """The activations' dtype, and the Linear weights' format where it is 8-bit."""
+    if model.quantization is None:
+        return str(model.dtype)
+    return f"{model.dtype}, {model.quantization.method} weights"

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from infer.models import DEFAULT_MODEL
+from infer.models.quantization import QUANTIZATION_METHODS
 
 # The one dtype table; "auto" is float32 on the CPU (half precision is slow there and gains
 # nothing) and bfloat16 on CUDA, whatever the checkpoint stores.
@@ -83,6 +84,12 @@ class EngineConfig:
     kv_cache_memory_fraction: float | None = _flag(
         None, "fraction of the device memory free after loading the weights to give the KV pool (CUDA)"
     )
+    device_memory_limit_gib: float | None = _flag(
+        None,
+        "most device memory the engine takes (CUDA): weights, KV pool, activations and CUDA graphs, "
+        "held to it by the allocator; kv_cache_memory_fraction then takes its share of what the "
+        "limit leaves after the weights. None: the whole device",
+    )
     batching_mode: str = _flag(
         "continuous",
         "static: fixed batches run to completion; continuous: join and leave every step",
@@ -133,6 +140,13 @@ class EngineConfig:
     prefix_cache_quantize_min_tokens: int = _flag(
         256, "with prefix_cache_kv_bits, only blocks of cached sequences this long or longer go int8"
     )
+    quantization: str | None = _flag(
+        None,
+        "Linear weights in 8 bits: int8 (per output channel) or fp8 (128x128 blocks); None: as the "
+        "checkpoint stores them (an fp8 or int8 checkpoint is detected), else dense. On a dense "
+        "checkpoint the weights are quantized at load, the LM head included",
+        choices=QUANTIZATION_METHODS,
+    )
     prefix_cache_shadow_rate: float = _flag(
         0.0,
         "share of greedy requests served from the prefix cache that are run again without it when the "
@@ -163,6 +177,11 @@ class EngineConfig:
             isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1
         ):
             raise EngineConfigError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction!r}")
+        limit = self.device_memory_limit_gib
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int | float) or not limit > 0
+        ):
+            raise EngineConfigError(f"device_memory_limit_gib must be a number > 0, got {limit!r}")
         if fraction is not None and self.num_gpu_blocks is not None:
             raise EngineConfigError(
                 "set num_gpu_blocks or kv_cache_memory_fraction, not both: each sizes the KV pool"
@@ -198,6 +217,8 @@ class EngineConfig:
         if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share < 1:
             raise EngineConfigError(f"prefix_cache_quantized_fraction must be in (0, 1), got {share!r}")
         _check_int(self, "prefix_cache_quantize_min_tokens", minimum=0)
+        if self.quantization is not None:
+            _check_choice(self, "quantization", QUANTIZATION_METHODS)
         rate = self.prefix_cache_shadow_rate
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
             raise EngineConfigError(f"prefix_cache_shadow_rate must be in [0, 1], got {rate!r}")
@@ -308,7 +329,7 @@ def from_cli_args(namespace: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_dict({**base, **given}, source="the command line")
 
 
-_STRING_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.type in (str, "str")}
+_STRING_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.type in (str, "str", str | None)}
 _FLOAT_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.type in (float, float | None)}
 
 

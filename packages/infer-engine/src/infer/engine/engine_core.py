@@ -76,12 +76,19 @@ class EngineCore:
             from infer.models.load import load_model
 
             device = resolve_device(config.device)
-            loaded_model = load_model(config.model, dtype=resolve_dtype(config.dtype, device), device=device)
+            limit_device_memory(config, device)
+            loaded_model = load_model(
+                config.model,
+                dtype=resolve_dtype(config.dtype, device),
+                device=device,
+                quantization=config.quantization,
+            )
         else:
             logger.info(
                 "engine uses the given model from %s; config.model/dtype/device are not used",
                 loaded_model.path,
             )
+            limit_device_memory(config, next(loaded_model.model.parameters()).device)
         # Kept for the frontend that shares this process (its tokenizer and template); the core
         # itself reads only the model and the folder's EOS declarations.
         self.loaded = loaded_model
@@ -589,6 +596,24 @@ def _resolve_max_seq_len(config: EngineConfig, model_max_positions: int) -> int:
     return config.max_seq_len
 
 
+def _memory_limit_bytes(config: EngineConfig) -> int | None:
+    gib = config.device_memory_limit_gib
+    return None if gib is None else int(gib * 2**30)
+
+
+def limit_device_memory(config: EngineConfig, device: torch.device) -> None:
+    """Holds this process's CUDA allocator to device_memory_limit_gib (it raises out-of-memory
+    past it), so that everything the engine allocates counts: weights, KV pool, graphs."""
+    limit = _memory_limit_bytes(config)
+    if limit is None:
+        return
+    if device.type != "cuda":
+        raise EngineConfigError(f"device_memory_limit_gib limits CUDA memory; the device is {device}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), index)
+
+
 def _build_kv_pool(config: EngineConfig, model, max_seq_len: int, device: torch.device) -> PagedKVPool:
     """The pool the config asks for: blocks of block_size (paged) or of max_seq_len (contiguous)."""
     block_size = config.block_size if config.kv_cache_backend == "paged" else max_seq_len
@@ -596,13 +621,15 @@ def _build_kv_pool(config: EngineConfig, model, max_seq_len: int, device: torch.
         num_layers=model.config.num_layers,
         num_kv_heads=model.config.num_kv_heads,
         head_dim=model.config.head_dim,
-        dtype=next(model.parameters()).dtype,
+        dtype=model.dtype,
         block_size=block_size,
     )
     if config.num_gpu_blocks is not None:
         num_blocks = config.num_gpu_blocks
     elif config.kv_cache_memory_fraction is not None:
-        budget = kv_budget_from_free_memory(device, config.kv_cache_memory_fraction)
+        budget = kv_budget_from_free_memory(
+            device, config.kv_cache_memory_fraction, memory_limit_bytes=_memory_limit_bytes(config)
+        )
         num_blocks = num_blocks_for_memory(shape, budget)
     else:
         # The memory of max_batch_size whole sequences, as the slotted pool had.

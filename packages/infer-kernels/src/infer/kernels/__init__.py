@@ -7,12 +7,14 @@ faster (`paged_attention_cpu`, `rms_norm_cpu`, `rope_cpu`, each tested against i
 
 from infer.kernels._version import INTERFACE_VERSION, __version__
 from infer.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
+from infer.kernels.int8_linear_cpu import int8_cpu_scale, int8_linear_cpu, int8_linear_cpu_supports
 from infer.kernels.paged_attention import (
     extend_tile_size,
     paged_attention,
     paged_attention_cpu,
     paged_attention_ref,
 )
+from infer.kernels.quantized_linear import dequantize_weight, quantized_linear, quantized_linear_ref
 from infer.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_cpu, rms_norm_ref
 from infer.kernels.rope import rope, rope_cpu, rope_ref, rope_tables
 from infer.kernels.store_kv import store_kv, store_kv_ref
@@ -29,12 +31,18 @@ __all__ = [
     "apply_token_bitmask",
     "apply_token_bitmask_ref",
     "assert_close",
+    "dequantize_weight",
     "extend_tile_size",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_ref",
+    "int8_cpu_scale",
+    "int8_linear_cpu",
+    "int8_linear_cpu_supports",
     "paged_attention",
     "paged_attention_cpu",
     "paged_attention_ref",
+    "quantized_linear",
+    "quantized_linear_ref",
     "rms_norm",
     "rms_norm_cpu",
     "rms_norm_ref",

@@ -18,6 +18,7 @@ from infer.models.attention import attention
 from infer.models.config import ModelConfig, RopeConfig
 from infer.models.forward_batch import ForwardBatch
 from infer.models.linear import Linear
+from infer.models.quantization import Quantization
 
 
 class Embedding(nn.Module):
@@ -97,7 +98,12 @@ class Attention(nn.Module):
             )
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            q_size + 2 * kv_size,
+            bias=config.attention_bias,
+            output_sizes=tuple(self.split_sizes),
+        )
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias)
         # qk_norm_offset None: no QK norm (Llama); 0.0: Qwen 3; 1.0: Gemma 3's (1 + w).
         if qk_norm_offset is not None:
@@ -140,7 +146,11 @@ class GatedMLP(nn.Module):
                 f"supported: {', '.join(_GATED_ACTIVATIONS)}"
             )
         self.activation = _GATED_ACTIVATIONS[config.hidden_activation]
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.gate_up_proj = Linear(
+            config.hidden_size,
+            2 * config.intermediate_size,
+            output_sizes=(config.intermediate_size, config.intermediate_size),
+        )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,6 +183,8 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        # How the Linear weights are stored (set by the loader); None: dense, in the model's dtype.
+        self.quantization: Quantization | None = None
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         rotaries = rotary_per_layer(config)
         self.layers = nn.ModuleList(self.make_layer(config, i, rotaries[i]) for i in range(config.num_layers))
@@ -183,6 +195,11 @@ class CausalLM(nn.Module):
 
     def make_layer(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module:
         raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of activations and of the KV cache: the embedding's (never 8-bit)."""
+        return self.embed_tokens.weight.dtype
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

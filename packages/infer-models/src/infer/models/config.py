@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from infer.models.quantization import Quantization, parse_quantization_config
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -55,6 +57,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # How the checkpoint stores its Linear weights (its `quantization_config`); None: dense.
+    quantization: Quantization | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -100,6 +104,7 @@ class ModelConfig:
             text = dict(raw.get("text_config") or {})
             text.setdefault("model_type", "gemma3_text")
             text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", True))
+            text.setdefault("quantization_config", raw.get("quantization_config"))
             nested = ModelConfig.from_dict(text)
             return replace(nested, model_type="gemma3", dtype=nested.dtype or dtype)
         return _parse_text_config(raw, model_type, dtype)
@@ -147,6 +152,7 @@ def _parse_text_config(raw: dict, model_type: str, dtype: torch.dtype | None) ->
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         pad_token_id=raw.get("pad_token_id"),
+        quantization=parse_quantization_config(raw.get("quantization_config")),
     )
 
 

@@ -1,4 +1,10 @@
-"""Linear layers: `x @ weight.T + bias`, with the one CPU path that needs care.
+"""Linear layers: `x @ weight.T + bias`, dense or with 8-bit weights, and the one CPU path that
+needs care.
+
+A Linear's weight is dense (the model's dtype) or 8-bit with block scales (see
+infer.models.quantization); `quantize` turns a dense Linear, still on the meta device, into an
+8-bit one before the loader fills it. Both formats run through one op, `quantized_linear`,
+whose block size covers per-channel int8 and block-wise fp8 alike.
 
 On a CPU, fp32 `F.linear` of a few rows is a BLAS matrix-vector product, which the bundled MKL
 runs on one thread: on the CI-class 2-core machine it reads a weight that is not in cache at
@@ -10,9 +16,14 @@ Larger inputs (prefill chunks), other dtypes (bf16's `F.linear` reads at ~25 GB/
 batched product at ~14) and other devices keep `F.linear`.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from infer.kernels import int8_cpu_scale, int8_linear_cpu, int8_linear_cpu_supports, quantized_linear
+from infer.models.quantization import Quantization
 
 # At most this many rows take the split path: measured on the 2-core CI machine, the batched
 # product reads at 35-38 GB/s up to 4 rows and falls to F.linear's speed from 8.
@@ -46,10 +57,68 @@ class Linear(nn.Module):
     """`x @ weight.T + bias` with uninitialised parameters: every weight comes from a checkpoint,
     and skipping nn.Linear's random init keeps building a model on the meta device instant."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = False):
+    def __init__(
+        self, in_features: int, out_features: int, *, bias: bool = False, output_sizes: tuple[int, ...] = ()
+    ):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        # The rows of each checkpoint tensor fused into this one (q, k, v), in order.
+        self.output_sizes = output_sizes or (out_features,)
+        if sum(self.output_sizes) != out_features:
+            raise ValueError(f"output_sizes {output_sizes} do not add up to out_features {out_features}")
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # 8-bit weights: float32 scales, one per block of `block_size` weights (None: dense).
+        self.weight_scale: nn.Parameter | None = None
+        self.block_size: tuple[int, int] | None = None
+        # On a CPU: the scales as int8_linear_cpu takes them, made at the first call (False: this
+        # weight is not for it; None: not looked at yet).
+        self._cpu_int8_scale: torch.Tensor | bool | None = None
+
+    def quantize(self, weight_dtype: torch.dtype, block_size: tuple[int, int]) -> None:
+        """Makes this Linear's weight 8-bit (`weight_dtype`) with a scale per `block_size` block:
+        new, empty parameters on the weight's device, for the loader to fill."""
+        device = self.weight.device
+        rows, cols = block_size
+        scale_shape = (math.ceil(self.out_features / rows), math.ceil(self.in_features / cols))
+        self.weight = nn.Parameter(
+            torch.empty(self.out_features, self.in_features, dtype=weight_dtype, device=device),
+            requires_grad=False,
+        )
+        self.weight_scale = nn.Parameter(
+            torch.empty(scale_shape, dtype=torch.float32, device=device), requires_grad=False
+        )
+        self.block_size = block_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.weight, self.bias)
+        if self.weight_scale is None:
+            return dense_linear(x, self.weight, self.bias)
+        if x.device.type == "cpu":
+            if self._cpu_int8_scale is None:
+                per_channel = self.block_size == (1, self.in_features)
+                usable = per_channel and int8_linear_cpu_supports(self.weight)
+                self._cpu_int8_scale = int8_cpu_scale(self.weight_scale) if usable else False
+            if self._cpu_int8_scale is not False:
+                return int8_linear_cpu(x, self.weight, self._cpu_int8_scale, self.bias)
+        return quantized_linear(x, self.weight, self.weight_scale, self.block_size, self.bias)
+
+    def extra_repr(self) -> str:
+        quantized = f", {self.weight.dtype}, block_size={self.block_size}" if self.block_size else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}{quantized}"
+
+
+def quantize_linears(model: nn.Module, quantization: Quantization) -> None:
+    """Makes every Linear of `model` that `quantization` covers 8-bit, before its weights load.
+
+    A fused Linear takes its parts' scales concatenated, which lines their blocks up only when
+    every part but the last fills whole blocks of rows; otherwise (SmolLM2's k and v, 192 rows
+    each, in 128-row fp8 blocks) it keeps one scale row per weight row and the loader repeats each
+    stored scale row over the rows of its block.
+    """
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or not quantization.quantizes(name):
+            continue
+        rows, cols = quantization.block_for(module.in_features)
+        if quantization.in_checkpoint and any(size % rows for size in module.output_sizes[:-1]):
+            rows = 1
+        module.quantize(quantization.weight_dtype, (rows, cols))

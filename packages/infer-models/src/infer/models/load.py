@@ -8,9 +8,11 @@ import torch
 from infer.models.chat_template import ChatTemplate, chat_template_for, detect_family, read_tokenizer_config
 from infer.models.common import CausalLM
 from infer.models.config import ModelConfig
+from infer.models.linear import quantize_linears
 from infer.models.loader.fetch import fetch_model
 from infer.models.loader.tokenizer import Tokenizer
 from infer.models.loader.weights import load_weights
+from infer.models.quantization import resolve_quantization
 from infer.models.registry import architecture_for
 
 
@@ -45,16 +47,26 @@ class LoadedModel:
 
 
 def load_causal_lm(
-    folder: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+    folder: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    quantization: str | None = None,
 ) -> CausalLM:
-    """Our model for a checkpoint folder, weights cast to `dtype` (default: the config's, else fp32)."""
+    """Our model for a checkpoint folder, weights cast to `dtype` (default: the config's, else
+    fp32). Linear weights stay 8-bit where the checkpoint stores them so, and `quantization`
+    ("int8", "fp8") quantizes those of an unquantized checkpoint at load."""
     folder = Path(folder)
     config = ModelConfig.from_file(folder)
     dtype = dtype or config.dtype or torch.float32
     architecture = architecture_for(config.model_type)
+    resolved = resolve_quantization(config.quantization, quantization)
     # Built on the meta device: no memory and no random init until the real weights arrive.
     with torch.device("meta"):
         model = architecture.model_class(config).to(dtype)
+        if resolved is not None:
+            quantize_linears(model, resolved)
+    model.quantization = resolved
     load_weights(
         model,
         folder,
@@ -63,6 +75,7 @@ def load_causal_lm(
         device=device,
         prefixes=architecture.checkpoint_prefixes,
         ignored_prefixes=architecture.ignored_prefixes,
+        quantization=resolved,
     )
     return model.eval()
 
@@ -75,11 +88,15 @@ def load_model_info(path_or_alias: str | Path) -> ModelInfo:
 
 
 def load_model(
-    path_or_alias: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+    path_or_alias: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Resolves an alias (or takes a folder), loads the weights, the tokenizer and the chat template."""
     folder = fetch_model(path_or_alias)
-    model = load_causal_lm(folder, dtype=dtype, device=device)
+    model = load_causal_lm(folder, dtype=dtype, device=device, quantization=quantization)
     info = _model_info(folder, model.config)
     return LoadedModel(
         model=model,

@@ -8,6 +8,12 @@ real ids; where the vocabulary has room (every real shape), the most common Engl
 token each, as they are in the real tokenizers, so a benchmark's text has the token count it would
 have on the real model. Tensors are streamed to disk one at a time, so an 8B preset needs ~1 tensor
 of memory.
+
+With `quantization`, the attention and MLP projections are written 8-bit in the layouts of the
+published checkpoints (see infer.models.quantization): "fp8" as Qwen3-8B-FP8 (float8_e4m3fn
+weights, float32 `weight_scale_inv` per 128x128 block), "int8" as compressed-tensors w8a8
+(int8 weights, float32 `weight_scale` [out, 1]); embeddings, norms and the LM head stay in
+`dtype`. Each is the same random weight a dense checkpoint of the same seed holds, quantized.
 """
 
 import argparse
@@ -19,6 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from infer.models.quantization import (
+    FP8_BLOCK,
+    QUANTIZATION_METHODS,
+    SCALE_NAMES,
+    WEIGHT_DTYPES,
+    quantize_weight,
+)
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -107,7 +121,44 @@ PRESETS: dict[str, Preset] = {
     ),
 }  # fmt: skip
 
-_TORCH_TO_SAFETENSORS = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_TORCH_TO_SAFETENSORS = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int8: "I8",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
+# What a published checkpoint of each format writes into config.json.
+QUANTIZATION_CONFIGS = {
+    "fp8": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(FP8_BLOCK),
+    },
+    "int8": {
+        "config_groups": {
+            "group_0": {
+                "input_activations": {
+                    "dynamic": True, "num_bits": 8, "strategy": "token", "symmetric": True, "type": "int",
+                },
+                "targets": ["Linear"],
+                "weights": {
+                    "dynamic": False, "num_bits": 8, "observer": "minmax", "strategy": "channel",
+                    "symmetric": True, "type": "int",
+                },
+            }
+        },
+        "format": "int-quantized",
+        "ignore": ["lm_head"],
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    },
+}  # fmt: skip
+_QUANTIZED_PROJECTIONS = (
+    "q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+    "gate_proj.weight", "up_proj.weight", "down_proj.weight",
+)  # fmt: skip
 
 
 def make_random_checkpoint(
@@ -117,14 +168,20 @@ def make_random_checkpoint(
     shards: int = 1,
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
+    quantization: str | None = None,
 ) -> Path:
-    """Writes a random checkpoint of preset `arch_preset` (a key of PRESETS) into `out_dir`."""
+    """Writes a random checkpoint of preset `arch_preset` (a key of PRESETS) into `out_dir`,
+    its projections 8-bit when `quantization` is "fp8" or "int8"."""
     if arch_preset not in PRESETS:
         raise ValueError(f"unknown preset {arch_preset!r}; presets: {', '.join(PRESETS)}")
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
-    if dtype not in _TORCH_TO_SAFETENSORS:
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}"
+        )
     preset = PRESETS[arch_preset]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -134,9 +191,17 @@ def make_random_checkpoint(
     specials = _special_tokens(preset.arch, preset.config["vocab_size"])
     hf_config = _hf_config(preset, specials, dtype)
     hf_config.save_pretrained(out)
+    if quantization is not None:
+        # Added to the file, not the config object: transformers' model (which gives the tensor
+        # shapes below) would otherwise set up its own quantizer.
+        config_path = out / "config.json"
+        written = json.loads(config_path.read_text())
+        written["quantization_config"] = QUANTIZATION_CONFIGS[quantization]
+        config_path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_generation_config(hf_config), indent=2) + "\n")
     _write_tokenizer(out, preset.arch, preset.config["vocab_size"], specials)
-    _write_weights(out, _tensor_shapes(hf_config), preset.arch, shards=shards, seed=seed, dtype=dtype)
+    tensors = _tensor_specs(_tensor_shapes(hf_config), dtype, quantization)
+    _write_weights(out, tensors, preset.arch, shards=shards, seed=seed, quantization=quantization)
     return out
 
 
@@ -190,34 +255,74 @@ def _random_tensor(name: str, shape: tuple[int, ...], arch: str, generator: torc
     return torch.randn(shape, generator=generator) * shape[-1] ** -0.5
 
 
+def _tensor_specs(
+    shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, quantization: str | None
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of every tensor written, in order: an 8-bit projection's scale follows it."""
+    specs = {}
+    for name, shape in shapes.items():
+        if quantization is None or not name.endswith(_QUANTIZED_PROJECTIONS):
+            specs[name] = (shape, dtype)
+            continue
+        specs[name] = (shape, WEIGHT_DTYPES[quantization])
+        rows, cols = FP8_BLOCK if quantization == "fp8" else (1, shape[1])
+        scale_name = name.removesuffix("weight") + SCALE_NAMES[quantization]
+        specs[scale_name] = ((-(-shape[0] // rows), -(-shape[1] // cols)), torch.float32)
+    return specs
+
+
 def _write_weights(
-    out: Path, shapes: dict[str, tuple[int, ...]], arch: str, *, shards: int, seed: int, dtype: torch.dtype
+    out: Path,
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    arch: str,
+    *,
+    shards: int,
+    seed: int,
+    quantization: str | None,
 ) -> None:
-    names = list(shapes)
-    per_shard = -(-len(names) // shards)
-    groups = [names[i : i + per_shard] for i in range(0, len(names), per_shard)]
+    # A weight and its scale stay in one shard and are made together: the scale is kept from its
+    # weight's quantization until it is written, right after it.
+    units = [[name] for name in specs if not name.endswith(tuple(SCALE_NAMES.values()))]
+    for unit in units:
+        if quantization is not None:
+            scale_name = unit[0].removesuffix("weight") + SCALE_NAMES[quantization]
+            if scale_name in specs:
+                unit.append(scale_name)
+    per_shard = -(-len(units) // shards)
+    groups = [sum(units[i : i + per_shard], []) for i in range(0, len(units), per_shard)]
     generator = torch.Generator().manual_seed(seed)
+    pending_scales: dict[str, torch.Tensor] = {}
+
+    def make(name: str) -> torch.Tensor:
+        if name in pending_scales:
+            return pending_scales.pop(name)
+        shape, dtype = specs[name]
+        dense = _random_tensor(name, shape, arch, generator)
+        if dtype.itemsize != 1:
+            return dense
+        block = FP8_BLOCK if quantization == "fp8" else (1, shape[1])
+        weight, scale = quantize_weight(dense, quantization, block)
+        pending_scales[name.removesuffix("weight") + SCALE_NAMES[quantization]] = scale
+        return weight
+
     weight_map = {}
     for index, group in enumerate(groups):
         file_name = (
             "model.safetensors" if shards == 1 else f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
         )
-        _stream_safetensors(
-            out / file_name, {n: shapes[n] for n in group}, dtype,
-            lambda n: _random_tensor(n, shapes[n], arch, generator),
-        )  # fmt: skip
+        _stream_safetensors(out / file_name, {n: specs[n] for n in group}, make)
         weight_map.update(dict.fromkeys(group, file_name))
     if shards > 1:
-        total_bytes = sum(torch.Size(s).numel() * dtype.itemsize for s in shapes.values())
+        total_bytes = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs.values())
         index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _stream_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, make) -> None:
+def _stream_safetensors(path: Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], make) -> None:
     """Writes the safetensors format by hand (8-byte header length, JSON header, raw data) so
     that each tensor is made, written and freed in turn."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape in shapes.items():
+    for name, (shape, dtype) in specs.items():
         num_bytes = torch.Size(shape).numel() * dtype.itemsize
         header[name] = {
             "dtype": _TORCH_TO_SAFETENSORS[dtype],
@@ -230,7 +335,7 @@ def _stream_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: t
     with path.open("wb") as f:
         f.write(struct.pack("<Q", len(header_bytes)))
         f.write(header_bytes)
-        for name in shapes:
+        for name, (_, dtype) in specs.items():
             f.write(make(name).to(dtype).contiguous().view(torch.uint8).numpy().tobytes())
 
 
@@ -361,7 +466,7 @@ def _write_tokenizer(out: Path, arch: str, vocab_size: int, specials: _Specials)
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Adds `random ARCH --preset P --out DIR [--shards N] [--seed S] [--dtype D]`."""
+    """Adds `random ARCH --preset P --out DIR [--shards N] [--seed S] [--dtype D] [--quantization Q]`."""
     parser = subparsers.add_parser("random", help="write a random-weight checkpoint with real or tiny shapes")
     parser.add_argument("arch", choices=sorted({p.arch for p in PRESETS.values()}))
     parser.add_argument("--preset", required=True, help=f"one of {', '.join(PRESETS)} (or 'tiny')")
@@ -369,6 +474,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_METHODS,
+        default=None,
+        help="write the attention and MLP projections 8-bit: fp8 (128x128 blocks, as Qwen3-8B-FP8) or "
+        "int8 (per channel, compressed-tensors)",
+    )
     parser.set_defaults(func=_run_cli)
 
 
@@ -380,7 +492,13 @@ def _run_cli(args: argparse.Namespace) -> int:
             f"preset {args.preset!r} is not a {args.arch} preset; choose from {', '.join(names)}"
         )
     out = make_random_checkpoint(
-        name, args.out, shards=args.shards, seed=args.seed, dtype=getattr(torch, args.dtype)
+        name,
+        args.out,
+        shards=args.shards,
+        seed=args.seed,
+        dtype=getattr(torch, args.dtype),
+        quantization=args.quantization,
     )
-    print(f"wrote {name} with random weights to {out}")
+    quantized = f", {args.quantization} projections" if args.quantization else ""
+    print(f"wrote {name} with random weights{quantized} to {out}")
     return 0

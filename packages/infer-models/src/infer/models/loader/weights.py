@@ -3,7 +3,11 @@
 The model is built on the meta device; each parameter is then read from disk, fused where the
 weight map says so, cast to the requested dtype and placed on the device one tensor at a time,
 so peak memory stays near the model's size. Every problem is reported before any data is read:
-missing tensors, unexpected tensors and wrong shapes in one error, a corrupt header naming the file.
+missing tensors, unexpected tensors, wrong shapes and 8-bit weights stored in another dtype in one
+error, a corrupt header naming the file.
+
+8-bit Linears (infer.models.quantization) take their weights and scales as stored, or, when
+quantized at load, their dense weight quantized on the device as it arrives.
 """
 
 import json
@@ -17,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from infer.models.config import ModelConfig
+from infer.models.quantization import SAFETENSORS_DTYPES, Quantization, quantize_weight
 from infer.models.weight_map import WeightSource, is_recomputed, weight_source
 
 SINGLE_FILE = "model.safetensors"
@@ -24,6 +29,10 @@ INDEX_FILE = "model.safetensors.index.json"
 # Largest header we accept: real headers are a few MB; more means a corrupt length field.
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 _LISTED_PROBLEMS = 10
+# Activation-quantization tensors of int8 checkpoints (compressed-tensors w8a8): we run the
+# weights alone (w8a16), so these are not read.
+ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".input_zero_point")
+CPU_ALIGNMENT = 64
 
 
 class CheckpointError(ValueError):
@@ -113,26 +122,63 @@ def load_weights(
     device: torch.device | str,
     prefixes: tuple[str, ...] = ("model.",),
     ignored_prefixes: tuple[str, ...] = (),
+    quantization: Quantization | None = None,
 ) -> None:
-    """Fills every parameter of `model` (built on any device, meta included) from `folder`."""
+    """Fills every parameter of `model` (built on any device, meta included) from `folder`: dense
+    ones cast to `dtype`, 8-bit ones (made by `quantize_linears` for `quantization`) as stored or
+    quantized as they load."""
     tensors = checkpoint_tensors(folder)
     prefix = next((p for p in prefixes if f"{p}embed_tokens.weight" in tensors), prefixes[0])
     params = dict(model.named_parameters())
-    sources = {name: weight_source(name, p.shape[0], config, prefix) for name, p in params.items()}
-    _check_against(sources, params, tensors, config, ignored_prefixes, folder)
+    sources, quantized_at_load = {}, set()
+    for name, param in params.items():
+        module_path, _, leaf = name.rpartition(".")
+        block_size = getattr(model.get_submodule(module_path), "block_size", None)
+        if block_size is not None and not quantization.in_checkpoint:
+            if leaf == "weight_scale":
+                continue  # made from the weight as it loads
+            quantized_at_load.add(name)
+        sources[name] = weight_source(
+            name,
+            param.shape[0],
+            config,
+            prefix,
+            quantization=quantization,
+            scale_block_rows=block_size[0] if block_size else 1,
+        )
+    _check_against(
+        sources, params, tensors, config, ignored_prefixes, folder, quantization, quantized_at_load
+    )
 
     aliases = _parameter_aliases(model)
     with ExitStack() as stack:
         handles = {}
+
+        def read(tensor_name: str) -> torch.Tensor:
+            file = tensors[tensor_name].file
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            return handles[file].get_tensor(tensor_name)
+
         for name, source in sources.items():
-            parts = []
-            for tensor_name in source.checkpoint_names:
-                file = tensors[tensor_name].file
-                if file not in handles:
-                    handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-                parts.append(handles[file].get_tensor(tensor_name).to(dtype))
-            value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            loaded = nn.Parameter(value.to(device), requires_grad=False)
+            target_dtype = dtype if name in quantized_at_load else params[name].dtype
+            parts = [read(tensor_name).to(target_dtype) for tensor_name in source.checkpoint_names]
+            if source.repeat_rows > 1:
+                parts = [
+                    part.repeat_interleave(source.repeat_rows, dim=0)[:rows]
+                    for part, rows in zip(parts, source.part_rows, strict=True)
+                ]
+            value = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)).to(device)
+            if value.device.type == "cpu" and value.data_ptr() % CPU_ALIGNMENT:
+                # A tensor read as stored starts wherever the file put it; vectorized CPU
+                # kernels (ATen's int8 one among them) want their operands aligned.
+                value = value.clone()
+            if name in quantized_at_load:
+                module = model.get_submodule(name.rpartition(".")[0])
+                weight, scale = quantize_weight(value, quantization.method, module.block_size)
+                module.weight_scale = nn.Parameter(scale, requires_grad=False)
+                value = weight
+            loaded = nn.Parameter(value, requires_grad=False)
             for module_name, leaf in aliases[name]:
                 setattr(model.get_submodule(module_name), leaf, loaded)
 
@@ -144,21 +190,35 @@ def _check_against(
     config: ModelConfig,
     ignored_prefixes: tuple[str, ...],
     folder: Path,
+    quantization: Quantization | None,
+    quantized_at_load: set[str],
 ) -> None:
-    missing, wrong_shapes, used = [], [], set()
+    missing, wrong_shapes, wrong_dtypes, used = [], [], [], set()
     for name, source in sources.items():
         expected_rest = tuple(params[name].shape[1:])
+        stored_8bit = params[name].dtype.itemsize == 1 and name not in quantized_at_load
         for tensor_name, rows in zip(source.checkpoint_names, source.rows, strict=True):
             used.add(tensor_name)
             if tensor_name not in tensors:
                 missing.append(tensor_name)
-            elif (found := tensors[tensor_name].shape) != (rows, *expected_rest):
+                continue
+            if (found := tensors[tensor_name].shape) != (rows, *expected_rest):
                 wrong_shapes.append(f"{tensor_name}: expected {[rows, *expected_rest]}, got {list(found)}")
+            if stored_8bit and (found_dtype := tensors[tensor_name].dtype) != (
+                wanted := SAFETENSORS_DTYPES[quantization.method]
+            ):
+                wrong_dtypes.append(f"{tensor_name}: expected {wanted}, got {found_dtype}")
     if config.tie_word_embeddings:
         # Tied checkpoints sometimes still store the head; it must equal the embedding, so skip it.
         used.add("lm_head.weight")
+    skipped = ACTIVATION_SCALE_SUFFIXES if quantization is not None and quantization.in_checkpoint else ()
     unexpected = [
-        t for t in tensors if t not in used and not is_recomputed(t) and not t.startswith(ignored_prefixes)
+        t
+        for t in tensors
+        if t not in used
+        and not is_recomputed(t)
+        and not t.startswith(ignored_prefixes)
+        and not (skipped and t.endswith(skipped))
     ]
     problems = []
     if missing:
@@ -167,9 +227,12 @@ def _check_against(
         problems.append(f"unexpected tensors: {_listing(sorted(unexpected))}")
     if wrong_shapes:
         problems.append(f"wrong shapes: {_listing(wrong_shapes)}")
+    if wrong_dtypes:
+        problems.append(f"wrong dtypes: {_listing(wrong_dtypes)}")
     if problems:
+        described = config.model_type + (f" ({quantization.method})" if quantization else "")
         raise CheckpointError(
-            f"checkpoint {folder} does not match a {config.model_type} model with this config.json: "
+            f"checkpoint {folder} does not match a {described} model with this config.json: "
             + "; ".join(problems)
         )
 

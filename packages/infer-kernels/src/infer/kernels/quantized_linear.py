@@ -1,0 +1,504 @@
+"""Weight-only 8-bit linear (w8a16): `y = x @ (weight * scale).T + bias` with int8 or fp8 weights.
+
+`weight` is `[N, K]`, `torch.int8` or `torch.float8_e4m3fn`; `scale` is float32 with one entry per
+`block_size = (bn, bk)` block of it, `[ceil(N / bn), ceil(K / bk)]`, so that the weight the model
+means is `W[n, k] = weight[n, k] * scale[n // bn, k // bk]`. The layouts met in checkpoints:
+`(1, K)`, one scale per output channel (int8, compressed-tensors), and `(128, 128)` blocks (fp8,
+DeepSeek-V3 / Qwen3-FP8), which the loader may also cut to `(1, 128)` rows.
+
+Decode reads every weight once per token, so its time is the weight's bytes over HBM bandwidth:
+one byte per weight is half of bf16's two. Two kernels, chosen by the number of rows M of x:
+
+- M = 1: `_gemv_kernel`, fp32 FMAs. Programs tile (x row, BLOCK_N output rows, K split) and
+  stream `[BLOCK_N, BLOCK_K]` weight tiles (16-byte loads per thread), convert them in registers
+  (int8 through float bits, see `_weight_to_float32`), multiply by x and keep a 2D fp32
+  accumulator that is reduced once after the K loop. A scale constant along K (`bk >= K`) is
+  applied once at the end; a block scale shared by the tile's rows multiplies x's columns, a
+  per-row one (`(1, 128)`) the weight tile.
+- M > 1: `_dot_kernel`, tensor cores. The weight tile, converted to x's dtype, is the MMA's left
+  operand and x the right one (`W @ x.T`: the small M is the MMA's N side, and the converted
+  weight goes from registers into the MMA). A per-channel scale multiplies the fp32 accumulator
+  after the K loop; a block scale multiplies the weight tile before its conversion to x's dtype
+  (what dequantize-then-matmul does), so that the MMA accumulates in place and stays pipelined.
+
+Where a scale varies along K, BLOCK_K divides bk, so that no tile straddles two blocks. When the
+output tiles alone would leave SMs idle, K is split across programs that write fp32 partial
+sums; `_split_k_sum_kernel` adds them (and the bias) in a fixed order.
+
+Accumulation is in fp32 throughout. The products are exact (an int8 or e4m3 value times x)
+except in the tensor-core kernel with block scales, where the scaled weight is rounded to x's
+dtype first (a relative error of at most 2^-9 per weight in bf16, 2^-11 in fp16), as for
+`F.linear(x, dequantize_weight(weight, scale, block_size, x.dtype))`. Triton's interpreter
+computes bf16 dots wrongly (numpy has no bf16), so interpreted runs take fp32 dots, as do fp32
+inputs (`input_precision="ieee"`).
+"""
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+
+WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+# Rows of x up to which the FMA kernel runs: on an H100 the tensor-core kernel was as fast from
+# M = 2 (the FMA kernel re-reads the weight tile for each row of x).
+_GEMV_MAX_M = 1
+# K is split while the output tiles alone number fewer than half the SMs, as long as each split
+# keeps at least _MIN_SPLIT_K columns.
+_MIN_SPLIT_K = 512
+_MAX_SPLIT_K = 8
+# tl.dot needs every dim to be at least 16.
+_MIN_DOT = 16
+# K-tile cap when the scale is constant along K.
+_UNCAPPED = 1 << 30
+# SMs assumed where there is no CUDA device (the interpreter): an H100's.
+_DEFAULT_SMS = 132
+
+
+@triton.jit
+def _weight_values(w, WEIGHT_FP8: tl.constexpr):
+    """The weight tile as loaded (fp8 weights travel as uint8: masked loads fill them with 0,
+    which Triton's interpreter cannot cast to fp8) in its own dtype."""
+    if WEIGHT_FP8:
+        return w.to(tl.float8e4nv, bitcast=True)
+    else:
+        return w
+
+
+@triton.jit
+def _weight_to_float32(w, WEIGHT_FP8: tl.constexpr, FAST_INT8: tl.constexpr):
+    if WEIGHT_FP8:
+        return _weight_values(w, WEIGHT_FP8).to(tl.float32)
+    elif FAST_INT8:
+        # int8 -> fp32 through the bits of 2^23 + 128 + w (exact): integer adds and a float
+        # subtract, instead of I2F, which runs at a quarter of the FMA rate on Hopper.
+        bits = w.to(tl.int32) + 0x4B000080
+        return bits.to(tl.float32, bitcast=True) - 8388736.0
+    else:
+        return w.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
+    x_row_stride,
+    scale_row_stride,
+    scale_col_stride,
+    out_split_stride,
+    out_row_stride,
+    scale_block_n,
+    scale_block_k,
+    k_per_split,
+    SCALE_PER_TILE: tl.constexpr,
+    SCALE_ON_X: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WEIGHT_FP8: tl.constexpr,
+    FAST_INT8: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    first_row = tl.program_id(1) * BLOCK_N
+    rows = first_row + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    row_mask = rows < N
+    scale_rows = scale_ptr + (rows // scale_block_n).to(tl.int64) * scale_row_stride
+    # The scale row shared by the whole tile, when BLOCK_N divides the scale block's rows.
+    tile_scale_row = scale_ptr + (first_row // scale_block_n).to(tl.int64) * scale_row_stride
+    k_start = split * k_per_split
+    cols = k_start + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
+    x_ptrs = x_ptr + m * x_row_stride + cols
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    for k0 in tl.range(k_start, k_stop, BLOCK_K, loop_unroll_factor=UNROLL):
+        col_mask = cols < K
+        w = tl.load(w_ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0)
+        x = tl.load(x_ptrs, mask=col_mask, other=0.0).to(tl.float32)
+        w = _weight_to_float32(w, WEIGHT_FP8, FAST_INT8)
+        if SCALE_PER_TILE:
+            if SCALE_ON_X:  # one multiply per column of x instead of one per weight
+                x *= tl.load(tile_scale_row + (k0 // scale_block_k) * scale_col_stride)
+            else:
+                s = tl.load(scale_rows + (k0 // scale_block_k) * scale_col_stride, mask=row_mask, other=0.0)
+                w = w * s[:, None]
+        acc += w * x[None, :]
+        cols += BLOCK_K
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    if not SCALE_PER_TILE:
+        y *= tl.load(scale_rows, mask=row_mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + split * out_split_stride + m * out_row_stride + rows
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _dot_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    x_row_stride,
+    scale_row_stride,
+    scale_col_stride,
+    out_split_stride,
+    out_row_stride,
+    scale_block_n,
+    scale_block_k,
+    k_per_split,
+    SCALE_PER_TILE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WEIGHT_FP8: tl.constexpr,
+    FAST_INT8: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+):
+    # Tiles in groups of GROUP_N weight-row tiles, x-row tiles fastest within a group: programs
+    # that run together share weight tiles (and x tiles) in L2.
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_N * num_m
+    first_n = (pid // per_group) * GROUP_N
+    group_size = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % group_size
+    pid_m = (pid % per_group) // group_size
+
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: output columns
+    tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # x rows
+    row_mask = rows < N
+    token_mask = tokens < M
+    scale_rows = scale_ptr + (rows // scale_block_n).to(tl.int64) * scale_row_stride
+    k_start = split * k_per_split
+    cols = k_start + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
+    x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * x_row_stride + cols[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        col_mask = cols < K
+        w = tl.load(w_ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0)
+        x = tl.load(x_ptrs, mask=token_mask[:, None] & col_mask[None, :], other=0.0)
+        if SCALE_PER_TILE:
+            # The block scale goes into the weight tile, so that the MMA accumulates in place.
+            s = tl.load(scale_rows + (k0 // scale_block_k) * scale_col_stride, mask=row_mask, other=0.0)
+            w = _weight_to_float32(w, WEIGHT_FP8, FAST_INT8) * s[:, None]
+        else:
+            w = _weight_values(w, WEIGHT_FP8)
+        if NATIVE_DOT:
+            acc = tl.dot(w.to(x_ptr.dtype.element_ty), tl.trans(x), acc)
+        else:
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        cols += BLOCK_K
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if not SCALE_PER_TILE:
+        acc *= tl.load(scale_rows, mask=row_mask, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + split * out_split_stride + rows[:, None]
+    out_ptrs += tokens.to(tl.int64)[None, :] * out_row_stride
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & token_mask[None, :])
+
+
+@triton.jit
+def _split_k_sum_kernel(
+    partial_ptr,
+    bias_ptr,
+    out_ptr,
+    numel,
+    N,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.load(partial_ptr + offs, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLIT_K):
+        acc += tl.load(partial_ptr + split * numel + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _DEFAULT_SMS
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _k_tile_cap(K: int, block_k: int) -> int:
+    """The largest K tile that never straddles two scale blocks (a power of two dividing bk)."""
+    if block_k >= K:
+        return _UNCAPPED
+    return block_k & -block_k
+
+
+def _split_k(tiles: int, K: int, block_k: int, num_sms: int, min_splits: int = 1) -> tuple[int, int]:
+    """(splits, columns per split): at least `min_splits`, and more while the output tiles alone
+    would leave most SMs idle, as long as each split keeps _MIN_SPLIT_K columns."""
+    splits = min_splits
+    while (
+        splits < _MAX_SPLIT_K
+        and tiles * splits < num_sms // 2
+        and K // (2 * splits) >= max(_MIN_SPLIT_K, block_k)
+    ):
+        splits *= 2
+    k_per_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    return triton.cdiv(K, k_per_split), k_per_split
+
+
+def _gemv_config(M: int, N: int, K: int, k_cap: int) -> dict:
+    """From sweeps on an H100 (Qwen3-8B and Llama-3.2-3B projections, M = 1). Per-channel scales:
+    16 rows x 512 columns with 8 warps for wide layers, 1024 columns with 4 warps for narrow and
+    deep ones (more bytes in flight per program where there are fewer programs). Scales per 128
+    columns: tiles of 16 x 128 with the loop unrolled 4 times and 8 warps on every shape (the
+    4-warp configurations ran up to twice as long on o_proj and down_proj)."""
+    if k_cap < 512:
+        block_k = min(k_cap, max(triton.next_power_of_2(K), 16))
+        unroll = max(1, 512 // block_k)
+        return dict(BLOCK_N=16, BLOCK_K=block_k, UNROLL=unroll, num_warps=8, num_stages=1)
+    if K >= 8192:
+        block_n, block_k, num_warps = 8, 1024, 4
+    elif N >= 5120:
+        block_n, block_k, num_warps = 16, 512, 8
+    else:
+        block_n, block_k, num_warps = 16, 1024, 4
+    block_k = min(block_k, k_cap, max(triton.next_power_of_2(K), 16))
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=1, num_warps=num_warps, num_stages=1)
+
+
+def _dot_config(M: int, N: int, K: int, k_cap: int) -> dict:
+    """Decode batches (M <= 64): thin tiles (32 weight rows) streamed 256 columns at a time, as
+    a sweep on an H100 found for M = 2..16. Prefill: 128 x 128 tiles (x 256 tokens from M =
+    1024), 64 columns deep, 128 with block scales below M = 1024 (5-12% faster there)."""
+    if M <= 64:
+        block_m = max(_MIN_DOT, triton.next_power_of_2(M))
+        block_k = min(256, k_cap)
+        return dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=block_k, GROUP_N=8, num_warps=4, num_stages=4)
+    block_m = 256 if M >= 1024 else 128
+    block_k = min(128 if k_cap < _UNCAPPED and M < 1024 else 64, k_cap)
+    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=block_k, GROUP_N=8, num_warps=8, num_stages=3)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: tuple[int, int],
+    bias: torch.Tensor | None,
+    *,
+    kernel: str | None = None,
+    config: dict | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """Run one kernel. `kernel` ("gemv" or "dot"), `config` and `split_k` override the choice by
+    shape (for tests and tuning)."""
+    N, K = weight.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()  # read only: a copy changes nothing the caller sees
+    rows = x.reshape(-1, K)
+    M = rows.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0 or K == 0:
+        out.zero_()
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], N)
+    bn, bk = block_size
+    k_cap = _k_tile_cap(K, bk)
+    if kernel is None:
+        kernel = "gemv" if M <= _GEMV_MAX_M or k_cap < _MIN_DOT else "dot"
+    if config is None:
+        config = (_gemv_config if kernel == "gemv" else _dot_config)(M, N, K, k_cap)
+    config = dict(config)
+    block_k = config["BLOCK_K"]
+    if block_k > k_cap:
+        raise ValueError(f"BLOCK_K {block_k} straddles scale blocks of {bk} columns")
+    if kernel == "gemv":
+        tiles = M * triton.cdiv(N, config["BLOCK_N"])
+        # K per split: whole unrolled steps, so each split streams as many bytes per step.
+        split_unit = block_k * config.get("UNROLL", 1)
+        min_splits = 1
+    else:
+        tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
+        split_unit = block_k
+        # Decode batches: at most ~4096 columns per program (deep layers such as down_proj).
+        min_splits = triton.cdiv(K, 4096) if M <= 64 else 1
+    if split_k is None:
+        splits, k_per_split = _split_k(
+            tiles, K, split_unit, _num_sms(x.device), min(min_splits, _MAX_SPLIT_K)
+        )
+    else:
+        k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+        splits = triton.cdiv(K, k_per_split)
+    target = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    scale_per_tile = bk < K
+    weight_fp8 = weight.dtype == torch.float8_e4m3fn
+    fast_int8 = not weight_fp8 and config.pop("FAST_INT8", True)
+    common = dict(
+        SCALE_PER_TILE=scale_per_tile,
+        HAS_BIAS=bias is not None and splits == 1,
+        WEIGHT_FP8=weight_fp8,
+        FAST_INT8=fast_int8,
+    )
+    args = (
+        rows,
+        weight.view(torch.uint8) if weight_fp8 else weight,
+        scale,
+        bias if bias is not None else scale,  # any pointer when there is no bias: not read
+        target,
+    )
+    strides = (
+        rows.stride(0),
+        scale.stride(0),
+        scale.stride(1),
+        M * N if splits > 1 else 0,
+        N,
+        bn,
+        bk,
+        k_per_split,
+    )
+    if kernel == "gemv":
+        config.setdefault("UNROLL", 1)
+        scale_on_x = scale_per_tile and bn % config["BLOCK_N"] == 0
+        grid = (M, triton.cdiv(N, config["BLOCK_N"]), splits)
+        _gemv_kernel[grid](*args, N, K, *strides, **common, SCALE_ON_X=scale_on_x, **config)
+    else:
+        native = x.is_cuda and x.dtype != torch.float32
+        _dot_kernel[(tiles, splits)](*args, M, N, K, *strides, **common, NATIVE_DOT=native, **config)
+    if splits > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(M * N, block),)](
+            target,
+            bias if bias is not None else target,
+            out,
+            M * N,
+            N,
+            SPLIT_K=splits,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+            num_warps=4,
+        )
+    return out.view(*x.shape[:-1], N)
+
+
+def _check_weight(weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int]) -> None:
+    if weight.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight must be torch.int8 or torch.float8_e4m3fn, got {weight.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2D [N, K], got shape {list(weight.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous, got strides {list(weight.stride())}")
+    if (
+        not isinstance(block_size, tuple | list)
+        or len(block_size) != 2
+        or not all(isinstance(b, int) and b > 0 for b in block_size)
+    ):
+        raise ValueError(f"block_size must be two positive ints (bn, bk), got {block_size!r}")
+    if scale.dtype != torch.float32:
+        raise ValueError(f"scale must be float32, got {scale.dtype}")
+    N, K = weight.shape
+    bn, bk = block_size
+    expected = (math.ceil(N / bn), math.ceil(K / bk))
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"scale must have shape [ceil(N / bn), ceil(K / bk)] = {list(expected)} for weight "
+            f"{list(weight.shape)} and block_size {tuple(block_size)}, got {list(scale.shape)}"
+        )
+    check_same_device(weight=weight, scale=scale)
+
+
+def _check(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: tuple[int, int],
+    bias: torch.Tensor | None,
+) -> None:
+    check_dtype("x", x)
+    _check_weight(weight, scale, block_size)
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x's last dim must be weight's K = {weight.shape[1]}, got x of shape {list(x.shape)}"
+        )
+    if bias is not None:
+        check_dtype("bias", bias)
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [N] = [{weight.shape[0]}], got {list(bias.shape)}")
+        check_same_device(x=x, weight=weight, bias=bias)
+    else:
+        check_same_device(x=x, weight=weight)
+
+
+def dequantize_weight(
+    weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """`W[n, k] = float(weight[n, k]) * scale[n // bn, k // bk]`, rounded to `dtype` (plain torch)."""
+    _check_weight(weight, scale, block_size)
+    N, K = weight.shape
+    bn, bk = block_size
+    expanded = scale.repeat_interleave(bn, dim=0)[:N]
+    if scale.shape[1] > 1:
+        expanded = expanded.repeat_interleave(bk, dim=1)[:, :K]
+    return (weight.float() * expanded).to(dtype)
+
+
+def quantized_linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: tuple[int, int],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference: dequantize to fp32, matmul in fp32, add the bias, round to x's dtype."""
+    _check(x, weight, scale, block_size, bias)
+    y = F.linear(x.float(), dequantize_weight(weight, scale, block_size, torch.float32))
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: tuple[int, int],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`x @ dequantize_weight(weight, scale, block_size).T + bias`, accumulated in fp32, in x's dtype.
+
+    x is `[..., K]` (bf16, fp16 or fp32); the leading dims are kept.
+    """
+    _check(x, weight, scale, block_size, bias)
+    if use_triton(x):
+        return _launch(x, weight, scale, tuple(block_size), bias)
+    return quantized_linear_ref(x, weight, scale, block_size, bias)
