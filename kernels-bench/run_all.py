@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_activation  # noqa: E402
 import bench_add_rms_norm  # noqa: E402
 import bench_paged_attention  # noqa: E402
+import bench_quantized_linear  # noqa: E402
 import bench_rms_norm  # noqa: E402
 import bench_rope  # noqa: E402
 import bench_store_kv  # noqa: E402
@@ -31,6 +32,7 @@ BENCH_MODULES = [
     bench_store_kv,
     bench_token_bitmask,
     bench_paged_attention,
+    bench_quantized_linear,
 ]
 
 

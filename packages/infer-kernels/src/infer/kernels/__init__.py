@@ -2,7 +2,8 @@
 
 Each op has one public function that checks its inputs and dispatches, and a `*_ref` twin in
 plain PyTorch that is the test oracle and the CPU path, except where a CPU path of its own is
-faster (`paged_attention_cpu`, `rms_norm_cpu`, `rope_cpu`, each tested against its reference).
+faster (`paged_attention_cpu`, `rms_norm_cpu`, `rope_cpu`, `int8_linear_cpu`, each tested against
+its reference).
 """
 
 from infer.kernels._version import INTERFACE_VERSION, __version__
