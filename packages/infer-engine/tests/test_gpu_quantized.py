@@ -6,6 +6,7 @@ engine with chunked prefill, CUDA graphs and async scheduling, up to a bf16 near
 test_gpu.py).
 """
 
+import gc
 import math
 
 import pytest
@@ -105,17 +106,25 @@ def test_the_memory_limit_holds_the_engine_and_sizes_its_kv_pool(quantized):
     """device_memory_limit_gib: the pool takes its fraction of what the limit leaves after the
     weights, and the allocator refuses to go past the limit."""
     name, loaded = quantized
-    torch.cuda.empty_cache()  # what earlier tests left cached would count against the limit
-    limit_gib = torch.cuda.memory_reserved() / 2**30 + 1.0
+    # Earlier tests' engines, freed now rather than mid-test (their memory would go back to the
+    # allocator's cache, where a request under the limit could take it).
+    gc.collect()
+    torch.cuda.empty_cache()
+    start_bytes = torch.cuda.memory_reserved()
+    limit_bytes = start_bytes + 2**30
     config = EngineConfig(
         device="cuda", dtype="bfloat16", max_batch_size=2, max_seq_len=512,
-        kv_cache_memory_fraction=0.5, device_memory_limit_gib=limit_gib,
+        kv_cache_memory_fraction=0.5, device_memory_limit_gib=limit_bytes / 2**30,
     )  # fmt: skip
     try:
         engine = Engine(config, loaded_model=loaded)
-        pool_bytes = engine.core.kv_pool.shape.bytes_per_block() * engine.core.kv_pool.num_blocks
-        assert pool_bytes <= 0.5 * 2**30 + engine.core.kv_pool.shape.bytes_per_block()
+        block_bytes = engine.core.kv_pool.shape.bytes_per_block()
+        pool_bytes = block_bytes * engine.core.kv_pool.num_blocks
+        assert 0 < pool_bytes <= 0.5 * (limit_bytes - start_bytes) + block_bytes, (pool_bytes, start_bytes)
+        torch.cuda.empty_cache()
+        past_the_limit = limit_bytes - torch.cuda.memory_reserved() + 2**26
         with pytest.raises(torch.OutOfMemoryError):
-            torch.empty(2**30, dtype=torch.uint8, device="cuda")
+            torch.empty(past_the_limit, dtype=torch.uint8, device="cuda")
+        torch.empty(past_the_limit - 2**27, dtype=torch.uint8, device="cuda")  # just under it: fine
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
