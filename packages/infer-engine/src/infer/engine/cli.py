@@ -180,12 +180,12 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _weights_description(model) -> str:
     """The activations' dtype, and the Linear weights' format where it is 8-bit."""
     if model.quantization is None:
         return str(model.dtype)
     return f"{model.dtype}, {model.quantization.method} weights"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
