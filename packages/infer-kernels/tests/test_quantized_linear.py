@@ -193,6 +193,24 @@ def test_cuda_fp16_and_fp32_x(cuda, weight_dtype, block, x_dtype, tokens):
     check(tokens, 576, 1000, weight_dtype, block, x_dtype, True, cuda)
 
 
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+def test_interpreted_dequantize_then_matmul(triton_on_cpu, weight_dtype, block):
+    """The prefill path: the weight dequantized to x's dtype in one pass, then F.linear."""
+    check(3, 130, 520, weight_dtype, block, torch.bfloat16, True, "cpu", kernel="dequantize")
+    check(2, 200, 192, weight_dtype, block, torch.float32, False, "cpu", kernel="dequantize")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [256, 2048])
+@pytest.mark.parametrize(("N", "K"), MODEL_SHAPES[:4])
+@pytest.mark.parametrize(
+    ("weight_dtype", "block"), [(torch.int8, "channel"), (torch.float8_e4m3fn, "128x128")]
+)
+def test_cuda_dequantize_then_matmul(cuda, N, K, weight_dtype, block, tokens):
+    check(tokens, N, K, weight_dtype, block, torch.bfloat16, True, cuda, kernel="dequantize")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split_k", [1, 2, 5])
 @pytest.mark.parametrize("kernel", ["gemv", "dot"])
