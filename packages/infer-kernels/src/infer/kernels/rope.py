@@ -212,13 +212,20 @@ def _launch(q, k, cos, sin, positions):
     return q, k
 
 
+def _rotation_rows(
+    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's cos/sin rows (the tables' rows at `positions`, or as given), fp32, broadcast
+    over heads: `[..., 1, D/2]`."""
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
+    return cos.float().unsqueeze(-2), sin.float().unsqueeze(-2)
+
+
 def rope_ref(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if positions is not None:
-        cos, sin = cos[positions], sin[positions]
-    cos = cos.float().unsqueeze(-2)
-    sin = sin.float().unsqueeze(-2)
+    cos, sin = _rotation_rows(cos, sin, positions)
     for t in (q, k):
         half = t.shape[-1] // 2
         x1, x2 = t[..., :half].float(), t[..., half:].float()
@@ -233,10 +240,7 @@ def rope_cpu(
     """The CPU path: the reference's rotation for fp32 q and k in fewer ops; the reference else."""
     if q.dtype != torch.float32 or k.dtype != torch.float32:
         return rope_ref(q, k, cos, sin, positions)
-    if positions is not None:
-        cos, sin = cos[positions], sin[positions]
-    cos = cos.float().unsqueeze(-2)
-    sin = sin.float().unsqueeze(-2)
+    cos, sin = _rotation_rows(cos, sin, positions)
     for t in (q, k):
         half = t.shape[-1] // 2
         x1, x2 = t[..., :half], t[..., half:]
