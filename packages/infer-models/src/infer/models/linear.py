@@ -16,14 +16,12 @@ Larger inputs (prefill chunks), other dtypes (bf16's `F.linear` reads at ~25 GB/
 batched product at ~14) and other devices keep `F.linear`.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from infer.kernels import int8_cpu_scale, int8_linear_cpu, int8_linear_cpu_supports, quantized_linear
-from infer.models.quantization import Quantization
+from infer.models.quantization import Quantization, scale_shape
 
 # At most this many rows take the split path: measured on the 2-core CI machine, the batched
 # product reads at 35-38 GB/s up to 4 rows and falls to F.linear's speed from 8.
@@ -79,14 +77,17 @@ class Linear(nn.Module):
         """Makes this Linear's weight 8-bit (`weight_dtype`) with a scale per `block_size` block:
         new, empty parameters on the weight's device, for the loader to fill."""
         device = self.weight.device
-        rows, cols = block_size
-        scale_shape = (math.ceil(self.out_features / rows), math.ceil(self.in_features / cols))
         self.weight = nn.Parameter(
             torch.empty(self.out_features, self.in_features, dtype=weight_dtype, device=device),
             requires_grad=False,
         )
         self.weight_scale = nn.Parameter(
-            torch.empty(scale_shape, dtype=torch.float32, device=device), requires_grad=False
+            torch.empty(
+                scale_shape(self.out_features, self.in_features, block_size),
+                dtype=torch.float32,
+                device=device,
+            ),
+            requires_grad=False,
         )
         self.block_size = block_size
 

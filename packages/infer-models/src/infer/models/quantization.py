@@ -35,6 +35,8 @@ QMAX = {"fp8": torch.finfo(torch.float8_e4m3fn).max, "int8": 127.0}
 # safetensors' names for the 8-bit dtypes, to check a checkpoint's tensors before reading them.
 SAFETENSORS_DTYPES = {"fp8": "F8_E4M3", "int8": "I8"}
 FP8_BLOCK = (128, 128)
+# The scale block each format has when we write or quantize it ourselves (None: one per row).
+DEFAULT_BLOCKS = {"fp8": FP8_BLOCK, "int8": None}
 # Checkpoint name (last component) of a weight's scale tensor in each format.
 SCALE_NAMES = {"fp8": "weight_scale_inv", "int8": "weight_scale"}
 
@@ -144,8 +146,14 @@ def resolve_quantization(in_checkpoint: Quantization | None, requested: str | No
         return in_checkpoint
     if requested is None:
         return None
-    block = FP8_BLOCK if requested == "fp8" else None
-    return Quantization(requested, block, in_checkpoint=False)
+    return Quantization(requested, DEFAULT_BLOCKS[requested], in_checkpoint=False)
+
+
+def scale_shape(out_features: int, in_features: int, block_size: tuple[int, int]) -> tuple[int, int]:
+    """The shape of the scales of an [out, in] weight with one scale per `block_size` block
+    (a partial last block of either dimension has its own)."""
+    rows, cols = block_size
+    return math.ceil(out_features / rows), math.ceil(in_features / cols)
 
 
 def quantize_weight(
@@ -156,7 +164,7 @@ def quantize_weight(
     rounded to the nearest float8_e4m3fn for fp8."""
     rows, cols = block_size
     out_features, in_features = weight.shape
-    grid = (math.ceil(out_features / rows), math.ceil(in_features / cols))
+    grid = scale_shape(out_features, in_features, block_size)
     # Padded with zeros to whole blocks (they change no block's absmax), viewed block by block.
     padded = F.pad(weight.float(), (0, grid[1] * cols - in_features, 0, grid[0] * rows - out_features))
     blocks = padded.view(grid[0], rows, grid[1], cols)

@@ -27,11 +27,14 @@ from pathlib import Path
 import torch
 
 from infer.models.quantization import (
+    DEFAULT_BLOCKS,
     FP8_BLOCK,
     QUANTIZATION_METHODS,
     SCALE_NAMES,
     WEIGHT_DTYPES,
+    Quantization,
     quantize_weight,
+    scale_shape,
 )
 
 _LLAMA3_ROPE = {
@@ -265,10 +268,14 @@ def _tensor_specs(
             specs[name] = (shape, dtype)
             continue
         specs[name] = (shape, WEIGHT_DTYPES[quantization])
-        rows, cols = FP8_BLOCK if quantization == "fp8" else (1, shape[1])
         scale_name = name.removesuffix("weight") + SCALE_NAMES[quantization]
-        specs[scale_name] = ((-(-shape[0] // rows), -(-shape[1] // cols)), torch.float32)
+        specs[scale_name] = (scale_shape(*shape, _block(quantization, shape[1])), torch.float32)
     return specs
+
+
+def _block(quantization: str, in_features: int) -> tuple[int, int]:
+    """The scale block a published checkpoint of this format has: 128x128, or one row (int8)."""
+    return Quantization(quantization, DEFAULT_BLOCKS[quantization]).block_for(in_features)
 
 
 def _write_weights(
@@ -300,8 +307,7 @@ def _write_weights(
         dense = _random_tensor(name, shape, arch, generator)
         if dtype.itemsize != 1:
             return dense
-        block = FP8_BLOCK if quantization == "fp8" else (1, shape[1])
-        weight, scale = quantize_weight(dense, quantization, block)
+        weight, scale = quantize_weight(dense, quantization, _block(quantization, shape[1]))
         pending_scales[name.removesuffix("weight") + SCALE_NAMES[quantization]] = scale
         return weight
 
