@@ -237,17 +237,35 @@ def rope_ref(
 def rope_cpu(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU path: the reference's rotation for fp32 q and k in fewer ops; the reference else."""
+    """The CPU path: the reference's rotation for fp32 q and k in fewer ops; the reference else.
+
+    Where k's heads follow q's in memory (both views of one fused q|k|v projection, as in a
+    model without QK norm), they are rotated as one tensor: a CPU pays per op, not per byte."""
     if q.dtype != torch.float32 or k.dtype != torch.float32:
         return rope_ref(q, k, cos, sin, positions)
     cos, sin = _rotation_rows(cos, sin, positions)
-    for t in (q, k):
+    for t in _heads_as_one(q, k):
         half = t.shape[-1] // 2
         x1, x2 = t[..., :half], t[..., half:]
         rotated_x1 = torch.addcmul(x1 * cos, x2, sin, value=-1)  # x1 cos - x2 sin
         x2.mul_(cos).addcmul_(x1, sin)  # x2 cos + x1 sin, while x1 still holds its input
         x1.copy_(rotated_x1)
     return q, k
+
+
+def _heads_as_one(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(q and k as one `[..., Hq + Hk, D]` view) where k's heads follow q's in memory with the
+    same strides; (q, k) otherwise."""
+    heads = q.shape[-2]
+    if (
+        q.shape[:-2] != k.shape[:-2]
+        or q.stride() != k.stride()
+        or q.stride(-2) != q.shape[-1]
+        or k.data_ptr() != q.data_ptr() + heads * q.stride(-2) * q.element_size()
+    ):
+        return q, k
+    shape = (*q.shape[:-2], heads + k.shape[-2], q.shape[-1])
+    return (q.as_strided(shape, q.stride(), q.storage_offset()),)
 
 
 def _check(q, k, cos, sin, positions) -> None:
