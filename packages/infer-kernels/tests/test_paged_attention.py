@@ -170,6 +170,30 @@ def test_cpu_path_reads_the_decode_key_slots_it_is_given(sliding_window):
     )
 
 
+@pytest.mark.parametrize("sliding_window", [None, 4])
+def test_cpu_path_reads_consecutive_slots_given_as_a_range(sliding_window):
+    """A decode row whose blocks are consecutive may give its slots as a range (read as a view of
+    the cache): the result is the reference's for that block table."""
+    q, k_cache, v_cache, kwargs = make_batch(
+        MIXED["decode"], MIXED["extend"], (4, 2, 64), 3, torch.float32, "cpu", 7
+    )
+    block_size = k_cache.shape[1]
+    block_tables = kwargs["block_tables"].clone()
+    slots, first_block = [], 1
+    for b, seq_len in enumerate(kwargs["seq_lens"][: kwargs["num_decode_rows"]].tolist()):
+        count = math.ceil(seq_len / block_size)
+        block_tables[b, :count] = torch.arange(first_block, first_block + count)
+        slots.append(range(first_block * block_size, first_block * block_size + seq_len))
+        first_block += count
+    kwargs = dict(kwargs, block_tables=block_tables)
+    out = paged_attention(
+        q, k_cache, v_cache, sliding_window=sliding_window, decode_key_slots=tuple(slots), **kwargs
+    )
+    decode = slice(0, kwargs["num_decode_rows"])
+    expected = paged_attention_ref(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
+    assert_close(out[decode], expected[decode])
+
+
 @pytest.mark.parametrize(
     "decode, extend", [([], [(5, 12), (3, 3)]), ([7, 2, 33], [])], ids=["no-decode-rows", "no-extend-rows"]
 )

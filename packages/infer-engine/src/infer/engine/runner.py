@@ -274,14 +274,22 @@ class ModelRunner:
         hidden = self.model(self.forward_batch(step, logits_indices=step.logits_indices))
         return self.model.compute_logits(hidden)
 
-    def _decode_key_slots(self, step: StepInputs) -> tuple[torch.Tensor, ...]:
-        """Each decode row's key slots through its block table (AttentionMetadata.decode_key_slots)."""
+    def _decode_key_slots(self, step: StepInputs) -> tuple[torch.Tensor | range, ...]:
+        """Each decode row's key slots through its block table (AttentionMetadata.decode_key_slots):
+        a `range` where its blocks are consecutive, as the allocator's first-in-first-out free
+        list mostly hands them to a lone sequence."""
         block_size = self.kv_pool.block_size
         slots = []
         for row in range(step.num_decode_rows):
-            positions = np.arange(int(step.seq_lens[row]))
-            blocks = step.block_tables[row, positions // block_size].astype(np.int64)
-            slots.append(torch.from_numpy(blocks * block_size + positions % block_size))
+            seq_len = int(step.seq_lens[row])
+            blocks = step.block_tables[row, : -(-seq_len // block_size)].astype(np.int64)
+            if np.array_equal(blocks, np.arange(blocks[0], blocks[0] + len(blocks))):
+                start = int(blocks[0]) * block_size
+                slots.append(range(start, start + seq_len))
+            else:
+                positions = np.arange(seq_len)
+                blocks = blocks[positions // block_size]
+                slots.append(torch.from_numpy(blocks * block_size + positions % block_size))
         return tuple(slots)
 
     def forward_batch(self, step: StepInputs, *, logits_indices: np.ndarray) -> ForwardBatch:

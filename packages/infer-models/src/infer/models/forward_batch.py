@@ -42,10 +42,11 @@ class AttentionMetadata:
     # [2, S] int32, CUDA graphs only: the extend rows' launch plan (paged_attention's
     # extend_tiles); None: the kernel sizes its grid from max_query_len.
     extend_tiles: torch.Tensor | None = None
-    # CPU only: each decode row's key slots (keys 0..seq_len-1) as int64, made once per step so
-    # that the CPU attention path (paged_attention's decode_key_slots) reads them in every layer
-    # instead of computing them from the block table; None: it computes them.
-    decode_key_slots: tuple[torch.Tensor, ...] | None = None
+    # CPU only: each decode row's key slots (keys 0..seq_len-1) as int64, or as a `range` where
+    # they are consecutive (read as a view, not gathered), made once per step so that the CPU
+    # attention path (paged_attention's decode_key_slots) reads them in every layer instead of
+    # computing them from the block table; None: it computes them.
+    decode_key_slots: tuple[torch.Tensor | range, ...] | None = None
 
     @property
     def num_rows(self) -> int:
