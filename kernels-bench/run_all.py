@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_activation  # noqa: E402
 import bench_add_rms_norm  # noqa: E402
 import bench_paged_attention  # noqa: E402
+import bench_qk_norm_rope  # noqa: E402
 import bench_quantized_linear  # noqa: E402
 import bench_rms_norm  # noqa: E402
 import bench_rope  # noqa: E402
@@ -28,6 +29,7 @@ BENCH_MODULES = [
     bench_rms_norm,
     bench_add_rms_norm,
     bench_rope,
+    bench_qk_norm_rope,
     bench_activation,
     bench_store_kv,
     bench_token_bitmask,

@@ -15,6 +15,7 @@ from infer.kernels.paged_attention import (
     paged_attention_cpu,
     paged_attention_ref,
 )
+from infer.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from infer.kernels.quantized_linear import dequantize_weight, quantized_linear, quantized_linear_ref
 from infer.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_cpu, rms_norm_ref
 from infer.kernels.rope import rope, rope_cpu, rope_ref, rope_tables
@@ -42,6 +43,8 @@ __all__ = [
     "paged_attention",
     "paged_attention_cpu",
     "paged_attention_ref",
+    "qk_norm_rope",
+    "qk_norm_rope_ref",
     "quantized_linear",
     "quantized_linear_ref",
     "rms_norm",

@@ -1,0 +1,229 @@
+"""Per-head RMSNorm of q and k, then the rotary embedding, in place and in one pass (QK norm).
+
+Qwen 3 and Gemma 3 normalise each head of q and of k (one weight of `head_dim` for all q heads,
+another for all k heads) before rotating them. Unfused, that is three kernels a layer (two
+`rms_norm`, one `rope`), each reading and writing the heads; at batch 1 each also costs its
+launch, which is what a decode step is made of (docs/benchmarks/generation.md). Here one program
+per token normalises and rotates all of its q and k heads.
+
+The result is that of `rms_norm` of each head, rounded to the input dtype as the unfused kernel
+stores it, then `rope` of the rounded heads: `qk_norm_rope_ref` composes the two references.
+Shapes as `rope`'s with positions: q `[T, Hq, D]`, k `[T, Hk, D]` (any strides but the last,
+so views of a fused q|k|v projection are updated in place), tables `[max_pos, D // 2]`,
+positions `[T]`. A position outside the table writes NaN into that token's q and k, as `rope`
+does.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+from infer.kernels.rms_norm import rms_norm_ref
+from infer.kernels.rope import rope_ref
+
+# Most elements of one head-block tile (heads x head_dim // 2) a program holds at once.
+_MAX_TILE = 4096
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr,
+    q_stride_token,
+    q_stride_head,
+    k_ptr,
+    k_stride_token,
+    k_stride_head,
+    q_weight_ptr,
+    k_weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    table_row_stride,
+    positions_ptr,
+    num_positions,
+    num_q_heads,
+    num_kv_heads,
+    half_dim,
+    eps,
+    offset,
+    poison,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    in_table = (position >= 0) & (position < num_positions)
+    row = tl.where(in_table, position, 0)
+    dims = tl.arange(0, BLOCK_HALF)
+    dim_mask = dims < half_dim
+    cos = tl.load(cos_ptr + row * table_row_stride + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + row * table_row_stride + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    cos = tl.where(in_table, cos, poison)
+    sin = tl.where(in_table, sin, poison)
+    _norm_and_rotate_heads(
+        q_ptr + token * q_stride_token,
+        q_stride_head,
+        num_q_heads,
+        q_weight_ptr,
+        half_dim,
+        eps,
+        offset,
+        cos,
+        sin,
+        dims,
+        dim_mask,
+        BLOCK_HQ,
+    )
+    _norm_and_rotate_heads(
+        k_ptr + token * k_stride_token,
+        k_stride_head,
+        num_kv_heads,
+        k_weight_ptr,
+        half_dim,
+        eps,
+        offset,
+        cos,
+        sin,
+        dims,
+        dim_mask,
+        BLOCK_HK,
+    )
+
+
+@triton.jit
+def _norm_and_rotate_heads(
+    token_ptr,
+    stride_head,
+    num_heads,
+    weight_ptr,
+    half_dim,
+    eps,
+    offset,
+    cos,
+    sin,
+    dims,
+    dim_mask,
+    BLOCK_H: tl.constexpr,
+):
+    dtype = token_ptr.dtype.element_ty
+    scale1 = offset + tl.load(weight_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    scale2 = offset + tl.load(weight_ptr + half_dim + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    for first_head in range(0, num_heads, BLOCK_H):
+        heads = first_head + tl.arange(0, BLOCK_H)
+        mask = (heads < num_heads)[:, None] & dim_mask[None, :]
+        first_half = token_ptr + heads[:, None] * stride_head + dims[None, :]
+        x1 = tl.load(first_half, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(first_half + half_dim, mask=mask, other=0.0).to(tl.float32)
+        squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        inv_rms = 1.0 / tl.sqrt(squares / (2 * half_dim) + eps)
+        # Rounded to the heads' dtype between the two steps, as the unfused norm stores them.
+        n1 = (x1 * inv_rms[:, None] * scale1[None, :]).to(dtype).to(tl.float32)
+        n2 = (x2 * inv_rms[:, None] * scale2[None, :]).to(dtype).to(tl.float32)
+        tl.store(first_half, (n1 * cos[None, :] - n2 * sin[None, :]).to(dtype), mask=mask)
+        tl.store(first_half + half_dim, (n2 * cos[None, :] + n1 * sin[None, :]).to(dtype), mask=mask)
+
+
+def _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions) -> None:
+    num_tokens, half_dim = q.shape[0], q.shape[-1] // 2
+    if num_tokens == 0:
+        return
+    block_half = triton.next_power_of_2(half_dim)
+    max_heads_per_tile = max(1, _MAX_TILE // block_half)
+    block_hq = min(triton.next_power_of_2(q.shape[1]), max_heads_per_tile)
+    block_hk = min(triton.next_power_of_2(k.shape[1]), max_heads_per_tile)
+    _qk_norm_rope_kernel[(num_tokens,)](
+        q,
+        q.stride(0),
+        q.stride(1),
+        k,
+        k.stride(0),
+        k.stride(1),
+        q_weight.contiguous(),
+        k_weight.contiguous(),
+        cos,
+        sin,
+        cos.stride(0),
+        positions.contiguous(),
+        cos.shape[0],
+        q.shape[1],
+        k.shape[1],
+        half_dim,
+        float(eps),
+        float(offset),
+        float("nan"),
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk,
+        BLOCK_HALF=block_half,
+        num_warps=8 if block_hq * block_half >= 2048 else 4,
+    )
+
+
+def qk_norm_rope_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: `rms_norm_ref` of each head written back into q and k, then `rope_ref`."""
+    q.copy_(rms_norm_ref(q, q_weight, eps, offset=offset))
+    k.copy_(rms_norm_ref(k, k_weight, eps, offset=offset))
+    return rope_ref(q, k, cos, sin, positions)
+
+
+def _check(q, k, q_weight, k_weight, cos, sin, positions) -> None:
+    for name, t in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight)):
+        check_dtype(name, t)
+    check_same_device(q=q, k=k, q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin, positions=positions)
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"q and k must be [T, H, D] with the same T and D, got {list(q.shape)} and {list(k.shape)}"
+        )
+    head_dim = q.shape[2]
+    if head_dim % 2 or q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError(
+            f"q and k need an even head_dim with a contiguous last dim (updated in place), got "
+            f"head_dim {head_dim}, strides {list(q.stride())} and {list(k.stride())}"
+        )
+    if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,):
+        raise ValueError(
+            f"q_weight and k_weight must be [{head_dim}], got {list(q_weight.shape)} and "
+            f"{list(k_weight.shape)}"
+        )
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != head_dim // 2 or cos.stride(-1) != 1:
+        raise ValueError(
+            f"cos and sin must be contiguous [max_pos, {head_dim // 2}] tables, got {list(cos.shape)} "
+            f"and {list(sin.shape)}"
+        )
+    if positions.shape != (q.shape[0],) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"positions must be int32/int64 of shape [{q.shape[0]}], got {positions.dtype} "
+            f"{list(positions.shape)}"
+        )
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of each head of q (scale `offset + q_weight`) and of k (`offset + k_weight`), then
+    rotary embedding by `positions`, in place; returns (q, k)."""
+    _check(q, k, q_weight, k_weight, cos, sin, positions)
+    if use_triton(q):
+        _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions)
+        return q, k
+    return qk_norm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin, positions, offset=offset)
