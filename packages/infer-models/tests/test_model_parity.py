@@ -6,6 +6,7 @@ Single-prompt full-model parity, real checkpoints included, is the parity confor
 different lengths and start positions sharing one forward.
 """
 
+import copy
 import dataclasses
 
 import pytest
@@ -73,4 +74,18 @@ def test_logits_indices_return_only_those_tokens(pair):
     assert logits.shape == (len(prompts), ours.config.vocab_size)
     for row, prompt in enumerate(prompts):
         expected = reference(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_each_architecture_on_a_gpu_gives_transformers_logits(pair):
+    """The model's GPU path (Triton norms, the fused QK norm and rotation of Qwen 3 and Gemma 3,
+    rows of different lengths in one batch), fp32, against transformers on the same GPU."""
+    ours, reference = (copy.deepcopy(model).to("cuda") for model in pair)
+    prompts = _prompts(ours.config.vocab_size)
+    batch = ForwardBatch.from_tokens(prompts, device="cuda")
+    logits = batch.rows(ours.compute_logits(ours(batch)))
+    for row, prompt in enumerate(prompts):
+        expected = reference(torch.tensor([prompt], device="cuda")).logits[0]
         torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=RTOL)
