@@ -1,5 +1,5 @@
 """Cache-free batched forwards: each row of a flat ForwardBatch gets the logits transformers gives
-that prompt alone (fp32, CPU, tiny random checkpoints).
+that prompt alone (fp32, tiny random checkpoints; on the CPU, and on a GPU where there is one).
 
 Single-prompt full-model parity, real checkpoints included, is the parity conformance suite
 (specs/parity/cases.yaml, PAR-010); this file covers what a single prompt cannot: rows of
