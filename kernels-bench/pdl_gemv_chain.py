@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from sweep_quantized_gemv import streamed_us
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 CHAIN = ("qkv", "o", "gate_up", "down")
@@ -107,31 +108,6 @@ def chain_calls(layers, x0, variant: str):
     return calls
 
 
-def replay_us(calls, repeats: int = 7) -> float:
-    """Median µs of one replay of `calls` captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=36)
@@ -152,7 +128,7 @@ def main() -> None:
     results, outputs = {}, {}
     for variant in ("plain", "pdl", "pdl+prefetch", "plain", "pdl", "pdl+prefetch"):
         calls = chain_calls(layers, x0, variant)
-        us = replay_us(calls)
+        us = streamed_us(calls, repeats=7) * len(calls)  # µs a replay
         results.setdefault(variant, []).append(us)
         outputs[variant] = layers[-1]["down"][2].float().clone()
     # Every variant computes the same chain: the last output must not depend on the launch mode.

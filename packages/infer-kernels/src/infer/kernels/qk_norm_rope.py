@@ -20,7 +20,7 @@ import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
 from infer.kernels.rms_norm import rms_norm_ref
-from infer.kernels.rope import rope_ref
+from infer.kernels.rope import _table_rows, rope_ref
 
 # Most elements of one head-block tile (heads x head_dim // 2) a program holds at once.
 _MAX_TILE = 4096
@@ -53,14 +53,11 @@ def _qk_norm_rope_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
-    in_table = (position >= 0) & (position < num_positions)
-    row = tl.where(in_table, position, 0)
     dims = tl.arange(0, BLOCK_HALF)
     dim_mask = dims < half_dim
-    cos = tl.load(cos_ptr + row * table_row_stride + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + row * table_row_stride + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    cos = tl.where(in_table, cos, poison)
-    sin = tl.where(in_table, sin, poison)
+    cos, sin = _table_rows(
+        cos_ptr, sin_ptr, table_row_stride, position, num_positions, dims, dim_mask, poison
+    )
     _norm_and_rotate_heads(
         q_ptr + token * q_stride_token,
         q_stride_head,

@@ -113,14 +113,11 @@ def _rope_kernel(
         position = tl.load(positions_ptr + token).to(tl.int64)
     else:
         position = token  # per-token tables: row i belongs to token i
-    in_table = (position >= 0) & (position < num_positions)
-    row = tl.where(in_table, position, 0)
     dims = tl.arange(0, BLOCK_HALF)
     dim_mask = dims < half_dim
-    cos = tl.load(cos_ptr + row * table_row_stride + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + row * table_row_stride + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    cos = tl.where(in_table, cos, poison)
-    sin = tl.where(in_table, sin, poison)
+    cos, sin = _table_rows(
+        cos_ptr, sin_ptr, table_row_stride, position, num_positions, dims, dim_mask, poison
+    )
     _rotate_heads(
         q_ptr + batch * q_stride_batch + step * q_stride_token,
         q_stride_head,
@@ -143,6 +140,17 @@ def _rope_kernel(
         dim_mask,
         BLOCK_HK,
     )
+
+
+@triton.jit
+def _table_rows(cos_ptr, sin_ptr, table_row_stride, position, num_positions, dims, dim_mask, poison):
+    """The fp32 cos and sin rows of `position` at `dims`, or `poison` throughout where the position
+    is outside the table (never a read out of bounds)."""
+    in_table = (position >= 0) & (position < num_positions)
+    row = tl.where(in_table, position, 0)
+    cos = tl.load(cos_ptr + row * table_row_stride + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + row * table_row_stride + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    return tl.where(in_table, cos, poison), tl.where(in_table, sin, poison)
 
 
 @triton.jit
