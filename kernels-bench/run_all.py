@@ -19,6 +19,7 @@ import bench_paged_attention  # noqa: E402
 import bench_qk_norm_rope  # noqa: E402
 import bench_quantized_linear  # noqa: E402
 import bench_rms_norm  # noqa: E402
+import bench_rms_norm_add_rms_norm  # noqa: E402
 import bench_rope  # noqa: E402
 import bench_store_kv  # noqa: E402
 import bench_token_bitmask  # noqa: E402
@@ -28,6 +29,7 @@ import torch  # noqa: E402
 BENCH_MODULES = [
     bench_rms_norm,
     bench_add_rms_norm,
+    bench_rms_norm_add_rms_norm,
     bench_rope,
     bench_qk_norm_rope,
     bench_activation,

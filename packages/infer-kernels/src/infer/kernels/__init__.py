@@ -17,14 +17,23 @@ from infer.kernels.paged_attention import (
 )
 from infer.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from infer.kernels.quantized_linear import dequantize_weight, quantized_linear, quantized_linear_ref
-from infer.kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_cpu, rms_norm_ref
+from infer.kernels.rms_norm import (
+    add_rms_norm,
+    add_rms_norm_ref,
+    rms_norm,
+    rms_norm_add_rms_norm,
+    rms_norm_add_rms_norm_ref,
+    rms_norm_cpu,
+    rms_norm_ref,
+)
 from infer.kernels.rope import rope, rope_cpu, rope_ref, rope_tables
-from infer.kernels.store_kv import store_kv, store_kv_ref
+from infer.kernels.store_kv import KVStore, store_kv, store_kv_ref
 from infer.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 from infer.kernels.tolerance import TOLERANCES, Tolerance, assert_close
 
 __all__ = [
     "INTERFACE_VERSION",
+    "KVStore",
     "TOLERANCES",
     "Tolerance",
     "__version__",
@@ -48,6 +57,8 @@ __all__ = [
     "quantized_linear",
     "quantized_linear_ref",
     "rms_norm",
+    "rms_norm_add_rms_norm",
+    "rms_norm_add_rms_norm_ref",
     "rms_norm_cpu",
     "rms_norm_ref",
     "rope",

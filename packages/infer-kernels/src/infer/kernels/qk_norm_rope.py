@@ -11,7 +11,8 @@ stores it, then `rope` of the rounded heads: `qk_norm_rope_ref` composes the two
 Shapes as `rope`'s with positions: q `[T, Hq, D]`, k `[T, Hk, D]` (any strides but the last,
 so views of a fused q|k|v projection are updated in place), tables `[max_pos, D // 2]`,
 positions `[T]`. A position outside the table writes NaN into that token's q and k, as `rope`
-does.
+does. Given a `KVStore`, the program also writes the rotated k and the token's v into the KV
+cache at its slot, as `store_kv` would (one kernel a layer instead of four).
 """
 
 import torch
@@ -20,7 +21,8 @@ import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
 from infer.kernels.rms_norm import rms_norm_ref
-from infer.kernels.rope import _table_rows, rope_ref
+from infer.kernels.rope import _store_rotated, _table_rows, rope_ref
+from infer.kernels.store_kv import KVStore, _copy_heads, check_store
 
 # Most elements of one head-block tile (heads x head_dim // 2) a program holds at once.
 _MAX_TILE = 4096
@@ -34,6 +36,12 @@ def _qk_norm_rope_kernel(
     k_ptr,
     k_stride_token,
     k_stride_head,
+    v_ptr,
+    v_stride_token,
+    v_stride_head,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
     q_weight_ptr,
     k_weight_ptr,
     cos_ptr,
@@ -47,6 +55,7 @@ def _qk_norm_rope_kernel(
     eps,
     offset,
     poison,
+    STORE_KV: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -58,8 +67,9 @@ def _qk_norm_rope_kernel(
     cos, sin = _table_rows(
         cos_ptr, sin_ptr, table_row_stride, position, num_positions, dims, dim_mask, poison
     )
+    q_at = q_ptr + token * q_stride_token
     _norm_and_rotate_heads(
-        q_ptr + token * q_stride_token,
+        q_at,
         q_stride_head,
         num_q_heads,
         q_weight_ptr,
@@ -70,8 +80,13 @@ def _qk_norm_rope_kernel(
         sin,
         dims,
         dim_mask,
+        q_at,
         BLOCK_HQ,
+        False,
     )
+    cache_row = 0  # the token's row of the (contiguous) caches, with STORE_KV
+    if STORE_KV:
+        cache_row = tl.load(slot_ptr + token).to(tl.int64) * num_kv_heads * 2 * half_dim
     _norm_and_rotate_heads(
         k_ptr + token * k_stride_token,
         k_stride_head,
@@ -84,8 +99,15 @@ def _qk_norm_rope_kernel(
         sin,
         dims,
         dim_mask,
+        k_cache_ptr + cache_row,
         BLOCK_HK,
+        STORE_KV,
     )
+    if STORE_KV:
+        v_at = v_ptr + token * v_stride_token
+        _copy_heads(
+            v_at, v_stride_head, num_kv_heads, v_cache_ptr + cache_row, half_dim, dims, dim_mask, BLOCK_HK
+        )
 
 
 @triton.jit
@@ -101,8 +123,12 @@ def _norm_and_rotate_heads(
     sin,
     dims,
     dim_mask,
+    cache_ptr,
     BLOCK_H: tl.constexpr,
+    STORE: tl.constexpr,
 ):
+    """Normalise and rotate one token's heads in place; with STORE, also write them into the
+    contiguous cache row at `cache_ptr`."""
     dtype = token_ptr.dtype.element_ty
     scale1 = offset + tl.load(weight_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
     scale2 = offset + tl.load(weight_ptr + half_dim + dims, mask=dim_mask, other=0.0).to(tl.float32)
@@ -117,11 +143,13 @@ def _norm_and_rotate_heads(
         # Rounded to the heads' dtype between the two steps, as the unfused norm stores them.
         n1 = (x1 * inv_rms[:, None] * scale1[None, :]).to(dtype).to(tl.float32)
         n2 = (x2 * inv_rms[:, None] * scale2[None, :]).to(dtype).to(tl.float32)
-        tl.store(first_half, (n1 * cos[None, :] - n2 * sin[None, :]).to(dtype), mask=mask)
-        tl.store(first_half + half_dim, (n2 * cos[None, :] + n1 * sin[None, :]).to(dtype), mask=mask)
+        _store_rotated(first_half, half_dim, n1, n2, cos, sin, mask, dtype)
+        if STORE:
+            cached = cache_ptr + heads[:, None] * (2 * half_dim) + dims[None, :]
+            _store_rotated(cached, half_dim, n1, n2, cos, sin, mask, dtype)
 
 
-def _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions) -> None:
+def _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions, store) -> None:
     num_tokens, half_dim = q.shape[0], q.shape[-1] // 2
     if num_tokens == 0:
         return
@@ -129,6 +157,7 @@ def _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions) -> None:
     max_heads_per_tile = max(1, _MAX_TILE // block_half)
     block_hq = min(triton.next_power_of_2(q.shape[1]), max_heads_per_tile)
     block_hk = min(triton.next_power_of_2(k.shape[1]), max_heads_per_tile)
+    v = store.v if store is not None else k  # any tensor without a store: not read
     _qk_norm_rope_kernel[(num_tokens,)](
         q,
         q.stride(0),
@@ -136,6 +165,12 @@ def _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions) -> None:
         k,
         k.stride(0),
         k.stride(1),
+        v,
+        v.stride(0),
+        v.stride(1),
+        store.k_cache if store is not None else k,
+        store.v_cache if store is not None else k,
+        store.slot_mapping.contiguous() if store is not None else positions,
         q_weight.contiguous(),
         k_weight.contiguous(),
         cos,
@@ -149,6 +184,7 @@ def _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions) -> None:
         float(eps),
         float(offset),
         float("nan"),
+        STORE_KV=store is not None,
         BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk,
         BLOCK_HALF=block_half,
@@ -167,14 +203,16 @@ def qk_norm_rope_ref(
     positions: torch.Tensor,
     *,
     offset: float = 0.0,
+    store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: `rms_norm_ref` of each head written back into q and k, then `rope_ref`."""
+    """The reference: `rms_norm_ref` of each head written back into q and k, then `rope_ref`
+    (which stores k and v when given `store`)."""
     q.copy_(rms_norm_ref(q, q_weight, eps, offset=offset))
     k.copy_(rms_norm_ref(k, k_weight, eps, offset=offset))
-    return rope_ref(q, k, cos, sin, positions)
+    return rope_ref(q, k, cos, sin, positions, store=store)
 
 
-def _check(q, k, q_weight, k_weight, cos, sin, positions) -> None:
+def _check(q, k, q_weight, k_weight, cos, sin, positions, store) -> None:
     for name, t in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight)):
         check_dtype(name, t)
     check_same_device(q=q, k=k, q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin, positions=positions)
@@ -203,6 +241,8 @@ def _check(q, k, q_weight, k_weight, cos, sin, positions) -> None:
             f"positions must be int32/int64 of shape [{q.shape[0]}], got {positions.dtype} "
             f"{list(positions.shape)}"
         )
+    if store is not None:
+        check_store(k, store)
 
 
 def qk_norm_rope(
@@ -216,11 +256,13 @@ def qk_norm_rope(
     positions: torch.Tensor,
     *,
     offset: float = 0.0,
+    store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of each head of q (scale `offset + q_weight`) and of k (`offset + k_weight`), then
-    rotary embedding by `positions`, in place; returns (q, k)."""
-    _check(q, k, q_weight, k_weight, cos, sin, positions)
+    rotary embedding by `positions`, in place; returns (q, k). With `store`, then write the
+    rotated k and `store.v` into the caches at their slots (as `store_kv`)."""
+    _check(q, k, q_weight, k_weight, cos, sin, positions, store)
     if use_triton(q):
-        _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions)
+        _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions, store)
         return q, k
-    return qk_norm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin, positions, offset=offset)
+    return qk_norm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin, positions, offset=offset, store=store)

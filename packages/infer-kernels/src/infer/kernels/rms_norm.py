@@ -1,4 +1,6 @@
-"""RMSNorm, and residual-add + RMSNorm fused in one pass.
+"""RMSNorm; residual-add + RMSNorm fused in one pass; and RMSNorm + residual-add + RMSNorm in
+one pass, the join of Gemma's sandwich norms (a sublayer's post-norm joins the residual, whose
+norm is the next sublayer's input): one kernel where the unfused model launches two.
 
 `offset` supports Gemma's `(1 + w)` weight form: the scale applied is `offset + weight`.
 Accumulation is in fp32 whatever the input dtype.
@@ -25,9 +27,18 @@ MAX_HIDDEN = 65536
 
 
 @triton.jit
+def _scaled_rms_norm(xf, weight_ptr, cols, mask, num_cols, eps, offset):
+    """`xf / rms(xf) * (offset + weight)` in fp32; masked columns of `xf` are 0 and stay 0."""
+    inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return xf * inv_rms * (offset + weight)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     x_row_stride,
+    x_weight_ptr,
     residual_ptr,
     residual_row_stride,
     weight_ptr,
@@ -36,6 +47,7 @@ def _rms_norm_kernel(
     num_cols,
     eps,
     offset,
+    NORM_X_FIRST: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -44,16 +56,17 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+    if NORM_X_FIRST:
+        # x's own norm is what joins the residual; rounded to x's dtype, as rms_norm stores it.
+        x = _scaled_rms_norm(x.to(tl.float32), x_weight_ptr, cols, mask, num_cols, eps, offset)
+        x = x.to(x_ptr.dtype.element_ty)
     if ADD_RESIDUAL:
         residual_row = residual_ptr + row * residual_row_stride + cols
         summed = x.to(tl.float32) + tl.load(residual_row, mask=mask, other=0.0).to(tl.float32)
         # Round the sum to the residual's dtype before normalising, as the unfused model does.
         x = summed.to(residual_ptr.dtype.element_ty)
         tl.store(residual_row, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = xf * inv_rms * (offset + weight)
+    normed = _scaled_rms_norm(x.to(tl.float32), weight_ptr, cols, mask, num_cols, eps, offset)
     tl.store(out_ptr + row * out_row_stride + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -79,7 +92,9 @@ def _rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def _launch(x, residual, weight, eps, offset):
+def _launch(x, residual, weight, eps, offset, *, x_weight=None):
+    """rms_norm(x), or with `residual` add_rms_norm, or with both `residual` and `x_weight`
+    rms_norm_add_rms_norm (x normalised by `x_weight` first)."""
     num_cols = x.shape[-1]
     if x.stride(-1) != 1:
         x = x.contiguous()  # read only: a copy changes nothing the caller sees
@@ -91,6 +106,7 @@ def _launch(x, residual, weight, eps, offset):
         _rms_norm_kernel[(x_rows.shape[0],)](
             x_rows,
             x_rows.stride(0),
+            x_weight.contiguous() if x_weight is not None else weight,  # unread without NORM_X_FIRST
             residual_rows,
             residual_rows.stride(0),
             weight.contiguous(),
@@ -99,6 +115,7 @@ def _launch(x, residual, weight, eps, offset):
             num_cols,
             float(eps),
             float(offset),
+            NORM_X_FIRST=x_weight is not None,
             ADD_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=num_warps,
@@ -120,6 +137,21 @@ def add_rms_norm_ref(
     return rms_norm_ref(residual, weight, eps, offset=offset), residual
 
 
+def rms_norm_add_rms_norm_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    next_weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # x's norm is rounded to x's dtype before the add, as the unfused rms_norm returns it.
+    return add_rms_norm_ref(
+        rms_norm_ref(x, weight, eps, offset=offset), residual, next_weight, eps, offset=offset
+    )
+
+
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0) -> torch.Tensor:
     """The CPU path: the reference's fp32 arithmetic in few ops (see the module)."""
     x32 = x.float()
@@ -135,23 +167,33 @@ def _scalar(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(x: torch.Tensor, **weights: torch.Tensor) -> None:
     check_dtype("x", x)
-    check_dtype("weight", weight)
-    check_same_device(x=x, weight=weight)
     if x.dim() == 0:
         raise ValueError("x must have at least one dim (the hidden dim), got a scalar")
-    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"weight must have shape [{x.shape[-1]}] to match x's last dim, got {list(weight.shape)}"
-        )
     if x.shape[-1] > MAX_HIDDEN:
         raise ValueError(f"x's last dim must be <= {MAX_HIDDEN} (one row per program), got {x.shape[-1]}")
+    for name, weight in weights.items():
+        check_dtype(name, weight)
+        check_same_device(x=x, **{name: weight})
+        if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+            raise ValueError(
+                f"{name} must have shape [{x.shape[-1]}] to match x's last dim, got {list(weight.shape)}"
+            )
+
+
+def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(
+            f"x and residual must match in shape and dtype, got {list(x.shape)} {x.dtype} "
+            f"and {list(residual.shape)} {residual.dtype}"
+        )
+    check_same_device(x=x, residual=residual)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0) -> torch.Tensor:
     """RMSNorm over the last dim of `x`: `x / rms(x) * (offset + weight)`, in x's dtype."""
-    _check(x, weight)
+    _check(x, weight=weight)
     if use_triton(x):
         return _launch(x, None, weight, eps, offset)
     if x.device.type == "cpu":
@@ -163,13 +205,8 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual += x` in place, then RMSNorm of the new residual. Returns (normed, residual)."""
-    _check(x, weight)
-    if x.shape != residual.shape or x.dtype != residual.dtype:
-        raise ValueError(
-            f"x and residual must match in shape and dtype, got {list(x.shape)} {x.dtype} "
-            f"and {list(residual.shape)} {residual.dtype}"
-        )
-    check_same_device(x=x, residual=residual)
+    _check(x, weight=weight)
+    _check_residual(x, residual)
     if use_triton(x):
         _rows_view("residual", residual)  # fail before any write
         return _launch(x, residual, weight, eps, offset), residual
@@ -177,3 +214,26 @@ def add_rms_norm(
         residual.add_(x)  # rounded to the residual's dtype before normalising, as the reference
         return rms_norm_cpu(residual, weight, eps, offset=offset), residual
     return add_rms_norm_ref(x, residual, weight, eps, offset=offset)
+
+
+def rms_norm_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    next_weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual += rms_norm(x, weight)` in place, then RMSNorm of the new residual by
+    `next_weight`. Returns (normed, residual). Both norms share `eps` and `offset`."""
+    _check(x, weight=weight, next_weight=next_weight)
+    _check_residual(x, residual)
+    if use_triton(x):
+        _rows_view("residual", residual)  # fail before any write
+        return _launch(x, residual, next_weight, eps, offset, x_weight=weight), residual
+    if x.device.type == "cpu":
+        # x's norm is rounded to its dtype, then the sum to the residual's, as the reference.
+        residual.add_(rms_norm_cpu(x, weight, eps, offset=offset))
+        return rms_norm_cpu(residual, next_weight, eps, offset=offset), residual
+    return rms_norm_add_rms_norm_ref(x, residual, weight, next_weight, eps, offset=offset)

@@ -18,9 +18,11 @@ On a CPU, `rope_cpu` rotates fp32 q and k in five ops each (multiplies and fused
 written in place) where the reference takes nine; other dtypes take the reference.
 
 The Triton kernel gives each token to one program, which reads its cos/sin row once and rotates
-all q and k heads with it. A position outside the table cannot be checked without a device sync,
-so instead of reading out of bounds the kernel writes NaN into that token's q and k (loud, never
-a silent wrong rotation); the PyTorch path raises IndexError.
+all q and k heads with it. Given a `KVStore` (q and k `[T, H, D]` with positions), it also writes
+each rotated k and the token's v into the KV cache at the token's slot, as `store_kv` would.
+A position outside the table cannot be checked without a device sync, so instead of reading out
+of bounds the kernel writes NaN into that token's q and k (loud, never a silent wrong rotation);
+the PyTorch path raises IndexError.
 """
 
 import math
@@ -30,6 +32,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+from infer.kernels.store_kv import KVStore, _copy_heads, check_store, store_kv_ref
 
 # Most elements of one head-block tile (heads x head_dim // 2) a program holds at once; more heads
 # are walked in a loop, so any head count fits without register spills.
@@ -91,6 +94,12 @@ def _rope_kernel(
     k_stride_batch,
     k_stride_token,
     k_stride_head,
+    v_ptr,
+    v_stride_token,
+    v_stride_head,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
     cos_ptr,
     sin_ptr,
     table_row_stride,
@@ -102,6 +111,7 @@ def _rope_kernel(
     half_dim,
     poison,
     HAS_POSITIONS: tl.constexpr,
+    STORE_KV: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -118,17 +128,11 @@ def _rope_kernel(
     cos, sin = _table_rows(
         cos_ptr, sin_ptr, table_row_stride, position, num_positions, dims, dim_mask, poison
     )
-    _rotate_heads(
-        q_ptr + batch * q_stride_batch + step * q_stride_token,
-        q_stride_head,
-        num_q_heads,
-        half_dim,
-        cos,
-        sin,
-        dims,
-        dim_mask,
-        BLOCK_HQ,
-    )
+    q_at = q_ptr + batch * q_stride_batch + step * q_stride_token
+    _rotate_heads(q_at, q_stride_head, num_q_heads, half_dim, cos, sin, dims, dim_mask, q_at, BLOCK_HQ, False)
+    cache_row = 0  # the token's row of the (contiguous) caches, with STORE_KV
+    if STORE_KV:
+        cache_row = tl.load(slot_ptr + token).to(tl.int64) * num_kv_heads * 2 * half_dim
     _rotate_heads(
         k_ptr + batch * k_stride_batch + step * k_stride_token,
         k_stride_head,
@@ -138,8 +142,15 @@ def _rope_kernel(
         sin,
         dims,
         dim_mask,
+        k_cache_ptr + cache_row,
         BLOCK_HK,
+        STORE_KV,
     )
+    if STORE_KV:
+        v_at = v_ptr + token * v_stride_token
+        _copy_heads(
+            v_at, v_stride_head, num_kv_heads, v_cache_ptr + cache_row, half_dim, dims, dim_mask, BLOCK_HK
+        )
 
 
 @triton.jit
@@ -155,24 +166,38 @@ def _table_rows(cos_ptr, sin_ptr, table_row_stride, position, num_positions, dim
 
 @triton.jit
 def _rotate_heads(
-    token_ptr, stride_head, num_heads, half_dim, cos, sin, dims, dim_mask, BLOCK_H: tl.constexpr
+    token_ptr,
+    stride_head,
+    num_heads,
+    half_dim,
+    cos,
+    sin,
+    dims,
+    dim_mask,
+    cache_ptr,
+    BLOCK_H: tl.constexpr,
+    STORE: tl.constexpr,
 ):
+    """Rotate one token's heads in place; with STORE, also write them into the contiguous cache
+    row at `cache_ptr`."""
+    dtype = token_ptr.dtype.element_ty
     for first_head in range(0, num_heads, BLOCK_H):
         heads = first_head + tl.arange(0, BLOCK_H)
         mask = (heads < num_heads)[:, None] & dim_mask[None, :]
         first_half = token_ptr + heads[:, None] * stride_head + dims[None, :]
-        x1 = tl.load(first_half, mask=mask, other=0.0)
-        x2 = tl.load(first_half + half_dim, mask=mask, other=0.0)
-        x1f = x1.to(tl.float32)
-        x2f = x2.to(tl.float32)
-        tl.store(
-            first_half, (x1f * cos[None, :] - x2f * sin[None, :]).to(token_ptr.dtype.element_ty), mask=mask
-        )
-        tl.store(
-            first_half + half_dim,
-            (x2f * cos[None, :] + x1f * sin[None, :]).to(token_ptr.dtype.element_ty),
-            mask=mask,
-        )
+        x1 = tl.load(first_half, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(first_half + half_dim, mask=mask, other=0.0).to(tl.float32)
+        _store_rotated(first_half, half_dim, x1, x2, cos, sin, mask, dtype)
+        if STORE:
+            cached = cache_ptr + heads[:, None] * (2 * half_dim) + dims[None, :]
+            _store_rotated(cached, half_dim, x1, x2, cos, sin, mask, dtype)
+
+
+@triton.jit
+def _store_rotated(first_half, half_dim, x1, x2, cos, sin, mask, dtype):
+    """Store the rotation of fp32 halves (x1, x2) of a head tile at `first_half` (and half_dim on)."""
+    tl.store(first_half, (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype), mask=mask)
+    tl.store(first_half + half_dim, (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype), mask=mask)
 
 
 def _batch_token_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -182,7 +207,7 @@ def _batch_token_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _launch(q, k, cos, sin, positions):
+def _launch(q, k, cos, sin, positions, store):
     half_dim = q.shape[-1] // 2
     seq_len = q.shape[-3]
     num_tokens = q.shape[:-2].numel()
@@ -196,11 +221,18 @@ def _launch(q, k, cos, sin, positions):
     max_heads_per_tile = max(1, _MAX_TILE // block_half)
     block_hq = min(triton.next_power_of_2(q.shape[-2]), max_heads_per_tile)
     block_hk = min(triton.next_power_of_2(k.shape[-2]), max_heads_per_tile)
+    v = store.v if store is not None else k  # any tensor without a store: not read
     _rope_kernel[(num_tokens,)](
         q,
         *_batch_token_strides(q),
         k,
         *_batch_token_strides(k),
+        v,
+        v.stride(0),
+        v.stride(1),
+        store.k_cache if store is not None else k,
+        store.v_cache if store is not None else k,
+        store.slot_mapping.contiguous() if store is not None else cos,
         cos,
         sin,
         cos.stride(0),
@@ -212,6 +244,7 @@ def _launch(q, k, cos, sin, positions):
         half_dim,
         float("nan"),
         HAS_POSITIONS=positions is not None,
+        STORE_KV=store is not None,
         BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk,
         BLOCK_HALF=block_half,
@@ -231,7 +264,13 @@ def _rotation_rows(
 
 
 def rope_ref(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    *,
+    store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = _rotation_rows(cos, sin, positions)
     for t in (q, k):
@@ -239,18 +278,31 @@ def rope_ref(
         x1, x2 = t[..., :half].float(), t[..., half:].float()
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         t.copy_(rotated.to(t.dtype))
+    _store(k, store)
     return q, k
 
 
+def _store(k: torch.Tensor, store: KVStore | None) -> None:
+    """The unfused store after a rotation (the reference and CPU paths)."""
+    if store is not None:
+        store_kv_ref(k, store.v, store.k_cache, store.v_cache, store.slot_mapping)
+
+
 def rope_cpu(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    *,
+    store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU path: the reference's rotation for fp32 q and k in fewer ops; the reference else.
 
     Where k's heads follow q's in memory (both views of one fused q|k|v projection, as in a
     model without QK norm), they are rotated as one tensor: a CPU pays per op, not per byte."""
     if q.dtype != torch.float32 or k.dtype != torch.float32:
-        return rope_ref(q, k, cos, sin, positions)
+        return rope_ref(q, k, cos, sin, positions, store=store)
     cos, sin = _rotation_rows(cos, sin, positions)
     for t in _heads_as_one(q, k):
         half = t.shape[-1] // 2
@@ -258,6 +310,7 @@ def rope_cpu(
         rotated_x1 = torch.addcmul(x1 * cos, x2, sin, value=-1)  # x1 cos - x2 sin
         x2.mul_(cos).addcmul_(x1, sin)  # x2 cos + x1 sin, while x1 still holds its input
         x1.copy_(rotated_x1)
+    _store(k, store)
     return q, k
 
 
@@ -276,7 +329,7 @@ def _heads_as_one(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (q.as_strided(shape, q.stride(), q.storage_offset()),)
 
 
-def _check(q, k, cos, sin, positions) -> None:
+def _check(q, k, cos, sin, positions, store) -> None:
     check_dtype("q", q)
     check_dtype("k", k)
     check_dtype("cos", cos)
@@ -316,15 +369,26 @@ def _check(q, k, cos, sin, positions) -> None:
                 f"got {positions.dtype} {list(positions.shape)}"
             )
         check_same_device(q=q, positions=positions)
+    if store is not None:
+        if positions is None or q.dim() != 3:
+            raise ValueError("a KV store needs q and k as [T, H, D] with positions (one slot per token)")
+        check_store(k, store)
 
 
 def rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    *,
+    store: KVStore | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k in place by their positions; returns (q, k)."""
-    _check(q, k, cos, sin, positions)
+    """Rotate q and k in place by their positions; returns (q, k). With `store`, then write the
+    rotated k and `store.v` into the caches at their slots (as `store_kv`)."""
+    _check(q, k, cos, sin, positions, store)
     if use_triton(q):
-        return _launch(q, k, cos, sin, positions)
+        return _launch(q, k, cos, sin, positions, store)
     if q.device.type == "cpu":
-        return rope_cpu(q, k, cos, sin, positions)
-    return rope_ref(q, k, cos, sin, positions)
+        return rope_cpu(q, k, cos, sin, positions, store=store)
+    return rope_ref(q, k, cos, sin, positions, store=store)

@@ -4,13 +4,43 @@ The cache of every pool is `[num_blocks, block_size, num_kv_heads, head_dim]` pe
 token's flat slot is `block * block_size + offset`, so `k_cache.view(-1, H, D)[slot]` is its row.
 `slot_mapping[i]` names the slot of token i. One program copies one token's heads (K and V);
 the slots are read on the device, so a CUDA graph can replay the op for any slots.
+
+The ops that produce this step's keys (`rope`, `qk_norm_rope`) can also write them and the
+values into the cache on their way out, given a `KVStore`: one kernel fewer per layer, which a
+batch-1 decode step pays in launches more than in bytes. `store_kv` is the op on its own.
 """
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+
+
+@dataclass(frozen=True)
+class KVStore:
+    """Where an op that writes this step's keys also stores them and the values: the layer's
+    caches and each token's flat slot, as `store_kv` takes them."""
+
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+@triton.jit
+def _copy_heads(src_ptr, stride_head, num_heads, dst_ptr, half_dim, dims, dim_mask, BLOCK_H: tl.constexpr):
+    """Copy one token's heads (`stride_head` apart at `src_ptr`) into a contiguous cache row at
+    `dst_ptr`, BLOCK_H heads at a time in two halves of `dims` (the tile rope kernels use)."""
+    for first_head in range(0, num_heads, BLOCK_H):
+        heads = first_head + tl.arange(0, BLOCK_H)
+        mask = (heads < num_heads)[:, None] & dim_mask[None, :]
+        src = src_ptr + heads[:, None] * stride_head + dims[None, :]
+        dst = dst_ptr + heads[:, None] * (2 * half_dim) + dims[None, :]
+        tl.store(dst, tl.load(src, mask=mask), mask=mask)
+        tl.store(dst + half_dim, tl.load(src + half_dim, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -75,6 +105,11 @@ def store_kv_ref(
     slots = slot_mapping.long()
     k_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, v)
+
+
+def check_store(k: torch.Tensor, store: KVStore) -> None:
+    """`store_kv`'s checks for the k an op will write through `store`."""
+    _check(k, store.v, store.k_cache, store.v_cache, store.slot_mapping)
 
 
 def _check(k, v, k_cache, v_cache, slot_mapping) -> None:

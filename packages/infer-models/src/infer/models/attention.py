@@ -1,10 +1,12 @@
 """Attention of a flat batch: write this step's K/V into the cache, then read it through block tables.
 
-With a cache (the engine): `store_kv` writes each new token's k and v at its slot, and
+With a cache (the engine): each new token's k and v are written at its slot, and
 `paged_attention` serves every row from the cache, one-token decode rows and multi-token extend
 rows (a prompt chunk attending to its cached prefix and itself) alike. There is one path whatever
 the pool (paged, or contiguous, which is paged with one block per sequence) and whatever the step
-holds; the kernel, not this module, splits decode rows from extend rows.
+holds; the kernel, not this module, splits decode rows from extend rows. The layer's rotation
+writes k and v into the cache on its way out (`kv_store` says where; one kernel fewer per layer),
+so `attention` is called with `kv_stored=True`; otherwise `store_kv` writes them here.
 
 Without a cache (oracles, tests): each row attends causally to its own tokens in this batch, by
 position, with SDPA.
@@ -13,8 +15,17 @@ position, with SDPA.
 import torch
 import torch.nn.functional as F
 
-from infer.kernels import paged_attention, store_kv
+from infer.kernels import KVStore, paged_attention, store_kv
 from infer.models.forward_batch import ForwardBatch
+
+
+def kv_store(v: torch.Tensor, batch: ForwardBatch, layer_idx: int) -> KVStore | None:
+    """Where this layer's new keys and `v` go in the cache, for the op that writes the rotated
+    keys; None without a cache."""
+    if batch.kv_layers is None:
+        return None
+    k_cache, v_cache = batch.kv_layers[layer_idx]
+    return KVStore(v, k_cache, v_cache, batch.attention.slot_mapping)
 
 
 def attention(
@@ -26,13 +37,16 @@ def attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    kv_stored: bool = False,
 ) -> torch.Tensor:
-    """q: [N, Hq, D]; k, v: [N, Hkv, D]. Returns [N, Hq, D]."""
+    """q: [N, Hq, D]; k, v: [N, Hkv, D]. Returns [N, Hq, D]. `kv_stored`: k and v are already in
+    the cache (written where `kv_store` said)."""
     if batch.kv_layers is None:
         return _attention_without_cache(q, k, v, batch, scale=scale, sliding_window=sliding_window)
     metadata = batch.attention
     k_cache, v_cache = batch.kv_layers[layer_idx]
-    store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+    if not kv_stored:
+        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
     return paged_attention(
         q,
         k_cache,

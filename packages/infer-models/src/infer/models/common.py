@@ -14,15 +14,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.kernels import (
+    KVStore,
     add_rms_norm,
     gelu_tanh_and_mul,
     qk_norm_rope,
     rms_norm,
+    rms_norm_add_rms_norm,
     rope,
     rope_tables,
     silu_and_mul,
+    store_kv,
 )
-from infer.models.attention import attention
+from infer.models.attention import attention, kv_store
 from infer.models.config import ModelConfig, RopeConfig
 from infer.models.forward_batch import ForwardBatch
 from infer.models.linear import Linear
@@ -55,6 +58,18 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps, offset=self.offset)
         return add_rms_norm(x, residual, self.weight, self.eps, offset=self.offset)
 
+    def then_add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, next_norm: "RMSNorm"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual += self(x)` in place, then `next_norm` of the new residual, in one fused op
+        (a sandwich norm's output joining the residual stream); returns (normed, residual)."""
+        if (next_norm.eps, next_norm.offset) != (self.eps, self.offset):
+            raise ValueError(
+                f"a fused pair of norms shares eps and offset, got ({self.eps}, {self.offset}) and "
+                f"({next_norm.eps}, {next_norm.offset}); call the two norms one after the other"
+            )
+        return rms_norm_add_rms_norm(x, residual, self.weight, next_norm.weight, self.eps, offset=self.offset)
+
 
 class RotaryEmbedding:
     """cos/sin tables for one RoPE base, built on the device of first use (not module state, so
@@ -78,30 +93,41 @@ class RotaryEmbedding:
             )
         return self._tables
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> None:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, store: KVStore | None = None
+    ) -> None:
+        """Rotate q and k in place; with `store`, then write k and `store.v` into the KV cache."""
         cos, sin = self.tables(q.device)
         if q.device.type == "cpu":
             rows = self._rows
             if rows is None or rows[0]() is not positions:
                 rows = self._rows = (weakref.ref(positions), cos[positions], sin[positions])
             rope(q, k, rows[1], rows[2], None)
+            if store is not None:
+                store_kv(k, store.v, store.k_cache, store.v_cache, store.slot_mapping)
             return
-        rope(q, k, cos, sin, positions)
+        rope(q, k, cos, sin, positions, store=store)
 
     def normalize_and_rotate(
-        self, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, positions: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm,
+        k_norm: RMSNorm,
+        positions: torch.Tensor,
+        store: KVStore | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """QK norm (each head of q by `q_norm`, of k by `k_norm`), then the rotation; returns the
-        new (q, k). Off the CPU one fused op in place (qk_norm_rope: one kernel instead of three);
-        on a CPU the two ops, so that the rotation takes the rows gathered once per forward."""
+        """QK norm (each head of q by `q_norm`, of k by `k_norm`), then the rotation, then (with
+        `store`) k and `store.v` into the KV cache; returns the new (q, k). Off the CPU one fused
+        op in place (qk_norm_rope: one kernel instead of four); on a CPU the separate ops, so that
+        the rotation takes the rows gathered once per forward."""
         if q.device.type == "cpu":
             q, k = q_norm(q), k_norm(k)
-            self(q, k, positions)
+            self(q, k, positions, store)
             return q, k
         cos, sin = self.tables(q.device)
-        return qk_norm_rope(
-            q, k, q_norm.weight, k_norm.weight, q_norm.eps, cos, sin, positions, offset=q_norm.offset
-        )
+        weights, eps, offset = (q_norm.weight, k_norm.weight), q_norm.eps, q_norm.offset
+        return qk_norm_rope(q, k, *weights, eps, cos, sin, positions, offset=offset, store=store)
 
 
 class Attention(nn.Module):
@@ -144,11 +170,22 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         # q and k are views of the projection's output: the ops below update them in place
         # through their strides (a CPU's QK norm excepted), and attention reads them the same way.
+        # The rotation also writes k and v into the KV cache (one kernel fewer per layer).
+        store = kv_store(v, batch, self.layer_idx)
         if self.q_norm is not None:
-            q, k = self.rotary.normalize_and_rotate(q, k, self.q_norm, self.k_norm, batch.positions)
+            q, k = self.rotary.normalize_and_rotate(q, k, self.q_norm, self.k_norm, batch.positions, store)
         else:
-            self.rotary(q, k, batch.positions)
-        out = attention(q, k, v, batch, self.layer_idx, scale=self.scale, sliding_window=self.sliding_window)
+            self.rotary(q, k, batch.positions, store)
+        out = attention(
+            q,
+            k,
+            v,
+            batch,
+            self.layer_idx,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            kv_stored=store is not None,
+        )
         return self.o_proj(out.reshape(num_tokens, -1))
 
 

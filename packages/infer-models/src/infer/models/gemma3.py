@@ -33,8 +33,13 @@ class Gemma3DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(hidden, batch))
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, batch)
+        # Attention's post-norm, the add and the MLP's pre-norm: one kernel, not two.
+        hidden, residual = self.post_attention_layernorm.then_add_and_norm(
+            hidden, residual, self.pre_feedforward_layernorm
+        )
+        # The MLP's post-norm stays unfused with the next block's input norm: a block hands on
+        # (hidden, residual) whose sum is transformers' block output (activation_diff reads it).
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
