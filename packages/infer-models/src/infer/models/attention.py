@@ -4,9 +4,9 @@ With a cache (the engine): each new token's k and v are written at its slot, and
 `paged_attention` serves every row from the cache, one-token decode rows and multi-token extend
 rows (a prompt chunk attending to its cached prefix and itself) alike. There is one path whatever
 the pool (paged, or contiguous, which is paged with one block per sequence) and whatever the step
-holds; the kernel, not this module, splits decode rows from extend rows. The layer's rotation
-writes k and v into the cache on its way out (`kv_store` says where; one kernel fewer per layer),
-so `attention` is called with `kv_stored=True`; otherwise `store_kv` writes them here.
+holds; the kernel, not this module, splits decode rows from extend rows. Off the CPU the layer's
+rotation writes k and v into the cache on its way out (`kv_store` says where; one kernel fewer
+per layer), so `attention` is called with `kv_stored=True`; otherwise `store_kv` writes them here.
 
 Without a cache (oracles, tests): each row attends causally to its own tokens in this batch, by
 position, with SDPA.
@@ -21,8 +21,9 @@ from infer.models.forward_batch import ForwardBatch
 
 def kv_store(v: torch.Tensor, batch: ForwardBatch, layer_idx: int) -> KVStore | None:
     """Where this layer's new keys and `v` go in the cache, for the op that writes the rotated
-    keys; None without a cache."""
-    if batch.kv_layers is None:
+    keys; None without a cache, and on a CPU, where the store is an op of its own either way
+    (`attention` then calls `store_kv`)."""
+    if batch.kv_layers is None or v.device.type == "cpu":
         return None
     k_cache, v_cache = batch.kv_layers[layer_idx]
     return KVStore(v, k_cache, v_cache, batch.attention.slot_mapping)
