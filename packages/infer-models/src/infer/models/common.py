@@ -170,7 +170,7 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         # q and k are views of the projection's output: the ops below update them in place
         # through their strides (a CPU's QK norm excepted), and attention reads them the same way.
-        # The rotation also writes k and v into the KV cache (one kernel fewer per layer).
+        # Off the CPU the rotation also writes k and v into the KV cache (one kernel fewer a layer).
         store = kv_store(v, batch, self.layer_idx)
         if self.q_norm is not None:
             q, k = self.rotary.normalize_and_rotate(q, k, self.q_norm, self.k_norm, batch.positions, store)
