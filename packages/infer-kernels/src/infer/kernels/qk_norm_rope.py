@@ -21,11 +21,8 @@ import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
 from infer.kernels.rms_norm import rms_norm_ref
-from infer.kernels.rope import _store_rotated, _table_rows, rope_ref
-from infer.kernels.store_kv import KVStore, _copy_heads, check_store
-
-# Most elements of one head-block tile (heads x head_dim // 2) a program holds at once.
-_MAX_TILE = 4096
+from infer.kernels.rope import _head_tiles, _store_rotated, _table_rows, rope_ref
+from infer.kernels.store_kv import KVStore, _store_v, check_store, store_args
 
 
 @triton.jit
@@ -84,9 +81,20 @@ def _qk_norm_rope_kernel(
         BLOCK_HQ,
         False,
     )
-    cache_row = 0  # the token's row of the (contiguous) caches, with STORE_KV
-    if STORE_KV:
-        cache_row = tl.load(slot_ptr + token).to(tl.int64) * num_kv_heads * 2 * half_dim
+    cache_row = _store_v(
+        slot_ptr,
+        token,
+        v_ptr,
+        v_stride_token,
+        v_stride_head,
+        v_cache_ptr,
+        num_kv_heads,
+        half_dim,
+        dims,
+        dim_mask,
+        BLOCK_HK,
+        STORE_KV,
+    )
     _norm_and_rotate_heads(
         k_ptr + token * k_stride_token,
         k_stride_head,
@@ -103,11 +111,6 @@ def _qk_norm_rope_kernel(
         BLOCK_HK,
         STORE_KV,
     )
-    if STORE_KV:
-        v_at = v_ptr + token * v_stride_token
-        _copy_heads(
-            v_at, v_stride_head, num_kv_heads, v_cache_ptr + cache_row, half_dim, dims, dim_mask, BLOCK_HK
-        )
 
 
 @triton.jit
@@ -153,11 +156,6 @@ def _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions, store) -
     num_tokens, half_dim = q.shape[0], q.shape[-1] // 2
     if num_tokens == 0:
         return
-    block_half = triton.next_power_of_2(half_dim)
-    max_heads_per_tile = max(1, _MAX_TILE // block_half)
-    block_hq = min(triton.next_power_of_2(q.shape[1]), max_heads_per_tile)
-    block_hk = min(triton.next_power_of_2(k.shape[1]), max_heads_per_tile)
-    v = store.v if store is not None else k  # any tensor without a store: not read
     _qk_norm_rope_kernel[(num_tokens,)](
         q,
         q.stride(0),
@@ -165,12 +163,7 @@ def _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions, store) -
         k,
         k.stride(0),
         k.stride(1),
-        v,
-        v.stride(0),
-        v.stride(1),
-        store.k_cache if store is not None else k,
-        store.v_cache if store is not None else k,
-        store.slot_mapping.contiguous() if store is not None else positions,
+        *store_args(store, k),
         q_weight.contiguous(),
         k_weight.contiguous(),
         cos,
@@ -185,10 +178,7 @@ def _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions, store) -
         float(offset),
         float("nan"),
         STORE_KV=store is not None,
-        BLOCK_HQ=block_hq,
-        BLOCK_HK=block_hk,
-        BLOCK_HALF=block_half,
-        num_warps=8 if block_hq * block_half >= 2048 else 4,
+        **_head_tiles(half_dim, q.shape[1], k.shape[1]),
     )
 
 

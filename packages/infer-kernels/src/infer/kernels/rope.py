@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
-from infer.kernels.store_kv import KVStore, _copy_heads, check_store, store_kv_ref
+from infer.kernels.store_kv import KVStore, _store_v, check_store, store_args, store_kv_ref
 
 # Most elements of one head-block tile (heads x head_dim // 2) a program holds at once; more heads
 # are walked in a loop, so any head count fits without register spills.
@@ -130,9 +130,20 @@ def _rope_kernel(
     )
     q_at = q_ptr + batch * q_stride_batch + step * q_stride_token
     _rotate_heads(q_at, q_stride_head, num_q_heads, half_dim, cos, sin, dims, dim_mask, q_at, BLOCK_HQ, False)
-    cache_row = 0  # the token's row of the (contiguous) caches, with STORE_KV
-    if STORE_KV:
-        cache_row = tl.load(slot_ptr + token).to(tl.int64) * num_kv_heads * 2 * half_dim
+    cache_row = _store_v(
+        slot_ptr,
+        token,
+        v_ptr,
+        v_stride_token,
+        v_stride_head,
+        v_cache_ptr,
+        num_kv_heads,
+        half_dim,
+        dims,
+        dim_mask,
+        BLOCK_HK,
+        STORE_KV,
+    )
     _rotate_heads(
         k_ptr + batch * k_stride_batch + step * k_stride_token,
         k_stride_head,
@@ -146,11 +157,6 @@ def _rope_kernel(
         BLOCK_HK,
         STORE_KV,
     )
-    if STORE_KV:
-        v_at = v_ptr + token * v_stride_token
-        _copy_heads(
-            v_at, v_stride_head, num_kv_heads, v_cache_ptr + cache_row, half_dim, dims, dim_mask, BLOCK_HK
-        )
 
 
 @triton.jit
@@ -207,6 +213,21 @@ def _batch_token_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _head_tiles(half_dim: int, num_q_heads: int, num_kv_heads: int) -> dict:
+    """Launch settings of a kernel whose program walks one token's heads in tiles of at most
+    _MAX_TILE elements (heads x half a head): BLOCK_HALF, BLOCK_HQ, BLOCK_HK and num_warps."""
+    block_half = triton.next_power_of_2(half_dim)
+    max_heads_per_tile = max(1, _MAX_TILE // block_half)
+    block_hq = min(triton.next_power_of_2(num_q_heads), max_heads_per_tile)
+    block_hk = min(triton.next_power_of_2(num_kv_heads), max_heads_per_tile)
+    return dict(
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk,
+        BLOCK_HALF=block_half,
+        num_warps=8 if block_hq * block_half >= 2048 else 4,
+    )
+
+
 def _launch(q, k, cos, sin, positions, store):
     half_dim = q.shape[-1] // 2
     seq_len = q.shape[-3]
@@ -217,22 +238,12 @@ def _launch(q, k, cos, sin, positions, store):
     sin = sin.reshape(-1, half_dim).contiguous()
     if positions is not None:
         positions = positions.reshape(-1).contiguous()
-    block_half = triton.next_power_of_2(half_dim)
-    max_heads_per_tile = max(1, _MAX_TILE // block_half)
-    block_hq = min(triton.next_power_of_2(q.shape[-2]), max_heads_per_tile)
-    block_hk = min(triton.next_power_of_2(k.shape[-2]), max_heads_per_tile)
-    v = store.v if store is not None else k  # any tensor without a store: not read
     _rope_kernel[(num_tokens,)](
         q,
         *_batch_token_strides(q),
         k,
         *_batch_token_strides(k),
-        v,
-        v.stride(0),
-        v.stride(1),
-        store.k_cache if store is not None else k,
-        store.v_cache if store is not None else k,
-        store.slot_mapping.contiguous() if store is not None else cos,
+        *store_args(store, k),
         cos,
         sin,
         cos.stride(0),
@@ -245,10 +256,7 @@ def _launch(q, k, cos, sin, positions, store):
         float("nan"),
         HAS_POSITIONS=positions is not None,
         STORE_KV=store is not None,
-        BLOCK_HQ=block_hq,
-        BLOCK_HK=block_hk,
-        BLOCK_HALF=block_half,
-        num_warps=8 if block_hq * block_half >= 2048 else 4,
+        **_head_tiles(half_dim, q.shape[-2], k.shape[-2]),
     )
     return q, k
 

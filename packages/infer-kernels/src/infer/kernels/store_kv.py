@@ -30,6 +30,44 @@ class KVStore:
     slot_mapping: torch.Tensor
 
 
+def store_args(store: KVStore | None, k: torch.Tensor) -> tuple:
+    """The six kernel arguments of `store` (v, its token and head strides, the two caches, the
+    slots) for a kernel that writes through it; without one, k stands in for each tensor (the
+    kernel reads none of them then)."""
+    if store is None:
+        return k, k.stride(0), k.stride(1), k, k, k
+    v = store.v
+    return v, v.stride(0), v.stride(1), store.k_cache, store.v_cache, store.slot_mapping.contiguous()
+
+
+@triton.jit
+def _store_v(
+    slot_ptr,
+    token,
+    v_ptr,
+    v_stride_token,
+    v_stride_head,
+    v_cache_ptr,
+    num_kv_heads,
+    half_dim,
+    dims,
+    dim_mask,
+    BLOCK_H: tl.constexpr,
+    STORE: tl.constexpr,
+):
+    """With STORE: copy the token's v heads into its slot's row of the (contiguous) v cache and
+    return that row's offset, where the caller writes the rotated k in the k cache. Without: 0,
+    and nothing is read or written."""
+    cache_row = 0
+    if STORE:
+        cache_row = tl.load(slot_ptr + token).to(tl.int64) * num_kv_heads * 2 * half_dim
+        v_at = v_ptr + token * v_stride_token
+        _copy_heads(
+            v_at, v_stride_head, num_kv_heads, v_cache_ptr + cache_row, half_dim, dims, dim_mask, BLOCK_H
+        )
+    return cache_row
+
+
 @triton.jit
 def _copy_heads(src_ptr, stride_head, num_heads, dst_ptr, half_dim, dims, dim_mask, BLOCK_H: tl.constexpr):
     """Copy one token's heads (`stride_head` apart at `src_ptr`) into a contiguous cache row at
