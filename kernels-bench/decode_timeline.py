@@ -80,10 +80,10 @@ def steps_of(kernels: list[dict]) -> list[tuple[list[dict], float]]:
     ]
 
 
-def report(folder: str) -> None:
+def report(folder: str, use_pdl: bool = False) -> None:
     config = EngineConfig(
         model=folder, device="cuda", dtype="bfloat16", max_batch_size=1, max_seq_len=1024,
-        use_chunked_prefill=True, use_cuda_graphs=True, async_scheduling=True,
+        use_chunked_prefill=True, use_cuda_graphs=True, async_scheduling=True, use_pdl=use_pdl,
     )  # fmt: skip
     engine = Engine(config)
     decode(engine, profiled=False)  # warm-up
@@ -146,8 +146,10 @@ def report(folder: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoints", nargs="+")
-    for folder in parser.parse_args().checkpoints:
-        report(folder)
+    parser.add_argument("--use-pdl", action="store_true", help="EngineConfig.use_pdl")
+    args = parser.parse_args()
+    for folder in args.checkpoints:
+        report(folder, args.use_pdl)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 from conformance.oracles import RecomputeOracle
 from infer.engine import SamplingParams, generate
 from infer.engine.config import EngineConfig, EngineConfigError, add_cli_arguments, from_cli_args
-from infer.engine.cuda_graphs import StepGraphs, batch_buckets, chunk_buckets
+from infer.engine.cuda_graphs import StepGraphs, batch_buckets, chunk_buckets, launches_with_pdl
 from infer.engine.engine import Engine
 from infer.models.load import load_model
 from infer.models.random_checkpoint import make_random_checkpoint
@@ -41,6 +41,21 @@ def test_cuda_graphs_on_the_cpu_are_refused_naming_the_flag():
         EngineConfig(device="cpu", use_cuda_graphs=True)
     with pytest.raises(EngineConfigError, match="use_cuda_graphs must be true or false"):
         EngineConfig(use_cuda_graphs="yes")
+
+
+def test_pdl_on_the_cpu_is_refused_naming_the_flag():
+    with pytest.raises(EngineConfigError, match="use_pdl"):
+        EngineConfig(device="cpu", use_pdl=True)
+    with pytest.raises(EngineConfigError, match="use_pdl must be true or false"):
+        EngineConfig(use_pdl="yes")
+
+
+def test_only_batch_1_decode_steps_launch_with_pdl():
+    assert launches_with_pdl(True, num_rows=1, num_decode_rows=1)
+    assert not launches_with_pdl(False, num_rows=1, num_decode_rows=1)
+    assert not launches_with_pdl(True, num_rows=1, num_decode_rows=0)  # a prompt chunk
+    assert not launches_with_pdl(True, num_rows=2, num_decode_rows=1)
+    assert not launches_with_pdl(True, num_rows=4, num_decode_rows=4)
 
 
 def test_cuda_graphs_need_the_paged_pool_and_continuous_batching():
@@ -217,6 +232,34 @@ def test_graph_logits_equal_the_eager_forward_at_real_shape_in_bf16(tmp_path):
         (graph_logits - eager_logits).abs().max().item()
     )
     assert graph_logits.argmax() == eager_logits.argmax()
+
+
+@pytest.mark.gpu
+def test_one_request_with_pdl_gives_the_tokens_and_logprobs_of_plain_launches(tmp_path):
+    """PDL changes when a batch-1 decode step's kernels launch, not what they compute: the same
+    kernels on the same inputs give the same logprobs to the last bit, through graphs and async
+    steps (and eagerly, without graphs). Real 1B shapes, so that every kernel runs long enough for
+    a read before its input is complete to show."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0 or newer")
+    folder = make_random_checkpoint("qwen3-1.7b", tmp_path / "qwen3", dtype=torch.bfloat16)
+    loaded = load_model(folder, dtype=torch.bfloat16, device="cuda")
+    prompt = torch.randint(0, 32000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True, logprobs=3)
+    for graph_settings in (dict(use_cuda_graphs=True, async_scheduling=True), {}):
+        results = []
+        for use_pdl in (False, True):
+            config = EngineConfig(
+                device="cuda", max_batch_size=1, max_seq_len=512, use_pdl=use_pdl, **graph_settings
+            )
+            engine = Engine(config, loaded_model=loaded)
+            engine.add_request(prompt, params)
+            outputs = []
+            while engine.has_work():
+                outputs += [o for o in engine.step() if o.token_id is not None]
+            assert len(outputs) == params.max_new_tokens
+            results.append([(o.token_id, o.logprobs.logprob, o.logprobs.top_logprobs) for o in outputs])
+        assert results[1] == results[0], graph_settings
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
 """On CUDA in bf16 with real shapes: greedy tokens of every engine configuration (paged, contiguous,
-chunked prefill at 16 / 64 / 512 tokens, preemption forced by a tiny pool, CUDA graphs) equal the
+chunked prefill at 16 / 64 / 512 tokens, preemption forced by a tiny pool, CUDA graphs, PDL) equal the
 recompute oracle's (no cache, the whole sequence every token).
 
 bf16 rounds the engine's path (prompt chunks and one-token rows against stored keys) and the
@@ -43,6 +43,13 @@ CONFIGS = {
     "graphs": dict(use_cuda_graphs=True, use_chunked_prefill=True, prefill_chunk_size=64),
     "graphs-async": dict(
         use_cuda_graphs=True, use_chunked_prefill=True, prefill_chunk_size=64, async_scheduling=True
+    ),
+    "graphs-async-pdl": dict(
+        use_cuda_graphs=True,
+        use_chunked_prefill=True,
+        prefill_chunk_size=64,
+        async_scheduling=True,
+        use_pdl=True,
     ),
     "preempted-async": dict(
         num_gpu_blocks=45, use_chunked_prefill=True, prefill_chunk_size=64, async_scheduling=True

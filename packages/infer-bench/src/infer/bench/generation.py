@@ -91,6 +91,7 @@ def run_bench_generate(args: argparse.Namespace) -> int:
             "kv_cache_backend": engine.config.kv_cache_backend,
             "use_cuda_graphs": args.use_cuda_graphs,
             "async_scheduling": args.async_scheduling,
+            "use_pdl": args.use_pdl,
             "runs": [r.as_dict() for r in runs],
         },
         "memory": {**memory, "runtime_rss_bytes_before_load": runtime_rss if device.type == "cpu" else None},
@@ -312,6 +313,7 @@ def markdown_report(report: dict) -> str:
                 ["infer"]
                 + ["CUDA graphs"] * report["infer"]["use_cuda_graphs"]
                 + ["async scheduling"] * report["infer"].get("async_scheduling", False)
+                + ["PDL"] * report["infer"].get("use_pdl", False)
             ),
             report["infer"]["kv_cache_backend"],
             report["infer"],

@@ -72,6 +72,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="launch each step before the previous step's token reaches the host (overlaps host and GPU)",
     )
+    parser.add_argument(
+        "--use-pdl",
+        action="store_true",
+        help="programmatic dependent launch: each Triton kernel lets the next launch early (CUDA, sm_90+)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (EOS ids, loading)")
 
 
@@ -109,6 +114,7 @@ def load_engine(args: argparse.Namespace, *, max_batch_size: int = 1):
         max_batch_size=max_batch_size,
         use_cuda_graphs=args.use_cuda_graphs,
         async_scheduling=args.async_scheduling,
+        use_pdl=args.use_pdl,
     )
     limit_device_memory(config, device)  # before the weights, which count against it
     loaded = load_model(args.model, dtype=dtype, device=device, quantization=args.quantization)

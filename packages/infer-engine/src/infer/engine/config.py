@@ -120,6 +120,11 @@ class EngineConfig:
         "launch each step before the previous step's tokens reach the host, so that scheduling, "
         "stop checks and input building overlap the forward: true or false",
     )
+    use_pdl: bool = _flag(
+        False,
+        "programmatic dependent launch (CUDA, compute capability 9.0 and newer) in batch-1 decode "
+        "steps: each Triton kernel lets the next one launch while it runs: true or false",
+    )
     use_prefix_caching: bool = _flag(
         False,
         "reuse the KV of token runs earlier requests left (prefix, supersequence, common prefix), "
@@ -191,6 +196,7 @@ class EngineConfig:
             "use_cuda_graphs",
             "cuda_graph_mixed_steps",
             "async_scheduling",
+            "use_pdl",
             "use_prefix_caching",
         ):
             if not isinstance(getattr(self, name), bool):
@@ -247,6 +253,8 @@ class EngineConfig:
             raise EngineConfigError(
                 "use_cuda_graphs=True needs a CUDA device, got device='cpu'; set device='cuda'"
             )
+        if self.use_pdl and self.device == "cpu":
+            raise EngineConfigError("use_pdl=True needs a CUDA device, got device='cpu'; set device='cuda'")
         if self.max_num_batched_tokens < self.max_batch_size:
             # Otherwise the running requests could not all decode in one step, and the
             # decode_service_interval bound could not be kept when they all fall due together.

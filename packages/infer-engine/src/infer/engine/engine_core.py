@@ -127,10 +127,9 @@ class EngineCore:
             kv_manager=KVCacheManager(self.kv_pool.allocator, self.kv_pool.block_size, self.prefix_tree),
             max_seq_len=self.max_seq_len,
         )
-        if config.use_cuda_graphs and self.device.type != "cuda":
-            raise EngineConfigError(
-                f"use_cuda_graphs=True needs a CUDA device, the model is on {self.device}"
-            )
+        for name in ("use_cuda_graphs", "use_pdl"):
+            if getattr(config, name) and self.device.type != "cuda":
+                raise EngineConfigError(f"{name}=True needs a CUDA device, the model is on {self.device}")
         eos_token_ids = eos_token_ids_of(loaded_model)
         self.limits = CoreLimits(
             max_seq_len=self.max_seq_len,
@@ -157,6 +156,7 @@ class EngineCore:
             use_cuda_graphs=config.use_cuda_graphs,
             cuda_graph_mixed_steps=config.cuda_graph_mixed_steps,
             async_scheduling=config.async_scheduling,
+            use_pdl=config.use_pdl,
             eos_token_ids=eos_token_ids,
         )
         # At start-up, not on first use: a kernel compile or a graph capture would land on the

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from infer.engine.cuda_graphs import StepGraphs
+from infer.engine.cuda_graphs import StepGraphs, launches_with_pdl
 from infer.engine.decision import RunnerOutput, ScheduleDecision, TokenLogprobs
 from infer.engine.input_batch import InputBatch, RowState, StepInputs, resolve_pending_tokens
 from infer.engine.sampler import AllowedTokens, SamplingTensors, compute_logprobs, sample
+from infer.kernels import programmatic_launch
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
 
 
@@ -82,14 +83,17 @@ class ModelRunner:
         use_cuda_graphs: bool = False,
         cuda_graph_mixed_steps: bool = True,
         async_scheduling: bool = False,
+        use_pdl: bool = False,
         eos_token_ids: Collection[int] = (),
     ):
         """`kv_pool`: an infer.cache.KVPool (its kv_layers, block_size and null_block are used).
         `max_num_batched_tokens`: the most tokens a step holds (sizes the mixed-step graphs;
         None: max_seq_len). `async_scheduling`: a step may be launched before the previous one is
-        collected (the graphs then resolve placeholders). `eos_token_ids`: the model's EOS set,
-        which a request's min_tokens keeps out."""
+        collected (the graphs then resolve placeholders). `use_pdl`: small decode-only steps launch
+        their kernels with programmatic dependent launch, eager or captured (`launches_with_pdl`).
+        `eos_token_ids`: the model's EOS set, which a request's min_tokens keeps out."""
         self.async_scheduling = async_scheduling
+        self.use_pdl = use_pdl
         self.eos_token_ids = tuple(eos_token_ids)
         self.model = model
         self.kv_pool = kv_pool
@@ -126,6 +130,7 @@ class ModelRunner:
                 null_block=kv_pool.null_block,
                 mixed_steps=cuda_graph_mixed_steps,
                 last_sampled=self.last_sampled if async_scheduling else None,
+                use_pdl=use_pdl,
             )
 
     @torch.inference_mode()
@@ -155,6 +160,20 @@ class ModelRunner:
                 logits_indices=np.array([0, 2], dtype=np.int64),
             )
             self._eager_logits(step)
+            if self.use_pdl:  # a decode-only step launches the kernels' PDL variants
+                decode_only = StepInputs(
+                    request_ids=step.request_ids[:1],
+                    input_ids=step.input_ids[:1],
+                    positions=positions[:1],
+                    slot_mapping=step.slot_mapping[:1],
+                    query_start_loc=step.query_start_loc[:2],
+                    seq_lens=step.seq_lens[:1],
+                    block_tables=step.block_tables[:1],
+                    num_decode_rows=1,
+                    sampling_rows=[0],
+                    logits_indices=step.logits_indices[:1],
+                )
+                self._eager_logits(decode_only)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
@@ -267,12 +286,14 @@ class ModelRunner:
         return self._eager_logits(step)
 
     def _eager_logits(self, step: StepInputs) -> torch.Tensor:
-        if not step.sampling_rows:
-            # Mid-prompt chunks only: the forward still fills the cache.
-            self.model(self.forward_batch(step, logits_indices=np.zeros(1, dtype=np.int64)))
-            return torch.empty(0)
-        hidden = self.model(self.forward_batch(step, logits_indices=step.logits_indices))
-        return self.model.compute_logits(hidden)
+        num_rows = len(step.request_ids)
+        with programmatic_launch(launches_with_pdl(self.use_pdl, num_rows, step.num_decode_rows)):
+            if not step.sampling_rows:
+                # Mid-prompt chunks only: the forward still fills the cache.
+                self.model(self.forward_batch(step, logits_indices=np.zeros(1, dtype=np.int64)))
+                return torch.empty(0)
+            hidden = self.model(self.forward_batch(step, logits_indices=step.logits_indices))
+            return self.model.compute_logits(hidden)
 
     def _decode_key_slots(self, step: StepInputs) -> tuple[torch.Tensor | range, ...]:
         """Each decode row's key slots through its block table (AttentionMetadata.decode_key_slots):

@@ -15,6 +15,7 @@ from infer.kernels.paged_attention import (
     paged_attention_cpu,
     paged_attention_ref,
 )
+from infer.kernels.pdl import programmatic_launch
 from infer.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from infer.kernels.quantized_linear import dequantize_weight, quantized_linear, quantized_linear_ref
 from infer.kernels.rms_norm import (
@@ -52,6 +53,7 @@ __all__ = [
     "paged_attention",
     "paged_attention_cpu",
     "paged_attention_ref",
+    "programmatic_launch",
     "qk_norm_rope",
     "qk_norm_rope_ref",
     "quantized_linear",

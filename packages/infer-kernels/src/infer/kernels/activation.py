@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, use_triton
+from infer.kernels.pdl import await_inputs, launch_options
 
 # 1024 elements per program with 4 warps: 8 per thread, i.e. one 16-byte vector per bf16 load.
 _BLOCK = 1024
@@ -28,7 +29,9 @@ def _gated_activation_kernel(
     num_cols,
     GELU_TANH: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -64,6 +67,7 @@ def _launch(gate_up: torch.Tensor, *, gelu_tanh: bool) -> torch.Tensor:
             GELU_TANH=gelu_tanh,
             BLOCK=_BLOCK,
             num_warps=_NUM_WARPS,
+            **launch_options(rows),
         )
     return out.view(*gate_up.shape[:-1], num_cols)
 

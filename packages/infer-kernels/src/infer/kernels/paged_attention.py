@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+from infer.kernels.pdl import await_inputs, launch_options
 
 # tl.dot needs every dim to be at least 16: the query heads of a group (1-8) are padded to it.
 _MIN_DOT = 16
@@ -119,7 +120,9 @@ def _decode_split_kernel(
     HAS_WINDOW: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -197,7 +200,9 @@ def _decode_merge_kernel(
     DIM_PAD: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_len_ptr + row).to(tl.int32)
@@ -261,7 +266,9 @@ def _extend_kernel(
     DOT_PRECISION: tl.constexpr,
     NATIVE_QK: tl.constexpr,
     USE_TILE_MAP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     if USE_TILE_MAP:
         # Program p serves the tile the map names in slot p: (row, tile of that row); an empty
         # slot has row -1.
@@ -422,6 +429,7 @@ def _launch(
             num_warps=_DECODE_WARPS,
             num_stages=_DECODE_STAGES,
             **common,
+            **launch_options(q),
         )
         if num_splits > 1:
             _decode_merge_kernel[(num_decode_rows, num_q_heads)](
@@ -439,6 +447,7 @@ def _launch(
                 HAS_WINDOW=sliding_window is not None,
                 BLOCK_N=block_n,
                 num_warps=1,
+                **launch_options(q),
             )
     num_extend_rows = seq_lens.shape[0] - num_decode_rows
     if num_extend_rows and num_tokens > num_decode_rows:
@@ -471,6 +480,7 @@ def _launch(
             USE_TILE_MAP=extend_tiles is not None,
             num_warps=num_warps,
             num_stages=num_stages,
+            **launch_options(q),
             **common,
         )
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+from infer.kernels.pdl import await_inputs, launch_options
 from infer.kernels.rms_norm import rms_norm_ref
 from infer.kernels.rope import _head_tiles, _store_rotated, _table_rows, rope_ref
 from infer.kernels.store_kv import KVStore, _store_v, check_store, store_args
@@ -56,7 +57,9 @@ def _qk_norm_rope_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
@@ -179,6 +182,7 @@ def _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions, store) -
         float("nan"),
         STORE_KV=store is not None,
         **_head_tiles(half_dim, q.shape[1], k.shape[1]),
+        **launch_options(q),
     )
 
 

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+from infer.kernels.pdl import await_inputs, launch_options
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -118,7 +119,9 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     m = tl.program_id(0).to(tl.int64)
     first_row = tl.program_id(1) * BLOCK_N
     rows = first_row + tl.arange(0, BLOCK_N)
@@ -184,7 +187,9 @@ def _dot_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     # Tiles in groups of GROUP_N weight-row tiles, x-row tiles fastest within a group: programs
     # that run together share weight tiles (and x tiles) in L2.
     pid = tl.program_id(0)
@@ -247,8 +252,10 @@ def _dequantize_kernel(
     WEIGHT_FP8: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One pass: `out = weight * scale` in out's dtype (the prefill path's bf16 weight)."""
+    await_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < N)[:, None] & (cols < K)[None, :]
@@ -282,6 +289,7 @@ def _dequantized(
         BLOCK_N=32,
         BLOCK_K=128,
         num_warps=4,
+        **launch_options(weight),
     )
     return out
 
@@ -296,7 +304,9 @@ def _split_k_sum_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.load(partial_ptr + offs, mask=mask, other=0.0)
@@ -434,6 +444,7 @@ def _launch(
     weight_fp8 = weight.dtype == torch.float8_e4m3fn
     fast_int8 = not weight_fp8 and config.pop("FAST_INT8", True)
     common = dict(
+        **launch_options(x),
         SCALE_PER_TILE=scale_per_tile,
         HAS_BIAS=bias is not None and splits == 1,
         WEIGHT_FP8=weight_fp8,
@@ -476,6 +487,7 @@ def _launch(
             HAS_BIAS=bias is not None,
             BLOCK=block,
             num_warps=4,
+            **launch_options(x),
         )
     return out.view(*x.shape[:-1], N)
 

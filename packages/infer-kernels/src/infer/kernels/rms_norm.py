@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+from infer.kernels.pdl import await_inputs, launch_options
 
 # One program holds a whole row; beyond this many elements its registers would spill.
 MAX_HIDDEN = 65536
@@ -50,7 +51,9 @@ def _rms_norm_kernel(
     NORM_X_FIRST: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     # int64 row index: rows * stride overflows int32 beyond 2^31 elements.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -119,6 +122,7 @@ def _launch(x, residual, weight, eps, offset, *, x_weight=None):
             ADD_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=num_warps,
+            **launch_options(x_rows),
         )
     return out.view(x.shape)
 

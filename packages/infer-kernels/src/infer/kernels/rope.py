@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+from infer.kernels.pdl import await_inputs, launch_options
 from infer.kernels.store_kv import KVStore, _store_v, check_store, store_args, store_kv_ref
 
 # Most elements of one head-block tile (heads x head_dim // 2) a program holds at once; more heads
@@ -115,7 +116,9 @@ def _rope_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     batch = token // seq_len
     step = token % seq_len
@@ -257,6 +260,7 @@ def _launch(q, k, cos, sin, positions, store):
         HAS_POSITIONS=positions is not None,
         STORE_KV=store is not None,
         **_head_tiles(half_dim, q.shape[-2], k.shape[-2]),
+        **launch_options(q),
     )
     return q, k
 

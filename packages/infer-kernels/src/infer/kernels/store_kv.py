@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+from infer.kernels.pdl import await_inputs, launch_options
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,9 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)
@@ -132,6 +135,7 @@ def _launch(k, v, k_cache, v_cache, slot_mapping) -> None:
             HEADS_PAD=triton.next_power_of_2(num_heads),
             DIM_PAD=triton.next_power_of_2(head_dim),
             num_warps=4 if num_heads * head_dim >= 2048 else 1,
+            **launch_options(k),
         )
 
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+from infer.kernels.pdl import await_inputs, launch_options
 
 # Logits per program: 32 words of the bitmask.
 _BLOCK = 1024
@@ -28,7 +29,9 @@ def _apply_token_bitmask_kernel(
     vocab_size,
     num_words,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_vocab = tokens < vocab_size
@@ -86,4 +89,5 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
             bitmask.shape[1],
             BLOCK=_BLOCK,
             num_warps=4,
+            **launch_options(logits),
         )
