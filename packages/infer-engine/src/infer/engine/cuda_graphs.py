@@ -98,7 +98,7 @@ class StepGraphs:
         use_pdl: bool = False,
     ):
         """`last_sampled`: the runner's device copy of the previous step's sampled tokens, which
-        placeholder input ids point into (runner.py). `use_pdl`: small decode-only graphs are
+        placeholder input ids point into (runner.py). `use_pdl`: the batch-1 decode graph is
         captured with programmatic dependent launch (`launches_with_pdl`)."""
         self.model = model
         self.use_pdl = use_pdl

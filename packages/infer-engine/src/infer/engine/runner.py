@@ -89,8 +89,8 @@ class ModelRunner:
         """`kv_pool`: an infer.cache.KVPool (its kv_layers, block_size and null_block are used).
         `max_num_batched_tokens`: the most tokens a step holds (sizes the mixed-step graphs;
         None: max_seq_len). `async_scheduling`: a step may be launched before the previous one is
-        collected (the graphs then resolve placeholders). `use_pdl`: small decode-only steps launch
-        their kernels with programmatic dependent launch, eager or captured (`launches_with_pdl`).
+        collected (the graphs then resolve placeholders). `use_pdl`: batch-1 decode steps launch their
+        kernels with programmatic dependent launch, eager or captured (`launches_with_pdl`).
         `eos_token_ids`: the model's EOS set, which a request's min_tokens keeps out."""
         self.async_scheduling = async_scheduling
         self.use_pdl = use_pdl
