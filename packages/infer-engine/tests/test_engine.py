@@ -9,6 +9,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from conformance.engine_runs import run_to_completion, token_ids
 from infer.engine.config import EngineConfig, EngineConfigError
 from infer.engine.engine import Engine
 from infer.engine.request import QueueFullError, RequestState, RequestTooLongError
@@ -37,20 +38,6 @@ MODES = {
     ),
 }
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
-
-
-def run_to_completion(engine: Engine, max_steps: int = 1000) -> dict[str, list]:
-    outputs = defaultdict(list)
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return outputs
-        for output in engine.step():
-            outputs[output.request_id].append(output)
-    raise AssertionError(f"engine still has work after {max_steps} steps")
-
-
-def token_ids(outputs) -> list[int]:
-    return [output.token_id for output in outputs if output.token_id is not None]
 
 
 def random_prompts(lengths, vocab_size, seed=0) -> list[list[int]]:

@@ -4,11 +4,11 @@ async scheduling, and the unconstrained request beside it gets exactly its token
 
 import json
 import re
-from collections import defaultdict
 
 import jsonschema
 import pytest
 
+from conformance.engine_runs import run_to_completion, token_ids
 from infer.engine import Engine, EngineConfig, SamplingParams
 from infer.engine.grammar_spec import GrammarSpec
 
@@ -28,20 +28,6 @@ MODES = {
     "async": {"async_scheduling": True},
     "chunked": {"use_chunked_prefill": True, "prefill_chunk_size": 8},
 }
-
-
-def run(engine: Engine, max_steps: int = 2000) -> dict[str, list]:
-    outputs = defaultdict(list)
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return outputs
-        for output in engine.step():
-            outputs[output.request_id].append(output)
-    raise AssertionError(f"engine still has work after {max_steps} steps")
-
-
-def token_ids(outputs) -> list[int]:
-    return [output.token_id for output in outputs if output.token_id is not None]
 
 
 def answer(smollm2, outputs) -> tuple[str, str | None]:
@@ -71,7 +57,7 @@ def test_a_schema_constrained_answer_validates_and_its_neighbour_is_untouched(sm
     )
     prompt, params, alone = neighbour
     plain = engine.add_request(prompt, params)
-    outputs = run(engine)
+    outputs = run_to_completion(engine, max_steps=2000)
     for request_id in (constrained, sampled):
         text, finish = answer(smollm2, outputs[request_id])
         assert finish == "stop", text
@@ -88,7 +74,7 @@ def test_a_regex_constrained_answer_matches_in_full(smollm2, pattern):
         smollm2.chat_ids("Answer in the requested format."),
         SamplingParams(temperature=0.7, seed=3, max_new_tokens=40, grammar=GrammarSpec.regex(pattern)),
     )
-    text, finish = answer(smollm2, run(engine)[request_id])
+    text, finish = answer(smollm2, run_to_completion(engine, max_steps=2000)[request_id])
     assert finish == "stop" and re.fullmatch(pattern, text, re.ASCII), text
 
 
@@ -102,7 +88,7 @@ def test_a_grammar_the_engine_cannot_enforce_fails_its_request_alone(smollm2, ne
     )
     prompt, params, alone = neighbour
     plain = engine.add_request(prompt, params)
-    outputs = run(engine)
+    outputs = run_to_completion(engine, max_steps=2000)
     (final,) = outputs[bad]
     assert final.finished and final.token_id is None and "cannot be enforced" in final.error
     assert token_ids(outputs[plain]) == alone

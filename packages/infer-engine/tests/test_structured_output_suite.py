@@ -18,11 +18,11 @@ import datetime
 import json
 import re
 import uuid
-from collections import defaultdict
 
 import jsonschema
 import pytest
 
+from conformance.engine_runs import run_to_completion, token_ids
 from infer.engine import Engine, EngineConfig, SamplingParams
 from infer.engine.grammar_spec import FORMATS, TYPES, GrammarSpec, GrammarSpecError
 
@@ -709,20 +709,6 @@ def subschemas(schema):
                 yield from subschemas(subschema)
 
 
-def run(engine: Engine, max_steps: int = 4000) -> dict[str, list]:
-    outputs = defaultdict(list)
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return outputs
-        for output in engine.step():
-            outputs[output.request_id].append(output)
-    raise AssertionError(f"engine still has work after {max_steps} steps")
-
-
-def token_ids(outputs) -> list[int]:
-    return [output.token_id for output in outputs if output.token_id is not None]
-
-
 def spec_of(case: str) -> GrammarSpec:
     if case in SCHEMAS:
         return GrammarSpec.json_schema(SCHEMAS[case][1])
@@ -745,7 +731,7 @@ def answers(smollm2) -> dict[str, tuple[str, str | None, str | None]]:
             continue
         params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW_TOKENS, grammar=spec)
         request_ids[case] = engine.add_request(smollm2.chat_ids(prompt), params)
-    outputs = run(engine)
+    outputs = run_to_completion(engine, max_steps=4000)
     for case, request_id in request_ids.items():
         text = smollm2.loaded.tokenizer.decode(token_ids(outputs[request_id]), skip_special_tokens=True)
         final = outputs[request_id][-1]

@@ -1,0 +1,22 @@
+"""Driving an Engine in tests: step it until every request it holds has finished."""
+
+from collections import defaultdict
+
+from infer.engine.engine import Engine
+
+
+def run_to_completion(engine: Engine, max_steps: int = 1000) -> dict[str, list]:
+    """Each request's EngineOutputs, in order, by request id; fails if work is left after
+    max_steps steps (a scheduler that stalls would otherwise hang the test)."""
+    outputs = defaultdict(list)
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return outputs
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+    raise AssertionError(f"engine still has work after {max_steps} steps")
+
+
+def token_ids(outputs) -> list[int]:
+    """The ids of the outputs that carry a token (a final output may carry none)."""
+    return [output.token_id for output in outputs if output.token_id is not None]
