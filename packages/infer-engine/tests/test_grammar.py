@@ -2,14 +2,16 @@
 text that `jsonschema` / `re.fullmatch` (never the grammar itself) accept; a forbidden token is
 refused; a token crossing a grammar boundary is allowed exactly when its whole text fits."""
 
+import functools
 import json
-import random
 import re
 
 import jsonschema
 import pytest
 import torch
 
+from conformance import grammar_walks
+from conformance.grammar_walks import allowed_ids, closing_token_ids
 from infer.engine.grammar import GrammarCompiler
 from infer.engine.grammar_spec import GrammarSpec, GrammarSpecError, ascii_classes
 from infer.models.load import load_model_info
@@ -66,35 +68,22 @@ def compiler(tokenizer):
     return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
 
 
-def allowed_ids(bitmask: torch.Tensor, vocab_size: int) -> list[int]:
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    return torch.nonzero(bits.flatten()[:vocab_size]).flatten().tolist()
+@functools.cache
+def closing_ids(tokenizer) -> frozenset[int]:
+    return closing_token_ids(tokenizer, CLOSERS)
 
 
-def random_walk(compiler, tokenizer, spec, seed):
-    """Random allowed tokens (after 40, preferring closing ones, so walks end); returns the ids
-    and whether the grammar reached EOS."""
-    rng = random.Random(seed)
-    matcher = compiler.compile(spec).matcher()
-    bitmask = compiler.allocate_bitmask(1)
-    ids = []
-    for step in range(MAX_TOKENS):
-        matcher.fill_bitmask(bitmask, 0)
-        allowed = allowed_ids(bitmask[0], compiler.vocab_size)
-        assert allowed, f"an empty mask after {ids}"
-        if step > 40:
-            closing = [
-                t for t in allowed
-                if t == tokenizer.eos_token_id or any(c in tokenizer.decode([t]) for c in CLOSERS)
-            ]  # fmt: skip
-            allowed = closing or allowed
-        token = rng.choice(allowed)
-        if token == tokenizer.eos_token_id:
-            assert matcher.is_terminal, "EOS was allowed where the output may not end"
-            return ids, True
-        assert matcher.advance(token)
-        ids.append(token)
-    return ids, False
+def random_walk(compiler, tokenizer, spec, seed) -> tuple[list[int], bool]:
+    """Random allowed tokens, closing ones preferred after 40: the ids and whether EOS came."""
+    return grammar_walks.random_walk(
+        compiler,
+        spec,
+        eos_token_id=tokenizer.eos_token_id,
+        closing_ids=closing_ids(tokenizer),
+        seed=seed,
+        max_tokens=MAX_TOKENS,
+        prefer_closing_after=40,
+    )
 
 
 @pytest.mark.parametrize("index", range(len(SCHEMAS)))

@@ -4,12 +4,12 @@ parser (infer.server.tool_parsers) as exactly one call to an allowed tool, whose
 `jsonschema` validates against the tool's parameters. Neither oracle is the grammar itself."""
 
 import json
-import random
 
 import jsonschema
 import pytest
-import torch
 
+from conformance import grammar_walks
+from conformance.grammar_walks import closing_token_ids
 from infer.engine.grammar import GrammarCompiler
 from infer.models.load import load_model_info
 from infer.server.tool_grammar import ToolSchemaError, forced_call_grammar
@@ -57,31 +57,22 @@ def compiler(tokenizer):
 
 @pytest.fixture(scope="module")
 def closing_ids(tokenizer) -> frozenset[int]:
-    """The tokens whose text holds something that may close a value, and EOS."""
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    closing = {i for i, text in enumerate(texts) if any(c in text for c in CLOSERS)}
-    return frozenset(closing | {tokenizer.eos_token_id})
+    return closing_token_ids(tokenizer, CLOSERS)
 
 
 def random_walk(compiler, tokenizer, closing_ids, spec, seed) -> str | None:
     """Random allowed tokens (after 30, preferring closing ones, so walks end): the text, or None
     when the walk did not reach EOS."""
-    rng = random.Random(seed)
-    matcher = compiler.compile(spec).matcher()
-    bitmask = compiler.allocate_bitmask(1)
-    ids = []
-    for step in range(MAX_TOKENS):
-        matcher.fill_bitmask(bitmask, 0)
-        bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-        allowed = torch.nonzero(bits.flatten()[: compiler.vocab_size]).flatten().tolist()
-        if step > 30:
-            allowed = [t for t in allowed if t in closing_ids] or allowed
-        token = rng.choice(allowed)
-        if token == tokenizer.eos_token_id:
-            return tokenizer.decode(ids)
-        assert matcher.advance(token)
-        ids.append(token)
-    return None
+    ids, ended = grammar_walks.random_walk(
+        compiler,
+        spec,
+        eos_token_id=tokenizer.eos_token_id,
+        closing_ids=closing_ids,
+        seed=seed,
+        max_tokens=MAX_TOKENS,
+        prefer_closing_after=30,
+    )
+    return tokenizer.decode(ids) if ended else None
 
 
 def parsed_calls(tool_format, prefix: str, text: str) -> list:
