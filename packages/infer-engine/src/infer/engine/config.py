@@ -249,12 +249,11 @@ class EngineConfig:
                 "use_cuda_graphs=True requires batching_mode='continuous' and kv_cache_backend='paged', got "
                 f"{self.batching_mode!r} and {self.kv_cache_backend!r}"
             )
-        if self.use_cuda_graphs and self.device == "cpu":
-            raise EngineConfigError(
-                "use_cuda_graphs=True needs a CUDA device, got device='cpu'; set device='cuda'"
-            )
-        if self.use_pdl and self.device == "cpu":
-            raise EngineConfigError("use_pdl=True needs a CUDA device, got device='cpu'; set device='cuda'")
+        for name in ("use_cuda_graphs", "use_pdl"):
+            if getattr(self, name) and self.device == "cpu":
+                raise EngineConfigError(
+                    f"{name}=True needs a CUDA device, got device='cpu'; set device='cuda'"
+                )
         if self.max_num_batched_tokens < self.max_batch_size:
             # Otherwise the running requests could not all decode in one step, and the
             # decode_service_interval bound could not be kept when they all fall due together.

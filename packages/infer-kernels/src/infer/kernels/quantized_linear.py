@@ -443,8 +443,9 @@ def _launch(
     scale_per_tile = bk < K
     weight_fp8 = weight.dtype == torch.float8_e4m3fn
     fast_int8 = not weight_fp8 and config.pop("FAST_INT8", True)
+    pdl = launch_options(x)
     common = dict(
-        **launch_options(x),
+        **pdl,
         SCALE_PER_TILE=scale_per_tile,
         HAS_BIAS=bias is not None and splits == 1,
         WEIGHT_FP8=weight_fp8,
@@ -487,7 +488,7 @@ def _launch(
             HAS_BIAS=bias is not None,
             BLOCK=block,
             num_warps=4,
-            **launch_options(x),
+            **pdl,
         )
     return out.view(*x.shape[:-1], N)
 
