@@ -7,7 +7,8 @@ their norms and gated activation run from one CUDA graph, launched plainly and u
   takes part in PDL);
 - bf16 through cuBLAS (`F.linear`), where only the norms and the activation take part.
 
-The answer on an H100 (2026-11-26), ms a replay, PDL / plain: int8 0.964 / 0.986 at one row, but
+The answer on an H100 (2026-11-26; timed then by the wall-clock mean of 20 replays, not yet with
+`streamed_us`), ms a replay, PDL / plain: int8 0.964 / 0.986 at one row, but
 1.02-1.09x slower from 4 to 32 rows, and 4.92 / 3.58 at 256; bf16 0.99-1.00x at 1-256 rows. So the
 engine gives PDL to batch-1 decode steps only (`infer.engine.cuda_graphs.launches_with_pdl`);
 docs/benchmarks/generation.md has the whole table. Needs a CUDA GPU of compute capability 9.0
@@ -17,11 +18,11 @@ or more.
 """
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 import triton
+from sweep_quantized_gemv import streamed_us
 
 from infer.kernels import programmatic_launch, quantized_linear, rms_norm, silu_and_mul
 
@@ -70,19 +71,8 @@ def main() -> None:
         return x
 
     def replay_ms(chain, m: int, pdl: bool) -> float:
-        with programmatic_launch(pdl):
-            chain(m)  # compiles outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                chain(m)
-        graph.replay()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(20):
-            graph.replay()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / 20 * 1e3
+        with programmatic_launch(pdl):  # around the capture: the graph keeps the launch mode
+            return streamed_us([lambda: chain(m)], repeats=20) / 1e3
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print("| chain | rows | plain ms (two runs) | PDL ms (two runs) | PDL / plain |\n|---|---:|---|---|---:|")
