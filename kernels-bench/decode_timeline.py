@@ -80,7 +80,7 @@ def steps_of(kernels: list[dict]) -> list[tuple[list[dict], float]]:
     ]
 
 
-def report(folder: str, use_pdl: bool = False) -> None:
+def report(folder: str, use_pdl: bool = False, by_kernel: bool = False) -> None:
     config = EngineConfig(
         model=folder, device="cuda", dtype="bfloat16", max_batch_size=1, max_seq_len=1024,
         use_chunked_prefill=True, use_cuda_graphs=True, async_scheduling=True, use_pdl=use_pdl,
@@ -113,6 +113,15 @@ def report(folder: str, use_pdl: bool = False) -> None:
     print("| kind | us a step | % of kernel time |\n|---|---:|---:|")
     for kind, us in sorted(by_kind.items(), key=lambda item: -item[1]):
         print(f"| {kind} | {us:.1f} | {100 * us / busy:.1f} |")
+    if by_kernel:
+        per_name = defaultdict(lambda: [0, 0.0])
+        for step, _ in steps:
+            for k in step:
+                per_name[k["name"]][0] += 1 / len(steps)
+                per_name[k["name"]][1] += k["us"] / len(steps)
+        print("\n| kernel | calls a step | us a step | us a call |\n|---|---:|---:|---:|")
+        for name, (calls, us) in sorted(per_name.items(), key=lambda item: -item[1][1]):
+            print(f"| {name[:70]} | {calls:.0f} | {us:.1f} | {us / calls:.2f} |")
     # GEMVs in order: each layer's four projections, then the LM head (a split-K GEMV's reduce
     # kernel counts with it).
     num_layers = model.config.num_layers
@@ -147,9 +156,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoints", nargs="+")
     parser.add_argument("--use-pdl", action="store_true", help="EngineConfig.use_pdl")
+    parser.add_argument("--by-kernel", action="store_true", help="also each kernel's calls and time a step")
     args = parser.parse_args()
     for folder in args.checkpoints:
-        report(folder, args.use_pdl)
+        report(folder, args.use_pdl, args.by_kernel)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ Two Triton kernels, one per kind of row:
   splits however far below `max_seq_len` it is (a graph is captured at the longest length, and
   splits cut from that would leave most programs idle and the rest looping over long splits),
   and a CUDA graph replays for any lengths and block tables. Splits past a short row's last tile
-  exit at once. With one split the first kernel writes the output itself.
+  write an empty partial at once, so the merge reads all splits in one load each, without
+  waiting for the row's length. With one split the first kernel writes the output itself.
 - Extend rows (prompt chunks): flash attention, one program per (tile of BLOCK_M queries of one
   row, query head), over key tiles up to the tile's last position, with causal and sliding-window
   masks and an online softmax. Grid from host ints too: (tiles of max_query_len, extend rows,
@@ -135,12 +136,15 @@ def _decode_split_kernel(
     # loop visits holds a visible key, so the running maximum is finite from the first tile on.
     start = span_start + split * split_size
     end = tl.minimum(start + split_size, seq_len)
+    heads = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    head_mask = heads < GROUP
+    dim_mask = dims < HEAD_DIM
+    q_heads = kv_head * GROUP + heads
+    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    denominator = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     if start < end:
-        heads = tl.arange(0, GROUP_PAD)
-        dims = tl.arange(0, DIM_PAD)
-        head_mask = heads < GROUP
-        dim_mask = dims < HEAD_DIM
-        q_heads = kv_head * GROUP + heads
         q = tl.load(
             q_ptr + row * q_stride_token + q_heads[:, None] * q_stride_head + dims[None, :],
             mask=head_mask[:, None] & dim_mask[None, :],
@@ -149,10 +153,6 @@ def _decode_split_kernel(
         table_row = block_table_ptr + row * block_table_stride
         k_base = k_ptr + kv_head * k_stride_head
         v_base = v_ptr + kv_head * v_stride_head
-
-        running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        denominator = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
         for tile_start in range(start, end, BLOCK_N):
             keys_at = tile_start + tl.arange(0, BLOCK_N)
             in_range = keys_at < end
@@ -170,19 +170,22 @@ def _decode_split_kernel(
             acc = acc * rescale[:, None] + tl.dot(probs, v.to(tl.float32), input_precision=DOT_PRECISION)
             running_max = tile_max
 
-        store_mask = head_mask[:, None] & dim_mask[None, :]
-        if SINGLE_SPLIT:
-            tl.store(
-                out_ptr + row * out_stride_token + q_heads[:, None] * out_stride_head + dims[None, :],
-                (acc / denominator[:, None]).to(out_ptr.dtype.element_ty),
-                mask=store_mask,
-            )
-        else:
-            # Partials are [rows, q_heads, splits] (max, sum) and [rows, q_heads, splits, D] (acc).
-            part = (row * (tl.num_programs(1) * GROUP) + q_heads) * num_splits + split
-            tl.store(part_max_ptr + part, running_max, mask=head_mask)
-            tl.store(part_sum_ptr + part, denominator, mask=head_mask)
-            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=store_mask)
+    store_mask = head_mask[:, None] & dim_mask[None, :]
+    if SINGLE_SPLIT:
+        tl.store(
+            out_ptr + row * out_stride_token + q_heads[:, None] * out_stride_head + dims[None, :],
+            (acc / denominator[:, None]).to(out_ptr.dtype.element_ty),
+            mask=store_mask,
+        )
+    else:
+        # Partials are [rows, q_heads, splits] (max, sum) and [rows, q_heads, splits, D] (acc).
+        # A split past the row's last key writes the empty partial (max -inf, sum and acc 0),
+        # which weighs nothing in the merge: the merge then reads every split without first
+        # reading the row's length.
+        part = (row * (tl.num_programs(1) * GROUP) + q_heads) * num_splits + split
+        tl.store(part_max_ptr + part, running_max, mask=head_mask)
+        tl.store(part_sum_ptr + part, denominator, mask=head_mask)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=store_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -191,42 +194,34 @@ def _decode_merge_kernel(
     part_max_ptr,
     part_sum_ptr,
     part_acc_ptr,
-    seq_len_ptr,
     out_stride_token,
     out_stride_head,
     num_splits,
-    sliding_window,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    seq_len = tl.load(seq_len_ptr + row).to(tl.int32)
-    first = 0
-    if HAS_WINDOW:
-        first = tl.maximum(seq_len - sliding_window, 0)
     dims = tl.arange(0, DIM_PAD)
+    splits = tl.arange(0, SPLITS_PAD)
     dim_mask = dims < HEAD_DIM
-    part_row = (row * tl.num_programs(1) + head) * num_splits
-    # Exactly the splits that held a visible key wrote partials: the first ones, up to the one
-    # of the last key.
-    span_start, split_size = _split_span(seq_len, first, num_splits, BLOCK_N)
-    running_max = float("-inf")
-    denominator = 0.0
-    acc = tl.zeros([DIM_PAD], tl.float32)
-    for split in range(0, tl.cdiv(seq_len - span_start, split_size)):
-        split_max = tl.load(part_max_ptr + part_row + split)
-        new_max = tl.maximum(running_max, split_max)
-        old_weight = tl.exp(running_max - new_max)
-        split_weight = tl.exp(split_max - new_max)
-        denominator = denominator * old_weight + tl.load(part_sum_ptr + part_row + split) * split_weight
-        split_acc = tl.load(part_acc_ptr + (part_row + split) * HEAD_DIM + dims, mask=dim_mask, other=0.0)
-        acc = acc * old_weight + split_acc * split_weight
-        running_max = new_max
+    split_mask = splits < num_splits
+    part = (row * tl.num_programs(1) + head) * num_splits + splits
+    # Every split in one load of each partial: no loop of dependent loads. Empty splits (and the
+    # padding) have max -inf, so their weight is 0.
+    split_max = tl.load(part_max_ptr + part, mask=split_mask, other=float("-inf"))
+    split_sum = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
+    split_acc = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    weight = tl.exp(split_max - tl.max(split_max, 0))
+    denominator = tl.sum(split_sum * weight, 0)
+    acc = tl.sum(split_acc * weight[:, None], 0)
     tl.store(
         out_ptr + row * out_stride_token + head * out_stride_head + dims,
         (acc / denominator).to(out_ptr.dtype.element_ty),
@@ -437,15 +432,12 @@ def _launch(
                 part_max,
                 part_sum,
                 part_acc,
-                seq_lens,
                 out.stride(0),
                 out.stride(1),
                 num_splits,
-                sliding_window or 0,
                 HEAD_DIM=head_dim,
                 DIM_PAD=dim_pad,
-                HAS_WINDOW=sliding_window is not None,
-                BLOCK_N=block_n,
+                SPLITS_PAD=triton.next_power_of_2(num_splits),
                 num_warps=1,
                 **launch_options(q),
             )
