@@ -25,7 +25,7 @@ from infer.engine import Engine, EngineConfig, SamplingParams
 PROMPT_TOKENS, NEW_TOKENS, PROFILED_FROM, PROFILED_STEPS = 256, 256, 100, 20
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 KINDS = (
-    ("matmul", ("nvjet", "gemv", "gemm", "splitKreduce", "cutlass")),
+    ("matmul", ("nvjet", "gemv", "gemm", "splitKreduce", "cutlass", "_split_k_sum")),
     ("attention", ("_decode_split", "_decode_merge", "paged_attention")),
     ("norm", ("rms_norm",)),
     ("rope", ("_rope",)),
@@ -41,7 +41,11 @@ def kind_of(kernel: str) -> str:
 
 
 def is_matmul(kernel: str) -> bool:
-    return kind_of(kernel) == "matmul" and "splitKreduce" not in kernel
+    return kind_of(kernel) == "matmul" and not is_split_k_sum(kernel)
+
+
+def is_split_k_sum(kernel: str) -> bool:
+    return "splitKreduce" in kernel or "_split_k_sum" in kernel
 
 
 def decode(engine: Engine, profiled: bool) -> tuple[float, list[dict]]:
@@ -80,10 +84,13 @@ def steps_of(kernels: list[dict]) -> list[tuple[list[dict], float]]:
     ]
 
 
-def report(folder: str, use_pdl: bool = False, by_kernel: bool = False) -> None:
+def report(
+    folder: str, use_pdl: bool = False, by_kernel: bool = False, use_triton_gemv: bool = False
+) -> None:
     config = EngineConfig(
         model=folder, device="cuda", dtype="bfloat16", max_batch_size=1, max_seq_len=1024,
         use_chunked_prefill=True, use_cuda_graphs=True, async_scheduling=True, use_pdl=use_pdl,
+        use_triton_gemv=use_triton_gemv,
     )  # fmt: skip
     engine = Engine(config)
     decode(engine, profiled=False)  # warm-up
@@ -131,7 +138,7 @@ def report(folder: str, use_pdl: bool = False, by_kernel: bool = False) -> None:
         for k in step:
             if is_matmul(k["name"]):
                 gemvs.append(k["us"])
-            elif "splitKreduce" in k["name"]:
+            elif is_split_k_sum(k["name"]):
                 gemvs[-1] += k["us"]
         for i, name in enumerate(PROJECTIONS):
             times[name].append(sum(gemvs[i : 4 * num_layers : 4]) / num_layers)
@@ -156,10 +163,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoints", nargs="+")
     parser.add_argument("--use-pdl", action="store_true", help="EngineConfig.use_pdl")
+    parser.add_argument("--use-triton-gemv", action="store_true", help="EngineConfig.use_triton_gemv")
     parser.add_argument("--by-kernel", action="store_true", help="also each kernel's calls and time a step")
     args = parser.parse_args()
     for folder in args.checkpoints:
-        report(folder, args.use_pdl, args.by_kernel)
+        report(folder, args.use_pdl, args.by_kernel, args.use_triton_gemv)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,13 @@ def test_pdl_on_the_cpu_is_refused_naming_the_flag():
         EngineConfig(use_pdl="yes")
 
 
+def test_triton_gemv_on_the_cpu_is_refused_naming_the_flag():
+    with pytest.raises(EngineConfigError, match="use_triton_gemv=True needs a CUDA device"):
+        EngineConfig(device="cpu", use_triton_gemv=True)
+    with pytest.raises(EngineConfigError, match="use_triton_gemv must be true or false"):
+        EngineConfig(use_triton_gemv=1)
+
+
 def test_only_batch_1_decode_steps_launch_with_pdl():
     assert launches_with_pdl(True, num_rows=1, num_decode_rows=1)
     assert not launches_with_pdl(False, num_rows=1, num_decode_rows=1)

@@ -1,6 +1,6 @@
 """On CUDA in bf16 with real shapes: greedy tokens of every engine configuration (paged, contiguous,
-chunked prefill at 16 / 64 / 512 tokens, preemption forced by a tiny pool, CUDA graphs, PDL) equal the
-recompute oracle's (no cache, the whole sequence every token).
+chunked prefill at 16 / 64 / 512 tokens, preemption forced by a tiny pool, CUDA graphs, PDL, the
+Triton GEMV) equal the recompute oracle's (no cache, the whole sequence every token).
 
 bf16 rounds the engine's path (prompt chunks and one-token rows against stored keys) and the
 recompute path (the whole sequence at once) differently, so a genuine near-tie between the top two
@@ -50,6 +50,14 @@ CONFIGS = {
         prefill_chunk_size=64,
         async_scheduling=True,
         use_pdl=True,
+    ),
+    "graphs-async-pdl-gemv": dict(
+        use_cuda_graphs=True,
+        use_chunked_prefill=True,
+        prefill_chunk_size=64,
+        async_scheduling=True,
+        use_pdl=True,
+        use_triton_gemv=True,
     ),
     "preempted-async": dict(
         num_gpu_blocks=45, use_chunked_prefill=True, prefill_chunk_size=64, async_scheduling=True

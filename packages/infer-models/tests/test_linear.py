@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.models.linear import CPU_SPLIT, CPU_SPLIT_MAX_ROWS, Linear, dense_linear
+from infer.kernels import gemv
+from infer.models.linear import CPU_SPLIT, CPU_SPLIT_MAX_ROWS, Linear, dense_linear, triton_gemv
 
 
 @pytest.mark.parametrize("rows", range(1, CPU_SPLIT_MAX_ROWS + 1))
@@ -44,3 +45,22 @@ def test_a_linear_layer_decodes_through_it():
     torch.nn.init.normal_(layer.weight)
     x = torch.randn(1, 16)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_inside_triton_gemv_one_row_runs_the_triton_kernel_and_the_rest_cublas():
+    """Inside `triton_gemv()`, a dense Linear's one-row CUDA input gives infer.kernels.gemv's
+    output bit for bit, and two rows, or one row outside it, give F.linear's. The two differ in
+    the last bits at K = 8192 (sums in another order), which is what tells them apart."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    layer = Linear(8192, 2048).to(device="cuda", dtype=torch.bfloat16)
+    layer.weight.data = torch.randn(2048, 8192, generator=gen, device="cuda", dtype=torch.bfloat16) / 90
+    one, two = (torch.randn(n, 8192, generator=gen, device="cuda", dtype=torch.bfloat16) for n in (1, 2))
+    ours, cublas = gemv(one, layer.weight), F.linear(one, layer.weight)
+    assert not torch.equal(ours, cublas)
+    with triton_gemv():
+        assert torch.equal(layer(one), ours)
+        assert torch.equal(layer(two), F.linear(two, layer.weight))
+        with triton_gemv(False):
+            assert torch.equal(layer(one), cublas)
+    assert torch.equal(layer(one), cublas)

@@ -92,6 +92,7 @@ def run_bench_generate(args: argparse.Namespace) -> int:
             "use_cuda_graphs": args.use_cuda_graphs,
             "async_scheduling": args.async_scheduling,
             "use_pdl": args.use_pdl,
+            "use_triton_gemv": args.use_triton_gemv,
             "runs": [r.as_dict() for r in runs],
         },
         "memory": {**memory, "runtime_rss_bytes_before_load": runtime_rss if device.type == "cpu" else None},
@@ -314,6 +315,7 @@ def markdown_report(report: dict) -> str:
                 + ["CUDA graphs"] * report["infer"]["use_cuda_graphs"]
                 + ["async scheduling"] * report["infer"].get("async_scheduling", False)
                 + ["PDL"] * report["infer"].get("use_pdl", False)
+                + ["Triton GEMV"] * report["infer"].get("use_triton_gemv", False)
             ),
             report["infer"]["kv_cache_backend"],
             report["infer"],

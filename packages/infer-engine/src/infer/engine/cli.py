@@ -77,6 +77,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="programmatic dependent launch: each Triton kernel lets the next launch early (CUDA, sm_90+)",
     )
+    parser.add_argument(
+        "--use-triton-gemv",
+        action="store_true",
+        help="batch-1 decode's dense projections through infer-kernels' Triton GEMV, not cuBLAS (CUDA)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (EOS ids, loading)")
 
 
@@ -115,6 +120,7 @@ def load_engine(args: argparse.Namespace, *, max_batch_size: int = 1):
         use_cuda_graphs=args.use_cuda_graphs,
         async_scheduling=args.async_scheduling,
         use_pdl=args.use_pdl,
+        use_triton_gemv=args.use_triton_gemv,
     )
     limit_device_memory(config, device)  # before the weights, which count against it
     loaded = load_model(args.model, dtype=dtype, device=device, quantization=args.quantization)

@@ -125,6 +125,11 @@ class EngineConfig:
         "programmatic dependent launch (CUDA, compute capability 9.0 and newer) in batch-1 decode "
         "steps: each Triton kernel lets the next one launch while it runs: true or false",
     )
+    use_triton_gemv: bool = _flag(
+        False,
+        "dense Linears of one row (batch-1 decode), the LM head included, run infer-kernels' "
+        "Triton GEMV instead of cuBLAS (CUDA only): true or false",
+    )
     use_prefix_caching: bool = _flag(
         False,
         "reuse the KV of token runs earlier requests left (prefix, supersequence, common prefix), "
@@ -197,6 +202,7 @@ class EngineConfig:
             "cuda_graph_mixed_steps",
             "async_scheduling",
             "use_pdl",
+            "use_triton_gemv",
             "use_prefix_caching",
         ):
             if not isinstance(getattr(self, name), bool):
@@ -249,7 +255,7 @@ class EngineConfig:
                 "use_cuda_graphs=True requires batching_mode='continuous' and kv_cache_backend='paged', got "
                 f"{self.batching_mode!r} and {self.kv_cache_backend!r}"
             )
-        for name in ("use_cuda_graphs", "use_pdl"):
+        for name in ("use_cuda_graphs", "use_pdl", "use_triton_gemv"):
             if getattr(self, name) and self.device == "cpu":
                 raise EngineConfigError(
                     f"{name}=True needs a CUDA device, got device='cpu'; set device='cuda'"

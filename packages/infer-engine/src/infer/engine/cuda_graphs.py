@@ -40,6 +40,7 @@ import torch
 from infer.engine.input_batch import StepInputs, resolve_pending_tokens
 from infer.kernels import extend_tile_size, programmatic_launch
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
+from infer.models.linear import triton_gemv
 
 # Chunk rows a mixed-step graph holds. A serving step rarely holds more than a few prompt
 # chunks; one with more runs eagerly. Each slot costs empty programs of the extend kernel.
@@ -96,12 +97,15 @@ class StepGraphs:
         mixed_steps: bool = True,
         last_sampled: torch.Tensor | None = None,
         use_pdl: bool = False,
+        use_triton_gemv: bool = False,
     ):
         """`last_sampled`: the runner's device copy of the previous step's sampled tokens, which
         placeholder input ids point into (runner.py). `use_pdl`: the batch-1 decode graph is
-        captured with programmatic dependent launch (`launches_with_pdl`)."""
+        captured with programmatic dependent launch (`launches_with_pdl`). `use_triton_gemv`:
+        every graph is captured inside infer.models.linear.triton_gemv."""
         self.model = model
         self.use_pdl = use_pdl
+        self.use_triton_gemv = use_triton_gemv
         self.last_sampled = last_sampled
         self.kv_layers = kv_layers
         self.max_seq_len = max_seq_len
@@ -408,11 +412,17 @@ class StepGraphs:
         # the allocator settle before capture.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), torch.inference_mode(), programmatic_launch(pdl):
+        gemv = triton_gemv(self.use_triton_gemv)
+        with torch.cuda.stream(side), torch.inference_mode(), programmatic_launch(pdl), gemv:
             for _ in range(2):
                 forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), programmatic_launch(pdl), torch.cuda.graph(graph, pool=self._pool):
+        with (
+            torch.inference_mode(),
+            programmatic_launch(pdl),
+            triton_gemv(self.use_triton_gemv),
+            torch.cuda.graph(graph, pool=self._pool),
+        ):
             output = forward()
         return graph, output

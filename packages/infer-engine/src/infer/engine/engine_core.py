@@ -127,9 +127,10 @@ class EngineCore:
             kv_manager=KVCacheManager(self.kv_pool.allocator, self.kv_pool.block_size, self.prefix_tree),
             max_seq_len=self.max_seq_len,
         )
-        for name in ("use_cuda_graphs", "use_pdl"):
+        for name in ("use_cuda_graphs", "use_pdl", "use_triton_gemv"):
             if getattr(config, name) and self.device.type != "cuda":
                 raise EngineConfigError(f"{name}=True needs a CUDA device, the model is on {self.device}")
+
         eos_token_ids = eos_token_ids_of(loaded_model)
         self.limits = CoreLimits(
             max_seq_len=self.max_seq_len,
@@ -157,6 +158,7 @@ class EngineCore:
             cuda_graph_mixed_steps=config.cuda_graph_mixed_steps,
             async_scheduling=config.async_scheduling,
             use_pdl=config.use_pdl,
+            use_triton_gemv=config.use_triton_gemv,
             eos_token_ids=eos_token_ids,
         )
         # At start-up, not on first use: a kernel compile or a graph capture would land on the

@@ -29,6 +29,7 @@ from infer.engine.input_batch import InputBatch, RowState, StepInputs, resolve_p
 from infer.engine.sampler import AllowedTokens, SamplingTensors, compute_logprobs, sample
 from infer.kernels import programmatic_launch
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
+from infer.models.linear import triton_gemv
 
 
 @dataclass
@@ -84,6 +85,7 @@ class ModelRunner:
         cuda_graph_mixed_steps: bool = True,
         async_scheduling: bool = False,
         use_pdl: bool = False,
+        use_triton_gemv: bool = False,
         eos_token_ids: Collection[int] = (),
     ):
         """`kv_pool`: an infer.cache.KVPool (its kv_layers, block_size and null_block are used).
@@ -91,9 +93,12 @@ class ModelRunner:
         None: max_seq_len). `async_scheduling`: a step may be launched before the previous one is
         collected (the graphs then resolve placeholders). `use_pdl`: batch-1 decode steps launch their
         kernels with programmatic dependent launch, eager or captured (`launches_with_pdl`).
-        `eos_token_ids`: the model's EOS set, which a request's min_tokens keeps out."""
+        `use_triton_gemv`: every forward runs inside infer.models.linear.triton_gemv (one-row
+        dense Linears on the Triton GEMV). `eos_token_ids`: the model's EOS set, which a
+        request's min_tokens keeps out."""
         self.async_scheduling = async_scheduling
         self.use_pdl = use_pdl
+        self.use_triton_gemv = use_triton_gemv
         self.eos_token_ids = tuple(eos_token_ids)
         self.model = model
         self.kv_pool = kv_pool
@@ -131,6 +136,7 @@ class ModelRunner:
                 mixed_steps=cuda_graph_mixed_steps,
                 last_sampled=self.last_sampled if async_scheduling else None,
                 use_pdl=use_pdl,
+                use_triton_gemv=use_triton_gemv,
             )
 
     @torch.inference_mode()
@@ -287,7 +293,8 @@ class ModelRunner:
 
     def _eager_logits(self, step: StepInputs) -> torch.Tensor:
         num_rows = len(step.request_ids)
-        with programmatic_launch(launches_with_pdl(self.use_pdl, num_rows, step.num_decode_rows)):
+        pdl = launches_with_pdl(self.use_pdl, num_rows, step.num_decode_rows)
+        with programmatic_launch(pdl), triton_gemv(self.use_triton_gemv):
             if not step.sampling_rows:
                 # Mid-prompt chunks only: the forward still fills the cache.
                 self.model(self.forward_batch(step, logits_indices=np.zeros(1, dtype=np.int64)))

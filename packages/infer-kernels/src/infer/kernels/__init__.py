@@ -17,7 +17,13 @@ from infer.kernels.paged_attention import (
 )
 from infer.kernels.pdl import programmatic_launch
 from infer.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
-from infer.kernels.quantized_linear import dequantize_weight, quantized_linear, quantized_linear_ref
+from infer.kernels.quantized_linear import (
+    dequantize_weight,
+    gemv,
+    gemv_ref,
+    quantized_linear,
+    quantized_linear_ref,
+)
 from infer.kernels.rms_norm import (
     add_rms_norm,
     add_rms_norm_ref,
@@ -47,6 +53,8 @@ __all__ = [
     "extend_tile_size",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_ref",
+    "gemv",
+    "gemv_ref",
     "int8_cpu_scale",
     "int8_linear_cpu",
     "int8_linear_cpu_supports",

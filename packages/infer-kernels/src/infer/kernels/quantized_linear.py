@@ -24,6 +24,10 @@ one byte per weight is half of bf16's two. Three paths, chosen by the number of 
   x's dtype in one pass, and cuBLAS multiplies (faster there than the tensor-core kernel, whose
   converted weight tiles are re-read per tile of rows: see `_DEQUANTIZE_MIN_M`).
 
+The M = 1 kernel also serves dense weights (bf16, fp16, fp32; `gemv`, no scale): the same
+streaming loop, which at the 1-2B models' widths reads the weight faster than cuBLAS's GEMV does
+and, being ours, takes part in programmatic dependent launch (`_dense_gemv_config` has its tiles).
+
 Where a scale varies along K, BLOCK_K divides bk, so that no tile straddles two blocks. When the
 output tiles alone would leave SMs idle, K is split across programs that write fp32 partial
 sums; `_split_k_sum_kernel` adds them (and the bias) in a fixed order.
@@ -111,6 +115,7 @@ def _gemv_kernel(
     scale_block_n,
     scale_block_k,
     k_per_split,
+    SCALED: tl.constexpr,
     SCALE_PER_TILE: tl.constexpr,
     SCALE_ON_X: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -152,7 +157,7 @@ def _gemv_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
-    if not SCALE_PER_TILE:
+    if SCALED and not SCALE_PER_TILE:
         y *= tl.load(scale_rows, mask=row_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -370,6 +375,22 @@ def _gemv_config(M: int, N: int, K: int, k_cap: int) -> dict:
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=1, num_warps=num_warps, num_stages=1)
 
 
+def _dense_gemv_config(N: int, K: int) -> dict:
+    """From a sweep on an H100 (the bf16 projections of Llama-3.2-1B, Qwen3-1.7B and Gemma-3-1B,
+    M = 1, streamed from a CUDA graph over distinct weights): 4 rows x 1024 columns with 8 warps,
+    unsplit, for all but the wide gate|up projections, which took 8 x 256 tiles with 2 warps (the
+    best tile there varied from shape to shape within 3%)."""
+    if N >= 8192:
+        block_n, block_k, num_warps = 8, 256, 2
+    else:
+        block_n, block_k, num_warps = 4, 1024, 8
+    # A grid's second dimension holds at most 65535 programs (an LM head of 2^19 rows would
+    # need more at 8 rows a tile).
+    block_n = max(block_n, triton.next_power_of_2(triton.cdiv(N, 65535)))
+    block_k = min(block_k, max(triton.next_power_of_2(K), 16))
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=1, num_warps=num_warps, num_stages=1)
+
+
 def _dot_config(M: int, N: int, K: int, k_cap: int) -> dict:
     """Decode batches (M <= 64): thin tiles (32 weight rows) streamed 256 columns at a time, as
     a sweep on an H100 found for M = 2..16. Prefill: 128 x 128 tiles (x 256 tokens from M =
@@ -386,8 +407,8 @@ def _dot_config(M: int, N: int, K: int, k_cap: int) -> dict:
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
-    scale: torch.Tensor,
-    block_size: tuple[int, int],
+    scale: torch.Tensor | None,
+    block_size: tuple[int, int] | None,
     bias: torch.Tensor | None,
     *,
     kernel: str | None = None,
@@ -396,8 +417,12 @@ def _launch(
 ) -> torch.Tensor:
     """Run one kernel. `kernel` ("gemv", "dot" or "dequantize": the weight dequantized to x's dtype
     in one pass, then cuBLAS), `config` and `split_k` override the choice by shape (for tests and
-    tuning)."""
+    tuning). `scale` None: a dense weight in x's dtype, which only the GEMV kernel takes."""
     N, K = weight.shape
+    scaled = scale is not None
+    if not scaled:
+        block_size = (N, K)
+        kernel = "gemv"
     if x.stride(-1) != 1:
         x = x.contiguous()  # read only: a copy changes nothing the caller sees
     rows = x.reshape(-1, K)
@@ -416,7 +441,9 @@ def _launch(
             kernel = "dequantize"
     if kernel == "dequantize":
         return F.linear(x, _dequantized(weight, scale, block_size, x.dtype), bias)
-    if config is None:
+    if config is None and not scaled:
+        config = _dense_gemv_config(N, K)
+    elif config is None:
         config = (_gemv_config if kernel == "gemv" else _dot_config)(M, N, K, k_cap)
     config = dict(config)
     block_k = config["BLOCK_K"]
@@ -442,7 +469,7 @@ def _launch(
     target = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
     scale_per_tile = bk < K
     weight_fp8 = weight.dtype == torch.float8_e4m3fn
-    fast_int8 = not weight_fp8 and config.pop("FAST_INT8", True)
+    fast_int8 = config.pop("FAST_INT8", True) and weight.dtype == torch.int8
     pdl = launch_options(x)
     common = dict(
         **pdl,
@@ -451,6 +478,8 @@ def _launch(
         WEIGHT_FP8=weight_fp8,
         FAST_INT8=fast_int8,
     )
+    if not scaled:
+        scale = weight  # any pointer: an unscaled kernel does not read it
     args = (
         rows,
         weight.view(torch.uint8) if weight_fp8 else weight,
@@ -460,8 +489,8 @@ def _launch(
     )
     strides = (
         rows.stride(0),
-        scale.stride(0),
-        scale.stride(1),
+        scale.stride(0) if scaled else 0,
+        scale.stride(1) if scaled else 0,
         M * N if splits > 1 else 0,
         N,
         bn,
@@ -472,7 +501,7 @@ def _launch(
         config.setdefault("UNROLL", 1)
         scale_on_x = scale_per_tile and bn % config["BLOCK_N"] == 0
         grid = (M, triton.cdiv(N, config["BLOCK_N"]), splits)
-        _gemv_kernel[grid](*args, N, K, *strides, **common, SCALE_ON_X=scale_on_x, **config)
+        _gemv_kernel[grid](*args, N, K, *strides, **common, SCALED=scaled, SCALE_ON_X=scale_on_x, **config)
     else:
         native = x.is_cuda and x.dtype != torch.float32
         _dot_kernel[(tiles, splits)](*args, M, N, K, *strides, **common, NATIVE_DOT=native, **config)
@@ -584,3 +613,42 @@ def quantized_linear(
     if use_triton(x):
         return _launch(x, weight, scale, tuple(block_size), bias)
     return quantized_linear_ref(x, weight, scale, block_size, bias)
+
+
+def _check_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    check_dtype("x", x)
+    if weight.dtype != x.dtype or weight.dim() != 2 or not weight.is_contiguous():
+        raise ValueError(
+            f"weight must be a contiguous 2D {x.dtype} tensor, got {weight.dtype} of shape "
+            f"{list(weight.shape)} with strides {list(weight.stride())}"
+        )
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1] or x.numel() != weight.shape[1]:
+        raise ValueError(f"x must be one row of K = {weight.shape[1]}, got x of shape {list(x.shape)}")
+    if bias is not None and (bias.dtype != x.dtype or tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(
+            f"bias must be a [{weight.shape[0]}] {x.dtype} tensor, got {bias.dtype} {list(bias.shape)}"
+        )
+    check_same_device(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: matmul in fp32, add the bias, round to x's dtype."""
+    _check_gemv(x, weight, bias)
+    y = F.linear(x.float(), weight.float())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` for one row x (`[..., K]` holding K values) and a dense weight `[N, K]`
+    of x's dtype, accumulated in fp32: the M = 1 kernel above, unscaled.
+
+    For batch-1 decode on a GPU: at the 1-2B models' widths it streams the weight faster than
+    cuBLAS's GEMV does, and under programmatic dependent launch (`infer.kernels.pdl`) it overlaps
+    its neighbours as cuBLAS's kernels cannot (docs/benchmarks/generation.md).
+    """
+    _check_gemv(x, weight, bias)
+    if use_triton(x):
+        return _launch(x, weight, None, None, bias)
+    return gemv_ref(x, weight, bias)

@@ -14,19 +14,40 @@ rows into `CPU_SPLIT` parts and runs them as one batched product, which torch sp
 threads: the same arithmetic for each output (one row of the weight against x), at ~38 GB/s.
 Larger inputs (prefill chunks), other dtypes (bf16's `F.linear` reads at ~25 GB/s there, its
 batched product at ~14) and other devices keep `F.linear`.
+
+On a GPU, inside `triton_gemv()` (EngineConfig.use_triton_gemv), a dense Linear sends its one-row
+inputs (batch-1 decode) to infer.kernels' Triton GEMV instead of cuBLAS: faster at the 1-2B
+models' widths, and a kernel that programmatic dependent launch overlaps with its neighbours.
 """
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.kernels import int8_cpu_scale, int8_linear_cpu, int8_linear_cpu_supports, quantized_linear
+from infer.kernels import gemv, int8_cpu_scale, int8_linear_cpu, int8_linear_cpu_supports, quantized_linear
 from infer.models.quantization import Quantization, scale_shape
 
 # At most this many rows take the split path: measured on the 2-core CI machine, the batched
 # product reads at 35-38 GB/s up to 4 rows and falls to F.linear's speed from 8.
 CPU_SPLIT_MAX_ROWS = 4
 CPU_SPLIT = 8  # parts of the weight's rows: more than the threads, so that they share the work evenly
+
+_triton_gemv = False
+
+
+@contextlib.contextmanager
+def triton_gemv(enabled: bool = True):
+    """Inside, dense Linears send one-row CUDA inputs to infer.kernels.gemv. A context, not a
+    model setting, so that engines sharing a model (tests) each run their own choice; CUDA
+    graphs captured inside keep it."""
+    global _triton_gemv
+    previous, _triton_gemv = _triton_gemv, enabled
+    try:
+        yield
+    finally:
+        _triton_gemv = previous
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,6 +114,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is None:
+            if _triton_gemv and x.is_cuda and x.numel() == self.in_features:
+                return gemv(x, self.weight, self.bias)
             return dense_linear(x, self.weight, self.bias)
         if x.device.type == "cpu":
             if self._cpu_int8_scale is None:
