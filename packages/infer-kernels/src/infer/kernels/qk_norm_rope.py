@@ -3,15 +3,15 @@
 Qwen 3 and Gemma 3 normalise each head of q and of k (one weight of `head_dim` for all q heads,
 another for all k heads) before rotating them. Unfused, that is three kernels a layer (two
 `rms_norm`, one `rope`), each reading and writing the heads; at batch 1 each also costs its
-launch, which is what a decode step is made of (docs/benchmarks/generation.md). Here one program
-per token normalises and rotates all of its q and k heads.
+launch, which is what a decode step is made of (docs/benchmarks/generation.md). Here two programs
+per token normalise and rotate all of its q heads, and all of its k heads.
 
 The result is that of `rms_norm` of each head, rounded to the input dtype as the unfused kernel
 stores it, then `rope` of the rounded heads: `qk_norm_rope_ref` composes the two references.
 Shapes as `rope`'s with positions: q `[T, Hq, D]`, k `[T, Hk, D]` (any strides but the last,
 so views of a fused q|k|v projection are updated in place), tables `[max_pos, D // 2]`,
 positions `[T]`. A position outside the table writes NaN into that token's q and k, as `rope`
-does. Given a `KVStore`, the program also writes the rotated k and the token's v into the KV
+does. Given a `KVStore`, the k program also writes the rotated k and the token's v into the KV
 cache at its slot, as `store_kv` would (one kernel a layer instead of four).
 """
 
@@ -67,53 +67,55 @@ def _qk_norm_rope_kernel(
     cos, sin = _table_rows(
         cos_ptr, sin_ptr, table_row_stride, position, num_positions, dims, dim_mask, poison
     )
-    q_at = q_ptr + token * q_stride_token
-    _norm_and_rotate_heads(
-        q_at,
-        q_stride_head,
-        num_q_heads,
-        q_weight_ptr,
-        half_dim,
-        eps,
-        offset,
-        cos,
-        sin,
-        dims,
-        dim_mask,
-        q_at,
-        BLOCK_HQ,
-        False,
-    )
-    cache_row = _store_v(
-        slot_ptr,
-        token,
-        v_ptr,
-        v_stride_token,
-        v_stride_head,
-        v_cache_ptr,
-        num_kv_heads,
-        half_dim,
-        dims,
-        dim_mask,
-        BLOCK_HK,
-        STORE_KV,
-    )
-    _norm_and_rotate_heads(
-        k_ptr + token * k_stride_token,
-        k_stride_head,
-        num_kv_heads,
-        k_weight_ptr,
-        half_dim,
-        eps,
-        offset,
-        cos,
-        sin,
-        dims,
-        dim_mask,
-        k_cache_ptr + cache_row,
-        BLOCK_HK,
-        STORE_KV,
-    )
+    if tl.program_id(1) == 0:
+        q_at = q_ptr + token * q_stride_token
+        _norm_and_rotate_heads(
+            q_at,
+            q_stride_head,
+            num_q_heads,
+            q_weight_ptr,
+            half_dim,
+            eps,
+            offset,
+            cos,
+            sin,
+            dims,
+            dim_mask,
+            q_at,
+            BLOCK_HQ,
+            False,
+        )
+    else:
+        cache_row = _store_v(
+            slot_ptr,
+            token,
+            v_ptr,
+            v_stride_token,
+            v_stride_head,
+            v_cache_ptr,
+            num_kv_heads,
+            half_dim,
+            dims,
+            dim_mask,
+            BLOCK_HK,
+            STORE_KV,
+        )
+        _norm_and_rotate_heads(
+            k_ptr + token * k_stride_token,
+            k_stride_head,
+            num_kv_heads,
+            k_weight_ptr,
+            half_dim,
+            eps,
+            offset,
+            cos,
+            sin,
+            dims,
+            dim_mask,
+            k_cache_ptr + cache_row,
+            BLOCK_HK,
+            STORE_KV,
+        )
 
 
 @triton.jit
@@ -159,7 +161,8 @@ def _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions, store) -
     num_tokens, half_dim = q.shape[0], q.shape[-1] // 2
     if num_tokens == 0:
         return
-    _qk_norm_rope_kernel[(num_tokens,)](
+    # Two programs a token, as rope's: its q heads, and its k heads with the cache writes.
+    _qk_norm_rope_kernel[(num_tokens, 2)](
         q,
         q.stride(0),
         q.stride(1),

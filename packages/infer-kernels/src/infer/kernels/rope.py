@@ -17,8 +17,9 @@ in place without a copy.
 On a CPU, `rope_cpu` rotates fp32 q and k in five ops each (multiplies and fused multiply-adds
 written in place) where the reference takes nine; other dtypes take the reference.
 
-The Triton kernel gives each token to one program, which reads its cos/sin row once and rotates
-all q and k heads with it. Given a `KVStore` (q and k `[T, H, D]` with positions), it also writes
+The Triton kernel gives each token two programs, each of which reads its cos/sin row once: one
+rotates all q heads, the other all k heads (at batch-1 decode the two chains of loads then wait
+side by side). Given a `KVStore` (q and k `[T, H, D]` with positions), the k program also writes
 each rotated k and the token's v into the KV cache at the token's slot, as `store_kv` would.
 A position outside the table cannot be checked without a device sync, so instead of reading out
 of bounds the kernel writes NaN into that token's q and k (loud, never a silent wrong rotation);
@@ -131,35 +132,39 @@ def _rope_kernel(
     cos, sin = _table_rows(
         cos_ptr, sin_ptr, table_row_stride, position, num_positions, dims, dim_mask, poison
     )
-    q_at = q_ptr + batch * q_stride_batch + step * q_stride_token
-    _rotate_heads(q_at, q_stride_head, num_q_heads, half_dim, cos, sin, dims, dim_mask, q_at, BLOCK_HQ, False)
-    cache_row = _store_v(
-        slot_ptr,
-        token,
-        v_ptr,
-        v_stride_token,
-        v_stride_head,
-        v_cache_ptr,
-        num_kv_heads,
-        half_dim,
-        dims,
-        dim_mask,
-        BLOCK_HK,
-        STORE_KV,
-    )
-    _rotate_heads(
-        k_ptr + batch * k_stride_batch + step * k_stride_token,
-        k_stride_head,
-        num_kv_heads,
-        half_dim,
-        cos,
-        sin,
-        dims,
-        dim_mask,
-        k_cache_ptr + cache_row,
-        BLOCK_HK,
-        STORE_KV,
-    )
+    if tl.program_id(1) == 0:
+        q_at = q_ptr + batch * q_stride_batch + step * q_stride_token
+        _rotate_heads(
+            q_at, q_stride_head, num_q_heads, half_dim, cos, sin, dims, dim_mask, q_at, BLOCK_HQ, False
+        )
+    else:
+        cache_row = _store_v(
+            slot_ptr,
+            token,
+            v_ptr,
+            v_stride_token,
+            v_stride_head,
+            v_cache_ptr,
+            num_kv_heads,
+            half_dim,
+            dims,
+            dim_mask,
+            BLOCK_HK,
+            STORE_KV,
+        )
+        _rotate_heads(
+            k_ptr + batch * k_stride_batch + step * k_stride_token,
+            k_stride_head,
+            num_kv_heads,
+            half_dim,
+            cos,
+            sin,
+            dims,
+            dim_mask,
+            k_cache_ptr + cache_row,
+            BLOCK_HK,
+            STORE_KV,
+        )
 
 
 @triton.jit
@@ -241,7 +246,9 @@ def _launch(q, k, cos, sin, positions, store):
     sin = sin.reshape(-1, half_dim).contiguous()
     if positions is not None:
         positions = positions.reshape(-1).contiguous()
-    _rope_kernel[(num_tokens,)](
+    # Two programs a token: its q heads, and its k heads with the cache writes. At one token
+    # (batch-1 decode) each waits on its own chain of loads, side by side.
+    _rope_kernel[(num_tokens, 2)](
         q,
         *_batch_token_strides(q),
         k,
