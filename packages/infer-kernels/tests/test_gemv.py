@@ -77,6 +77,13 @@ def test_interpreted_keeps_leading_dims_and_reads_strided_x(triton_on_cpu):
     assert_matches_reference(gemv(strided, weight), strided, weight)
 
 
+def test_interpreted_few_row_tiles_split_k_and_sum_the_splits(triton_on_cpu):
+    """8 rows are 2 tiles, too few for the SMs: K = 4096 is split 4 ways into fp32 partial sums,
+    which `_split_k_sum_kernel` adds, with the bias."""
+    x, weight, bias = make(8, 4096, torch.float32, "cpu", with_bias=True)
+    assert_matches_reference(gemv(x, weight, bias), x, weight, bias)
+
+
 def test_interpreted_wide_layers_take_their_own_tiles(triton_on_cpu):
     """N >= 8192 runs the gate|up configuration (8 x 256 tiles)."""
     x, weight, bias = make(8200, 96, torch.float32, "cpu", with_bias=True)

@@ -130,7 +130,6 @@ class EngineCore:
         for name in ("use_cuda_graphs", "use_pdl", "use_triton_gemv"):
             if getattr(config, name) and self.device.type != "cuda":
                 raise EngineConfigError(f"{name}=True needs a CUDA device, the model is on {self.device}")
-
         eos_token_ids = eos_token_ids_of(loaded_model)
         self.limits = CoreLimits(
             max_seq_len=self.max_seq_len,
