@@ -51,18 +51,11 @@ CONFIGS = {
         async_scheduling=True,
         use_pdl=True,
     ),
-    "graphs-async-pdl-gemv": dict(
-        use_cuda_graphs=True,
-        use_chunked_prefill=True,
-        prefill_chunk_size=64,
-        async_scheduling=True,
-        use_pdl=True,
-        use_triton_gemv=True,
-    ),
     "preempted-async": dict(
         num_gpu_blocks=45, use_chunked_prefill=True, prefill_chunk_size=64, async_scheduling=True
     ),
 }
+CONFIGS["graphs-async-pdl-gemv"] = CONFIGS["graphs-async-pdl"] | dict(use_triton_gemv=True)
 
 
 @pytest.fixture(scope="module", params=REAL_SHAPE_PRESETS)
