@@ -1,0 +1,103 @@
+"""Sweeps the M = 1 GEMV of quantized_linear run on dense bf16 weights (`infer.kernels.gemv`)
+against cuBLAS's `F.linear`, on the 1-2B models' projections (issue 15).
+
+Each configuration runs back to back on distinct weight copies (more than the L2 holds) from one
+CUDA graph, as a model's layers run (`streamed_us`); the best six are timed again under
+programmatic dependent launch. `_dense_gemv_config` encodes what this found
+(docs/benchmarks/generation.md has the table). Needs a CUDA GPU.
+
+    python kernels-bench/sweep_dense_gemv.py [--lm-heads]
+"""
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+from sweep_quantized_gemv import streamed_us
+
+from infer.kernels.pdl import programmatic_launch
+from infer.kernels.quantized_linear import _launch
+
+PROJECTIONS = {
+    "gemma qkv": (1536, 1152),
+    "gemma o": (1152, 1024),
+    "gemma gate_up": (13824, 1152),
+    "gemma down": (1152, 6912),
+    "llama qkv": (3072, 2048),
+    "llama and qwen o": (2048, 2048),
+    "llama gate_up": (16384, 2048),
+    "llama down": (2048, 8192),
+    "qwen qkv": (4096, 2048),
+    "qwen gate_up": (12288, 2048),
+    "qwen down": (2048, 6144),
+}
+LM_HEADS = {"gemma lm_head": (262144, 1152), "llama lm_head": (128256, 2048), "qwen lm_head": (151936, 2048)}
+STREAMED_BYTES = 200e6  # weight copies per measurement: four times an H100's 50 MB L2
+COPY_BANDWIDTH = 3.0e12  # for the "ideal" column: an H100's measured device-to-device copy
+
+
+def configurations(lm_heads: bool) -> list[tuple[dict, int]]:
+    """(config, K splits) pairs; an LM head's 2^17-2^18 rows need 8 rows a tile at least (a grid
+    dimension holds 65535 programs) and leave no SM idle unsplit."""
+    if lm_heads:
+        grid = itertools.product([8, 16, 32, 64], [256, 512, 1024], [2, 4, 8], [1])
+    else:
+        grid = itertools.product([4, 8, 16, 32], [256, 512, 1024], [2, 4, 8], [1, 2, 4, 8])
+    return [
+        (dict(BLOCK_N=bn, BLOCK_K=bk, UNROLL=1, num_warps=w, num_stages=1), split)
+        for bn, bk, w, split in grid
+    ]
+
+
+def sweep_shape(n: int, k: int, configs: list[tuple[dict, int]]) -> None:
+    copies = max(4, int(STREAMED_BYTES // (2 * n * k)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+    def calls(config=None, split=None):
+        return [lambda w=w: _launch(x, w, None, None, None, config=config, split_k=split) for w in weights]
+
+    cublas = streamed_us([lambda w=w: F.linear(x, w) for w in weights])
+    default = streamed_us(calls())
+    rows = sorted(
+        (streamed_us(calls(config, split)), config, split)
+        for config, split in configs
+        if config["BLOCK_K"] * split <= k
+    )
+    with programmatic_launch():
+        pdl_rows = sorted((streamed_us(calls(config, split)), config, split) for _, config, split in rows[:6])
+
+    def name(row):
+        us, config, split = row
+        return (
+            f"{us:.2f} ({config['BLOCK_N']}x{config['BLOCK_K']}, {config['num_warps']} warps, split {split})"
+        )
+
+    print(
+        f"{n}x{k}: cuBLAS {cublas:.2f} | default config {default:.2f} | best {name(rows[0])} | "
+        f"best under PDL {name(pdl_rows[0])} | "
+        f"weight bytes at 3.0 TB/s {2 * n * k / COPY_BANDWIDTH * 1e6:.2f}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--lm-heads", action="store_true", help="the three LM heads instead of the projections"
+    )
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    shapes = LM_HEADS if args.lm_heads else PROJECTIONS
+    configs = configurations(args.lm_heads)
+    for label, (n, k) in shapes.items():
+        print(f"{label}: ", end="")
+        sweep_shape(n, k, configs)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
