@@ -76,9 +76,12 @@ def test_drain_deadline_cancels_what_is_left_with_an_error_never_an_answer(start
 
 def test_the_openai_client_sees_a_drain_as_503s_and_a_cut_stream_as_an_error(start_server):
     """What code written against OpenAI catches: a body cut off by the drain deadline and a
-    request after the drain raise APIStatusError 503 (with Retry-After, for its retry logic), a
-    stream cut off raises APIError with the server's error code."""
-    server = start_server(max_batch_size=2, drain_timeout_s=0.5)
+    request made while the server drains raise APIStatusError 503 (with Retry-After, for its
+    retry logic), a stream cut off raises APIError with the server's error code."""
+    # The new request is made while the drain runs: once the requests in flight are cut off,
+    # the drain is over and the server exits, so a request then finds no server (on a slow
+    # machine this raced). 2 s leaves it room; 400 tokens still outlast it.
+    server = start_server(max_batch_size=2, drain_timeout_s=2.0)
     client = server.openai_client()
     counting = dict(model=server.model, prompt="Count:", max_tokens=400, extra_body={"ignore_eos": True})
     in_flight: dict = {}
@@ -96,18 +99,18 @@ def test_the_openai_client_sees_a_drain_as_503s_and_a_cut_stream_as_an_error(sta
         body_thread.start()
         wait_until(lambda: server.engine.stats().num_running == 2, what="both requests running")
         server.server.request_drain()
+        wait_for_health(server.base_url, 503, timeout_s=5)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model=server.model, prompt="Hi", max_tokens=1)
         with pytest.raises(openai.APIError) as cut:
             list(chunks)
         body_thread.join(timeout=30)
+    assert (refused.value.status_code, refused.value.body["code"]) == (503, "server_draining")
+    assert refused.value.response.headers["retry-after"] == "1"
     assert cut.value.body["code"] == "server_draining"
     cut_body = in_flight["answer"]
     assert isinstance(cut_body, openai.APIStatusError), cut_body
     assert (cut_body.status_code, cut_body.body["code"]) == (503, "server_draining")
-    wait_for_health(server.base_url, 503, timeout_s=5)
-    with pytest.raises(openai.APIStatusError) as refused:
-        client.completions.create(model=server.model, prompt="Hi", max_tokens=1)
-    assert (refused.value.status_code, refused.value.body["code"]) == (503, "server_draining")
-    assert refused.value.response.headers["retry-after"] == "1"
     server.stop()
 
 
