@@ -32,6 +32,7 @@ them have run (an event): a step that samples nothing, or async scheduling, leav
 Sampling stays outside the graph (per-request generators, data-dependent paths).
 """
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -59,6 +60,14 @@ PDL_MAX_DECODE_ROWS = 1
 def launches_with_pdl(use_pdl: bool, num_rows: int, num_decode_rows: int) -> bool:
     """Whether a step of num_rows rows, the first num_decode_rows of them decodes, uses PDL."""
     return use_pdl and num_decode_rows == num_rows and num_rows <= PDL_MAX_DECODE_ROWS
+
+
+@contextlib.contextmanager
+def kernel_launches(pdl: bool, use_triton_gemv: bool):
+    """What every forward runs inside, eager or captured: programmatic dependent launch for its
+    Triton kernels (`pdl`), and one-row dense Linears on the Triton GEMV (`use_triton_gemv`)."""
+    with programmatic_launch(pdl), triton_gemv(use_triton_gemv):
+        yield
 
 
 def batch_buckets(largest: int) -> list[int]:
@@ -412,16 +421,15 @@ class StepGraphs:
         # the allocator settle before capture.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        gemv = triton_gemv(self.use_triton_gemv)
-        with torch.cuda.stream(side), torch.inference_mode(), programmatic_launch(pdl), gemv:
+        launches = kernel_launches(pdl, self.use_triton_gemv)
+        with torch.cuda.stream(side), torch.inference_mode(), launches:
             for _ in range(2):
                 forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with (
             torch.inference_mode(),
-            programmatic_launch(pdl),
-            triton_gemv(self.use_triton_gemv),
+            kernel_launches(pdl, self.use_triton_gemv),
             torch.cuda.graph(graph, pool=self._pool),
         ):
             output = forward()

@@ -23,13 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from infer.engine.cuda_graphs import StepGraphs, launches_with_pdl
+from infer.engine.cuda_graphs import StepGraphs, kernel_launches, launches_with_pdl
 from infer.engine.decision import RunnerOutput, ScheduleDecision, TokenLogprobs
 from infer.engine.input_batch import InputBatch, RowState, StepInputs, resolve_pending_tokens
 from infer.engine.sampler import AllowedTokens, SamplingTensors, compute_logprobs, sample
-from infer.kernels import programmatic_launch
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
-from infer.models.linear import triton_gemv
 
 
 @dataclass
@@ -294,7 +292,7 @@ class ModelRunner:
     def _eager_logits(self, step: StepInputs) -> torch.Tensor:
         num_rows = len(step.request_ids)
         pdl = launches_with_pdl(self.use_pdl, num_rows, step.num_decode_rows)
-        with programmatic_launch(pdl), triton_gemv(self.use_triton_gemv):
+        with kernel_launches(pdl, self.use_triton_gemv):
             if not step.sampling_rows:
                 # Mid-prompt chunks only: the forward still fills the cache.
                 self.model(self.forward_batch(step, logits_indices=np.zeros(1, dtype=np.int64)))
