@@ -1,4 +1,5 @@
-"""gemv (the M = 1 kernel of quantized_linear on a dense weight) against gemv_ref.
+"""gemv (the M = 1 kernel of quantized_linear on a dense weight) against gemv_ref, and
+gated_gemv (the same kernel with a gated MLP's activation on its output) against gated_gemv_ref.
 
 Tolerance. bf16 and fp16 products are exact in fp32 (8 or 11 significant bits times as many), so
 the kernel and the reference add the same K terms in fp32 in different orders and round once to
@@ -14,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from infer.kernels import assert_close, gemv, gemv_ref, programmatic_launch
+from infer.kernels import assert_close, gated_gemv, gated_gemv_ref, gemv, gemv_ref, programmatic_launch
 
 # (N, K) of the 1-2B models' projections: Gemma-3-1B qkv, o, gate_up, down; Llama-3.2-1B qkv,
 # gate_up, down; Qwen3-1.7B qkv and o (Llama's o too).
@@ -50,6 +51,35 @@ def assert_matches_reference(out, x, weight, bias=None):
     bound = 1e-6 + 8 * math.sqrt(K) * 2.0**-24 * magnitude.reshape(out.shape)
     error = (out - expected).abs()
     assert (error <= bound).all(), f"fp32 error {error.max().item():.3g} above its bound"
+
+
+# The activations' largest slope: SiLU's is 1.0998, GELU's (tanh form) 1.1289.
+MAX_ACTIVATION_SLOPE = 1.2
+
+
+def assert_gated_matches_reference(out, x, weight, bias, activation):
+    """Within what its inputs' rounding allows: gate and up are each within a rounding of the
+    reference's (one ulp of x's dtype, or the fp32 bound above), which the activation and the
+    product carry through their slopes, then one more rounding of the output."""
+    expected = gated_gemv_ref(x, weight, bias, activation=activation)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    gate, up = gemv_ref(x, weight, bias).float().chunk(2, dim=-1)
+    eps, tiny = torch.finfo(out.dtype).eps, torch.finfo(out.dtype).tiny
+    if out.dtype == torch.float32:
+        K = weight.shape[1]
+        magnitude = x.abs().reshape(1, K).float() @ weight.abs().float().T
+        if bias is not None:
+            magnitude += bias.abs().float()
+        sum_error = (1e-6 + 8 * math.sqrt(K) * 2.0**-24 * magnitude).reshape(*out.shape[:-1], -1)
+        gate_error, up_error = sum_error.chunk(2, dim=-1)
+    else:
+        gate_error, up_error = gate.abs() * eps + tiny, up.abs() * eps + tiny
+    F = torch.nn.functional
+    activated = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    bound = MAX_ACTIVATION_SLOPE * gate_error * (up.abs() + up_error) + activated.abs() * up_error
+    bound += 2 * (expected.float().abs() * eps + tiny)
+    error = (out.float() - expected.float()).abs()
+    assert (error <= bound).all(), f"error {(error - bound).max().item():.3g} above its bound"
 
 
 # -- the Triton kernel through the interpreter ---------------------------------------------------
@@ -90,6 +120,31 @@ def test_interpreted_wide_layers_take_their_own_tiles(triton_on_cpu):
     assert_matches_reference(gemv(x, weight, bias), x, weight, bias)
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    N=st.integers(1, 150),
+    K=st.integers(1, 1100),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    with_bias=st.booleans(),
+    activation=st.sampled_from(["silu", "gelu_tanh"]),
+)
+def test_interpreted_gated_matches_reference(triton_on_cpu, N, K, dtype, with_bias, activation):
+    """Any N and K, the up rows at N past the gate rows, with either activation."""
+    x, weight, bias = make(2 * N, K, dtype, "cpu", with_bias)
+    out = gated_gemv(x, weight, bias, activation=activation)
+    assert_gated_matches_reference(out, x, weight, bias, activation)
+
+
+def test_interpreted_gated_wide_layers_and_few_row_tiles(triton_on_cpu):
+    """A gate/up weight of 8200 rows runs the wide layers' tiles; 16 rows are two tiles, which
+    the plain GEMV would split along K (the gated one never does: its activation needs whole
+    sums)."""
+    for N, K in [(4100, 96), (8, 4096)]:
+        x, weight, bias = make(2 * N, K, torch.float32, "cpu", with_bias=True)
+        out = gated_gemv(x, weight, bias, activation="silu")
+        assert_gated_matches_reference(out, x, weight, bias, "silu")
+
+
 # -- the compiled kernel on a GPU ----------------------------------------------------------------
 
 
@@ -99,6 +154,17 @@ def test_interpreted_wide_layers_take_their_own_tiles(triton_on_cpu):
 def test_cuda_model_shapes_match_reference(cuda, N, K, dtype):
     x, weight, bias = make(N, K, dtype, cuda, with_bias=N == 1536)
     assert_matches_reference(gemv(x, weight, bias), x, weight, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N, K", [(13824, 1152), (16384, 2048), (12288, 2048), (512, 576)])
+def test_cuda_gated_model_shapes_match_reference(cuda, N, K, dtype, activation):
+    """The gate/up projections of Gemma-3-1B, Llama-3.2-1B, Qwen3-1.7B and a narrow one."""
+    x, weight, bias = make(N, K, dtype, cuda, with_bias=N == 512)
+    out = gated_gemv(x, weight, bias, activation=activation)
+    assert_gated_matches_reference(out, x, weight, bias, activation)
 
 
 @pytest.mark.gpu
@@ -160,5 +226,30 @@ def test_cpu_path_is_the_reference():
 @pytest.mark.parametrize("op", [gemv, gemv_ref])
 def test_rejects_bad_inputs(op, change, message):
     valid = dict(x=torch.randn(1, 200), weight=torch.randn(130, 200), bias=None)
+    with pytest.raises(ValueError, match=message):
+        op(**(valid | change))
+
+
+def test_gated_cpu_path_is_the_unfused_pair():
+    x, weight, bias = make(140, 90, torch.bfloat16, "cpu", with_bias=True)
+    for activation, op in [("silu", torch.nn.functional.silu), ("gelu_tanh", None)]:
+        out = gated_gemv(x, weight, bias, activation=activation)
+        assert torch.equal(out, gated_gemv_ref(x, weight, bias, activation=activation))
+        gate, up = gemv_ref(x, weight, bias).float().chunk(2, dim=-1)
+        act = op(gate) if op else torch.nn.functional.gelu(gate, approximate="tanh")
+        assert torch.equal(out, (act * up).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(weight=torch.randn(131, 200)), "weight must have an even number of rows"),
+        (dict(activation="relu"), "activation must be one of"),
+        (dict(x=torch.randn(1, 199)), r"x must be one row of K = 200"),
+    ],
+)
+@pytest.mark.parametrize("op", [gated_gemv, gated_gemv_ref])
+def test_gated_rejects_bad_inputs(op, change, message):
+    valid = dict(x=torch.randn(1, 200), weight=torch.randn(130, 200), bias=None, activation="silu")
     with pytest.raises(ValueError, match=message):
         op(**(valid | change))

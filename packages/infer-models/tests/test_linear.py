@@ -1,11 +1,14 @@
 """dense_linear (infer.models.linear) against F.linear: the CPU split path for a few fp32 rows
 gives the same outputs, with and without bias, and every other input goes to F.linear itself."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.kernels import gemv
+from infer.kernels import gated_gemv, gelu_tanh_and_mul, gemv, silu_and_mul
+from infer.models.common import GatedMLP
 from infer.models.linear import CPU_SPLIT, CPU_SPLIT_MAX_ROWS, Linear, dense_linear, triton_gemv
 
 
@@ -64,3 +67,27 @@ def test_inside_triton_gemv_one_row_runs_the_triton_kernel_and_the_rest_cublas()
         with triton_gemv(False):
             assert torch.equal(layer(one), cublas)
     assert torch.equal(layer(one), cublas)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "hidden_activation, name, activation",
+    [("silu", "silu", silu_and_mul), ("gelu_pytorch_tanh", "gelu_tanh", gelu_tanh_and_mul)],
+)
+def test_inside_triton_gemv_a_gated_mlp_takes_the_gated_gemv(hidden_activation, name, activation):
+    """Inside `triton_gemv()`, a GatedMLP's one-row input goes through gated_gemv (gate/up and its
+    activation in one kernel), then gemv; outside, through cuBLAS and the activation's kernel."""
+    config = SimpleNamespace(hidden_activation=hidden_activation, hidden_size=2048, intermediate_size=8192)
+    mlp = GatedMLP(config).to(device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator("cuda").manual_seed(0)
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        shape = linear.weight.shape
+        linear.weight.data = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) / 45
+    x = torch.randn(1, 2048, generator=gen, device="cuda", dtype=torch.bfloat16)
+    gate_up, down = mlp.gate_up_proj.weight, mlp.down_proj.weight
+    fused = gemv(gated_gemv(x, gate_up, activation=name), down)
+    unfused = F.linear(activation(F.linear(x, gate_up)), down)
+    assert not torch.equal(fused, unfused)
+    with triton_gemv():
+        assert torch.equal(mlp(x), fused)
+    assert torch.equal(mlp(x), unfused)

@@ -128,7 +128,8 @@ class EngineConfig:
     use_triton_gemv: bool = _flag(
         False,
         "dense Linears of one row (batch-1 decode), the LM head included, run infer-kernels' "
-        "Triton GEMV instead of cuBLAS (CUDA only): true or false",
+        "Triton GEMV instead of cuBLAS, a gated MLP's activation fused into its gate/up GEMV "
+        "(CUDA only): true or false",
     )
     use_prefix_caching: bool = _flag(
         False,

@@ -21,7 +21,8 @@ row asks computes none.
 
 Each transform takes float32 logits [B, V] and one value per row, and returns new logits in
 which removed tokens are -inf; a row whose value means "off" comes back unchanged. A transform
-that no row uses is skipped, so a batch of plain greedy rows costs one argmax. The per-row values
+that no row uses is skipped, so a batch of plain greedy rows costs one argmax (infer.kernels'
+on a GPU: torch's reduces a long row in few thread blocks). The per-row values
 come as `SamplingTensors`, which the runner builds when its batch changes, not every step.
 """
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.engine.sampling_params import SamplingParams
-from infer.kernels import apply_token_bitmask
+from infer.kernels import apply_token_bitmask, argmax
 
 Tokens = torch.Tensor | Sequence[int]
 
@@ -210,7 +211,7 @@ def sample(
         # with nothing, and the fallback is not built.
         can_ban = tensors.min_tokens_bans is not None or tensors.repetition_penalties is not None
         logits = apply_allowed_tokens(logits, raw, allowed, grammar_wins=can_ban)
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = argmax(logits)
     if not tensors.sampled_rows:
         return greedy_tokens
 

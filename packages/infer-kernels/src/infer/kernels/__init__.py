@@ -8,6 +8,7 @@ its reference).
 
 from infer.kernels._version import INTERFACE_VERSION, __version__
 from infer.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
+from infer.kernels.argmax import argmax, argmax_ref
 from infer.kernels.int8_linear_cpu import int8_cpu_scale, int8_linear_cpu, int8_linear_cpu_supports
 from infer.kernels.paged_attention import (
     extend_tile_size,
@@ -19,6 +20,8 @@ from infer.kernels.pdl import programmatic_launch
 from infer.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from infer.kernels.quantized_linear import (
     dequantize_weight,
+    gated_gemv,
+    gated_gemv_ref,
     gemv,
     gemv_ref,
     quantized_linear,
@@ -46,11 +49,15 @@ __all__ = [
     "__version__",
     "add_rms_norm",
     "add_rms_norm_ref",
+    "argmax",
+    "argmax_ref",
     "apply_token_bitmask",
     "apply_token_bitmask_ref",
     "assert_close",
     "dequantize_weight",
     "extend_tile_size",
+    "gated_gemv",
+    "gated_gemv_ref",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_ref",
     "gemv",

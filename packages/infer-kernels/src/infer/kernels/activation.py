@@ -21,6 +21,21 @@ _NUM_WARPS = 4
 
 
 @triton.jit
+def gated_activation(gate, up, GELU_TANH: tl.constexpr):
+    """`act(gate) * up` in fp32 (SiLU, or GELU's tanh form): the one definition, which the fused
+    gate/up GEMV (`gated_gemv`) applies to its outputs too."""
+    if GELU_TANH:
+        # 0.5 * x * (1 + tanh(z)) == x * sigmoid(2 * z): same function, and tl.sigmoid exists on
+        # every backend (tanh is not in triton.language on all supported versions).
+        # 0.797... is sqrt(2 / pi).
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        activated = gate * tl.sigmoid(2.0 * z)
+    else:
+        activated = gate * tl.sigmoid(gate)
+    return activated * up
+
+
+@triton.jit
 def _gated_activation_kernel(
     gate_up_ptr,
     gate_up_row_stride,
@@ -38,15 +53,7 @@ def _gated_activation_kernel(
     gate_ptrs = gate_up_ptr + row * gate_up_row_stride + cols
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + num_cols, mask=mask, other=0.0).to(tl.float32)
-    if GELU_TANH:
-        # 0.5 * x * (1 + tanh(z)) == x * sigmoid(2 * z): same function, and tl.sigmoid exists on
-        # every backend (tanh is not in triton.language on all supported versions).
-        # 0.797... is sqrt(2 / pi).
-        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        activated = gate * tl.sigmoid(2.0 * z)
-    else:
-        activated = gate * tl.sigmoid(gate)
-    out = activated * up
+    out = gated_activation(gate, up, GELU_TANH)
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+from infer.kernels.activation import gated_activation, gelu_tanh_and_mul_ref, silu_and_mul_ref
 from infer.kernels.pdl import await_inputs, launch_options
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -121,11 +122,15 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     WEIGHT_FP8: tl.constexpr,
     FAST_INT8: tl.constexpr,
+    GATED: tl.constexpr,
+    GELU_TANH: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """GATED (dense weights, unsplit): the weight is `[2N, K]`, gate rows then up rows, and each
+    program also streams the up rows of its gate rows, then writes `act(gate) * up`."""
     await_inputs(PDL)
     m = tl.program_id(0).to(tl.int64)
     first_row = tl.program_id(1) * BLOCK_N
@@ -140,6 +145,9 @@ def _gemv_kernel(
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
     x_ptrs = x_ptr + m * x_row_stride + cols
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if GATED:
+        up_ptrs = w_ptrs + N.to(tl.int64) * K
+        up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_stop = tl.minimum(k_start + k_per_split, K)
     for k0 in tl.range(k_start, k_stop, BLOCK_K, loop_unroll_factor=UNROLL):
         col_mask = cols < K
@@ -153,6 +161,10 @@ def _gemv_kernel(
                 s = tl.load(scale_rows + (k0 // scale_block_k) * scale_col_stride, mask=row_mask, other=0.0)
                 w = w * s[:, None]
         acc += w * x[None, :]
+        if GATED:
+            up = tl.load(up_ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0)
+            up_acc += up.to(tl.float32) * x[None, :]
+            up_ptrs += BLOCK_K
         cols += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -161,6 +173,13 @@ def _gemv_kernel(
         y *= tl.load(scale_rows, mask=row_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    if GATED:
+        up_y = tl.sum(up_acc, axis=1)
+        if HAS_BIAS:
+            up_y += tl.load(bias_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
+        # Gate and up rounded to the output dtype first, as the unfused projection stores them.
+        out_type = out_ptr.dtype.element_ty
+        y = gated_activation(y.to(out_type).to(tl.float32), up_y.to(out_type).to(tl.float32), GELU_TANH)
     out_ptrs = out_ptr + split * out_split_stride + m * out_row_stride + rows
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
@@ -391,6 +410,14 @@ def _dense_gemv_config(N: int, K: int) -> dict:
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=1, num_warps=num_warps, num_stages=1)
 
 
+def _gated_gemv_config(N: int, K: int) -> dict:
+    """The gated GEMV's tiles: `_dense_gemv_config` of the whole `[2N, K]` weight, as many gate
+    rows a tile as the plain GEMV's rows (and as many up rows again). On an H100, halving the
+    tile's rows instead, so that a program streams as many bytes as the plain GEMV's, was slower
+    on all three 1-2B gate/up shapes (kernels-bench/bench_gated_gemv.py)."""
+    return _dense_gemv_config(N, K)
+
+
 def _dot_config(M: int, N: int, K: int, k_cap: int) -> dict:
     """Decode batches (M <= 64): thin tiles (32 weight rows) streamed 256 columns at a time, as
     a sweep on an H100 found for M = 2..16. Prefill: 128 x 128 tiles (x 256 tokens from M =
@@ -414,15 +441,24 @@ def _launch(
     kernel: str | None = None,
     config: dict | None = None,
     split_k: int | None = None,
+    activation: str | None = None,
 ) -> torch.Tensor:
     """Run one kernel. `kernel` ("gemv", "dot" or "dequantize": the weight dequantized to x's dtype
     in one pass, then cuBLAS), `config` and `split_k` override the choice by shape (for tests and
-    tuning). `scale` None: a dense weight in x's dtype, which only the GEMV kernel takes."""
+    tuning). `scale` None: a dense weight in x's dtype, which only the GEMV kernel takes.
+    `activation` ("silu" or "gelu_tanh"; dense weights, one row): `gated_gemv`, whose weight's
+    first half of rows is the gate, and whose output is the gated activation, half as wide."""
     N, K = weight.shape
     scaled = scale is not None
     if not scaled:
         block_size = (N, K)
         kernel = "gemv"
+    gated = activation is not None
+    if gated:
+        if config is None:
+            config = _gated_gemv_config(N, K)
+        N //= 2
+        split_k = 1  # the activation needs whole sums
     if x.stride(-1) != 1:
         x = x.contiguous()  # read only: a copy changes nothing the caller sees
     rows = x.reshape(-1, K)
@@ -467,6 +503,8 @@ def _launch(
         k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
         splits = triton.cdiv(K, k_per_split)
     target = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    if gated and (scaled or splits > 1 or kernel != "gemv"):
+        raise ValueError("the gated GEMV takes a dense weight, one row of x and no K split")
     scale_per_tile = bk < K
     weight_fp8 = weight.dtype == torch.float8_e4m3fn
     fast_int8 = config.pop("FAST_INT8", True) and weight.dtype == torch.int8
@@ -501,7 +539,18 @@ def _launch(
         config.setdefault("UNROLL", 1)
         scale_on_x = scale_per_tile and bn % config["BLOCK_N"] == 0
         grid = (M, triton.cdiv(N, config["BLOCK_N"]), splits)
-        _gemv_kernel[grid](*args, N, K, *strides, **common, SCALED=scaled, SCALE_ON_X=scale_on_x, **config)
+        _gemv_kernel[grid](
+            *args,
+            N,
+            K,
+            *strides,
+            **common,
+            SCALED=scaled,
+            SCALE_ON_X=scale_on_x,
+            GATED=gated,
+            GELU_TANH=activation == "gelu_tanh",
+            **config,
+        )
     else:
         native = x.is_cuda and x.dtype != torch.float32
         _dot_kernel[(tiles, splits)](*args, M, N, K, *strides, **common, NATIVE_DOT=native, **config)
@@ -652,3 +701,37 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if use_triton(x):
         return _launch(x, weight, None, None, bias)
     return gemv_ref(x, weight, bias)
+
+
+_ACTIVATIONS = {"silu": silu_and_mul_ref, "gelu_tanh": gelu_tanh_and_mul_ref}
+
+
+def _check_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+    _check_gemv(x, weight, bias)
+    if weight.shape[0] % 2:
+        raise ValueError(f"weight must have an even number of rows (gate, then up), got {weight.shape[0]}")
+
+
+def gated_gemv_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str
+) -> torch.Tensor:
+    """The reference: `gemv_ref`, then the gated activation (silu_and_mul or gelu_tanh_and_mul)."""
+    _check_gated(x, weight, bias, activation)
+    return _ACTIVATIONS[activation](gemv_ref(x, weight, bias))
+
+
+def gated_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str
+) -> torch.Tensor:
+    """`act(gate) * up` of `gemv(x, weight, bias)` split into halves (gate, up), in one kernel:
+    a gated MLP's gate/up projection and its activation (`activation` "silu" or "gelu_tanh") for
+    one row x. The fused kernel reads the same weight bytes and saves the activation's kernel and
+    the `[2N]` intermediate; gate and up are rounded to x's dtype before the activation, as the
+    two ops store them, so the result is the unfused pair's.
+    """
+    _check_gated(x, weight, bias, activation)
+    if use_triton(x) and weight.numel() > 0:
+        return _launch(x, weight, None, None, bias, activation=activation)
+    return gated_gemv_ref(x, weight, bias, activation=activation)

@@ -16,6 +16,7 @@ from torch import nn
 from infer.kernels import (
     KVStore,
     add_rms_norm,
+    gated_gemv,
     gelu_tanh_and_mul,
     qk_norm_rope,
     rms_norm,
@@ -189,10 +190,11 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
+# A config's hidden activation: its name in infer.kernels (gated_gemv) and its op on a gate/up output.
 _GATED_ACTIVATIONS = {
-    "silu": silu_and_mul,
-    "gelu_pytorch_tanh": gelu_tanh_and_mul,
-    "gelu_tanh": gelu_tanh_and_mul,
+    "silu": ("silu", silu_and_mul),
+    "gelu_pytorch_tanh": ("gelu_tanh", gelu_tanh_and_mul),
+    "gelu_tanh": ("gelu_tanh", gelu_tanh_and_mul),
 }
 
 
@@ -206,7 +208,7 @@ class GatedMLP(nn.Module):
                 f"hidden activation {config.hidden_activation!r} is not supported; "
                 f"supported: {', '.join(_GATED_ACTIVATIONS)}"
             )
-        self.activation = _GATED_ACTIVATIONS[config.hidden_activation]
+        self.activation_name, self.activation = _GATED_ACTIVATIONS[config.hidden_activation]
         self.gate_up_proj = Linear(
             config.hidden_size,
             2 * config.intermediate_size,
@@ -215,7 +217,13 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if gate_up.takes_triton_gemv(x):
+            # Batch-1 decode on the Triton GEMV: the activation in the projection's kernel.
+            hidden = gated_gemv(x, gate_up.weight, gate_up.bias, activation=self.activation_name)
+        else:
+            hidden = self.activation(gate_up(x))
+        return self.down_proj(hidden)
 
 
 def rotary_per_layer(config: ModelConfig) -> list[RotaryEmbedding]:

@@ -18,6 +18,7 @@ batched product at ~14) and other devices keep `F.linear`.
 On a GPU, inside `triton_gemv()` (EngineConfig.use_triton_gemv), a dense Linear sends its one-row
 inputs (batch-1 decode) to infer.kernels' Triton GEMV instead of cuBLAS: faster at the 1-2B
 models' widths, and a kernel that programmatic dependent launch overlaps with its neighbours.
+A gated MLP's gate/up projection then takes `gated_gemv`, its activation in the same kernel.
 """
 
 import contextlib
@@ -112,9 +113,13 @@ class Linear(nn.Module):
         )
         self.block_size = block_size
 
+    def takes_triton_gemv(self, x: torch.Tensor) -> bool:
+        """Whether `x` goes to infer.kernels' GEMV: a dense weight, one CUDA row, inside `triton_gemv()`."""
+        return _triton_gemv and self.weight_scale is None and x.is_cuda and x.numel() == self.in_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is None:
-            if _triton_gemv and x.is_cuda and x.numel() == self.in_features:
+            if self.takes_triton_gemv(x):
                 return gemv(x, self.weight, self.bias)
             return dense_linear(x, self.weight, self.bias)
         if x.device.type == "cpu":
