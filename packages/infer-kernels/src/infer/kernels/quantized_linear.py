@@ -100,6 +100,34 @@ def _weight_to_float32(w, WEIGHT_FP8: tl.constexpr, FAST_INT8: tl.constexpr):
 
 
 @triton.jit
+def _gemv_tile(
+    acc,
+    w,
+    x,
+    k0,
+    row_mask,
+    scale_rows,
+    tile_scale_row,
+    scale_col_stride,
+    scale_block_k,
+    SCALE_PER_TILE: tl.constexpr,
+    SCALE_ON_X: tl.constexpr,
+    WEIGHT_FP8: tl.constexpr,
+    FAST_INT8: tl.constexpr,
+):
+    """`acc + w * x` for one `[BLOCK_N, BLOCK_K]` weight tile at column k0, scaled per tile where
+    the scale varies along K."""
+    w = _weight_to_float32(w, WEIGHT_FP8, FAST_INT8)
+    if SCALE_PER_TILE:
+        if SCALE_ON_X:  # one multiply per column of x instead of one per weight
+            x *= tl.load(tile_scale_row + (k0 // scale_block_k) * scale_col_stride)
+        else:
+            s = tl.load(scale_rows + (k0 // scale_block_k) * scale_col_stride, mask=row_mask, other=0.0)
+            w = w * s[:, None]
+    return acc + w * x[None, :]
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -131,7 +159,6 @@ def _gemv_kernel(
 ):
     """GATED (dense weights, unsplit): the weight is `[2N, K]`, gate rows then up rows, and each
     program also streams the up rows of its gate rows, then writes `act(gate) * up`."""
-    await_inputs(PDL)
     m = tl.program_id(0).to(tl.int64)
     first_row = tl.program_id(1) * BLOCK_N
     rows = first_row + tl.arange(0, BLOCK_N)
@@ -149,18 +176,54 @@ def _gemv_kernel(
         up_ptrs = w_ptrs + N.to(tl.int64) * K
         up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_stop = tl.minimum(k_start + k_per_split, K)
-    for k0 in tl.range(k_start, k_stop, BLOCK_K, loop_unroll_factor=UNROLL):
+    # The first weight tile is loaded before waiting for the kernel before (await_inputs): no
+    # kernel writes a weight, and under PDL its stream then starts while that kernel finishes.
+    col_mask = cols < K
+    w = tl.load(w_ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0)
+    if GATED:
+        up = tl.load(up_ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0)
+    await_inputs(PDL)
+    x = tl.load(x_ptrs, mask=col_mask, other=0.0).to(tl.float32)
+    acc = _gemv_tile(
+        acc,
+        w,
+        x,
+        k_start,
+        row_mask,
+        scale_rows,
+        tile_scale_row,
+        scale_col_stride,
+        scale_block_k,
+        SCALE_PER_TILE,
+        SCALE_ON_X,
+        WEIGHT_FP8,
+        FAST_INT8,
+    )
+    if GATED:
+        up_acc += up.to(tl.float32) * x[None, :]
+        up_ptrs += BLOCK_K
+    cols += BLOCK_K
+    w_ptrs += BLOCK_K
+    x_ptrs += BLOCK_K
+    for k0 in tl.range(k_start + BLOCK_K, k_stop, BLOCK_K, loop_unroll_factor=UNROLL):
         col_mask = cols < K
         w = tl.load(w_ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0)
         x = tl.load(x_ptrs, mask=col_mask, other=0.0).to(tl.float32)
-        w = _weight_to_float32(w, WEIGHT_FP8, FAST_INT8)
-        if SCALE_PER_TILE:
-            if SCALE_ON_X:  # one multiply per column of x instead of one per weight
-                x *= tl.load(tile_scale_row + (k0 // scale_block_k) * scale_col_stride)
-            else:
-                s = tl.load(scale_rows + (k0 // scale_block_k) * scale_col_stride, mask=row_mask, other=0.0)
-                w = w * s[:, None]
-        acc += w * x[None, :]
+        acc = _gemv_tile(
+            acc,
+            w,
+            x,
+            k0,
+            row_mask,
+            scale_rows,
+            tile_scale_row,
+            scale_col_stride,
+            scale_block_k,
+            SCALE_PER_TILE,
+            SCALE_ON_X,
+            WEIGHT_FP8,
+            FAST_INT8,
+        )
         if GATED:
             up = tl.load(up_ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0)
             up_acc += up.to(tl.float32) * x[None, :]
