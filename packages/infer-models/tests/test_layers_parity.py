@@ -8,7 +8,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from infer.kernels import rope_tables
-from infer.models.activation_diff import activation_diffs, first_departure
+from infer.models.activation_diff import activation_diffs, block_output, first_departure
 from infer.models.forward_batch import ForwardBatch
 from infer.models.load import load_causal_lm
 from infer.models.random_checkpoint import PRESETS, make_random_checkpoint
@@ -57,7 +57,8 @@ def test_decoder_block_matches_transformers(pair, layer_idx):
             position_ids=positions,
             position_embeddings=reference.model.rotary_emb(x, positions, *rotary_args),
         )
-    torch.testing.assert_close((hidden + residual).view_as(x), expected, atol=ATOL, rtol=RTOL)
+    output = block_output(ours.layers[layer_idx], hidden, residual)
+    torch.testing.assert_close(output.view_as(x), expected, atol=ATOL, rtol=RTOL)
 
 
 def test_llama3_scaled_rope_tables_match_transformers():

@@ -29,6 +29,14 @@ class LayerDiff:
     rel: float
 
 
+def block_output(layer: torch.nn.Module, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's output of one of our blocks from the (hidden, residual) it handed on: their
+    sum, once the block's `output_norm` (Gemma's post-feedforward norm, which the next block
+    applies fused with its own) is applied to hidden."""
+    output_norm = getattr(layer, "output_norm", None)
+    return (hidden if output_norm is None else output_norm(hidden)) + residual
+
+
 def activation_diffs(ours: CausalLM, reference: torch.nn.Module, input_ids: torch.Tensor) -> list[LayerDiff]:
     """Per-stage differences for one `[1, T]` prompt (our model runs it as a one-row flat batch of
     T tokens); `reference` is a transformers CausalLM."""
@@ -36,10 +44,8 @@ def activation_diffs(ours: CausalLM, reference: torch.nn.Module, input_ids: torc
         raise ValueError(f"input_ids must be one prompt, [1, T], got shape {tuple(input_ids.shape)}")
     ours_outputs, reference_outputs = [], []
 
-    def keep_ours(_module, _inputs, output):
-        hidden, residual = output
-        # A block hands on (hidden, residual); their sum is Hugging Face's block output.
-        ours_outputs.append((hidden + residual).float())
+    def keep_ours(module, _inputs, output):
+        ours_outputs.append(block_output(module, *output).float())
 
     def keep_reference(_module, _inputs, output):
         # transformers' block output is [1, T, hidden] (or a tuple starting with it); ours is [T, hidden].

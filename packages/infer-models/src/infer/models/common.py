@@ -2,7 +2,9 @@
 and the decoder-only language model around a stack of blocks.
 
 Residual stream: blocks pass `(hidden, residual)` and the next norm adds the two in one fused
-`add_rms_norm`, so a block's output in Hugging Face terms is `hidden + residual`. Norms update
+`add_rms_norm`, so a block's output in Hugging Face terms is `hidden + residual` (Gemma's blocks
+hand on hidden before their post-feedforward norm, `output_norm`, which the next block applies
+fused with its own: `output_norm(hidden) + residual`). Norms update
 `residual` in place; a block called with `residual=None` takes its input as the residual and
 updates that tensor.
 """

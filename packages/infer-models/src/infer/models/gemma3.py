@@ -25,12 +25,25 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = norm()
         self.mlp = GatedMLP(config)
         self.post_feedforward_layernorm = norm()
+        # The block hands on the MLP's output before this norm: the next block (or the final
+        # norm) applies it in the same kernel as the residual add and its own norm.
+        self.output_norm = self.post_feedforward_layernorm
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        pending_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (MLP output before `output_norm`, residual): `output_norm(hidden) + residual`
+        is transformers' block output. `pending_norm`: the block before's `output_norm`, not yet
+        applied to `hidden`."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
+        elif pending_norm is not None:
+            # The block before's post-norm, the add and this block's input norm: one kernel.
+            hidden, residual = pending_norm.then_add_and_norm(hidden, residual, self.input_layernorm)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, batch)
@@ -38,9 +51,7 @@ class Gemma3DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm.then_add_and_norm(
             hidden, residual, self.pre_feedforward_layernorm
         )
-        # The MLP's post-norm stays unfused with the next block's input norm: a block hands on
-        # (hidden, residual) whose sum is transformers' block output (activation_diff reads it).
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+        return self.mlp(hidden), residual
 
 
 class Gemma3ForCausalLM(CausalLM):
@@ -49,3 +60,15 @@ class Gemma3ForCausalLM(CausalLM):
 
     def make_layer(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module:
         return Gemma3DecoderLayer(config, layer_idx, rotary)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """CausalLM.forward, each block's post-feedforward norm fused into the next one's input
+        norm (and the last block's into the final norm): one norm kernel a layer fewer."""
+        hidden, residual, pending_norm = self.embed(batch.input_ids), None, None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, batch, pending_norm)
+            pending_norm = layer.output_norm
+        if batch.logits_indices is not None:
+            hidden, residual = hidden[batch.logits_indices], residual[batch.logits_indices]
+        hidden, _ = pending_norm.then_add_and_norm(hidden, residual, self.norm)
+        return hidden
