@@ -27,6 +27,10 @@ one byte per weight is half of bf16's two. Three paths, chosen by the number of 
 The M = 1 kernel also serves dense weights (bf16, fp16, fp32; `gemv`, no scale): the same
 streaming loop, which at the 1-2B models' widths reads the weight faster than cuBLAS's GEMV does
 and, being ours, takes part in programmatic dependent launch (`_dense_gemv_config` has its tiles).
+Under PDL it loads its first weight tile before waiting for the kernel before (no kernel writes
+a weight), so that the weight stream starts while that kernel ends. With a gated MLP's `[gate;
+up]` weight it also applies the activation (`gated_gemv`): each program streams the up rows of
+its gate rows and writes `act(gate) * up`, one kernel where the unfused pair takes two.
 
 Where a scale varies along K, BLOCK_K divides bk, so that no tile straddles two blocks. When the
 output tiles alone would leave SMs idle, K is split across programs that write fp32 partial
