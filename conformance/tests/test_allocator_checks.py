@@ -7,7 +7,7 @@ from conformance.spec import load_checks_module
 from infer.cache import BlockAllocator, PagedKVPool
 
 checks = load_checks_module(CHECKS_DIR, "allocator")
-FAST = {"num_blocks": 3, "max_examples": 100, "steps": 20}
+FAST = {"num_blocks": 3, "max_examples": 100, "steps": 20, "shrink": False}
 
 
 class AcceptsDoubleFree(BlockAllocator):
@@ -115,10 +115,20 @@ class LendsNullBlock(PagedKVPool):
         self.allocator = BlockAllocator(num_blocks + 1)
 
 
-def assertion_messages(check, impl: str = "Broken") -> list[str]:
-    """The AssertionErrors a check raises (hypothesis groups them when it finds several bugs)."""
+def assertion_messages(check, impl: str = "Broken", *, says: tuple[str, ...] = ()) -> list[str]:
+    """The AssertionErrors a check raises (hypothesis groups them when it finds several bugs).
+    First from the first failing example found, unshrunk; when none of those says any of `says`,
+    again as the suite runs the check, shrunk to the smallest failure (an unshrunk example may
+    trip over another error first): shrinking took most of this file's time."""
+    messages = _assertion_messages(check, FAST, impl)
+    if any(fragment in message for fragment in says for message in messages):
+        return messages
+    return _assertion_messages(check, {**FAST, "shrink": True}, impl)
+
+
+def _assertion_messages(check, case: dict, impl: str) -> list[str]:
     try:
-        check(FAST, impl)
+        check(case, impl)
     except Exception as error:  # noqa: BLE001 - sorted below: only assertions are the check's verdict
         return [str(e) for e in getattr(error, "exceptions", [error]) if type(e) is AssertionError]
     return []
@@ -133,11 +143,11 @@ def assertion_messages(check, impl: str = "Broken") -> list[str]:
         (TakesWhatItCanWhenFull, checks.full_pool_raises, "did not raise CacheFullError"),
         (MiscountsFree, checks.conservation, "!= num_blocks"),
         (ForgetsOwners, checks.owner_tracking, "owners_of per block"),
-        (AuditsLiveOwners, checks.audit_finds_leaks, "expected []"),
+        (AuditsLiveOwners, checks.audit_finds_leaks, "audit(live="),
         (
             IndexErrorOnNegative,
             checks.foreign_block_raises,
-            "raised IndexError(-1), expected ForeignBlockError",
+            "raised IndexError(-",
         ),
         (RoundsUsageRatio, checks.usage_ratio, "of 3 held"),
         (NegativeRefcountWhenFree, checks.refcount_never_negative, "refcount per block"),
@@ -151,8 +161,8 @@ def assertion_messages(check, impl: str = "Broken") -> list[str]:
 )
 def test_broken_allocator_fails_its_check(monkeypatch, broken, check, says):
     monkeypatch.setitem(checks.ALLOCATORS, "Broken", broken)
-    messages = assertion_messages(check)
     alternatives = (says,) if type(says) is str else says
+    messages = assertion_messages(check, says=alternatives)
     assert any(fragment in message for fragment in alternatives for message in messages), (
         f"expected a failure saying {says!r}, got {messages}"
     )
@@ -160,7 +170,7 @@ def test_broken_allocator_fails_its_check(monkeypatch, broken, check, says):
 
 def test_a_pool_that_lends_its_null_block_fails_its_check(monkeypatch):
     monkeypatch.setitem(checks.KV_POOLS, "Broken", lambda n: LendsNullBlock(checks.TINY_SHAPE, n))
-    messages = assertion_messages(checks.null_block_never_handed_out)
+    messages = assertion_messages(checks.null_block_never_handed_out, says=("null",))
     assert any("null" in message for message in messages), messages
 
 
