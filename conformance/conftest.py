@@ -3,7 +3,6 @@
 from conformance.plugin import (  # noqa: F401 - pytest finds hooks by name in this module
     pytest_addoption,
     pytest_configure,
+    pytest_ignore_collect,
     pytest_pycollect_makemodule,
-    pytest_runtest_makereport,
-    pytest_terminal_summary,
 )

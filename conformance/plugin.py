@@ -38,9 +38,9 @@ class RunOptions:
     skip_planned: bool = False
 
 
-_RESULTS = pytest.StashKey[dict[str, list[str]]]()
-_ITEMS = pytest.StashKey[dict[str, "ClauseItem"]]()
-_CLAUSES = pytest.StashKey[list[Clause]]()
+# A clause item's user property: (collection order, clause id, says, waits_for). Reports carry
+# their item's user properties, from pytest-xdist's workers to the process that prints the table.
+CLAUSE_PROPERTY = "conformance_clause"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -73,9 +73,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_RESULTS] = defaultdict(list)
-    config.stash[_ITEMS] = {}
-    config.stash[_CLAUSES] = []
+    if not config.pluginmanager.has_plugin("conformance-clause-table"):
+        config.pluginmanager.register(ClauseTable(), "conformance-clause-table")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With --contract only that contract's clauses are collected: the plugin's and the checks'
+    own tests (conformance/tests) are no clauses (in `nox -s tests`' second api run they took
+    longer than the clauses)."""
+    if (
+        config.getoption("contract") is not None
+        and collection_path.resolve() == _checks_dir(config) / "tests"
+    ):
+        return True
+    return None
 
 
 def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
@@ -100,14 +111,12 @@ class SpecSuite(pytest.File):
             skip_planned=config.getoption("skip_planned"),
         )
         contract = config.getoption("contract")
-        for spec in specs:
-            if contract is not None and spec.contract != contract:
-                continue
-            for clause in spec.clauses:
-                config.stash[_CLAUSES].append(clause)
-                yield from self._items(spec, clause, checks_dir, options)
+        clauses = [(spec, clause) for spec in specs for clause in spec.clauses]
+        for order, (spec, clause) in enumerate(clauses):
+            if contract is None or spec.contract == contract:
+                yield from self._items(spec, clause, order, checks_dir, options)
 
-    def _items(self, spec: Spec, clause: Clause, checks_dir: Path, options: RunOptions):
+    def _items(self, spec: Spec, clause: Clause, order: int, checks_dir: Path, options: RunOptions):
         target = TARGET_OPTION.get(spec.contract)
         targeted = target is not None and bool(getattr(options, target)) and not options.skip_planned
         # Checks of planned clauses are imported only when they may run.
@@ -123,7 +132,7 @@ class SpecSuite(pytest.File):
                 item.add_marker(pytest.mark.skip(reason=f"planned: waits for {clause.waits_for}"))
             for mark in clause.marks:
                 item.add_marker(getattr(pytest.mark, mark))
-            self.config.stash[_ITEMS][item.nodeid] = item
+            item.user_properties.append((CLAUSE_PROPERTY, (order, clause.id, clause.says, clause.waits_for)))
             yield item
 
     def repr_failure(self, excinfo, style=None):
@@ -164,38 +173,44 @@ class ClauseItem(pytest.Item):
         return self.clause.path, self.clause.line, f"{self.name}: {self.clause.says}"
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call):
-    report = yield
-    # Stored per node id, setup, call and teardown alike; the summary folds them per clause.
-    if isinstance(item, ClauseItem):
+class ClauseTable:
+    """Collects every clause test's outcomes from the reports (setup, call and teardown alike) and
+    prints them folded per clause at the end of the run. Reading reports, not items, it sees the
+    tests that pytest-xdist's workers ran as well as its own."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[str, list[str]] = defaultdict(list)  # node id -> phase outcomes
+        self.clause_of: dict[str, tuple] = {}  # node id -> (order, id, says, waits_for)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        clause = dict(report.user_properties).get(CLAUSE_PROPERTY)
+        if clause is None:
+            return
         outcome = report.outcome
         if outcome == "skipped" and _skip_reason(report).startswith("planned:"):
             outcome = "planned"
-        item.config.stash[_RESULTS][item.nodeid].append(outcome)
-    return report
+        self.clause_of[report.nodeid] = tuple(clause)
+        self.outcomes[report.nodeid].append(outcome)
 
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
-    results = config.stash.get(_RESULTS, {})
-    items = config.stash.get(_ITEMS, {})
-    per_clause: dict[str, list[str]] = defaultdict(list)
-    for nodeid, outcomes in results.items():
-        per_clause[items[nodeid].clause.id].append(_fold(outcomes))
-    clauses = [c for c in config.stash.get(_CLAUSES, []) if c.id in per_clause]
-    if not clauses:
-        return
-    rows = [(c.id, _clause_result(per_clause[c.id]), _count(per_clause[c.id]), c) for c in clauses]
-    width_id = max(len(r[0]) for r in rows)
-    totals = defaultdict(int)
-    terminalreporter.write_sep("=", "conformance clauses")
-    for clause_id, result, count, clause in rows:
-        totals[result] += 1
-        statement = clause.says if result != "planned" else f"{clause.says} (waits for {clause.waits_for})"
-        line = f"{clause_id:<{width_id}}  {result:<7}  {count:>5}  {statement}"
-        terminalreporter.write_line(line, red=result == "fail")
-    summary = ", ".join(f"{n} {name}" for name, n in sorted(totals.items()))
-    terminalreporter.write_line(f"{len(rows)} clauses: {summary}")
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        per_clause: dict[tuple, list[str]] = defaultdict(list)
+        for nodeid, outcomes in self.outcomes.items():
+            per_clause[self.clause_of[nodeid]].append(_fold(outcomes))
+        if not per_clause:
+            return
+        rows = [
+            (clause, _clause_result(tests), _count(tests)) for clause, tests in sorted(per_clause.items())
+        ]
+        width_id = max(len(clause[1]) for clause, _, _ in rows)
+        totals = defaultdict(int)
+        terminalreporter.write_sep("=", "conformance clauses")
+        for (_, clause_id, says, waits_for), result, count in rows:
+            totals[result] += 1
+            statement = says if result != "planned" else f"{says} (waits for {waits_for})"
+            line = f"{clause_id:<{width_id}}  {result:<7}  {count:>5}  {statement}"
+            terminalreporter.write_line(line, red=result == "fail")
+        summary = ", ".join(f"{n} {name}" for name, n in sorted(totals.items()))
+        terminalreporter.write_line(f"{len(rows)} clauses: {summary}")
 
 
 def _fold(outcomes: list[str]) -> str:

@@ -92,6 +92,28 @@ def test_pass_fail_and_planned_clauses(tmp_path):
     assert "DEMO-003  planned         not written yet (waits for the flux capacitor)" in table
 
 
+def test_the_clause_table_counts_the_tests_of_pytest_xdist_workers(tmp_path):
+    # `nox -s tests` runs on two workers: the table must fold what they ran, not what the
+    # process printing it ran (nothing).
+    write_suite(tmp_path, {"demo/demo.yaml": DEMO_SPEC}, {"demo": DEMO_CHECKS})
+    out = run_suite(tmp_path, "-n", "2").stdout
+    table = out.split("conformance clauses")[1]
+    assert "DEMO-001  pass       2/2  defaults merge under the case" in table
+    assert "DEMO-002  fail       0/2  this clause always fails" in table
+    assert "DEMO-003  planned         not written yet (waits for the flux capacitor)" in table
+    assert "3 clauses: 1 fail, 1 pass, 1 planned" in table
+
+
+def test_contract_leaves_the_checks_own_tests_out(tmp_path):
+    write_suite(tmp_path, {"demo/demo.yaml": DEMO_SPEC}, {"demo": DEMO_CHECKS})
+    (tmp_path / "checks" / "tests").mkdir()
+    (tmp_path / "checks" / "tests" / "test_own.py").write_text("def test_own_check():\n    pass\n")
+    assert "test_own_check PASSED" in run_suite(tmp_path, "-v").stdout
+    narrowed = run_suite(tmp_path, "-v", "--contract", "demo").stdout
+    assert "test_own_check" not in narrowed
+    assert "DEMO-001[small-ImplA] PASSED" in narrowed
+
+
 def test_only_passing_and_planned_clauses_pass_the_run(tmp_path):
     write_suite(tmp_path, {"demo/demo.yaml": DEMO_SPEC}, {"demo": DEMO_CHECKS})
     result = run_suite(tmp_path, "-k", "not DEMO-002")
