@@ -4,10 +4,11 @@ import pytest
 
 from conformance.plugin import CHECKS_DIR
 from conformance.spec import load_checks_module
+from conformance.state_machines import failure_messages
 from infer.cache import BlockAllocator, PagedKVPool
 
 checks = load_checks_module(CHECKS_DIR, "allocator")
-FAST = {"num_blocks": 3, "max_examples": 100, "steps": 20, "shrink": False}
+FAST = {"num_blocks": 3, "max_examples": 100, "steps": 20}
 
 
 class AcceptsDoubleFree(BlockAllocator):
@@ -115,25 +116,6 @@ class LendsNullBlock(PagedKVPool):
         self.allocator = BlockAllocator(num_blocks + 1)
 
 
-def assertion_messages(check, impl: str = "Broken", *, says: tuple[str, ...] = ()) -> list[str]:
-    """The AssertionErrors a check raises (hypothesis groups them when it finds several bugs).
-    First from the first failing example found, unshrunk; when none of those says any of `says`,
-    again as the suite runs the check, shrunk to the smallest failure (an unshrunk example may
-    trip over another error first): shrinking took most of this file's time."""
-    messages = _assertion_messages(check, FAST, impl)
-    if any(fragment in message for fragment in says for message in messages):
-        return messages
-    return _assertion_messages(check, {**FAST, "shrink": True}, impl)
-
-
-def _assertion_messages(check, case: dict, impl: str) -> list[str]:
-    try:
-        check(case, impl)
-    except Exception as error:  # noqa: BLE001 - sorted below: only assertions are the check's verdict
-        return [str(e) for e in getattr(error, "exceptions", [error]) if type(e) is AssertionError]
-    return []
-
-
 @pytest.mark.parametrize(
     ("broken", "check", "says"),
     [
@@ -162,7 +144,7 @@ def _assertion_messages(check, case: dict, impl: str) -> list[str]:
 def test_broken_allocator_fails_its_check(monkeypatch, broken, check, says):
     monkeypatch.setitem(checks.ALLOCATORS, "Broken", broken)
     alternatives = (says,) if type(says) is str else says
-    messages = assertion_messages(check, says=alternatives)
+    messages = failure_messages(check, FAST, "Broken", alternatives)
     assert any(fragment in message for fragment in alternatives for message in messages), (
         f"expected a failure saying {says!r}, got {messages}"
     )
@@ -170,7 +152,7 @@ def test_broken_allocator_fails_its_check(monkeypatch, broken, check, says):
 
 def test_a_pool_that_lends_its_null_block_fails_its_check(monkeypatch):
     monkeypatch.setitem(checks.KV_POOLS, "Broken", lambda n: LendsNullBlock(checks.TINY_SHAPE, n))
-    messages = assertion_messages(checks.null_block_never_handed_out, says=("null",))
+    messages = failure_messages(checks.null_block_never_handed_out, FAST, "Broken", ("null",))
     assert any("null" in message for message in messages), messages
 
 

@@ -8,10 +8,11 @@ import pytest
 
 from conformance.plugin import CHECKS_DIR
 from conformance.spec import load_checks_module
+from conformance.state_machines import failure_messages
 from infer.cache import PrefixTree
 
 checks = load_checks_module(CHECKS_DIR, "prefix_cache")
-FAST = {"block_size": 3, "num_blocks": 24, "max_examples": 100, "steps": 30, "shrink": False}
+FAST = {"block_size": 3, "num_blocks": 24, "max_examples": 100, "steps": 30}
 
 
 class StopsOneTokenShort(PrefixTree):
@@ -113,27 +114,14 @@ class SplitsRunsAtSequenceEnds(PrefixTree):
 
 
 def assertion_messages(check, broken, case: dict, *, says: str) -> list[str]:
-    """The AssertionErrors a check raises on the broken tree. First from the first failing example
-    found, unshrunk; when none of those says `says`, again as the suite runs the check, shrunk to
-    the smallest failure (an unshrunk example may trip over another error first): shrinking took
-    most of this file's time."""
-    messages = _assertion_messages(check, broken, case)
-    if any(says in message for message in messages):
-        return messages
-    return _assertion_messages(check, broken, {**case, "shrink": True})
-
-
-def _assertion_messages(check, broken, case: dict) -> list[str]:
+    """The AssertionErrors a check raises on the broken tree (`failure_messages`)."""
     checks.TREES["Broken"] = lambda allocator, block_size, max_blocks: broken(
         allocator, block_size, max_blocks=max_blocks
     )
     try:
-        check(case, "Broken")
-    except Exception as error:  # noqa: BLE001 - only assertions are the check's verdict
-        return [str(e) for e in getattr(error, "exceptions", [error]) if type(e) is AssertionError]
+        return failure_messages(check, case, "Broken", (says,))
     finally:
         del checks.TREES["Broken"]
-    return []
 
 
 @pytest.mark.parametrize(
