@@ -125,11 +125,11 @@ class LendsNullBlock(PagedKVPool):
         (TakesWhatItCanWhenFull, checks.full_pool_raises, "did not raise CacheFullError"),
         (MiscountsFree, checks.conservation, "!= num_blocks"),
         (ForgetsOwners, checks.owner_tracking, "owners_of per block"),
-        (AuditsLiveOwners, checks.audit_finds_leaks, "audit(live="),
+        (AuditsLiveOwners, checks.audit_finds_leaks, "expected []"),
         (
             IndexErrorOnNegative,
             checks.foreign_block_raises,
-            "raised IndexError(-",
+            "raised IndexError(-1), expected ForeignBlockError",
         ),
         (RoundsUsageRatio, checks.usage_ratio, "of 3 held"),
         (NegativeRefcountWhenFree, checks.refcount_never_negative, "refcount per block"),
