@@ -6,6 +6,10 @@ are timed the same way. The best configurations per shape are what `_gemv_config
 Needs a CUDA GPU.
 
     python kernels-bench/sweep_quantized_gemv.py int8,fp8 [--json FILE]
+    python kernels-bench/sweep_quantized_gemv.py int8,fp8 --gated   # gate_up with its activation
+
+With `--gated` it sweeps `quantized_gated_gemv` on the gate/up shape (unsplit: the activation
+needs whole sums), and "default" is the unfused pair: the default GEMV, then `silu_and_mul`.
 """
 
 import argparse
@@ -17,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from infer.kernels import silu_and_mul
 from infer.kernels.quantized_linear import _k_tile_cap, _launch
 from infer.models.quantization import quantize_weight
 
@@ -52,17 +57,18 @@ def streamed_us(calls: list[Callable[[], object]], repeats: int = 5) -> float:
 
 
 def configurations(method: str):
-    """(config, split_k) pairs: tile rows, tile columns, unroll, warps, K splits."""
+    """(config, split_k) pairs: tile rows, tile columns, unroll, warps, K splits. fp8 tiles of up
+    to 32 rows stay inside a 128-row scale block, so their columns may span 128-column blocks."""
     if method == "int8":
-        grid = itertools.product([4, 8, 16, 32], [256, 512, 1024, 2048], [1], [2, 4, 8], [1, 2, 4, 8])
+        grid = itertools.product([4, 8, 16, 32], [(256, 1), (512, 1), (1024, 1), (2048, 1)], [2, 4, 8])
     else:
-        grid = itertools.product([8, 16, 32, 64], [128], [1, 2, 4, 8], [2, 4, 8], [1, 2, 4, 8])
-    for block_n, block_k, unroll, warps, split in grid:
+        grid = itertools.product([8, 16, 32], [(128, 1), (128, 4), (256, 1), (512, 1), (1024, 1)], [4, 8])
+    for (block_n, (block_k, unroll), warps), split in itertools.product(grid, [1, 2, 4, 8]):
         config = dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, num_stages=1)
         yield config, split
 
 
-def sweep_shape(method: str, n: int, k: int) -> dict:
+def sweep_shape(method: str, n: int, k: int, sweep: bool = True, gated: bool = False) -> dict:
     block = (1, k) if method == "int8" else (128, 128)
     weights = [
         quantize_weight(torch.randn(n, k, device="cuda") * k**-0.5, method, block)
@@ -75,14 +81,24 @@ def sweep_shape(method: str, n: int, k: int) -> dict:
     ]
     bf16_us = streamed_us([lambda w=w: F.linear(x, w) for w in dense])
     del dense
-    default_us = streamed_us([lambda q=q, s=s: _launch(x, q, s, block, None) for q, s in weights])
+    if gated:
+        default = [lambda q=q, s=s: silu_and_mul(_launch(x, q, s, block, None)) for q, s in weights]
+    else:
+        default = [lambda q=q, s=s: _launch(x, q, s, block, None) for q, s in weights]
+    default_us = streamed_us(default)
+    activation = "silu" if gated else None
     rows = []
-    for config, split in configurations(method):
-        if config["BLOCK_K"] > _k_tile_cap(k, block[1]) or config["BLOCK_K"] * config["UNROLL"] * split > k:
+    for config, split in configurations(method) if sweep else ():
+        if gated and split > 1:
+            continue
+        too_deep = config["BLOCK_K"] * config["UNROLL"] * split > k
+        # A tile whose rows take scales of their own (int8's) stays inside one scale block.
+        straddles = block[0] % config["BLOCK_N"] and config["BLOCK_K"] > _k_tile_cap(k, block[1])
+        if too_deep or straddles:
             continue
         calls = [
             lambda q=q, s=s, config=config, split=split: _launch(
-                x, q, s, block, None, kernel="gemv", config=config, split_k=split
+                x, q, s, block, None, kernel="gemv", config=config, split_k=split, activation=activation
             )
             for q, s in weights
         ]
@@ -102,19 +118,25 @@ def main() -> None:
     )
     parser.add_argument("methods", help="comma-separated: int8, fp8")
     parser.add_argument("--json", type=Path, help="write every shape's best configurations here")
+    parser.add_argument("--gated", action="store_true", help="gate_up with its activation, fused")
+    parser.add_argument(
+        "--no-sweep", action="store_true", help="time bf16 and the default configuration only"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     results = {}
     for method in args.methods.split(","):
         for name, (n, k) in SHAPES.items():
-            result = results[f"{method}/{name}"] = sweep_shape(method, n, k)
-            best_us, best_config, best_split = result["best"][0]
+            if args.gated and name != "gate_up":
+                continue
+            result = results[f"{method}/{name}"] = sweep_shape(method, n, k, not args.no_sweep, args.gated)
             print(
                 f"{method} {name} {n}x{k}: bf16 {result['bf16_us']:.1f} µs, "
-                f"default {result['default_us']:.1f} µs, "
-                f"best {best_us:.1f} µs {best_config} split {best_split}, ideal {result['ideal_us']:.1f} µs",
+                f"default {result['default_us']:.1f} µs, ideal {result['ideal_us']:.1f} µs",
                 flush=True,
             )
+            for us, config, split in result["best"][:3]:
+                print(f"    best: {us:.1f} µs {config} split {split}", flush=True)
             torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))

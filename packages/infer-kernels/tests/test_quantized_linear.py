@@ -23,7 +23,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from infer.kernels import assert_close, dequantize_weight, quantized_linear, quantized_linear_ref
+from infer.kernels import (
+    assert_close,
+    assert_gated_close,
+    dequantize_weight,
+    quantized_gated_gemv,
+    quantized_gated_gemv_ref,
+    quantized_linear,
+    quantized_linear_ref,
+)
 from infer.kernels.quantized_linear import _launch
 
 WEIGHT_DTYPES = [torch.int8, torch.float8_e4m3fn]
@@ -82,16 +90,35 @@ def assert_matches_reference(out, x, weight, scale, block_size, bias=None):
     if expected.dtype != torch.float32:
         assert_close(out, expected)
         return
-    # fp32: the summation-order bound of the module docstring.
-    K = weight.shape[1]
-    w = dequantize_weight(weight, scale, block_size, torch.float32)
-    magnitude = x.float().abs().reshape(-1, K) @ w.abs().T
-    bound = 1e-6 + 4 * math.sqrt(K) * 2.0**-24 * magnitude.reshape(out.shape)
+    bound = sum_error_bound(x, weight, scale, block_size).reshape(out.shape)
     error = (out - expected).abs()
     worst = (error - bound).argmax()
     assert (error <= bound).all(), (
         f"fp32 error {error.flatten()[worst].item():.3g} above its bound {bound.flatten()[worst].item():.3g}"
     )
+
+
+def sum_error_bound(x, weight, scale, block_size, bias=None):
+    """fp32 outputs: the summation-order bound of the module docstring, per output."""
+    K = weight.shape[1]
+    w = dequantize_weight(weight, scale, block_size, torch.float32)
+    magnitude = x.float().abs().reshape(-1, K) @ w.abs().T
+    if bias is not None:
+        magnitude += bias.float().abs()
+    return 1e-6 + 4 * math.sqrt(K) * 2.0**-24 * magnitude
+
+
+def check_gated(N, K, weight_dtype, block, x_dtype, with_bias, activation, device):
+    """quantized_gated_gemv of a [2N, K] gate/up weight against the unfused reference."""
+    bs = block_size(block, K)
+    weight, scale = make_weight(2 * N, K, weight_dtype, bs, device)
+    x = make_x(1, K, x_dtype, device)
+    bias = make_bias(2 * N, x_dtype, device) if with_bias else None
+    out = quantized_gated_gemv(x, weight, scale, bs, bias, activation=activation)
+    expected = quantized_gated_gemv_ref(x, weight, scale, bs, bias, activation=activation)
+    gate_up = quantized_linear_ref(x, weight, scale, bs, bias)
+    error = sum_error_bound(x, weight, scale, bs, bias) if x_dtype == torch.float32 else None
+    assert_gated_close(out, expected, gate_up, activation, error)
 
 
 def check(M, N, K, weight_dtype, block, x_dtype, with_bias, device, **launch):
@@ -142,6 +169,70 @@ def test_interpreted_other_block_sizes(triton_on_cpu, bs, tokens):
     weight, scale = make_weight(130, 600, weight_dtype, bs, "cpu")
     x = make_x(tokens, 600, torch.bfloat16, "cpu")
     assert_matches_reference(quantized_linear(x, weight, scale, bs), x, weight, scale, bs)
+
+
+@pytest.mark.parametrize("block_k", [256, 512])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_interpreted_fp8_tiles_across_scale_blocks(triton_on_cpu, block_k, split_k):
+    """A GEMV tile of 16 rows inside a 128 x 128 scale block may span several 128-column blocks
+    (and a partial last one, K = 600): x's columns each take their own block's scale."""
+    config = dict(BLOCK_N=16, BLOCK_K=block_k, UNROLL=1, num_warps=4, num_stages=1)
+    launch = dict(kernel="gemv", config=config, split_k=split_k)
+    check(1, 130, 600, torch.float8_e4m3fn, "128x128", torch.bfloat16, True, "cpu", **launch)
+
+
+@pytest.mark.parametrize("N", [130, 256])
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+def test_interpreted_gated_matches_the_unfused_pair(triton_on_cpu, weight_dtype, block, N):
+    """The gate/up projection with its activation in one kernel: up rows N past their gate rows,
+    with scales of their own. N = 256 lines the up rows' 8-row tiles up with 128-row scale
+    blocks, so tiles span 128-column blocks; N = 130 does not, and tiles keep to one."""
+    for x_dtype, with_bias, activation in [
+        (torch.bfloat16, True, "silu"),
+        (torch.float32, False, "gelu_tanh"),
+    ]:
+        check_gated(N, 600, weight_dtype, block, x_dtype, with_bias, activation, "cpu")
+
+
+def test_gated_cpu_path_is_the_unfused_pair():
+    weight, scale = make_weight(260, 192, torch.int8, (1, 192), "cpu")
+    x, bias = make_x(1, 192, torch.bfloat16, "cpu"), make_bias(260, torch.bfloat16, "cpu")
+    out = quantized_gated_gemv(x, weight, scale, (1, 192), bias, activation="silu")
+    gate, up = quantized_linear_ref(x, weight, scale, (1, 192), bias).float().chunk(2, dim=-1)
+    assert torch.equal(out, (torch.nn.functional.silu(gate) * up).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(x=torch.randn(2, 256)), "x must be one row of K = 256"),
+        (dict(activation="relu"), "activation must be one of"),
+        (
+            dict(weight=torch.zeros(131, 256, dtype=torch.int8), scale=torch.ones(131, 1)),
+            "even number of rows",
+        ),
+    ],
+)
+@pytest.mark.parametrize("op", [quantized_gated_gemv, quantized_gated_gemv_ref])
+def test_gated_rejects_bad_inputs(op, change, message):
+    valid = dict(
+        x=torch.randn(1, 256),
+        weight=torch.zeros(130, 256, dtype=torch.int8),
+        scale=torch.ones(130, 1),
+        block_size=(1, 256),
+        activation="silu",
+    )
+    with pytest.raises(ValueError, match=message):
+        op(**(valid | change))
+
+
+def test_a_tile_across_row_scales_is_refused():
+    """Where the tile's rows have scales of their own ((1, 128)), a tile must stay in one block."""
+    weight, scale = make_weight(32, 512, torch.float8_e4m3fn, (1, 128), "cpu")
+    config = dict(BLOCK_N=16, BLOCK_K=256, UNROLL=1, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="straddles scale blocks of 128 columns"):
+        _launch(torch.randn(1, 512), weight, scale, (1, 128), None, kernel="gemv", config=config)
 
 
 def test_interpreted_keeps_leading_dims_and_reads_strided_x(triton_on_cpu):
@@ -209,6 +300,15 @@ def test_interpreted_dequantize_then_matmul(triton_on_cpu, weight_dtype, block):
 )
 def test_cuda_dequantize_then_matmul(cuda, N, K, weight_dtype, block, tokens):
     check(tokens, N, K, weight_dtype, block, torch.bfloat16, True, cuda, kernel="dequantize")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("weight_dtype, block", [(torch.int8, "channel"), (torch.float8_e4m3fn, "128x128")])
+@pytest.mark.parametrize("N, K", [(12288, 4096), (8192, 3072), (6912, 1152), (200, 1000)])
+def test_cuda_gated_matches_the_unfused_pair(cuda, N, K, weight_dtype, block, activation):
+    """The gate/up projections of Qwen3-8B, Llama-3.2-3B and Gemma-3-1B, and a narrow one."""
+    check_gated(N, K, weight_dtype, block, torch.bfloat16, N == 200, activation, cuda)
 
 
 @pytest.mark.gpu

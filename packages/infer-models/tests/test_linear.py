@@ -1,15 +1,17 @@
 """dense_linear (infer.models.linear) against F.linear: the CPU split path for a few fp32 rows
 gives the same outputs, with and without bias, and every other input goes to F.linear itself."""
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.kernels import gated_gemv, gelu_tanh_and_mul, gemv, silu_and_mul
+from infer.kernels import gated_gemv, gelu_tanh_and_mul, gemv, quantized_gated_gemv, silu_and_mul
 from infer.models.common import GatedMLP
 from infer.models.linear import CPU_SPLIT, CPU_SPLIT_MAX_ROWS, Linear, dense_linear, triton_gemv
+from infer.models.quantization import quantize_weight
 
 
 @pytest.mark.parametrize("rows", range(1, CPU_SPLIT_MAX_ROWS + 1))
@@ -91,3 +93,40 @@ def test_inside_triton_gemv_a_gated_mlp_takes_the_gated_gemv(hidden_activation, 
     with triton_gemv():
         assert torch.equal(mlp(x), fused)
     assert torch.equal(mlp(x), unfused)
+
+
+def cuda_kernels(fn) -> list[str]:
+    """The names of the CUDA kernels `fn()` launches, in order."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method, block_size", [("int8", (1, 2048)), ("fp8", (128, 128))])
+def test_an_int8_gated_mlp_takes_the_quantized_gated_gemv(method, block_size):
+    """A GatedMLP with int8 weights sends one CUDA row through quantized_gated_gemv, in or out of
+    `triton_gemv()`: two GEMV kernels and no activation kernel, with quantized_gated_gemv's output.
+    An fp8 one, and two int8 rows, take the projection, then the activation's kernel."""
+    config = SimpleNamespace(hidden_activation="silu", hidden_size=2048, intermediate_size=4096)
+    mlp = GatedMLP(config).to(device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator("cuda").manual_seed(0)
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        dense = torch.randn(linear.weight.shape, generator=gen, device="cuda") / 45
+        weight, scale = quantize_weight(dense, method, block_size)
+        linear.quantize(weight.dtype, block_size)
+        linear.weight.data, linear.weight_scale.data = weight, scale
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    one, two = (torch.randn(n, 2048, generator=gen, device="cuda", dtype=torch.bfloat16) for n in (1, 2))
+    assert torch.equal(mlp(two), down(silu_and_mul(gate_up(two))))
+    assert "_gated_activation_kernel" in cuda_kernels(lambda: mlp(two))
+    if method == "fp8":
+        assert torch.equal(mlp(one), down(silu_and_mul(gate_up(one))))
+        assert cuda_kernels(lambda: mlp(one)) == ["_gemv_kernel", "_gated_activation_kernel", "_gemv_kernel"]
+        return
+    hidden = quantized_gated_gemv(one, gate_up.weight, gate_up.weight_scale, block_size, activation="silu")
+    assert torch.equal(mlp(one), down(hidden))
+    for context in (contextlib.nullcontext(), triton_gemv()):
+        with context:
+            assert cuda_kernels(lambda: mlp(one)) == ["_gemv_kernel", "_gemv_kernel"]

@@ -24,6 +24,8 @@ from infer.kernels.quantized_linear import (
     gated_gemv_ref,
     gemv,
     gemv_ref,
+    quantized_gated_gemv,
+    quantized_gated_gemv_ref,
     quantized_linear,
     quantized_linear_ref,
 )
@@ -39,7 +41,7 @@ from infer.kernels.rms_norm import (
 from infer.kernels.rope import rope, rope_cpu, rope_ref, rope_tables
 from infer.kernels.store_kv import KVStore, store_kv, store_kv_ref
 from infer.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
-from infer.kernels.tolerance import TOLERANCES, Tolerance, assert_close
+from infer.kernels.tolerance import TOLERANCES, Tolerance, assert_close, assert_gated_close
 
 __all__ = [
     "INTERFACE_VERSION",
@@ -54,6 +56,7 @@ __all__ = [
     "apply_token_bitmask",
     "apply_token_bitmask_ref",
     "assert_close",
+    "assert_gated_close",
     "dequantize_weight",
     "extend_tile_size",
     "gated_gemv",
@@ -71,6 +74,8 @@ __all__ = [
     "programmatic_launch",
     "qk_norm_rope",
     "qk_norm_rope_ref",
+    "quantized_gated_gemv",
+    "quantized_gated_gemv_ref",
     "quantized_linear",
     "quantized_linear_ref",
     "rms_norm",

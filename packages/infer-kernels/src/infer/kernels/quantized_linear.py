@@ -32,7 +32,9 @@ a weight), so that the weight stream starts while that kernel ends. With a gated
 up]` weight it also applies the activation (`gated_gemv`): each program streams the up rows of
 its gate rows and writes `act(gate) * up`, one kernel where the unfused pair takes two.
 
-Where a scale varies along K, BLOCK_K divides bk, so that no tile straddles two blocks. When the
+Where a scale varies along K, BLOCK_K divides bk, so that no tile straddles two blocks, except in
+the M = 1 kernel when the tile's rows share their scales: there x's columns each take their own
+block's scale, and a tile may span blocks (wider tiles stream faster). When the
 output tiles alone would leave SMs idle, K is split across programs that write fp32 partial
 sums; `_split_k_sum_kernel` adds them (and the bias) in a fixed order.
 
@@ -109,6 +111,8 @@ def _gemv_tile(
     w,
     x,
     k0,
+    cols,
+    col_mask,
     row_mask,
     scale_rows,
     tile_scale_row,
@@ -116,14 +120,19 @@ def _gemv_tile(
     scale_block_k,
     SCALE_PER_TILE: tl.constexpr,
     SCALE_ON_X: tl.constexpr,
+    X_SCALE_PER_COLUMN: tl.constexpr,
     WEIGHT_FP8: tl.constexpr,
     FAST_INT8: tl.constexpr,
 ):
-    """`acc + w * x` for one `[BLOCK_N, BLOCK_K]` weight tile at column k0, scaled per tile where
-    the scale varies along K."""
+    """`acc + w * x` for one `[BLOCK_N, BLOCK_K]` weight tile at column k0 (`cols`, `col_mask`:
+    its columns), scaled per tile where the scale varies along K."""
     w = _weight_to_float32(w, WEIGHT_FP8, FAST_INT8)
     if SCALE_PER_TILE:
-        if SCALE_ON_X:  # one multiply per column of x instead of one per weight
+        if SCALE_ON_X and X_SCALE_PER_COLUMN:  # a tile across scale blocks: each column's own
+            x *= tl.load(
+                tile_scale_row + (cols // scale_block_k) * scale_col_stride, mask=col_mask, other=0.0
+            )
+        elif SCALE_ON_X:  # one multiply per column of x instead of one per weight
             x *= tl.load(tile_scale_row + (k0 // scale_block_k) * scale_col_stride)
         else:
             s = tl.load(scale_rows + (k0 // scale_block_k) * scale_col_stride, mask=row_mask, other=0.0)
@@ -151,6 +160,7 @@ def _gemv_kernel(
     SCALED: tl.constexpr,
     SCALE_PER_TILE: tl.constexpr,
     SCALE_ON_X: tl.constexpr,
+    X_SCALE_PER_COLUMN: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WEIGHT_FP8: tl.constexpr,
     FAST_INT8: tl.constexpr,
@@ -161,8 +171,8 @@ def _gemv_kernel(
     UNROLL: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """GATED (dense weights, unsplit): the weight is `[2N, K]`, gate rows then up rows, and each
-    program also streams the up rows of its gate rows, then writes `act(gate) * up`."""
+    """GATED (unsplit): the weight is `[2N, K]`, gate rows then up rows, and each program also
+    streams the up rows of its gate rows (with their own scales), then writes `act(gate) * up`."""
     m = tl.program_id(0).to(tl.int64)
     first_row = tl.program_id(1) * BLOCK_N
     rows = first_row + tl.arange(0, BLOCK_N)
@@ -178,6 +188,8 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if GATED:
         up_ptrs = w_ptrs + N.to(tl.int64) * K
+        up_scale_rows = scale_ptr + ((rows + N) // scale_block_n).to(tl.int64) * scale_row_stride
+        up_tile_scale_row = scale_ptr + ((first_row + N) // scale_block_n).to(tl.int64) * scale_row_stride
         up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_stop = tl.minimum(k_start + k_per_split, K)
     # The first weight tile is loaded before waiting for the kernel before (await_inputs): no
@@ -193,6 +205,8 @@ def _gemv_kernel(
         w,
         x,
         k_start,
+        cols,
+        col_mask,
         row_mask,
         scale_rows,
         tile_scale_row,
@@ -200,11 +214,29 @@ def _gemv_kernel(
         scale_block_k,
         SCALE_PER_TILE,
         SCALE_ON_X,
+        X_SCALE_PER_COLUMN,
         WEIGHT_FP8,
         FAST_INT8,
     )
     if GATED:
-        up_acc += up.to(tl.float32) * x[None, :]
+        up_acc = _gemv_tile(
+            up_acc,
+            up,
+            x,
+            k_start,
+            cols,
+            col_mask,
+            row_mask,
+            up_scale_rows,
+            up_tile_scale_row,
+            scale_col_stride,
+            scale_block_k,
+            SCALE_PER_TILE,
+            SCALE_ON_X,
+            X_SCALE_PER_COLUMN,
+            WEIGHT_FP8,
+            FAST_INT8,
+        )
         up_ptrs += BLOCK_K
     cols += BLOCK_K
     w_ptrs += BLOCK_K
@@ -218,6 +250,8 @@ def _gemv_kernel(
             w,
             x,
             k0,
+            cols,
+            col_mask,
             row_mask,
             scale_rows,
             tile_scale_row,
@@ -225,12 +259,30 @@ def _gemv_kernel(
             scale_block_k,
             SCALE_PER_TILE,
             SCALE_ON_X,
+            X_SCALE_PER_COLUMN,
             WEIGHT_FP8,
             FAST_INT8,
         )
         if GATED:
             up = tl.load(up_ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0)
-            up_acc += up.to(tl.float32) * x[None, :]
+            up_acc = _gemv_tile(
+                up_acc,
+                up,
+                x,
+                k0,
+                cols,
+                col_mask,
+                row_mask,
+                up_scale_rows,
+                up_tile_scale_row,
+                scale_col_stride,
+                scale_block_k,
+                SCALE_PER_TILE,
+                SCALE_ON_X,
+                X_SCALE_PER_COLUMN,
+                WEIGHT_FP8,
+                FAST_INT8,
+            )
             up_ptrs += BLOCK_K
         cols += BLOCK_K
         w_ptrs += BLOCK_K
@@ -242,6 +294,8 @@ def _gemv_kernel(
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     if GATED:
         up_y = tl.sum(up_acc, axis=1)
+        if SCALED and not SCALE_PER_TILE:
+            up_y *= tl.load(up_scale_rows, mask=row_mask, other=0.0)
         if HAS_BIAS:
             up_y += tl.load(bias_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
         # Gate and up rounded to the output dtype first, as the unfused projection stores them.
@@ -440,13 +494,19 @@ def _split_k(tiles: int, K: int, block_k: int, num_sms: int, min_splits: int = 1
     return triton.cdiv(K, k_per_split), k_per_split
 
 
-def _gemv_config(M: int, N: int, K: int, k_cap: int) -> dict:
+def _gemv_config(M: int, N: int, K: int, k_cap: int, scale_rows: int) -> dict:
     """From sweeps on an H100 (Qwen3-8B and Llama-3.2-3B projections, M = 1, streamed from a CUDA
     graph over distinct weights). Per-channel scales: 16 rows x 512 columns with 8 warps for wide
     layers, 8 x 1024 with 4 warps for narrow and deep ones (more bytes in flight per program where
-    there are fewer programs). Scales per 128 columns: tiles of 16 x 128 with the loop unrolled 4
-    times and 8 warps, except deep layers (K >= 8192, down_proj): 32 x 128 tiles with 4 warps and K
-    split 8 ways (25.6 us for 4096 x 12288 in fp8 against 29.4 unsplit)."""
+    there are fewer programs). Block scales of 8 rows or more (fp8's 128 x 128): 8 x 1024 with 4
+    warps, the tile across 128-column blocks (x's columns take their own block's scale), which
+    read Qwen3-8B's four fp8 projections in 88.5 µs against 109.6 for 128-column tiles.
+    Scales per 128 columns of each row: tiles of 16 x 128 with the loop unrolled 4 times and 8
+    warps, except deep layers (K >= 8192, down_proj): 32 x 128 tiles with 4 warps and K split 8
+    ways."""
+    if k_cap < 512 and scale_rows % 8 == 0:
+        block_k = min(1024, max(triton.next_power_of_2(K), 16))
+        return dict(BLOCK_N=8, BLOCK_K=block_k, UNROLL=1, num_warps=4, num_stages=1)
     if k_cap < 512:
         block_k = min(k_cap, max(triton.next_power_of_2(K), 16))
         if K >= 8192:
@@ -513,17 +573,25 @@ def _launch(
     """Run one kernel. `kernel` ("gemv", "dot" or "dequantize": the weight dequantized to x's dtype
     in one pass, then cuBLAS), `config` and `split_k` override the choice by shape (for tests and
     tuning). `scale` None: a dense weight in x's dtype, which only the GEMV kernel takes.
-    `activation` ("silu" or "gelu_tanh"; dense weights, one row): `gated_gemv`, whose weight's
-    first half of rows is the gate, and whose output is the gated activation, half as wide."""
+    `activation` ("silu" or "gelu_tanh"; one row): `gated_gemv` and `quantized_gated_gemv`,
+    whose weight's first half of rows is the gate, and whose output is the gated activation, half
+    as wide."""
     N, K = weight.shape
     scaled = scale is not None
     if not scaled:
         block_size = (N, K)
         kernel = "gemv"
+    bn, bk = block_size
+    k_cap = _k_tile_cap(K, bk)
     gated = activation is not None
     if gated:
-        if config is None:
+        kernel = "gemv"
+        if config is None and not scaled:
             config = _gated_gemv_config(N, K)
+        elif config is None:
+            # The whole weight's tiles; 8-row tiles across scale blocks only where the up rows'
+            # tiles line up with their scale blocks as the gate rows' do.
+            config = _gemv_config(1, N, K, k_cap, bn if N // 2 % 8 == 0 else 1)
         N //= 2
         split_k = 1  # the activation needs whole sums
     if x.stride(-1) != 1:
@@ -536,8 +604,6 @@ def _launch(
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], N)
-    bn, bk = block_size
-    k_cap = _k_tile_cap(K, bk)
     if kernel is None:
         kernel = "gemv" if M <= _GEMV_MAX_M or k_cap < _MIN_DOT else "dot"
         if M >= _DEQUANTIZE_MIN_M and x.is_cuda and x.dtype != torch.float32:
@@ -547,10 +613,19 @@ def _launch(
     if config is None and not scaled:
         config = _dense_gemv_config(N, K)
     elif config is None:
-        config = (_gemv_config if kernel == "gemv" else _dot_config)(M, N, K, k_cap)
+        config = _gemv_config(M, N, K, k_cap, bn) if kernel == "gemv" else _dot_config(M, N, K, k_cap)
     config = dict(config)
     block_k = config["BLOCK_K"]
-    if block_k > k_cap:
+    scale_per_tile = bk < K
+    # The GEMV multiplies x's columns by the scale when the tile's rows share a scale row (the up
+    # rows' tile too, N rows further); then a tile may span scale blocks, each column taking its own.
+    scale_on_x = (
+        kernel == "gemv"
+        and scale_per_tile
+        and bn % config["BLOCK_N"] == 0
+        and (not gated or N % config["BLOCK_N"] == 0)
+    )
+    if block_k > k_cap and not scale_on_x:
         raise ValueError(f"BLOCK_K {block_k} straddles scale blocks of {bk} columns")
     if kernel == "gemv":
         tiles = M * triton.cdiv(N, config["BLOCK_N"])
@@ -570,9 +645,8 @@ def _launch(
         k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
         splits = triton.cdiv(K, k_per_split)
     target = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
-    if gated and (scaled or splits > 1 or kernel != "gemv"):
-        raise ValueError("the gated GEMV takes a dense weight, one row of x and no K split")
-    scale_per_tile = bk < K
+    if gated and (M != 1 or splits > 1):
+        raise ValueError("the gated GEMV takes one row of x and no K split")
     weight_fp8 = weight.dtype == torch.float8_e4m3fn
     fast_int8 = config.pop("FAST_INT8", True) and weight.dtype == torch.int8
     pdl = launch_options(x)
@@ -604,7 +678,6 @@ def _launch(
     )
     if kernel == "gemv":
         config.setdefault("UNROLL", 1)
-        scale_on_x = scale_per_tile and bn % config["BLOCK_N"] == 0
         grid = (M, triton.cdiv(N, config["BLOCK_N"]), splits)
         _gemv_kernel[grid](
             *args,
@@ -614,6 +687,7 @@ def _launch(
             **common,
             SCALED=scaled,
             SCALE_ON_X=scale_on_x,
+            X_SCALE_PER_COLUMN=block_k > k_cap,
             GATED=gated,
             GELU_TANH=activation == "gelu_tanh",
             **config,
@@ -774,9 +848,13 @@ _ACTIVATIONS = {"silu": silu_and_mul_ref, "gelu_tanh": gelu_tanh_and_mul_ref}
 
 
 def _check_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> None:
+    _check_gemv(x, weight, bias)
+    _check_gate_up(weight, activation)
+
+
+def _check_gate_up(weight: torch.Tensor, activation: str) -> None:
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
-    _check_gemv(x, weight, bias)
     if weight.shape[0] % 2:
         raise ValueError(f"weight must have an even number of rows (gate, then up), got {weight.shape[0]}")
 
@@ -802,3 +880,42 @@ def gated_gemv(
     if use_triton(x) and weight.numel() > 0:
         return _launch(x, weight, None, None, bias, activation=activation)
     return gated_gemv_ref(x, weight, bias, activation=activation)
+
+
+def _check_quantized_gated(x, weight, scale, block_size, bias, activation) -> None:
+    _check(x, weight, scale, block_size, bias)
+    if x.numel() != weight.shape[1]:
+        raise ValueError(f"x must be one row of K = {weight.shape[1]}, got x of shape {list(x.shape)}")
+    _check_gate_up(weight, activation)
+
+
+def quantized_gated_gemv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str,
+) -> torch.Tensor:
+    """The reference: `quantized_linear_ref`, then the gated activation."""
+    _check_quantized_gated(x, weight, scale, block_size, bias, activation)
+    return _ACTIVATIONS[activation](quantized_linear_ref(x, weight, scale, block_size, bias))
+
+
+def quantized_gated_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str,
+) -> torch.Tensor:
+    """`gated_gemv` for an 8-bit `[gate; up]` weight with its scales (as `quantized_linear` takes
+    them): `act(gate) * up` of one row x in one kernel, gate and up rounded to x's dtype first, as
+    `quantized_linear` and the activation op store them."""
+    _check_quantized_gated(x, weight, scale, block_size, bias, activation)
+    if use_triton(x) and weight.numel() > 0:
+        return _launch(x, weight, scale, tuple(block_size), bias, activation=activation)
+    return quantized_gated_gemv_ref(x, weight, scale, block_size, bias, activation=activation)

@@ -18,7 +18,6 @@ from torch import nn
 from infer.kernels import (
     KVStore,
     add_rms_norm,
-    gated_gemv,
     gelu_tanh_and_mul,
     qk_norm_rope,
     rms_norm,
@@ -220,9 +219,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if gate_up.takes_triton_gemv(x):
+        if gate_up.takes_gated_gemv(x):
             # Batch-1 decode on the Triton GEMV: the activation in the projection's kernel.
-            hidden = gated_gemv(x, gate_up.weight, gate_up.bias, activation=self.activation_name)
+            hidden = gate_up.gated_gemv(x, self.activation_name)
         else:
             hidden = self.activation(gate_up(x))
         return self.down_proj(hidden)
