@@ -130,7 +130,7 @@ class Linear(nn.Module):
         """Whether a gated MLP's gate/up projection of `x` and its activation run as one kernel:
         one CUDA row, on the Triton GEMV: dense weights inside `triton_gemv()`, int8 ones always
         (their one-row product is that GEMV anyway), fp8 ones never. On an H100, Qwen3-8B's batch-1
-        decode ran 2% faster so in int8 and 5% slower in fp8, whose gated tiles (twice the plain
+        decode ran 2% faster in int8 and 5% slower in fp8, whose gated tiles (twice the plain
         one's rows, each column scaled twice) cost more than the activation's kernel saves."""
         if not x.is_cuda or x.numel() != self.in_features:
             return False
