@@ -132,11 +132,9 @@ class Linear(nn.Module):
         (their one-row product is that GEMV anyway), fp8 ones never. On an H100, Qwen3-8B's batch-1
         decode ran 2% faster in int8 and 5% slower in fp8, whose gated tiles (twice the plain
         one's rows, each column scaled twice) cost more than the activation's kernel saves."""
-        if not x.is_cuda or x.numel() != self.in_features:
-            return False
         if self.weight_scale is None:
-            return _triton_gemv
-        return self.weight.dtype == torch.int8
+            return self.takes_triton_gemv(x)
+        return self.weight.dtype == torch.int8 and x.is_cuda and x.numel() == self.in_features
 
     def gated_gemv(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """`act(gate) * up` of this gate/up projection of one row, where `takes_gated_gemv(x)`."""
