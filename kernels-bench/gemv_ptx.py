@@ -27,7 +27,7 @@ CASES = {
     ),
 }
 # Flags every case shares, and the values of flags only some trees have.
-COMMON = dict(HAS_BIAS=False, GELU_TANH=False, UNROLL=1, PDL=True, X_SCALE_PER_COLUMN=False)
+COMMON = dict(HAS_BIAS=False, GELU_TANH=False, UNROLL=1, PDL=True, X_SCALE_PER_COLUMN=False, FOLD=1)
 
 
 def ptx_code(ptx: str) -> list[str]:

@@ -7,6 +7,7 @@ Needs a CUDA GPU.
 
     python kernels-bench/sweep_quantized_gemv.py int8,fp8 [--json FILE]
     python kernels-bench/sweep_quantized_gemv.py int8,fp8 --gated   # gate_up with its activation
+    python kernels-bench/sweep_quantized_gemv.py fp8 --folds 1,16 --splits 1,2   # FOLD too, fewer splits
 
 With `--gated` it sweeps `quantized_gated_gemv` on the gate/up shape (unsplit: the activation
 needs whole sums), and "default" is the unfused pair: the default GEMV, then `silu_and_mul`.
@@ -56,19 +57,24 @@ def streamed_us(calls: list[Callable[[], object]], repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def configurations(method: str):
-    """(config, split_k) pairs: tile rows, tile columns, unroll, warps, K splits. fp8 tiles of up
-    to 32 rows stay inside a 128-row scale block, so their columns may span 128-column blocks."""
+def configurations(method: str, folds=(1,), splits=(1, 2, 4, 8)):
+    """(config, split_k) pairs: tile rows, tile columns, unroll, warps, products folded per
+    thread (FOLD), K splits. fp8 tiles of up to 32 rows stay inside a 128-row scale block, so
+    their columns may span 128-column blocks."""
     if method == "int8":
         grid = itertools.product([4, 8, 16, 32], [(256, 1), (512, 1), (1024, 1), (2048, 1)], [2, 4, 8])
     else:
         grid = itertools.product([8, 16, 32], [(128, 1), (128, 4), (256, 1), (512, 1), (1024, 1)], [4, 8])
-    for (block_n, (block_k, unroll), warps), split in itertools.product(grid, [1, 2, 4, 8]):
-        config = dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, num_stages=1)
+    for (block_n, (block_k, unroll), warps), fold, split in itertools.product(grid, folds, splits):
+        config = dict(
+            BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, num_stages=1, FOLD=fold
+        )
         yield config, split
 
 
-def sweep_shape(method: str, n: int, k: int, sweep: bool = True, gated: bool = False) -> dict:
+def sweep_shape(
+    method: str, n: int, k: int, sweep: bool = True, gated: bool = False, folds=(1,), splits=(1, 2, 4, 8)
+) -> dict:
     block = (1, k) if method == "int8" else (128, 128)
     weights = [
         quantize_weight(torch.randn(n, k, device="cuda") * k**-0.5, method, block)
@@ -88,7 +94,7 @@ def sweep_shape(method: str, n: int, k: int, sweep: bool = True, gated: bool = F
     default_us = streamed_us(default)
     activation = "silu" if gated else None
     rows = []
-    for config, split in configurations(method) if sweep else ():
+    for config, split in configurations(method, folds, splits) if sweep else ():
         if gated and split > 1:
             continue
         too_deep = config["BLOCK_K"] * config["UNROLL"] * split > k
@@ -122,6 +128,8 @@ def main() -> None:
     parser.add_argument(
         "--no-sweep", action="store_true", help="time bf16 and the default configuration only"
     )
+    parser.add_argument("--folds", default="1", help="comma-separated FOLD values to sweep")
+    parser.add_argument("--splits", default="1,2,4,8", help="comma-separated K splits to sweep")
     args = parser.parse_args()
     torch.manual_seed(0)
     results = {}
@@ -129,7 +137,10 @@ def main() -> None:
         for name, (n, k) in SHAPES.items():
             if args.gated and name != "gate_up":
                 continue
-            result = results[f"{method}/{name}"] = sweep_shape(method, n, k, not args.no_sweep, args.gated)
+            folds, splits = (tuple(int(v) for v in arg.split(",")) for arg in (args.folds, args.splits))
+            result = results[f"{method}/{name}"] = sweep_shape(
+                method, n, k, not args.no_sweep, args.gated, folds, splits
+            )
             print(
                 f"{method} {name} {n}x{k}: bf16 {result['bf16_us']:.1f} µs, "
                 f"default {result['default_us']:.1f} µs, ideal {result['ideal_us']:.1f} µs",

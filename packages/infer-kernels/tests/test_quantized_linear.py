@@ -181,6 +181,24 @@ def test_interpreted_fp8_tiles_across_scale_blocks(triton_on_cpu, block_k, split
     check(1, 130, 600, torch.float8_e4m3fn, "128x128", torch.bfloat16, True, "cpu", **launch)
 
 
+@pytest.mark.parametrize("fold", [4, 16])
+@pytest.mark.parametrize(
+    "weight_dtype, block, block_k",
+    [
+        (torch.int8, "channel", 256),
+        (torch.float8_e4m3fn, "128x128", 256),
+        (torch.float8_e4m3fn, "1x128", 128),
+    ],
+)
+def test_interpreted_gemv_folds_adjacent_products(triton_on_cpu, weight_dtype, block, block_k, fold):
+    """FOLD: each run of `fold` adjacent products of a row is summed before it joins the
+    accumulator (K = 600: a partial last tile, masked to zeros), with and without split-K."""
+    config = dict(BLOCK_N=8, BLOCK_K=block_k, UNROLL=1, num_warps=4, num_stages=1, FOLD=fold)
+    for split_k in (1, 3):
+        launch = dict(kernel="gemv", config=config, split_k=split_k)
+        check(1, 130, 600, weight_dtype, block, torch.bfloat16, True, "cpu", **launch)
+
+
 @pytest.mark.parametrize("N", [130, 256])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)

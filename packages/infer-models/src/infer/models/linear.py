@@ -131,7 +131,8 @@ class Linear(nn.Module):
         one CUDA row, on the Triton GEMV: dense weights inside `triton_gemv()`, int8 ones always
         (their one-row product is that GEMV anyway), fp8 ones never. On an H100, Qwen3-8B's batch-1
         decode ran 2% faster in int8 and 5% slower in fp8, whose gated tiles (twice the plain
-        one's rows, each column scaled twice) cost more than the activation's kernel saves."""
+        one's rows, each column scaled twice) cost more than the activation's kernel saves; 3%
+        slower still once fp8's tiles folded their products (docs/benchmarks/quantization.md)."""
         if self.weight_scale is None:
             return self.takes_triton_gemv(x)
         return self.weight.dtype == torch.int8 and x.is_cuda and x.numel() == self.in_features
