@@ -133,11 +133,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     results = {}
+    folds, splits = (tuple(int(v) for v in arg.split(",")) for arg in (args.folds, args.splits))
     for method in args.methods.split(","):
         for name, (n, k) in SHAPES.items():
             if args.gated and name != "gate_up":
                 continue
-            folds, splits = (tuple(int(v) for v in arg.split(",")) for arg in (args.folds, args.splits))
             result = results[f"{method}/{name}"] = sweep_shape(
                 method, n, k, not args.no_sweep, args.gated, folds, splits
             )

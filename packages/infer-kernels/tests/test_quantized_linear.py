@@ -253,6 +253,13 @@ def test_a_tile_across_row_scales_is_refused():
         _launch(torch.randn(1, 512), weight, scale, (1, 128), None, kernel="gemv", config=config)
 
 
+def test_a_fold_that_does_not_divide_the_tile_is_refused():
+    weight, scale = make_weight(32, 512, torch.int8, (1, 512), "cpu")
+    config = dict(BLOCK_N=8, BLOCK_K=128, UNROLL=1, num_warps=4, num_stages=1, FOLD=48)
+    with pytest.raises(ValueError, match="FOLD 48 does not divide BLOCK_K 128"):
+        _launch(torch.randn(1, 512), weight, scale, (1, 512), None, kernel="gemv", config=config)
+
+
 def test_interpreted_keeps_leading_dims_and_reads_strided_x(triton_on_cpu):
     weight, scale = make_weight(192, 256, torch.int8, (128, 128), "cpu")
     x = torch.randn(2, 3, 256)

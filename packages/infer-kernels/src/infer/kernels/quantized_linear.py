@@ -644,6 +644,8 @@ def _launch(
     )
     if block_k > k_cap and not scale_on_x:
         raise ValueError(f"BLOCK_K {block_k} straddles scale blocks of {bk} columns")
+    if block_k % config.get("FOLD", 1):
+        raise ValueError(f"FOLD {config['FOLD']} does not divide BLOCK_K {block_k}")
     if kernel == "gemv":
         tiles = M * triton.cdiv(N, config["BLOCK_N"])
         # K per split: whole unrolled steps, so each split streams as many bytes per step.
