@@ -57,7 +57,7 @@ def streamed_us(calls: list[Callable[[], object]], repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def configurations(method: str, folds=(1,), splits=(1, 2, 4, 8)):
+def configurations(method: str, folds: tuple[int, ...], splits: tuple[int, ...]):
     """(config, split_k) pairs: tile rows, tile columns, unroll, warps, products folded per
     thread (FOLD), K splits. fp8 tiles of up to 32 rows stay inside a 128-row scale block, so
     their columns may span 128-column blocks."""
@@ -73,7 +73,7 @@ def configurations(method: str, folds=(1,), splits=(1, 2, 4, 8)):
 
 
 def sweep_shape(
-    method: str, n: int, k: int, sweep: bool = True, gated: bool = False, folds=(1,), splits=(1, 2, 4, 8)
+    method: str, n: int, k: int, sweep: bool, gated: bool, folds: tuple[int, ...], splits: tuple[int, ...]
 ) -> dict:
     block = (1, k) if method == "int8" else (128, 128)
     weights = [

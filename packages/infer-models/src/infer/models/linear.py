@@ -124,7 +124,10 @@ class Linear(nn.Module):
 
     def takes_triton_gemv(self, x: torch.Tensor) -> bool:
         """Whether `x` goes to infer.kernels' GEMV: a dense weight, one CUDA row, inside `triton_gemv()`."""
-        return _triton_gemv and self.weight_scale is None and x.is_cuda and x.numel() == self.in_features
+        return _triton_gemv and self.weight_scale is None and self._one_cuda_row(x)
+
+    def _one_cuda_row(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and x.numel() == self.in_features
 
     def takes_gated_gemv(self, x: torch.Tensor) -> bool:
         """Whether a gated MLP's gate/up projection of `x` and its activation run as one kernel:
@@ -132,10 +135,10 @@ class Linear(nn.Module):
         (their one-row product is that GEMV anyway), fp8 ones never. On an H100, Qwen3-8B's batch-1
         decode ran 2% faster in int8 and 5% slower in fp8, whose gated tiles (twice the plain
         one's rows, each column scaled twice) cost more than the activation's kernel saves; 3%
-        slower still once fp8's tiles folded their products (docs/benchmarks/quantization.md)."""
+        slower in fp8 again once its tiles folded their products (docs/benchmarks/quantization.md)."""
         if self.weight_scale is None:
             return self.takes_triton_gemv(x)
-        return self.weight.dtype == torch.int8 and x.is_cuda and x.numel() == self.in_features
+        return self.weight.dtype == torch.int8 and self._one_cuda_row(x)
 
     def gated_gemv(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """`act(gate) * up` of this gate/up projection of one row, where `takes_gated_gemv(x)`."""
