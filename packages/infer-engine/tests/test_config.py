@@ -134,6 +134,15 @@ def test_cli_parses_the_quantization_and_the_memory_limit():
     assert _parse([]).quantization is None
 
 
+def test_the_cpu_int8_kernel_is_avx2_unless_aten_is_asked_for():
+    assert _parse([]).cpu_int8_kernel == "avx2"
+    assert _parse(["--cpu-int8-kernel", "aten"]).cpu_int8_kernel == "aten"
+    with pytest.raises(SystemExit):
+        _parse(["--cpu-int8-kernel", "avx512"])
+    with pytest.raises(EngineConfigError, match="cpu_int8_kernel"):
+        EngineConfig(cpu_int8_kernel="avx512")
+
+
 def test_cli_choices_come_from_the_config():
     with pytest.raises(SystemExit):
         _parse(["--scheduler-policy", "lifo"])

@@ -8,9 +8,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.kernels import gated_gemv, gelu_tanh_and_mul, gemv, quantized_gated_gemv, silu_and_mul
+from infer.kernels import (
+    gated_gemv,
+    gelu_tanh_and_mul,
+    gemv,
+    int8_cpu_scale,
+    int8_gemv_cpu_available,
+    int8_linear_cpu,
+    quantized_gated_gemv,
+    silu_and_mul,
+)
 from infer.models.common import GatedMLP
-from infer.models.linear import CPU_SPLIT, CPU_SPLIT_MAX_ROWS, Linear, dense_linear, triton_gemv
+from infer.models.linear import (
+    CPU_SPLIT,
+    CPU_SPLIT_MAX_ROWS,
+    Linear,
+    cpu_int8_kernel,
+    dense_linear,
+    triton_gemv,
+)
 from infer.models.quantization import quantize_weight
 
 
@@ -50,6 +66,25 @@ def test_a_linear_layer_decodes_through_it():
     torch.nn.init.normal_(layer.weight)
     x = torch.randn(1, 16)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not int8_gemv_cpu_available(), reason="infer.kernels' AVX2 int8 kernel is not built here")
+def test_an_int8_linear_on_a_cpu_takes_the_kernel_cpu_int8_kernel_names():
+    """A few rows run the AVX2 kernel by default and ATen's inside `cpu_int8_kernel("aten")`; the
+    two round x differently (int16 against bf16), which is what tells them apart."""
+    layer = Linear(576, 64)
+    weight, scale = quantize_weight(torch.randn(64, 576), "int8", (1, 576))
+    layer.quantize(torch.int8, (1, 576))
+    layer.weight.data, layer.weight_scale.data = weight, scale
+    x = torch.randn(2, 576)
+    avx2, aten = (int8_linear_cpu(x, weight, int8_cpu_scale(scale), kernel=k) for k in ("avx2", "aten"))
+    assert not torch.equal(avx2, aten)
+    assert torch.equal(layer(x), avx2)
+    with cpu_int8_kernel("aten"):
+        assert torch.equal(layer(x), aten)
+    assert torch.equal(layer(x), avx2)
+    with pytest.raises(ValueError, match="cpu_int8_kernel must be one of"), cpu_int8_kernel("avx512"):
+        pass
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ import torch
 
 from infer.engine.config import DTYPES, EngineConfig, resolve_device, resolve_dtype
 from infer.engine.sampling_params import SamplingParams
+from infer.kernels import CPU_INT8_KERNELS
 from infer.models import DEFAULT_MODEL
 from infer.models.quantization import QUANTIZATION_METHODS
 
@@ -57,6 +58,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATION_METHODS,
         default=None,
         help="8-bit Linear weights, quantized at load on a dense checkpoint (default: as stored)",
+    )
+    parser.add_argument(
+        "--cpu-int8-kernel",
+        choices=CPU_INT8_KERNELS,
+        default="avx2",
+        help="int8 decode steps on a CPU: infer-kernels' AVX2 kernel or ATen's (default %(default)s)",
     )
     parser.add_argument(
         "--device-memory-limit-gib",
@@ -114,6 +121,7 @@ def load_engine(args: argparse.Namespace, *, max_batch_size: int = 1):
         model=args.model,
         device=str(device),
         quantization=args.quantization,
+        cpu_int8_kernel=args.cpu_int8_kernel,
         device_memory_limit_gib=args.device_memory_limit_gib,
         max_seq_len=args.max_seq_len,
         max_batch_size=max_batch_size,

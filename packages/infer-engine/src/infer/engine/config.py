@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from infer.kernels import CPU_INT8_KERNELS
 from infer.models import DEFAULT_MODEL
 from infer.models.quantization import QUANTIZATION_METHODS
 
@@ -158,6 +159,13 @@ class EngineConfig:
         "checkpoint the weights are quantized at load, the LM head included",
         choices=QUANTIZATION_METHODS,
     )
+    cpu_int8_kernel: str = _flag(
+        "avx2",
+        "on a CPU, int8 Linears' kernel for steps of up to 8 rows (decode): avx2 (infer-kernels' own, "
+        "built with the system's C compiler at start-up, once a machine; ATen's where it cannot be "
+        "built) or aten (torch._weight_int8pack_mm, which larger steps always take)",
+        choices=CPU_INT8_KERNELS,
+    )
     prefix_cache_shadow_rate: float = _flag(
         0.0,
         "share of greedy requests served from the prefix cache that are run again without it when the "
@@ -211,6 +219,7 @@ class EngineConfig:
         _check_choice(self, "kv_cache_backend", KV_CACHE_BACKENDS)
         _check_choice(self, "batching_mode", BATCHING_MODES)
         _check_choice(self, "scheduler_policy", SCHEDULER_POLICIES)
+        _check_choice(self, "cpu_int8_kernel", CPU_INT8_KERNELS)
         if self.prefix_cache_max_bytes is not None:
             _check_int(self, "prefix_cache_max_bytes", minimum=0)
         ttl = self.prefix_cache_ttl_s

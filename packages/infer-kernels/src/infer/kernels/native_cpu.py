@@ -1,0 +1,83 @@
+"""C kernels for the CPU, built on first use with the system's C compiler and loaded with ctypes,
+as Triton builds its launchers: no compiled code in the wheel, one build per machine.
+
+`load_native(source)` compiles `source` (a .c file beside this module) into a shared library
+under `$INFER_HOME/kernels` (INFER_HOME defaults to ~/.cache/infer), named by a hash of the
+source, the flags and the compiler's version, so that an edit or another compiler builds anew.
+It returns None, having logged why once, where that cannot be done: not x86-64 with AVX2, no C
+compiler (`$CC`, else `cc`), or a failed build. Callers then take an ATen path.
+
+The library links the OpenMP runtime by its soname, libgomp.so.1, which resolves to the one
+torch has already loaded: one thread pool in the process, sized by `torch.get_num_threads()`.
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-mavx2", "-fopenmp", "-fPIC", "-shared")
+LIBRARIES = ("-lm",)
+
+
+def cache_dir() -> Path:
+    home = os.environ.get("INFER_HOME") or Path.home() / ".cache" / "infer"
+    return Path(home).expanduser() / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _unsupported_reason() -> str | None:
+    if os.environ.get("INFER_KERNELS_BACKEND") == "torch":
+        return "INFER_KERNELS_BACKEND=torch asks for the references"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"built for x86-64 Linux only, not {platform.system()} {platform.machine()}"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"the CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    if _compiler() is None:
+        return "no C compiler ($CC, cc or gcc) on the PATH"
+    return None
+
+
+@functools.cache
+def load_native(source: str) -> ctypes.CDLL | None:
+    """The shared library built from `source`, a .c file of this package; None where it cannot be
+    built here (the reason logged once)."""
+    reason = _unsupported_reason()
+    if reason is None:
+        try:
+            return ctypes.CDLL(str(_build(Path(__file__).with_name(source))))
+        except (OSError, subprocess.CalledProcessError) as error:
+            detail = getattr(error, "stderr", "") or error
+            reason = f"building it failed: {str(detail).strip()[-2000:]}"
+    logger.warning("infer.kernels: %s is not used, %s; its ATen fallback runs instead", source, reason)
+    return None
+
+
+def _build(source: Path) -> Path:
+    compiler = _compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, *LIBRARIES, version]).encode()).hexdigest()
+    target = cache_dir() / f"{source.stem}-{key[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Built beside the target and renamed into place, so that processes building at once
+        # (pytest workers) never load a half-written file.
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            command = [compiler, *FLAGS, str(source), "-o", str(built), *LIBRARIES]
+            subprocess.run(command, capture_output=True, text=True, check=True)
+            os.replace(built, target)
+    return target
