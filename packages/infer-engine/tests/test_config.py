@@ -134,13 +134,11 @@ def test_cli_parses_the_quantization_and_the_memory_limit():
     assert _parse([]).quantization is None
 
 
-def test_the_cpu_int8_kernel_is_avx2_unless_aten_is_asked_for():
-    assert _parse([]).cpu_int8_kernel == "avx2"
-    assert _parse(["--cpu-int8-kernel", "aten"]).cpu_int8_kernel == "aten"
-    with pytest.raises(SystemExit):
-        _parse(["--cpu-int8-kernel", "avx512"])
-    with pytest.raises(EngineConfigError, match="cpu_int8_kernel"):
-        EngineConfig(cpu_int8_kernel="avx512")
+def test_native_cpu_kernels_are_on_unless_turned_off():
+    assert _parse([]).use_native_cpu_kernels is True
+    assert _parse(["--use-native-cpu-kernels", "false"]).use_native_cpu_kernels is False
+    with pytest.raises(EngineConfigError, match="use_native_cpu_kernels must be true or false"):
+        EngineConfig(use_native_cpu_kernels="avx2")
 
 
 def test_cli_choices_come_from_the_config():

@@ -1,4 +1,5 @@
-"""int8_linear_cpu's two kernels against quantized_linear_ref, each on the input it rounds to.
+"""int8_linear_cpu's two kernels (native_cpu_kernels on and off) against quantized_linear_ref,
+each on the input it rounds to.
 
 - ATen's weight-only int8 kernel rounds x and the scales to bf16 and returns a bf16 product,
   widened to x's dtype: the oracle is the fp32 reference on the same rounded x and scales, so the
@@ -17,10 +18,11 @@ import torch
 from infer.kernels import (
     TOLERANCES,
     int8_cpu_scale,
-    int8_gemv_cpu_available,
     int8_linear_cpu,
     int8_linear_cpu_supports,
     native_cpu,
+    native_cpu_kernels,
+    native_cpu_kernels_available,
     quantized_linear_ref,
 )
 from infer.kernels.int8_linear_cpu import AVX2_MAX_ROWS
@@ -58,7 +60,8 @@ def test_aten_matches_the_reference_on_bf16_inputs(rows, n, k, bias):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     b = torch.randn(n) if bias else None
     assert int8_linear_cpu_supports(weight)
-    out = int8_linear_cpu(x, weight, int8_cpu_scale(scale), b, kernel="aten")
+    with native_cpu_kernels(False):
+        out = int8_linear_cpu(x, weight, int8_cpu_scale(scale), b)
     assert out.dtype == torch.float32 and out.shape == (rows, n)
     rounded_scale = scale.to(torch.bfloat16).float()
     expected = quantized_linear_ref(x.to(torch.bfloat16).float(), weight, rounded_scale, (1, k))
@@ -69,10 +72,10 @@ def test_aten_matches_the_reference_on_bf16_inputs(rows, n, k, bias):
 
 
 @needs_avx2
-def test_the_avx2_kernel_is_built_here():
-    """On x86-64 Linux with AVX2 (CI's machine) the kernel must build: otherwise every test below
-    would pass on ATen's fallback."""
-    assert int8_gemv_cpu_available()
+def test_the_c_kernels_are_built_here():
+    """On x86-64 Linux with AVX2 (CI's machine) the kernels must build: otherwise every test of
+    them would pass on ATen's fallback."""
+    assert native_cpu_kernels_available()
 
 
 @needs_avx2
@@ -84,7 +87,7 @@ def test_avx2_matches_the_reference_on_int16_rows(rows, n, k, bias):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)) * 3
     x[0, 7] = 250.0  # an outlier, as real activations have
     b = torch.randn(n) if bias else None
-    out = int8_linear_cpu(x, weight, int8_cpu_scale(scale), b, kernel="avx2")
+    out = int8_linear_cpu(x, weight, int8_cpu_scale(scale), b)
     assert out.dtype == torch.float32 and out.shape == (rows, n)
     expected = quantized_linear_ref(int16_rows(x), weight, scale, (1, k))
     if b is not None:
@@ -101,7 +104,7 @@ def test_avx2_sums_past_int32_without_overflow():
     weight = torch.full((8, k), -128, dtype=torch.int8)
     scale = torch.ones(8, 1)
     x = -torch.ones(1, k)
-    out = int8_linear_cpu(x, weight, int8_cpu_scale(scale), kernel="avx2")
+    out = int8_linear_cpu(x, weight, int8_cpu_scale(scale))
     torch.testing.assert_close(out, torch.full((1, 8), 128.0 * k))
 
 
@@ -110,7 +113,7 @@ def test_avx2_gives_nan_for_a_row_with_nan_or_infinity():
     weight, scale = weights(9, 32)
     x = torch.randn(3, 32)
     x[0, 5], x[2, 0] = float("nan"), float("inf")
-    out = int8_linear_cpu(x, weight, int8_cpu_scale(scale), kernel="avx2")
+    out = int8_linear_cpu(x, weight, int8_cpu_scale(scale))
     assert out[0].isnan().all() and out[2].isnan().all()
     expected = quantized_linear_ref(int16_rows(x[1:2]), weight, scale, (1, 32))
     torch.testing.assert_close(out[1:2], expected)
@@ -120,22 +123,22 @@ def test_avx2_gives_nan_for_a_row_with_nan_or_infinity():
 def test_rows_beyond_the_avx2_kernels_take_aten():
     weight, scale = weights(64, 32)
     x = torch.randn(AVX2_MAX_ROWS + 1, 32)
-    out = int8_linear_cpu(x, weight, int8_cpu_scale(scale), kernel="avx2")
-    torch.testing.assert_close(out, int8_linear_cpu(x, weight, int8_cpu_scale(scale), kernel="aten"))
+    out = int8_linear_cpu(x, weight, int8_cpu_scale(scale))
+    with native_cpu_kernels(False):
+        aten, aten_few = (int8_linear_cpu(rows, weight, int8_cpu_scale(scale)) for rows in (x, x[:2]))
+    torch.testing.assert_close(out, aten)
     # and a few rows do not: the two kernels round x differently
-    assert not torch.equal(
-        int8_linear_cpu(x[:2], weight, int8_cpu_scale(scale), kernel="avx2"),
-        int8_linear_cpu(x[:2], weight, int8_cpu_scale(scale), kernel="aten"),
-    )
+    assert not torch.equal(int8_linear_cpu(x[:2], weight, int8_cpu_scale(scale)), aten_few)
 
 
-@pytest.mark.parametrize("kernel", ["avx2", "aten"])
-def test_leading_dims_are_kept(kernel):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "aten"])
+def test_leading_dims_are_kept(native):
     weight, scale = weights(64, 32)
     x = torch.randn(2, 3, 32)
-    out = int8_linear_cpu(x, weight, int8_cpu_scale(scale), kernel=kernel)
-    assert out.shape == (2, 3, 64)
-    torch.testing.assert_close(out[1], int8_linear_cpu(x[1], weight, int8_cpu_scale(scale), kernel=kernel))
+    with native_cpu_kernels(native):
+        out = int8_linear_cpu(x, weight, int8_cpu_scale(scale))
+        assert out.shape == (2, 3, 64)
+        torch.testing.assert_close(out[1], int8_linear_cpu(x[1], weight, int8_cpu_scale(scale)))
 
 
 def test_weights_the_kernel_cannot_take_are_refused(monkeypatch):

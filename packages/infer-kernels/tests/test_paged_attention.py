@@ -9,7 +9,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from infer.kernels import TOLERANCES, assert_close, paged_attention, paged_attention_cpu, paged_attention_ref
+from infer.kernels import (
+    TOLERANCES,
+    assert_close,
+    native_cpu_kernels,
+    native_cpu_kernels_available,
+    paged_attention,
+    paged_attention_cpu,
+    paged_attention_ref,
+)
 
 # The module, not the function that infer.kernels exports under the same name.
 paged_attention_module = importlib.import_module("infer.kernels.paged_attention")
@@ -133,19 +141,48 @@ def test_reference_writes_into_out():
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("sliding_window", [None, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_path_equals_the_reference(heads, block_size, sliding_window, dtype):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "sdpa"])
+def test_cpu_path_equals_the_reference(heads, block_size, sliding_window, dtype, native):
+    """fp32 decode rows take decode_attention_cpu.c inside native_cpu_kernels() (the default),
+    SDPA outside it; bf16 ones take SDPA either way."""
     q, k_cache, v_cache, kwargs = make_batch(
         MIXED["decode"], MIXED["extend"], heads, block_size, dtype, "cpu", 4
     )
-    out = paged_attention_cpu(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
+    with native_cpu_kernels(native):
+        out = paged_attention_cpu(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
     assert out.shape == q.shape and out.dtype == dtype
     assert_close(out, paged_attention_ref(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs))
 
 
+@pytest.mark.skipif(not native_cpu_kernels_available(), reason="infer.kernels' C kernels are not built here")
+@pytest.mark.parametrize("sliding_window", [None, 300])
+def test_the_native_decode_path_at_a_thousand_keys(sliding_window):
+    """Long rows against the float64 definition: softmax's exponentials in vectors of eight, and
+    a window that starts mid-block."""
+    q, k_cache, v_cache, kwargs = make_batch([1000, 999, 8], [], (9, 3, 64), 16, torch.float32, "cpu", 8)
+    q *= 4  # sharper softmaxes than randn's
+    out = paged_attention_cpu(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
+    expected = brute_force(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    with native_cpu_kernels(False):
+        sdpa = paged_attention_cpu(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
+    assert not torch.equal(out, sdpa)  # a different sum order: the C kernel ran
+
+
+@pytest.mark.skipif(not native_cpu_kernels_available(), reason="infer.kernels' C kernels are not built here")
+def test_the_native_decode_path_gives_nan_for_a_head_whose_query_is_nan():
+    q, k_cache, v_cache, kwargs = make_batch([20, 20], [], (4, 2, 64), 16, torch.float32, "cpu", 9)
+    q[1, 2, 5] = float("nan")
+    out = paged_attention_cpu(q, k_cache, v_cache, **kwargs)
+    assert out[1, 2].isnan().all()
+    assert not out[1, [0, 1, 3]].isnan().any() and not out[0].isnan().any()
+
+
 @pytest.mark.parametrize("sliding_window", [None, 4])
 def test_cpu_path_reads_the_decode_key_slots_it_is_given(sliding_window):
-    """The slots made once per step stand for the block table: the result is the reference's for
-    the table they were made from (here a shuffled one), whatever table is passed."""
+    """The slots made once per step stand for the block table on the SDPA path: the result is the
+    reference's for the table they were made from (here a shuffled one), whatever table is passed.
+    (The C kernel reads the table itself, and the slots made from it are the same keys.)"""
     q, k_cache, v_cache, kwargs = make_batch(
         MIXED["decode"], MIXED["extend"], (4, 2, 64), 3, torch.float32, "cpu", 6
     )
@@ -159,9 +196,10 @@ def test_cpu_path_reads_the_decode_key_slots_it_is_given(sliding_window):
         slots.append(
             shuffled["block_tables"][b, positions // block_size].long() * block_size + positions % block_size
         )
-    out = paged_attention(
-        q, k_cache, v_cache, sliding_window=sliding_window, decode_key_slots=tuple(slots), **kwargs
-    )
+    with native_cpu_kernels(False):
+        out = paged_attention(
+            q, k_cache, v_cache, sliding_window=sliding_window, decode_key_slots=tuple(slots), **kwargs
+        )
     decode = slice(0, kwargs["num_decode_rows"])
     expected = paged_attention_ref(q, k_cache, v_cache, sliding_window=sliding_window, **shuffled)
     assert_close(out[decode], expected[decode])
@@ -186,9 +224,10 @@ def test_cpu_path_reads_consecutive_slots_given_as_a_range(sliding_window):
         slots.append(range(first_block * block_size, first_block * block_size + seq_len))
         first_block += count
     kwargs = dict(kwargs, block_tables=block_tables)
-    out = paged_attention(
-        q, k_cache, v_cache, sliding_window=sliding_window, decode_key_slots=tuple(slots), **kwargs
-    )
+    with native_cpu_kernels(False):
+        out = paged_attention(
+            q, k_cache, v_cache, sliding_window=sliding_window, decode_key_slots=tuple(slots), **kwargs
+        )
     decode = slice(0, kwargs["num_decode_rows"])
     expected = paged_attention_ref(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
     assert_close(out[decode], expected[decode])

@@ -13,8 +13,9 @@ from infer.kernels import (
     gelu_tanh_and_mul,
     gemv,
     int8_cpu_scale,
-    int8_gemv_cpu_available,
     int8_linear_cpu,
+    native_cpu_kernels,
+    native_cpu_kernels_available,
     quantized_gated_gemv,
     silu_and_mul,
 )
@@ -23,7 +24,6 @@ from infer.models.linear import (
     CPU_SPLIT,
     CPU_SPLIT_MAX_ROWS,
     Linear,
-    cpu_int8_kernel,
     dense_linear,
     triton_gemv,
 )
@@ -68,23 +68,21 @@ def test_a_linear_layer_decodes_through_it():
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.skipif(not int8_gemv_cpu_available(), reason="infer.kernels' AVX2 int8 kernel is not built here")
-def test_an_int8_linear_on_a_cpu_takes_the_kernel_cpu_int8_kernel_names():
-    """A few rows run the AVX2 kernel by default and ATen's inside `cpu_int8_kernel("aten")`; the
+@pytest.mark.skipif(not native_cpu_kernels_available(), reason="infer.kernels' C kernels are not built here")
+def test_an_int8_linear_on_a_cpu_takes_the_c_kernel_unless_told_not_to():
+    """A few rows run the AVX2 kernel by default and ATen's inside `native_cpu_kernels(False)`; the
     two round x differently (int16 against bf16), which is what tells them apart."""
     layer = Linear(576, 64)
     weight, scale = quantize_weight(torch.randn(64, 576), "int8", (1, 576))
     layer.quantize(torch.int8, (1, 576))
     layer.weight.data, layer.weight_scale.data = weight, scale
     x = torch.randn(2, 576)
-    avx2, aten = (int8_linear_cpu(x, weight, int8_cpu_scale(scale), kernel=k) for k in ("avx2", "aten"))
+    avx2 = int8_linear_cpu(x, weight, int8_cpu_scale(scale))
+    with native_cpu_kernels(False):
+        aten = int8_linear_cpu(x, weight, int8_cpu_scale(scale))
+        assert torch.equal(layer(x), aten)
     assert not torch.equal(avx2, aten)
     assert torch.equal(layer(x), avx2)
-    with cpu_int8_kernel("aten"):
-        assert torch.equal(layer(x), aten)
-    assert torch.equal(layer(x), avx2)
-    with pytest.raises(ValueError, match="cpu_int8_kernel must be one of"), cpu_int8_kernel("avx512"):
-        pass
 
 
 @pytest.mark.gpu

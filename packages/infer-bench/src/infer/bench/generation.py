@@ -93,7 +93,7 @@ def run_bench_generate(args: argparse.Namespace) -> int:
             "async_scheduling": args.async_scheduling,
             "use_pdl": args.use_pdl,
             "use_triton_gemv": args.use_triton_gemv,
-            "cpu_int8_kernel": args.cpu_int8_kernel,
+            "use_native_cpu_kernels": args.use_native_cpu_kernels,
             "runs": [r.as_dict() for r in runs],
         },
         "memory": {**memory, "runtime_rss_bytes_before_load": runtime_rss if device.type == "cpu" else None},

@@ -15,7 +15,6 @@ import torch
 
 from infer.engine.config import DTYPES, EngineConfig, resolve_device, resolve_dtype
 from infer.engine.sampling_params import SamplingParams
-from infer.kernels import CPU_INT8_KERNELS
 from infer.models import DEFAULT_MODEL
 from infer.models.quantization import QUANTIZATION_METHODS
 
@@ -60,12 +59,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="8-bit Linear weights, quantized at load on a dense checkpoint (default: as stored)",
     )
     parser.add_argument(
-        "--cpu-int8-kernel",
-        choices=CPU_INT8_KERNELS,
-        default="avx2",
-        help="int8 decode steps on a CPU: infer-kernels' AVX2 kernel or ATen's (default %(default)s)",
-    )
-    parser.add_argument(
         "--device-memory-limit-gib",
         type=float,
         default=None,
@@ -88,6 +81,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--use-triton-gemv",
         action="store_true",
         help="batch-1 decode's dense projections through infer-kernels' Triton GEMV, not cuBLAS (CUDA)",
+    )
+    parser.add_argument(
+        "--no-native-cpu-kernels",
+        dest="use_native_cpu_kernels",
+        action="store_false",
+        help="on a CPU, decode attention and int8 Linears through ATen, not infer-kernels' C kernels",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (EOS ids, loading)")
 
@@ -121,7 +120,6 @@ def load_engine(args: argparse.Namespace, *, max_batch_size: int = 1):
         model=args.model,
         device=str(device),
         quantization=args.quantization,
-        cpu_int8_kernel=args.cpu_int8_kernel,
         device_memory_limit_gib=args.device_memory_limit_gib,
         max_seq_len=args.max_seq_len,
         max_batch_size=max_batch_size,
@@ -129,6 +127,7 @@ def load_engine(args: argparse.Namespace, *, max_batch_size: int = 1):
         async_scheduling=args.async_scheduling,
         use_pdl=args.use_pdl,
         use_triton_gemv=args.use_triton_gemv,
+        use_native_cpu_kernels=args.use_native_cpu_kernels,
     )
     limit_device_memory(config, device)  # before the weights, which count against it
     loaded = load_model(args.model, dtype=dtype, device=device, quantization=args.quantization)

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from infer.kernels import CPU_INT8_KERNELS
 from infer.models import DEFAULT_MODEL
 from infer.models.quantization import QUANTIZATION_METHODS
 
@@ -132,6 +131,12 @@ class EngineConfig:
         "Triton GEMV instead of cuBLAS, a gated MLP's activation fused into its gate/up GEMV "
         "(CUDA only): true or false",
     )
+    use_native_cpu_kernels: bool = _flag(
+        True,
+        "on a CPU, infer-kernels' C kernels (x86-64 with AVX2, built with the system's C compiler "
+        "at start-up, once a machine) for decode steps' attention and int8 Linears, where ATen "
+        "would run them; ATen's where they cannot be built: true or false",
+    )
     use_prefix_caching: bool = _flag(
         False,
         "reuse the KV of token runs earlier requests left (prefix, supersequence, common prefix), "
@@ -158,13 +163,6 @@ class EngineConfig:
         "checkpoint stores them (an fp8 or int8 checkpoint is detected), else dense. On a dense "
         "checkpoint the weights are quantized at load, the LM head included",
         choices=QUANTIZATION_METHODS,
-    )
-    cpu_int8_kernel: str = _flag(
-        "avx2",
-        "on a CPU, int8 Linears' kernel for steps of up to 8 rows (decode): avx2 (infer-kernels' own, "
-        "built with the system's C compiler at start-up, once a machine; ATen's where it cannot be "
-        "built) or aten (torch._weight_int8pack_mm, which larger steps always take)",
-        choices=CPU_INT8_KERNELS,
     )
     prefix_cache_shadow_rate: float = _flag(
         0.0,
@@ -212,6 +210,7 @@ class EngineConfig:
             "async_scheduling",
             "use_pdl",
             "use_triton_gemv",
+            "use_native_cpu_kernels",
             "use_prefix_caching",
         ):
             if not isinstance(getattr(self, name), bool):
@@ -219,7 +218,6 @@ class EngineConfig:
         _check_choice(self, "kv_cache_backend", KV_CACHE_BACKENDS)
         _check_choice(self, "batching_mode", BATCHING_MODES)
         _check_choice(self, "scheduler_policy", SCHEDULER_POLICIES)
-        _check_choice(self, "cpu_int8_kernel", CPU_INT8_KERNELS)
         if self.prefix_cache_max_bytes is not None:
             _check_int(self, "prefix_cache_max_bytes", minimum=0)
         ttl = self.prefix_cache_ttl_s

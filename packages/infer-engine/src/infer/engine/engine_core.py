@@ -158,7 +158,7 @@ class EngineCore:
             async_scheduling=config.async_scheduling,
             use_pdl=config.use_pdl,
             use_triton_gemv=config.use_triton_gemv,
-            cpu_int8_kernel=config.cpu_int8_kernel,
+            use_native_cpu_kernels=config.use_native_cpu_kernels,
             eos_token_ids=eos_token_ids,
         )
         # At start-up, not on first use: a kernel compile or a graph capture would land on the

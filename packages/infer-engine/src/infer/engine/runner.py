@@ -27,9 +27,8 @@ from infer.engine.cuda_graphs import StepGraphs, kernel_launches, launches_with_
 from infer.engine.decision import RunnerOutput, ScheduleDecision, TokenLogprobs
 from infer.engine.input_batch import InputBatch, RowState, StepInputs, resolve_pending_tokens
 from infer.engine.sampler import AllowedTokens, SamplingTensors, compute_logprobs, sample
-from infer.kernels import int8_gemv_cpu_available
+from infer.kernels import native_cpu_kernels, native_cpu_kernels_available
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
-from infer.models.linear import cpu_int8_kernel
 
 
 @dataclass
@@ -86,7 +85,7 @@ class ModelRunner:
         async_scheduling: bool = False,
         use_pdl: bool = False,
         use_triton_gemv: bool = False,
-        cpu_int8_kernel: str = "avx2",
+        use_native_cpu_kernels: bool = True,
         eos_token_ids: Collection[int] = (),
     ):
         """`kv_pool`: an infer.cache.KVPool (its kv_layers, block_size and null_block are used).
@@ -95,13 +94,13 @@ class ModelRunner:
         collected (the graphs then resolve placeholders). `use_pdl`: batch-1 decode steps launch their
         kernels with programmatic dependent launch, eager or captured (`launches_with_pdl`).
         `use_triton_gemv`: every forward runs inside infer.models.linear.triton_gemv (one-row
-        dense Linears on the Triton GEMV). `cpu_int8_kernel`: every forward runs inside
-        infer.models.linear.cpu_int8_kernel (the few-row kernel of int8 Linears on a CPU).
+        dense Linears on the Triton GEMV). `use_native_cpu_kernels`: every forward runs inside
+        infer.kernels.native_cpu_kernels (C kernels for decode attention and int8 on a CPU).
         `eos_token_ids`: the model's EOS set, which a request's min_tokens keeps out."""
         self.async_scheduling = async_scheduling
         self.use_pdl = use_pdl
         self.use_triton_gemv = use_triton_gemv
-        self.cpu_int8_kernel = cpu_int8_kernel
+        self.use_native_cpu_kernels = use_native_cpu_kernels
         self.eos_token_ids = tuple(eos_token_ids)
         self.model = model
         self.kv_pool = kv_pool
@@ -148,10 +147,10 @@ class ModelRunner:
         variant (one-split and split decode rows, prompt chunks after decode rows) is compiled
         now and not on the step of whichever request first needs it (graph capture compiles the
         graphs' own; a step no graph holds runs eagerly). Only the null block is
-        written. A CPU has only infer.kernels' AVX2 int8 kernel to build, where int8 Linears take it."""
+        written. A CPU has infer.kernels' C kernels to build (native_cpu_kernels), once a machine."""
         if self.device.type != "cuda":
-            if self.cpu_int8_kernel == "avx2" and any(p.dtype == torch.int8 for p in self.model.parameters()):
-                int8_gemv_cpu_available()
+            if self.use_native_cpu_kernels:
+                native_cpu_kernels_available()
             return
         block_size = self.input_batch.block_size
         null_slot = self.null_block * block_size
@@ -299,7 +298,7 @@ class ModelRunner:
     def _eager_logits(self, step: StepInputs) -> torch.Tensor:
         num_rows = len(step.request_ids)
         pdl = launches_with_pdl(self.use_pdl, num_rows, step.num_decode_rows)
-        with kernel_launches(pdl, self.use_triton_gemv), cpu_int8_kernel(self.cpu_int8_kernel):
+        with kernel_launches(pdl, self.use_triton_gemv), native_cpu_kernels(self.use_native_cpu_kernels):
             if not step.sampling_rows:
                 # Mid-prompt chunks only: the forward still fills the cache.
                 self.model(self.forward_batch(step, logits_indices=np.zeros(1, dtype=np.int64)))

@@ -10,13 +10,12 @@ from infer.kernels._version import INTERFACE_VERSION, __version__
 from infer.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
 from infer.kernels.argmax import argmax, argmax_ref
 from infer.kernels.int8_linear_cpu import (
-    CPU_INT8_KERNELS,
     Int8CpuScale,
     int8_cpu_scale,
-    int8_gemv_cpu_available,
     int8_linear_cpu,
     int8_linear_cpu_supports,
 )
+from infer.kernels.native_cpu import native_cpu_kernels, native_cpu_kernels_available
 from infer.kernels.paged_attention import (
     extend_tile_size,
     paged_attention,
@@ -51,7 +50,6 @@ from infer.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask
 from infer.kernels.tolerance import TOLERANCES, Tolerance, assert_close, assert_gated_close
 
 __all__ = [
-    "CPU_INT8_KERNELS",
     "INTERFACE_VERSION",
     "Int8CpuScale",
     "KVStore",
@@ -75,9 +73,10 @@ __all__ = [
     "gemv",
     "gemv_ref",
     "int8_cpu_scale",
-    "int8_gemv_cpu_available",
     "int8_linear_cpu",
     "int8_linear_cpu_supports",
+    "native_cpu_kernels",
+    "native_cpu_kernels_available",
     "paged_attention",
     "paged_attention_cpu",
     "paged_attention_ref",

@@ -1,14 +1,14 @@
 """int8 weights with one scale per output channel, on a CPU.
 
 A CPU decode step is bound by reading the weights; int8 reads a quarter of fp32's bytes. Two
-kernels (`kernel`, EngineConfig.cpu_int8_kernel):
-- "avx2" (the default), for up to AVX2_MAX_ROWS rows (decode steps): int8_gemv_cpu.c, built on
-  first use (infer.kernels.native_cpu). It rounds each row of x to int16 and multiplies in
-  integers, prefetching the weights; on the 2-core CI-class VM it read SmolLM2's int8 weights
-  1.7-2.2x faster than ATen's kernel with its conversions (docs/benchmarks/quantization.md). Its
-  result equals the float reference on x rounded to int16 with a scale per row (2^-15 of the
-  row's largest entry), then summed in fp32.
-- "aten", and every larger batch (prompts), or where the AVX2 kernel cannot be built: ATen's
+kernels:
+- up to AVX2_MAX_ROWS rows (decode steps), int8_gemv_cpu.c, a C kernel of infer.kernels.native_cpu
+  (inside its `native_cpu_kernels()`, the default). It rounds each row of x to int16 and
+  multiplies in integers, prefetching the weights; on the 2-core CI-class VM it read SmolLM2's
+  int8 weights 1.7-2.2x faster than ATen's kernel with its conversions
+  (docs/benchmarks/quantization.md). Its result equals the float reference on x rounded to int16
+  with a scale per row (2^-15 of the row's largest entry), then summed in fp32.
+- larger batches (prompts), and where the C kernel is off or cannot be built: ATen's
   `_weight_int8pack_mm`. It takes x and the scales in bf16 (its fp32 path is a slow fallback, ~3
   GB/s), so x is rounded to bf16 on the way in and the bf16 product widened on the way out: the
   result equals the reference on x and scales rounded to bf16, up to the output's bf16 rounding.
@@ -23,14 +23,13 @@ from typing import NamedTuple
 
 import torch
 
-from infer.kernels.native_cpu import load_native
+from infer.kernels.native_cpu import native_library
 
 # ATen's kernel reads K in vectors of 16 int8s with aligned loads: another K gives wrong sums or
 # a crash, and so does a weight whose data does not start on a 64-byte boundary. The AVX2 kernel
 # reads K in 16s too.
 K_MULTIPLE = 16
 ALIGNMENT = 64
-CPU_INT8_KERNELS = ("avx2", "aten")
 # Rows up to which the AVX2 kernel runs: it re-reads each block of weights from L1 once a row,
 # which beat ATen's kernel at 1, 2, 4 and 8 rows on the CI-class VM.
 AVX2_MAX_ROWS = 8
@@ -66,24 +65,13 @@ def int8_cpu_scale(scale: torch.Tensor) -> Int8CpuScale:
     return Int8CpuScale(flat.to(torch.float32).contiguous(), flat.to(torch.bfloat16))
 
 
-def int8_gemv_cpu_available() -> bool:
-    """Whether the AVX2 kernel is built and loaded here (see infer.kernels.native_cpu)."""
-    return _int8_gemv() is not None
-
-
 def int8_linear_cpu(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: Int8CpuScale,
-    bias: torch.Tensor | None = None,
-    *,
-    kernel: str = "avx2",
+    x: torch.Tensor, weight: torch.Tensor, scale: Int8CpuScale, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`x @ (weight * scale[:, None]).T + bias` in x's dtype, for an int8 `weight` [N, K] that
-    `int8_linear_cpu_supports`, the scales of `int8_cpu_scale`, x `[..., K]` on the CPU, through
-    `kernel` (CPU_INT8_KERNELS) where it takes this many rows."""
+    `int8_linear_cpu_supports`, the scales of `int8_cpu_scale`, x `[..., K]` on the CPU."""
     rows = x.reshape(-1, x.shape[-1])
-    gemv = _int8_gemv() if kernel == "avx2" and rows.shape[0] <= AVX2_MAX_ROWS else None
+    gemv = _int8_gemv() if rows.shape[0] <= AVX2_MAX_ROWS else None
     if gemv is not None:
         rows = rows.to(torch.float32).contiguous()
         out = torch.empty(rows.shape[0], weight.shape[0])
@@ -100,7 +88,7 @@ def int8_linear_cpu(
 
 
 def _int8_gemv():
-    library = load_native("int8_gemv_cpu.c")
+    library = native_library("int8_gemv_cpu.c")
     if library is None:
         return None
     gemv = library.int8_gemv

@@ -1,6 +1,11 @@
 """C kernels for the CPU, built on first use with the system's C compiler and loaded with ctypes,
 as Triton builds its launchers: no compiled code in the wheel, one build per machine.
 
+Two use them: `int8_linear_cpu` (int8 weights times a few rows) and `paged_attention_cpu` (decode
+rows). Each takes its ATen path instead outside `native_cpu_kernels()`'s default (the context
+`native_cpu_kernels(False)`, EngineConfig.use_native_cpu_kernels) or where the library cannot be
+built; `native_library(source)` says which.
+
 `load_native(source)` compiles `source` (a .c file beside this module) into a shared library
 under `$INFER_HOME/kernels` (INFER_HOME defaults to ~/.cache/infer), named by a hash of the
 source, the flags and the compiler's version, so that an edit or another compiler builds anew.
@@ -11,6 +16,7 @@ The library links the OpenMP runtime by its soname, libgomp.so.1, which resolves
 torch has already loaded: one thread pool in the process, sized by `torch.get_num_threads()`.
 """
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -26,8 +32,35 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-mavx2", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 LIBRARIES = ("-lm",)
+
+_enabled = True
+
+
+@contextlib.contextmanager
+def native_cpu_kernels(enabled: bool = True):
+    """Inside, the CPU ops take (`enabled`) or skip their C kernels. A context, not a setting, so
+    that engines sharing a process each run their own choice (as infer.models.linear.triton_gemv)."""
+    global _enabled
+    previous, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+SOURCES = ("int8_gemv_cpu.c", "decode_attention_cpu.c")
+
+
+def native_cpu_kernels_available() -> bool:
+    """Whether every C kernel builds and loads here (building them now, once a machine)."""
+    return all(load_native(source) is not None for source in SOURCES)
+
+
+def native_library(source: str) -> ctypes.CDLL | None:
+    """`load_native(source)` where native kernels are enabled here, else None."""
+    return load_native(source) if _enabled else None
 
 
 def cache_dir() -> Path:
@@ -44,6 +77,7 @@ def _unsupported_reason() -> str | None:
         return "INFER_KERNELS_BACKEND=torch asks for the references"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"built for x86-64 Linux only, not {platform.system()} {platform.machine()}"
+    # torch's AVX2 level implies FMA too.
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"the CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
     if _compiler() is None:

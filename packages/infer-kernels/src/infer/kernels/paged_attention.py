@@ -39,12 +39,15 @@ them exactly, on tensor cores) and in full fp32 for fp32 inputs; the
 extend kernel's q.k runs in the inputs' own dtype on CUDA (the same exact products, twice as fast).
 """
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+from infer.kernels.native_cpu import native_library
 from infer.kernels.pdl import await_inputs, launch_options
 
 # tl.dot needs every dim to be at least 16: the query heads of a group (1-8) are padded to it.
@@ -544,11 +547,13 @@ def paged_attention_cpu(
     extend_tiles: torch.Tensor | None = None,
     decode_key_slots: tuple[torch.Tensor | range, ...] | None = None,
 ) -> torch.Tensor:
-    """The CPU path (same contract as paged_attention_ref): each decode row's keys (the last
-    `sliding_window` of them with one) gathered through its block table, or through
+    """The CPU path (same contract as paged_attention_ref). Decode rows in fp32 go to
+    decode_attention_cpu.c, one C call for them all (`_decode_attention_native`), where
+    infer.kernels.native_cpu allows it. Otherwise each decode row's keys (the last
+    `sliding_window` of them with one) are gathered through its block table, or through
     `decode_key_slots[b]` (its keys' slots, made once for every layer) when given, and attended
-    by `F.scaled_dot_product_attention`, which computes in fp32 for any input dtype; extend rows
-    by the reference.
+    by `F.scaled_dot_product_attention`, which computes in fp32 for any input dtype. Extend rows
+    go to the reference.
 
     A row whose slots are a `range` (consecutive, as a lone sequence's blocks mostly are) is read
     through a view of the cache instead of a gathered copy: in SmolLM2's decode, with the cache
@@ -575,6 +580,10 @@ def paged_attention_cpu(
             sliding_window=sliding_window,
             out=result[start:],
         )
+    if num_decode_rows and _decode_attention_native(
+        q, k_cache, v_cache, result, seq_lens, block_tables, num_decode_rows, scale, sliding_window
+    ):
+        return result
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     for b, seq_len in enumerate(seq_lens[:num_decode_rows].tolist()):
@@ -599,6 +608,58 @@ def paged_attention_cpu(
         )
         result[b] = row.view(num_q_heads, head_dim)
     return result
+
+
+# The C kernel keeps a head's output in a local buffer of this many floats.
+_NATIVE_MAX_HEAD_DIM = 512
+
+
+def _decode_attention_native(
+    q, k_cache, v_cache, out, seq_lens, block_tables, num_rows, scale, sliding_window
+) -> bool:
+    """Rows [0, num_rows) of `out` by decode_attention_cpu.c, where it takes these tensors (fp32,
+    each head's vector contiguous, int32 lengths and tables); whether it ran."""
+    head_dim = q.shape[2]
+    takes = (
+        q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
+        and head_dim % 8 == 0
+        and head_dim <= _NATIVE_MAX_HEAD_DIM
+        and q.stride(2) == 1
+        and q.stride(1) == head_dim
+        and out.stride(2) == 1
+        and out.stride(1) == head_dim
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and seq_lens.dtype == block_tables.dtype == torch.int32
+        and seq_lens.is_contiguous()
+        and block_tables.stride(1) == 1
+    )
+    attend = _decode_attention() if takes else None
+    if attend is None:
+        return False
+    num_q_heads, (block_size, num_kv_heads) = q.shape[1], k_cache.shape[1:3]
+    status = attend(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+        out.data_ptr(), out.stride(0), num_rows, num_q_heads, num_kv_heads, head_dim, block_size,
+        sliding_window or 0, scale, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("decode_attention_cpu could not allocate a row's scores")
+    return True
+
+
+def _decode_attention():
+    library = native_library("decode_attention_cpu.c")
+    if library is None:
+        return None
+    attend = library.decode_attention
+    if attend.argtypes is None:
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        attend.argtypes = [pointer, size, pointer, pointer, pointer, size, pointer, pointer, size,
+                           size, size, size, size, size, size, ctypes.c_float, ctypes.c_int]  # fmt: skip
+        attend.restype = ctypes.c_int
+    return attend
 
 
 def _check(
@@ -718,7 +779,8 @@ def paged_attention(
 
     `decode_key_slots` (CPU only, else ignored): each decode row's key slots, int64 `[seq_lens[b]]`
     or a `range` where they are consecutive (AttentionMetadata.decode_key_slots), which the CPU
-    path reads instead of the block table.
+    path's SDPA reads instead of the block table. They must be the table's slots: the CPU's C
+    kernel reads the table.
     """
     kwargs = dict(
         query_start_loc=query_start_loc,

@@ -21,8 +21,8 @@ models' widths, and a kernel that programmatic dependent launch overlaps with it
 A gated MLP's gate/up projection then takes `gated_gemv`, its activation in the same kernel;
 an int8 one always does (`quantized_gated_gemv`), its one-row product being that GEMV anyway.
 
-On a CPU, per-channel int8 weights run `int8_linear_cpu`, whose kernel for a few rows is the one
-`cpu_int8_kernel()` names (EngineConfig.cpu_int8_kernel): infer.kernels' AVX2 kernel by default.
+On a CPU, per-channel int8 weights run `int8_linear_cpu`: a few rows through infer.kernels' AVX2
+kernel where `native_cpu_kernels()` allows it (EngineConfig.use_native_cpu_kernels).
 """
 
 import contextlib
@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.kernels import (
-    CPU_INT8_KERNELS,
     gated_gemv,
     gemv,
     int8_cpu_scale,
@@ -49,7 +48,6 @@ CPU_SPLIT_MAX_ROWS = 4
 CPU_SPLIT = 8  # parts of the weight's rows: more than the threads, so that they share the work evenly
 
 _triton_gemv = False
-_cpu_int8_kernel = "avx2"
 
 
 @contextlib.contextmanager
@@ -63,20 +61,6 @@ def triton_gemv(enabled: bool = True):
         yield
     finally:
         _triton_gemv = previous
-
-
-@contextlib.contextmanager
-def cpu_int8_kernel(name: str):
-    """Inside, int8 Linears on a CPU run their few-row products through `name` (one of
-    infer.kernels.CPU_INT8_KERNELS); a context for the reason `triton_gemv` is one."""
-    if name not in CPU_INT8_KERNELS:
-        raise ValueError(f"cpu_int8_kernel must be one of {CPU_INT8_KERNELS}, not {name!r}")
-    global _cpu_int8_kernel
-    previous, _cpu_int8_kernel = _cpu_int8_kernel, name
-    try:
-        yield
-    finally:
-        _cpu_int8_kernel = previous
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,9 +161,7 @@ class Linear(nn.Module):
                 usable = per_channel and int8_linear_cpu_supports(self.weight)
                 self._cpu_int8_scale = int8_cpu_scale(self.weight_scale) if usable else False
             if self._cpu_int8_scale is not False:
-                return int8_linear_cpu(
-                    x, self.weight, self._cpu_int8_scale, self.bias, kernel=_cpu_int8_kernel
-                )
+                return int8_linear_cpu(x, self.weight, self._cpu_int8_scale, self.bias)
         return quantized_linear(x, self.weight, self.weight_scale, self.block_size, self.bias)
 
     def extra_repr(self) -> str:
