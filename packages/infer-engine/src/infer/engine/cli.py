@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from infer.engine.config import DTYPES, EngineConfig, resolve_device, resolve_dtype
+from infer.engine.config import DTYPES, EngineConfig, parse_bool, resolve_device, resolve_dtype
 from infer.engine.sampling_params import SamplingParams
 from infer.models import DEFAULT_MODEL
 from infer.models.quantization import QUANTIZATION_METHODS
@@ -83,10 +83,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="batch-1 decode's dense projections through infer-kernels' Triton GEMV, not cuBLAS (CUDA)",
     )
     parser.add_argument(
-        "--no-native-cpu-kernels",
-        dest="use_native_cpu_kernels",
-        action="store_false",
-        help="on a CPU, decode attention and int8 Linears through ATen, not infer-kernels' C kernels",
+        "--use-native-cpu-kernels",
+        type=parse_bool,
+        nargs="?",
+        const=True,
+        default=True,
+        help="on a CPU, decode attention and int8 Linears through infer-kernels' C kernels (true, the "
+        "default) or ATen's (false)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (EOS ids, loading)")
 

@@ -321,7 +321,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for config_field in dataclasses.fields(EngineConfig):
         is_bool = config_field.type in (bool, "bool")
-        kind = _parse_bool if is_bool else int
+        kind = parse_bool if is_bool else int
         kind = str if config_field.name in _STRING_FIELDS else kind
         kind = float if config_field.name in _FLOAT_FIELDS else kind
         default = config_field.default
@@ -354,7 +354,7 @@ _STRING_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.type in 
 _FLOAT_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.type in (float, float | None)}
 
 
-def _parse_bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
     words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
     if text.lower() not in words:
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
