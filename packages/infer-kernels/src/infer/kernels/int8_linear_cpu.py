@@ -4,8 +4,8 @@ A CPU decode step is bound by reading the weights; int8 reads a quarter of fp32'
 kernels:
 - up to AVX2_MAX_ROWS rows (decode steps), int8_gemv_cpu.c, a C kernel of infer.kernels.native_cpu
   (inside its `native_cpu_kernels()`, the default). It rounds each row of x to int16 and
-  multiplies in integers, prefetching the weights; on the 2-core CI-class VM it read SmolLM2's
-  int8 weights 1.7-2.2x faster than ATen's kernel with its conversions
+  multiplies in integers, prefetching the weights; on the 2-core CI-class VM a prototype of it
+  read SmolLM2's int8 weights 1.6-1.9x faster than ATen's kernel with its conversions
   (docs/benchmarks/quantization.md). Its result equals the float reference on x rounded to int16
   with a scale per row (2^-15 of the row's largest entry), then summed in fp32.
 - larger batches (prompts), and where the C kernel is off or cannot be built: ATen's
@@ -74,7 +74,7 @@ def int8_linear_cpu(
     gemv = _int8_gemv() if rows.shape[0] <= AVX2_MAX_ROWS else None
     if gemv is not None:
         rows = rows.to(torch.float32).contiguous()
-        out = torch.empty(rows.shape[0], weight.shape[0])
+        out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
         threads = torch.get_num_threads()
         status = gemv(rows.data_ptr(), weight.data_ptr(), scale.float32.data_ptr(), out.data_ptr(),
                       rows.shape[0], weight.shape[0], rows.shape[1], threads)  # fmt: skip
