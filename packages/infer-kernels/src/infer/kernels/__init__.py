@@ -3,12 +3,20 @@
 Each op has one public function that checks its inputs and dispatches, and a `*_ref` twin in
 plain PyTorch that is the test oracle and the CPU path, except where a CPU path of its own is
 faster (`paged_attention_cpu`, `rms_norm_cpu`, `rope_cpu`, `int8_linear_cpu`, each tested against
-its reference).
+its reference). `DecoderStackCpu` runs a model's blocks for a CPU step of decode rows in one C call
+(`decoder_stack_cpu_ref` composes the ops' references).
 """
 
 from infer.kernels._version import INTERFACE_VERSION, __version__
 from infer.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
 from infer.kernels.argmax import argmax, argmax_ref
+from infer.kernels.decoder_stack_cpu import (
+    CpuBlock,
+    CpuLinear,
+    CpuStackShape,
+    DecoderStackCpu,
+    decoder_stack_cpu_ref,
+)
 from infer.kernels.int8_linear_cpu import (
     Int8CpuScale,
     int8_cpu_scale,
@@ -50,6 +58,10 @@ from infer.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask
 from infer.kernels.tolerance import TOLERANCES, Tolerance, assert_close, assert_gated_close
 
 __all__ = [
+    "CpuBlock",
+    "CpuLinear",
+    "CpuStackShape",
+    "DecoderStackCpu",
     "INTERFACE_VERSION",
     "Int8CpuScale",
     "KVStore",
@@ -64,6 +76,7 @@ __all__ = [
     "apply_token_bitmask_ref",
     "assert_close",
     "assert_gated_close",
+    "decoder_stack_cpu_ref",
     "dequantize_weight",
     "extend_tile_size",
     "gated_gemv",

@@ -1,14 +1,16 @@
 """C kernels for the CPU, built on first use with the system's C compiler and loaded with ctypes,
 as Triton builds its launchers: no compiled code in the wheel, one build per machine.
 
-Two use them: `int8_linear_cpu` (int8 weights times a few rows) and `paged_attention_cpu` (decode
-rows). Each takes its ATen path instead outside `native_cpu_kernels()`'s default (the context
+Three use them: `int8_linear_cpu` (int8 weights times a few rows), `paged_attention_cpu` (decode
+rows) and `DecoderStackCpu` (a model's blocks for a step of decode rows, which includes the other
+two sources). Each takes its ATen path instead outside `native_cpu_kernels()`'s default (the context
 `native_cpu_kernels(False)`, EngineConfig.use_native_cpu_kernels) or where the library cannot be
 built; `native_library(source)` says which.
 
 `load_native(source)` compiles `source` (a .c file beside this module) into a shared library
-under `$INFER_HOME/kernels` (INFER_HOME defaults to ~/.cache/infer), named by a hash of the
-source, the flags and the compiler's version, so that an edit or another compiler builds anew.
+under `$INFER_HOME/kernels` (INFER_HOME defaults to ~/.cache/infer), named by a hash of every
+source of this package (one may include another), the flags and the compiler's version, so that an
+edit or another compiler builds anew.
 It returns None, having logged why once, where that cannot be done: not x86-64 with AVX2, no C
 compiler (`$CC`, else `cc`), or a failed build. Callers then take an ATen path.
 
@@ -50,7 +52,7 @@ def native_cpu_kernels(enabled: bool = True):
         _enabled = previous
 
 
-SOURCES = ("int8_gemv_cpu.c", "decode_attention_cpu.c")
+SOURCES = ("int8_gemv_cpu.c", "decode_attention_cpu.c", "decoder_stack_cpu.c")
 
 
 def native_cpu_kernels_available() -> bool:
@@ -103,7 +105,8 @@ def load_native(source: str) -> ctypes.CDLL | None:
 def _build(source: Path) -> Path:
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, *LIBRARIES, version]).encode()).hexdigest()
+    texts = [path.read_text() for path in sorted(source.parent.glob("*.c"))]
+    key = hashlib.sha256("\0".join([source.name, *texts, *FLAGS, *LIBRARIES, version]).encode()).hexdigest()
     target = cache_dir() / f"{source.stem}-{key[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

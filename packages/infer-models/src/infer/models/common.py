@@ -27,6 +27,7 @@ from infer.kernels import (
     silu_and_mul,
     store_kv,
 )
+from infer.models import cpu_stack
 from infer.models.attention import attention, kv_store
 from infer.models.config import ModelConfig, RopeConfig
 from infer.models.forward_batch import ForwardBatch
@@ -262,6 +263,9 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # On a CPU: the blocks as one C call for decode steps (infer.models.cpu_stack), built at
+        # the first such step, once the weights are loaded (False: this model does not fit).
+        self._cpu_stack: cpu_stack.DecoderStackCpu | bool | None = None
 
     def make_layer(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module:
         raise NotImplementedError
@@ -282,12 +286,29 @@ class CausalLM(nn.Module):
         """Hidden states after the final norm, `[num_tokens, hidden_size]`, or only the rows of
         `batch.logits_indices` when it is set (the final norm then runs on those alone)."""
         hidden, residual = self.embed(batch.input_ids), None
+        if self.runs_cpu_stack(batch, hidden):
+            return self.forward_cpu_stack(batch, hidden)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
         if batch.logits_indices is not None:
             hidden, residual = hidden[batch.logits_indices], residual[batch.logits_indices]
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def runs_cpu_stack(self, batch: ForwardBatch, hidden: torch.Tensor) -> bool:
+        """Whether this step's blocks run as one C call (a CPU decode step, infer.models.cpu_stack)."""
+        if self._cpu_stack is False or not cpu_stack.takes(batch, hidden):
+            return False
+        if self._cpu_stack is None:
+            self._cpu_stack = cpu_stack.decoder_stack_for(self) or False
+        return self._cpu_stack is not False
+
+    def forward_cpu_stack(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """`forward` where `runs_cpu_stack`: the C stack, then the final norm of the stream."""
+        stream = cpu_stack.run(self._cpu_stack, batch, hidden)
+        if batch.logits_indices is not None:
+            stream = stream[batch.logits_indices]
+        return self.norm(stream)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits `[..., vocab_size]`, soft-capped where the config says so."""

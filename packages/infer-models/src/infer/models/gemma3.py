@@ -65,6 +65,8 @@ class Gemma3ForCausalLM(CausalLM):
         """CausalLM.forward, each block's post-feedforward norm fused into the next one's input
         norm (and the last block's into the final norm): one norm kernel a layer fewer."""
         hidden, residual, pending_norm = self.embed(batch.input_ids), None, None
+        if self.runs_cpu_stack(batch, hidden):
+            return self.forward_cpu_stack(batch, hidden)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch, pending_norm)
             pending_norm = layer.output_norm

@@ -1,0 +1,170 @@
+"""DecoderStackCpu (decoder_stack_cpu.c) against decoder_stack_cpu_ref, the same stack composed
+from the ops' PyTorch references: the residual stream it returns and the K/V it writes.
+
+Random blocks of three kinds (pre-norm as Llama, pre-norm with QK norms as Qwen 3, sandwich norms
+with (1 + w) scales, gelu and a sliding window as Gemma 3), float32 and int8 Linears, 1 to
+MAX_ROWS rows at different lengths over a shuffled block table. int8 products round each row of x
+to int16 (int8_linear_cpu's kernel), which the reference does not: their tolerance is wider.
+"""
+
+import math
+import platform
+
+import pytest
+import torch
+
+from infer.kernels import (
+    CpuBlock,
+    CpuLinear,
+    CpuStackShape,
+    DecoderStackCpu,
+    decoder_stack_cpu_ref,
+    native_cpu_kernels,
+    rope_tables,
+)
+from infer.kernels.decoder_stack_cpu import MAX_ROWS
+
+pytestmark = pytest.mark.skipif(
+    platform.system() != "Linux"
+    or platform.machine() != "x86_64"
+    or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="infer.kernels' C kernels are built for x86-64 Linux with AVX2",
+)
+
+HIDDEN, INTERMEDIATE, Q_HEADS, KV_HEADS, HEAD_DIM = 64, 96, 4, 2, 16
+BLOCK_SIZE, NUM_CACHE_BLOCKS, MAX_POSITIONS = 4, 64, 256
+KINDS = ("llama", "qwen3", "gemma3")
+
+
+def make_stack(kind: str, quantized: bool, seed: int = 0, num_blocks: int = 3):
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=generator) * scale
+
+    def linear(n, k, bias=False):
+        weight = randn(n, k, scale=k**-0.5)
+        b = randn(n, scale=0.1) if bias else None
+        if not quantized:
+            return CpuLinear(weight, None, b)
+        scale = weight.abs().amax(dim=1) / 127
+        return CpuLinear(torch.round(weight / scale[:, None]).to(torch.int8), scale, b)
+
+    def norm(size):
+        return randn(size, scale=0.1) + (0.0 if kind == "gemma3" else 1.0)
+
+    shape = CpuStackShape(
+        num_q_heads=Q_HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        eps=1e-6,
+        norm_offset=1.0 if kind == "gemma3" else 0.0,
+        attention_scale=HEAD_DIM**-0.5,
+        activation="gelu_tanh" if kind == "gemma3" else "silu",
+    )
+    blocks = []
+    for index in range(num_blocks):
+        cos, sin = rope_tables(HEAD_DIM, MAX_POSITIONS, 10_000.0 if index % 2 else 1_000_000.0)
+        sandwich = kind == "gemma3"
+        blocks.append(
+            CpuBlock(
+                input_norm=norm(HIDDEN),
+                qkv=linear((Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, bias=kind == "qwen3"),
+                o=linear(HIDDEN, Q_HEADS * HEAD_DIM),
+                post_attention_norm=norm(HIDDEN),
+                gate_up=linear(2 * INTERMEDIATE, HIDDEN),
+                down=linear(HIDDEN, INTERMEDIATE),
+                cos=cos,
+                sin=sin,
+                pre_feedforward_norm=norm(HIDDEN) if sandwich else None,
+                post_feedforward_norm=norm(HIDDEN) if sandwich else None,
+                q_norm=norm(HEAD_DIM) if kind != "llama" else None,
+                k_norm=norm(HEAD_DIM) if kind != "llama" else None,
+                sliding_window=5 if sandwich and index % 2 == 0 else None,
+            )
+        )
+    return shape, blocks
+
+
+def make_step(seq_lens: list[int], seed: int = 1, num_blocks: int = 3):
+    """Caches filled with random keys and values, a shuffled block table, and the rows' new token
+    (the last of each sequence)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = len(seq_lens)
+    cache_shape = (NUM_CACHE_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    kv_layers = [
+        (torch.randn(cache_shape, generator=generator), torch.randn(cache_shape, generator=generator))
+        for _ in range(num_blocks)
+    ]
+    blocks_per_row = max(math.ceil(n / BLOCK_SIZE) for n in seq_lens)
+    order = torch.randperm(NUM_CACHE_BLOCKS, generator=generator)[: rows * blocks_per_row]
+    block_tables = order.view(rows, blocks_per_row).to(torch.int32)
+    positions = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64)
+    slots = torch.tensor(
+        [
+            int(block_tables[r, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+            for r, p in enumerate(positions.tolist())
+        ]
+    )
+    residual = torch.randn(rows, HIDDEN, generator=generator)
+    return residual, positions, slots, block_tables, torch.tensor(seq_lens, dtype=torch.int32), kv_layers
+
+
+def clone_step(step):
+    residual, positions, slots, tables, lens, kv_layers = step
+    return residual.clone(), positions, slots, tables, lens, [(k.clone(), v.clone()) for k, v in kv_layers]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("seq_lens", [[1], [7], [3, 9, 14], [2, 5, 6, 8, 11, 13, 16, 21]])
+def test_matches_the_reference(kind, quantized, seq_lens):
+    assert len(seq_lens) <= MAX_ROWS
+    shape, blocks = make_stack(kind, quantized)
+    stack = DecoderStackCpu(shape, blocks)
+    ours, theirs = clone_step(make_step(seq_lens)), clone_step(make_step(seq_lens))
+    stack(*ours)
+    decoder_stack_cpu_ref(shape, blocks, *theirs)
+    # float32: summation order only; int8: x rounded to int16 per row in each product.
+    tolerance = dict(rtol=2e-3, atol=2e-3) if quantized else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours[0], theirs[0], **tolerance)
+    for (k_ours, v_ours), (k_ref, v_ref) in zip(ours[5], theirs[5], strict=True):
+        torch.testing.assert_close(k_ours, k_ref, **tolerance)
+        torch.testing.assert_close(v_ours, v_ref, **tolerance)
+
+
+def test_the_reference_sees_each_part():
+    """The oracle is not blind: perturbing one block's MLP weight changes the stream."""
+    shape, blocks = make_stack("gemma3", quantized=False)
+    step = make_step([3, 9])
+    first, second = clone_step(step), clone_step(step)
+    decoder_stack_cpu_ref(shape, blocks, *first)
+    blocks[1].down.weight[0, 0] += 1.0
+    decoder_stack_cpu_ref(shape, blocks, *second)
+    assert not torch.allclose(first[0], second[0])
+
+
+def test_refuses_what_it_does_not_take():
+    shape, blocks = make_stack("llama", quantized=False)
+    bad = CpuBlock(**{**blocks[0].__dict__, "o": CpuLinear(blocks[0].o.weight.double())})
+    with pytest.raises(ValueError, match="block 0's o"):
+        DecoderStackCpu(shape, [bad])
+    stack = DecoderStackCpu(shape, blocks)
+    residual, positions, slots, tables, lens, kv_layers = make_step([1] * (MAX_ROWS + 1))
+    with pytest.raises(ValueError, match="decode rows"):
+        stack(residual, positions, slots, tables, lens, kv_layers)
+    residual, positions, slots, tables, lens, kv_layers = make_step([3])
+    with pytest.raises(ValueError, match="rotary tables"):
+        stack(residual, positions + MAX_POSITIONS, slots, tables, lens, kv_layers)
+    with pytest.raises(ValueError, match="slot"):
+        stack(residual, positions, slots + NUM_CACHE_BLOCKS * BLOCK_SIZE, tables, lens, kv_layers)
+
+
+def test_off_outside_native_cpu_kernels():
+    shape, blocks = make_stack("llama", quantized=False)
+    stack = DecoderStackCpu(shape, blocks)
+    assert DecoderStackCpu.runs_here()
+    with native_cpu_kernels(False):
+        assert not DecoderStackCpu.runs_here()
+        with pytest.raises(RuntimeError, match="native_cpu_kernels"):
+            stack(*make_step([3]))

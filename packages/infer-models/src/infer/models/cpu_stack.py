@@ -1,0 +1,117 @@
+"""A CausalLM's blocks as infer.kernels' DecoderStackCpu takes them: on a CPU, a step whose rows
+are all decode tokens (up to its MAX_ROWS) runs every block in one C call instead of ~80 ops and
+Python calls a block (docs/architecture.md, "C kernels for the CPU").
+
+`decoder_stack_for(model)` builds it from the model's loaded weights, or says why the model does
+not fit (8-bit weights other than int8 per channel, norms that do not share one eps and offset,
+activations other than float32, a block of another shape); `takes(batch, hidden)` says whether
+a step goes to it. The PyTorch path stays the oracle: tests/test_cpu_stack.py holds the two to
+the same logits and tokens.
+"""
+
+import logging
+
+import torch
+
+from infer.kernels import (
+    CpuBlock,
+    CpuLinear,
+    CpuStackShape,
+    DecoderStackCpu,
+    int8_cpu_scale,
+    int8_linear_cpu_supports,
+)
+from infer.kernels.decoder_stack_cpu import MAX_ROWS
+from infer.models.forward_batch import ForwardBatch
+from infer.models.linear import Linear
+
+logger = logging.getLogger(__name__)
+
+
+def decoder_stack_for(model) -> DecoderStackCpu | None:
+    """The C stack over `model`'s blocks (a CausalLM on the CPU, weights loaded), or None where
+    it does not fit, the reason logged at INFO."""
+    try:
+        return DecoderStackCpu(_shape(model), [_block(layer) for layer in model.layers])
+    except ValueError as why:
+        logger.info("infer.models: decode steps take the PyTorch path on this CPU: %s", why)
+        return None
+
+
+def takes(batch: ForwardBatch, hidden: torch.Tensor) -> bool:
+    """Whether a step goes to the C stack: float32 on the CPU, with a cache, every row one decode
+    token, at most MAX_ROWS rows, and the library built and enabled."""
+    metadata = batch.attention
+    return (
+        hidden.device.type == "cpu"
+        and hidden.dtype == torch.float32
+        and batch.kv_layers is not None
+        and metadata is not None
+        and metadata.num_decode_rows == batch.num_tokens <= MAX_ROWS
+        and DecoderStackCpu.runs_here()
+    )
+
+
+def run(stack: DecoderStackCpu, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+    """The stream after the last block for embedded tokens `hidden`, updated in place."""
+    metadata = batch.attention
+    stack(
+        hidden,
+        batch.positions,
+        metadata.slot_mapping,
+        metadata.block_tables,
+        metadata.seq_lens,
+        batch.kv_layers,
+    )
+    return hidden
+
+
+def _shape(model) -> CpuStackShape:
+    first = model.layers[0]
+    activation = first.mlp.activation_name
+    attention = first.self_attn
+    norms = [module for module in model.modules() if hasattr(module, "eps") and hasattr(module, "offset")]
+    if len({(norm.eps, norm.offset) for norm in norms}) != 1:
+        raise ValueError("its norms do not share one eps and offset")
+    if model.dtype != torch.float32:
+        raise ValueError(f"its activations are {model.dtype}, not float32")
+    return CpuStackShape(
+        num_q_heads=attention.num_heads,
+        num_kv_heads=attention.num_kv_heads,
+        head_dim=attention.head_dim,
+        eps=norms[0].eps,
+        norm_offset=norms[0].offset,
+        attention_scale=attention.scale,
+        activation=activation,
+    )
+
+
+def _block(layer) -> CpuBlock:
+    attention, mlp = layer.self_attn, layer.mlp
+    cos, sin = attention.rotary.tables(torch.device("cpu"))
+    pre_feedforward = getattr(layer, "pre_feedforward_layernorm", None)
+    post_feedforward = getattr(layer, "post_feedforward_layernorm", None)
+    return CpuBlock(
+        input_norm=layer.input_layernorm.weight.data,
+        qkv=_linear(attention.qkv_proj),
+        o=_linear(attention.o_proj),
+        post_attention_norm=layer.post_attention_layernorm.weight.data,
+        gate_up=_linear(mlp.gate_up_proj),
+        down=_linear(mlp.down_proj),
+        cos=cos,
+        sin=sin,
+        pre_feedforward_norm=None if pre_feedforward is None else pre_feedforward.weight.data,
+        post_feedforward_norm=None if post_feedforward is None else post_feedforward.weight.data,
+        q_norm=None if attention.q_norm is None else attention.q_norm.weight.data,
+        k_norm=None if attention.k_norm is None else attention.k_norm.weight.data,
+        sliding_window=attention.sliding_window,
+    )
+
+
+def _linear(linear: Linear) -> CpuLinear:
+    bias = None if linear.bias is None else linear.bias.data
+    if linear.weight_scale is None:
+        return CpuLinear(linear.weight.data, None, bias)
+    if linear.block_size != (1, linear.in_features) or not int8_linear_cpu_supports(linear.weight):
+        raise ValueError(f"a Linear's 8-bit weight ({linear.extra_repr()}) is not int8 per channel")
+    return CpuLinear(linear.weight.data, int8_cpu_scale(linear.weight_scale.data).float32, bias)
