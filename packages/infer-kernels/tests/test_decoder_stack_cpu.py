@@ -86,23 +86,28 @@ def make_stack(kind: str, quantized: bool, seed: int = 0, num_blocks: int = 3):
     return shape, blocks
 
 
-def make_step(seq_lens: list[int], seed: int = 1, num_blocks: int = 3):
-    """Caches filled with random keys and values, a shuffled block table, and the rows' new token
-    (the last of each sequence)."""
+def make_step(
+    seq_lens: list[int], seed: int = 1, num_blocks: int = 3, block_size: int = BLOCK_SIZE, caches=None
+):
+    """Caches filled with random keys and values (or `caches`, viewed in blocks of `block_size`),
+    a shuffled block table, and the rows' new token (the last of each sequence)."""
     generator = torch.Generator().manual_seed(seed)
     rows = len(seq_lens)
-    cache_shape = (NUM_CACHE_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    kv_layers = [
-        (torch.randn(cache_shape, generator=generator), torch.randn(cache_shape, generator=generator))
-        for _ in range(num_blocks)
-    ]
-    blocks_per_row = max(math.ceil(n / BLOCK_SIZE) for n in seq_lens)
-    order = torch.randperm(NUM_CACHE_BLOCKS, generator=generator)[: rows * blocks_per_row]
+    num_cache_blocks = NUM_CACHE_BLOCKS * BLOCK_SIZE // block_size
+    cache_shape = (num_cache_blocks, block_size, KV_HEADS, HEAD_DIM)
+    if caches is None:
+        caches = [
+            (torch.randn(cache_shape, generator=generator), torch.randn(cache_shape, generator=generator))
+            for _ in range(num_blocks)
+        ]
+    kv_layers = [(k.view(cache_shape), v.view(cache_shape)) for k, v in caches]
+    blocks_per_row = max(math.ceil(n / block_size) for n in seq_lens)
+    order = torch.randperm(num_cache_blocks, generator=generator)[: rows * blocks_per_row]
     block_tables = order.view(rows, blocks_per_row).to(torch.int32)
     positions = torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64)
     slots = torch.tensor(
         [
-            int(block_tables[r, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+            int(block_tables[r, p // block_size]) * block_size + p % block_size
             for r, p in enumerate(positions.tolist())
         ]
     )
@@ -131,6 +136,21 @@ def test_matches_the_reference(kind, quantized, seq_lens):
     for (k_ours, v_ours), (k_ref, v_ref) in zip(ours[5], theirs[5], strict=True):
         torch.testing.assert_close(k_ours, k_ref, **tolerance)
         torch.testing.assert_close(v_ours, v_ref, **tolerance)
+
+
+def test_caches_at_the_same_address_in_blocks_of_another_size():
+    """A new engine's cache may lie where an earlier one's was freed, in blocks of another size:
+    the stack must read the new block size, not the one it saw first at that address."""
+    shape, blocks = make_stack("llama", quantized=False)
+    stack = DecoderStackCpu(shape, blocks)
+    first = make_step([9, 14])
+    stack(*clone_step(first)[:5], first[5])
+    second = make_step([9, 14], seed=2, block_size=2 * BLOCK_SIZE, caches=first[5])
+    assert second[5][0][0].data_ptr() == first[5][0][0].data_ptr()
+    theirs = clone_step(second)
+    stack(*second)
+    decoder_stack_cpu_ref(shape, blocks, *theirs)
+    torch.testing.assert_close(second[0], theirs[0], rtol=1e-4, atol=1e-4)
 
 
 def test_the_reference_sees_each_part():

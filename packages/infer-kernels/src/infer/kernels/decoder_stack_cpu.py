@@ -148,7 +148,7 @@ class DecoderStackCpu:
             attention_scale=shape.attention_scale,
             activation=ACTIVATIONS.index(shape.activation),
         )
-        self._cache_pointers: tuple[int, ...] = ()
+        self._cache_pointers: tuple = ()
 
     @staticmethod
     def runs_here() -> bool:
@@ -205,8 +205,10 @@ class DecoderStackCpu:
             raise MemoryError("decoder_stack_cpu could not allocate its buffers")
 
     def _caches(self, kv_layers) -> int:
-        """Points each block at its (k_cache, v_cache), checked when they change; their slots."""
-        pointers = tuple(t.data_ptr() for pair in kv_layers for t in pair)
+        """Points each block at its (k_cache, v_cache), checked when they change; their slots.
+        Keyed by address and shape: another engine's caches may be allocated where an earlier
+        one's were freed, in blocks of another size."""
+        pointers = tuple((t.data_ptr(), t.shape) for pair in kv_layers for t in pair)
         if pointers != self._cache_pointers:
             if len(kv_layers) != len(self.blocks):
                 raise ValueError(f"kv_layers has {len(kv_layers)} layers for {len(self.blocks)} blocks")
