@@ -1,12 +1,12 @@
 """A CausalLM's blocks as infer.kernels' DecoderStackCpu takes them: on a CPU, a step whose rows
 are all decode tokens (up to its MAX_ROWS) runs every block in one C call instead of ~80 ops and
-Python calls a block (docs/architecture.md, "C kernels for the CPU").
+Python calls a block (docs/architecture.md, "A CPU decode step's blocks in one C call").
 
 `decoder_stack_for(model)` builds it from the model's loaded weights, or says why the model does
 not fit (8-bit weights other than int8 per channel, norms that do not share one eps and offset,
 activations other than float32, a block of another shape); `takes(batch, hidden)` says whether
-a step goes to it. The PyTorch path stays the oracle: tests/test_cpu_stack.py holds the two to
-the same logits and tokens.
+a step goes to it. The PyTorch path stays the oracle: infer-engine's tests/test_cpu_stack.py holds
+the two to the same tokens and logprobs.
 """
 
 import logging
