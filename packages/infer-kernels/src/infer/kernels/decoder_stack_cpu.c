@@ -66,16 +66,24 @@ static void rms_norm(const float *x, const float *w, float offset, float eps, in
 }
 
 /* Rows [i, i + 4) of a float32 weight times rows x [m, k] into out [m, n], each row of x reusing
- * the block from L1. No software prefetch: the hardware's follows these rows (one run of memory a
- * thread), and on the CI-class VM prefetching 8 rows ahead, as int8_gemv_cpu.c does, was no faster. */
+ * the block from L1. The rows PREFETCH_ROWS ahead are prefetched into L2, a line at a time, as
+ * int8_gemv_cpu.c does: streamed from 2 threads on the CI-class VM, SmolLM2's shapes read at
+ * 27-33 GB/s that way, against 22-29 without and 24-33 for MKL's batched product. */
 static void four_rows_f32(const float *x, int64_t m, const float *w, float *out, int64_t i, int64_t n,
                           int64_t k) {
     const float *w0 = w + i * k;
+    int64_t ahead = i + 4 + PREFETCH_ROWS <= n ? PREFETCH_ROWS * k : 0;
     for (int64_t r = 0; r < m; r++) {
         const float *xr = x + r * k;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t j = 0; j < k; j += 8) {
             const float *p = w0 + j;
+            if (r == 0 && (j & 15) == 0) { /* a 64-byte line holds 16 floats */
+                _mm_prefetch((const char *)(p + ahead), _MM_HINT_T1);
+                _mm_prefetch((const char *)(p + ahead + k), _MM_HINT_T1);
+                _mm_prefetch((const char *)(p + ahead + 2 * k), _MM_HINT_T1);
+                _mm_prefetch((const char *)(p + ahead + 3 * k), _MM_HINT_T1);
+            }
             __m256 xv = _mm256_loadu_ps(xr + j);
             a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(p), a0);
             a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(p + k), a1);

@@ -9,7 +9,9 @@
  *   widening them to floats takes five instructions. That rounding is 2^-15 of the row's largest
  *   entry, finer than the bf16 that ATen's kernel rounds x to.
  * - Four weight rows share each load of x, and the rows PREFETCH_ROWS ahead are prefetched: on
- *   the CI-class VM the hardware prefetcher alone read the weights at half the speed.
+ *   the CI-class VM the hardware prefetcher alone read the weights at half the speed. Into L2
+ *   (_MM_HINT_T1), not L1: streamed one row at a time from 2 threads, SmolLM2's shapes read at
+ *   20-28 GB/s that way, against 12-17 GB/s with _MM_HINT_T1 (docs/benchmarks/quantization.md).
  * - The int32 sums are folded into floats every CHUNK columns: a lane adds CHUNK / 16 pairs of
  *   products of at most 128 * 32767, 2^31 - 65536 at most, which int32 holds.
  * Threads split the weight's rows, through the OpenMP runtime torch already loaded.
@@ -65,10 +67,10 @@ static void four_rows(const int16_t *xq, float x_scale, const int8_t *w, const f
         for (int64_t j = start; j < end; j += 16) {
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + j));
             const int8_t *p = w0 + j;
-            _mm_prefetch((const char *)(p + ahead), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p + ahead + k), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p + ahead + 2 * k), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p + ahead + 3 * k), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + ahead), _MM_HINT_T1);
+            _mm_prefetch((const char *)(p + ahead + k), _MM_HINT_T1);
+            _mm_prefetch((const char *)(p + ahead + 2 * k), _MM_HINT_T1);
+            _mm_prefetch((const char *)(p + ahead + 3 * k), _MM_HINT_T1);
             a0 = dot16(a0, p, xv);
             a1 = dot16(a1, p + k, xv);
             a2 = dot16(a2, p + 2 * k, xv);
