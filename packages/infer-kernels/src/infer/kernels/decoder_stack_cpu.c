@@ -162,6 +162,15 @@ static void rotate(float *h, int64_t heads, int64_t d, const float *cos, const f
         }
 }
 
+/* residual += out (norm(out, norm) where norm is set, a sandwich block's), rows of hidden_size. */
+static void join_stream(const Stack *s, float *residual, float *out, int64_t rows, const float *norm) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *res = residual + r * s->hidden_size, *o = out + r * s->hidden_size;
+        if (norm != NULL) rms_norm(o, norm, s->norm_offset, s->eps, s->hidden_size, o);
+        for (int64_t i = 0; i < s->hidden_size; i++) res[i] += o[i];
+    }
+}
+
 /* Returns 0, or -1 where a buffer could not be allocated. */
 int decoder_stack(const Stack *s, const Block *blocks, float *residual, int64_t rows, const int64_t *positions,
                   const int64_t *slots, const int32_t *block_tables, int64_t block_table_stride,
@@ -201,12 +210,10 @@ int decoder_stack(const Stack *s, const Block *blocks, float *residual, int64_t 
             failed = 1;
             break;
         }
-        for (int64_t r = 0; r < rows; r++) {
-            float *res = residual + r * hidden, *o = projected + r * hidden;
-            if (sandwich) rms_norm(o, b->post_attention_norm, offset, eps, hidden, o);
-            for (int64_t i = 0; i < hidden; i++) res[i] += o[i];
-            rms_norm(res, sandwich ? b->pre_feedforward_norm : b->post_attention_norm, offset, eps, hidden, x + r * hidden);
-        }
+        join_stream(s, residual, projected, rows, sandwich ? b->post_attention_norm : NULL);
+        for (int64_t r = 0; r < rows; r++)
+            rms_norm(residual + r * hidden, sandwich ? b->pre_feedforward_norm : b->post_attention_norm, offset, eps,
+                     hidden, x + r * hidden);
         if (linear(&b->gate_up, x, rows, gate_up, threads) != 0) {
             failed = 1;
             break;
@@ -216,11 +223,7 @@ int decoder_stack(const Stack *s, const Block *blocks, float *residual, int64_t 
             failed = 1;
             break;
         }
-        for (int64_t r = 0; r < rows; r++) {
-            float *res = residual + r * hidden, *o = projected + r * hidden;
-            if (sandwich) rms_norm(o, b->post_feedforward_norm, offset, eps, hidden, o);
-            for (int64_t i = 0; i < hidden; i++) res[i] += o[i];
-        }
+        join_stream(s, residual, projected, rows, sandwich ? b->post_feedforward_norm : NULL);
     }
     free(x);
     free(qkv);
