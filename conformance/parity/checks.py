@@ -113,22 +113,36 @@ def mixed_step(case: dict, impl: str | None) -> None:
     `block_size` tokens come from the pool's allocator out of order, between blocks another owner
     holds, and every block starts out holding garbage, so a read of a slot the row does not own
     shows in its logits."""
+    _one_step_against_alone(case, lambda sequences: [len(sequences[0]) - 1, len(sequences[1]) // 2, 0])
+
+
+def decode_step(case: dict, impl: str | None) -> None:
+    """One step of decode rows only (each prompt's last token over the rest, cached) over one
+    paged KV pool gives each row the logits of its sequence run alone and transformers' at that
+    position, as mixed_step judges them. On a CPU this is the step that runs every block in one C
+    call (infer.kernels.DecoderStackCpu), where the C kernels build."""
+    _one_step_against_alone(case, lambda sequences: [len(sequence) - 1 for sequence in sequences])
+
+
+def _one_step_against_alone(case: dict, num_cached_of) -> None:
+    """The case's three prompts in one step over one pool, `num_cached_of(sequences)` of each
+    cached before it: each row against its sequence alone, and against transformers."""
     bounds = _bounds(case)
     device = _device(case)
     ours, reference, tokenizer = _pair(_checkpoint(case), case["dtype"], device)
     sequences = [tokenizer(prompt).input_ids for prompt in case["prompts"][:3]]
-    num_cached = [len(sequences[0]) - 1, len(sequences[1]) // 2, 0]
+    num_cached = num_cached_of(sequences)
     assert min(len(s) - c for s, c in zip(sequences, num_cached, strict=True)) >= 1 and len(sequences) == 3, (
-        f"mixed_step needs 3 prompts of 2+ tokens, got lengths {[len(s) for s in sequences]}"
+        f"a step needs 3 prompts of 2+ tokens, got lengths {[len(s) for s in sequences]}"
     )
     stats = _LogitGaps()
     with torch.no_grad():
-        mixed = cached_step_logits(ours, sequences, num_cached, case["block_size"])
-        for sequence, cached, got in zip(sequences, num_cached, mixed, strict=True):
+        step = cached_step_logits(ours, sequences, num_cached, case["block_size"])
+        for sequence, cached, got in zip(sequences, num_cached, step, strict=True):
             [alone] = cached_step_logits(ours, [sequence], [cached], case["block_size"])
             gap = (got - alone).abs().max().item()
             assert gap <= bounds["max_abs"], (
-                f"sequence of {len(sequence)} tokens, {cached} cached: the mixed step's logits differ from "
+                f"sequence of {len(sequence)} tokens, {cached} cached: the step's logits differ from "
                 f"the sequence's alone by {gap:.3g}, above max_abs {bounds['max_abs']}"
             )
             expected = reference(torch.tensor([sequence], device=device)).logits[0, cached:].float()
