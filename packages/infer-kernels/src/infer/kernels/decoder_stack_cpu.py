@@ -28,7 +28,7 @@ import torch
 from infer.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from infer.kernels.int8_linear_cpu import ALIGNMENT, K_MULTIPLE
 from infer.kernels.native_cpu import native_library
-from infer.kernels.paged_attention import paged_attention_ref
+from infer.kernels.paged_attention import NATIVE_MAX_HEAD_DIM, paged_attention_ref
 from infer.kernels.rms_norm import rms_norm_ref
 from infer.kernels.rope import rope_ref
 from infer.kernels.store_kv import store_kv_ref
@@ -37,8 +37,6 @@ SOURCE = "decoder_stack_cpu.c"
 # Decode rows a call takes: each row re-reads a block of weight rows from L1, which pays up to a few
 # rows; past them, the batched products of the PyTorch path win (as int8_linear_cpu's AVX2_MAX_ROWS).
 MAX_ROWS = 8
-# decode_attention_cpu.c keeps a head's output in a buffer of this many floats.
-MAX_HEAD_DIM = 512
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -269,8 +267,8 @@ def _check_shape(shape: CpuStackShape, hidden_size: int) -> None:
     if shape.activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {shape.activation!r}")
     d = shape.head_dim
-    if d % 8 or d > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be a multiple of 8 and at most {MAX_HEAD_DIM}, got {d}")
+    if d % 8 or d > NATIVE_MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of 8 and at most {NATIVE_MAX_HEAD_DIM}, got {d}")
     if shape.num_kv_heads < 1 or shape.num_q_heads % shape.num_kv_heads:
         raise ValueError(f"{shape.num_q_heads} query heads do not group over {shape.num_kv_heads} KV heads")
     if hidden_size % 8:

@@ -610,8 +610,9 @@ def paged_attention_cpu(
     return result
 
 
-# The C kernel keeps a head's output in a local buffer of this many floats.
-_NATIVE_MAX_HEAD_DIM = 512
+# decode_attention_cpu.c keeps a head's output in a local buffer of this many floats (its
+# MAX_HEAD_DIM); DecoderStackCpu, which includes that file, takes the same bound.
+NATIVE_MAX_HEAD_DIM = 512
 
 
 def _decode_attention_native(
@@ -623,7 +624,7 @@ def _decode_attention_native(
     takes = (
         q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
         and head_dim % 8 == 0
-        and head_dim <= _NATIVE_MAX_HEAD_DIM
+        and head_dim <= NATIVE_MAX_HEAD_DIM
         and q.stride(2) == 1
         and q.stride(1) == head_dim
         and out.stride(2) == 1
