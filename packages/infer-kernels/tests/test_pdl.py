@@ -57,9 +57,12 @@ def _int8(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Ten
     return weight, scale
 
 
-def _decode_chain(gen: torch.Generator):
+def _decode_chain(gen: torch.Generator, max_seq_len: int):
     """A function that runs LAYERS decode layers (int8 projections, per channel; K of down_proj
-    split with fp8 128x128 blocks, so its partial sums take a second kernel) on fixed buffers."""
+    split with fp8 128x128 blocks, so its partial sums take a second kernel) on fixed buffers,
+    the layers, and its input (a buffer read by the first kernel). `max_seq_len` sets the
+    attention's splits: 4096 gives the engine's 16 at batch 1, one key tile each; 1024 gives 4,
+    so that this token's key lies in a split's third tile."""
     layers = []
     for _ in range(LAYERS):
         down = torch.randn(HIDDEN, INTERMEDIATE, device="cuda", generator=gen).to(torch.float8_e4m3fn)
@@ -108,7 +111,7 @@ def _decode_chain(gen: torch.Generator):
                 block_tables=block_table,
                 num_decode_rows=1,
                 max_query_len=1,
-                max_seq_len=MAX_KEYS,  # 16 splits of the keys, as the engine launches at batch 1
+                max_seq_len=max_seq_len,
                 scale=HEAD_DIM**-0.5,
             )
             o = quantized_linear(attn.view(1, -1), *layer["o"], (1, Q_HEADS * HEAD_DIM))
@@ -117,13 +120,15 @@ def _decode_chain(gen: torch.Generator):
             hidden = quantized_linear(silu_and_mul(gate_up), *layer["down"], (128, 128))
         return rms_norm(hidden + residual, layers[-1]["norms"][2], 1e-6)
 
-    return run, layers
+    return run, layers, x0
 
 
-def _replayed(run, layers, *, pdl: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The chain's output and the layers' caches after capturing it in a graph and replaying it
-    three times (each replay rewrites the caches' current slot, so every replay computes the
-    same)."""
+def _replayed(run, layers, x0, inputs, *, pdl: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The chain's output for each of `inputs` (copied into x0 before each replay of one captured
+    graph), and the layers' caches after the last. Each replay writes this token's key and value
+    to the same cache slot, from a different input: a kernel that read the slot before the
+    kernel writing it had finished would see the replay before's."""
+    x0.copy_(inputs[0])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), programmatic_launch(pdl):
@@ -132,23 +137,33 @@ def _replayed(run, layers, *, pdl: bool) -> tuple[torch.Tensor, list[torch.Tenso
     graph = torch.cuda.CUDAGraph()
     with programmatic_launch(pdl), torch.cuda.graph(graph):
         out = run()
-    for _ in range(3):
+    outputs = []
+    for x in inputs[1:]:
+        x0.copy_(x)
         graph.replay()
+        outputs.append(out.clone())
     torch.cuda.synchronize()
-    return out.clone(), [layer["k_cache"].clone() for layer in layers]
+    return outputs, [layer["k_cache"].clone() for layer in layers]
 
 
 @pytest.mark.gpu
-def test_a_decode_chain_launched_with_pdl_computes_exactly_what_plain_launches_do():
+@pytest.mark.parametrize("max_seq_len", [MAX_KEYS, 1024])
+def test_a_decode_chain_launched_with_pdl_computes_exactly_what_plain_launches_do(max_seq_len):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs compute capability 9.0 or newer")
     with programmatic_launch():
         assert launch_options(torch.zeros(1, device="cuda")) == {"PDL": True, "launch_pdl": True}
-    run, layers = _decode_chain(torch.Generator(device="cuda").manual_seed(0))
-    plain, plain_caches = _replayed(run, layers, pdl=False)
-    assert plain.isfinite().all() and plain.abs().max() > 0
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    run, layers, x0 = _decode_chain(gen, max_seq_len)
+    inputs = [torch.randn(x0.shape, device="cuda", generator=gen).to(x0.dtype) for _ in range(4)]
+    plain, plain_caches = _replayed(run, layers, x0, inputs, pdl=False)
+    for out in plain:
+        assert out.isfinite().all() and out.abs().max() > 0
+    assert not torch.equal(plain[0], plain[1])
     for attempt in range(3):  # a race shows up on some replays and not others
-        with_pdl, pdl_caches = _replayed(run, layers, pdl=True)
-        assert torch.equal(with_pdl, plain), (attempt, (with_pdl.float() - plain.float()).abs().max().item())
+        with_pdl, pdl_caches = _replayed(run, layers, x0, inputs, pdl=True)
+        for replay, (have, want) in enumerate(zip(with_pdl, plain, strict=True)):
+            difference = (have.float() - want.float()).abs().max().item()
+            assert torch.equal(have, want), (attempt, replay, difference)
         for layer, (have, want) in enumerate(zip(pdl_caches, plain_caches, strict=True)):
             assert torch.equal(have, want), (attempt, layer)

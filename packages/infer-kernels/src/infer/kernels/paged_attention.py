@@ -21,7 +21,10 @@ Two Triton kernels, one per kind of row:
   splits cut from that would leave most programs idle and the rest looping over long splits),
   and a CUDA graph replays for any lengths and block tables. Splits past a short row's last tile
   write an empty partial at once, so the merge reads all splits in one load each, without
-  waiting for the row's length. With one split the first kernel writes the output itself.
+  waiting for the row's length. With one split the first kernel writes the output itself. Under
+  PDL (infer.kernels.pdl) a split reads its row's length, block table and first tile of keys
+  and values before waiting for the kernel before, all but this step's key and value, which
+  that kernel stores and the split reads after the wait.
 - Extend rows (prompt chunks): flash attention, one program per (tile of BLOCK_M queries of one
   row, query head), over key tiles up to the tile's last position, with causal and sliding-window
   masks and an online softmax. Grid from host ints too: (tiles of max_query_len, extend rows,
@@ -92,6 +95,19 @@ def _split_span(seq_len, first, num_splits, BLOCK_N: tl.constexpr):
     return span_start, tl.cdiv(tiles, num_splits) * BLOCK_N
 
 
+@triton.jit
+def _attend_tile(q, k, v, visible, running_max, denominator, acc, scale, DOT_PRECISION: tl.constexpr):
+    """The online softmax's update by one tile of keys (`visible`: the tile's keys in view)."""
+    scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+    scores = tl.where(visible[None, :], scores * scale, float("-inf"))
+    tile_max = tl.maximum(running_max, tl.max(scores, 1))
+    rescale = tl.exp(running_max - tile_max)
+    probs = tl.exp(scores - tile_max[:, None])
+    denominator = denominator * rescale + tl.sum(probs, 1)
+    acc = acc * rescale[:, None] + tl.dot(probs, v.to(tl.float32), input_precision=DOT_PRECISION)
+    return tile_max, denominator, acc
+
+
 @triton.jit(do_not_specialize=["block_table_stride", "num_splits"])
 def _decode_split_kernel(
     q_ptr,
@@ -126,10 +142,13 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
+    # Under PDL, all but q and the row's last key are read before waiting for the kernel before:
+    # the row's length and block table are step inputs no kernel writes, and every key but the
+    # last was written by an earlier step. The last (this token's) and q come from the kernel
+    # just before (the rotation or store_kv), so they are read after the wait.
     seq_len = tl.load(seq_len_ptr + row).to(tl.int32)
     first = 0
     if HAS_WINDOW:
@@ -147,16 +166,39 @@ def _decode_split_kernel(
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     denominator = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    table_row = block_table_ptr + row * block_table_stride
+    k_base = k_ptr + kv_head * k_stride_head
+    v_base = v_ptr + kv_head * v_stride_head
+    # The split's first tile.
+    keys_at = start + tl.arange(0, BLOCK_N)
+    in_range = keys_at < end
+    visible = in_range & (keys_at >= first)
+    slots = _key_slots(table_row, keys_at, in_range, BLOCK_SIZE)
+    k_ptrs = k_base + slots[:, None] * k_stride_slot + dims[None, :]
+    v_ptrs = v_base + slots[:, None] * v_stride_slot + dims[None, :]
+    if PDL:
+        older = visible & (keys_at < seq_len - 1)
+        k = tl.load(k_ptrs, mask=older[:, None] & dim_mask[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=older[:, None] & dim_mask[None, :], other=0.0)
+    await_inputs(PDL)
     if start < end:
+        if PDL:
+            # This token's key and value, where the tile holds them: a load of one row.
+            newest = (visible & (keys_at == seq_len - 1))[:, None] & dim_mask[None, :]
+            k = tl.where(newest, tl.load(k_ptrs, mask=newest, other=0.0), k)
+            v = tl.where(newest, tl.load(v_ptrs, mask=newest, other=0.0), v)
+        else:
+            k = tl.load(k_ptrs, mask=visible[:, None] & dim_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=visible[:, None] & dim_mask[None, :], other=0.0)
         q = tl.load(
             q_ptr + row * q_stride_token + q_heads[:, None] * q_stride_head + dims[None, :],
             mask=head_mask[:, None] & dim_mask[None, :],
             other=0.0,
         ).to(tl.float32)
-        table_row = block_table_ptr + row * block_table_stride
-        k_base = k_ptr + kv_head * k_stride_head
-        v_base = v_ptr + kv_head * v_stride_head
-        for tile_start in range(start, end, BLOCK_N):
+        running_max, denominator, acc = _attend_tile(
+            q, k, v, visible, running_max, denominator, acc, scale, DOT_PRECISION
+        )
+        for tile_start in range(start + BLOCK_N, end, BLOCK_N):
             keys_at = tile_start + tl.arange(0, BLOCK_N)
             in_range = keys_at < end
             visible = in_range & (keys_at >= first)
@@ -164,14 +206,9 @@ def _decode_split_kernel(
             load_mask = visible[:, None] & dim_mask[None, :]
             k = tl.load(k_base + slots[:, None] * k_stride_slot + dims[None, :], mask=load_mask, other=0.0)
             v = tl.load(v_base + slots[:, None] * v_stride_slot + dims[None, :], mask=load_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
-            scores = tl.where(visible[None, :], scores * scale, float("-inf"))
-            tile_max = tl.maximum(running_max, tl.max(scores, 1))
-            rescale = tl.exp(running_max - tile_max)
-            probs = tl.exp(scores - tile_max[:, None])
-            denominator = denominator * rescale + tl.sum(probs, 1)
-            acc = acc * rescale[:, None] + tl.dot(probs, v.to(tl.float32), input_precision=DOT_PRECISION)
-            running_max = tile_max
+            running_max, denominator, acc = _attend_tile(
+                q, k, v, visible, running_max, denominator, acc, scale, DOT_PRECISION
+            )
 
     store_mask = head_mask[:, None] & dim_mask[None, :]
     if SINGLE_SPLIT:
@@ -430,6 +467,7 @@ def _launch(
             **launch_options(q),
         )
         if num_splits > 1:
+            splits_pad = triton.next_power_of_2(num_splits)
             _decode_merge_kernel[(num_decode_rows, num_q_heads)](
                 out,
                 part_max,
@@ -440,8 +478,9 @@ def _launch(
                 num_splits,
                 HEAD_DIM=head_dim,
                 DIM_PAD=dim_pad,
-                SPLITS_PAD=triton.next_power_of_2(num_splits),
-                num_warps=1,
+                SPLITS_PAD=splits_pad,
+                # A warp a 1,024 partial values (32 a thread), so that many splits do not spill.
+                num_warps=min(8, max(1, splits_pad * dim_pad // 1024)),
                 **launch_options(q),
             )
     num_extend_rows = seq_lens.shape[0] - num_decode_rows

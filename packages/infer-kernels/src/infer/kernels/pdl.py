@@ -10,8 +10,11 @@ Every kernel of infer.kernels, launched under `programmatic_launch()`, begins wi
 - `gdc_wait` first: it returns once the kernel before has completed and its writes are visible.
   Nothing is read or written before it, so every kernel still sees its inputs complete and never
   writes memory that the kernel before may still read: the order of memory effects is the
-  stream's. The one exception is memory no kernel writes: the GEMV loads its first weight tile
-  before waiting (quantized_linear's `_gemv_kernel`).
+  stream's. The exceptions read memory that the kernel before does not write (every kernel
+  before that one has completed by then, since it waited in turn before releasing this one):
+  the GEMV loads its first weight tile before waiting (quantized_linear's `_gemv_kernel`), and
+  decode attention its row's length, block table and first tile of keys, all but this step's
+  own key, which the kernel before stores (paged_attention's `_decode_split_kernel`).
 - then `gdc_launch_dependents`: the next kernel may launch while this one runs. It waits in turn,
   so at most the next kernel's programs are resident early, not the whole chain's.
 
