@@ -89,6 +89,26 @@ def test_engine_greedy_equals_recompute_in_bf16_up_to_a_near_tie(real_shape, con
         assert_equal_up_to_a_near_tie(loaded.model, prompt, ours, oracle_tokens, f"{preset}/{config_name}")
 
 
+@pytest.mark.gpu
+def test_batch_1_decode_with_pdl_and_the_triton_gemv_equals_recompute_up_to_a_near_tie(real_shape):
+    """Each prompt alone: every decode step is one row, the only steps launched with PDL (where
+    decode attention reads all but this token's key before waiting for the kernel before) and
+    the ones the Triton GEMV serves, replayed from a CUDA graph."""
+    preset, loaded, prompts, params, expected = real_shape
+    config = EngineConfig(
+        device="cuda",
+        dtype="bfloat16",
+        max_batch_size=4,
+        max_seq_len=1024,
+        **CONFIGS["graphs-async-pdl-gemv"],
+    )
+    engine = Engine(config, loaded_model=loaded)
+    for prompt, oracle_tokens in zip(prompts, expected, strict=True):
+        (ours,) = run_together(engine, [prompt], params)
+        assert_equal_up_to_a_near_tie(loaded.model, prompt, ours, oracle_tokens, f"{preset}/batch-1")
+    assert engine.core.runner.graphs.num_replays["decode"] > 0
+
+
 def run_together(engine: Engine, prompts, params) -> list[list[int]]:
     """The prompts added at once and run to the end: each one's tokens, in order."""
     ids = [engine.add_request(prompt, params) for prompt in prompts]

@@ -17,6 +17,7 @@ from infer.kernels import (
     paged_attention,
     paged_attention_cpu,
     paged_attention_ref,
+    programmatic_launch,
 )
 
 # The module, not the function that infer.kernels exports under the same name.
@@ -432,14 +433,21 @@ def test_kernel_cuda_llama_1b_batch_64_at_4096_keys(cuda, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, None])
-def test_kernel_in_a_cuda_graph_follows_new_lengths_and_block_tables(cuda, block_size):
-    max_len = 1024  # captured at the model's longest length; rows are shorter
+@pytest.mark.parametrize("heads", [(32, 8, 64), (4, 1, 256)])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_kernel_in_a_cuda_graph_follows_new_lengths_and_block_tables(cuda, block_size, heads, pdl):
+    """Under PDL each split reads its row's length, block table and first keys before waiting
+    for the kernel before: replays with new lengths, tables and queries must see the new ones."""
+    if pdl and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0 or newer")
+    max_len = 1024  # captured at the model's longest length; rows are shorter: 4 splits
     decode = [max_len, 5, 600, 300, 129, 1000, 64, 17]
-    q, k_cache, v_cache, kwargs = make_batch(decode, [], (32, 8, 64), block_size, torch.bfloat16, cuda, 13)
-    paged_attention(q, k_cache, v_cache, **kwargs)  # compile before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = paged_attention(q, k_cache, v_cache, **kwargs)
+    q, k_cache, v_cache, kwargs = make_batch(decode, [], heads, block_size, torch.bfloat16, cuda, 13)
+    with programmatic_launch(pdl):
+        paged_attention(q, k_cache, v_cache, **kwargs)  # compile before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = paged_attention(q, k_cache, v_cache, **kwargs)
     gen = torch.Generator().manual_seed(14)
     for _ in range(3):
         new_lens = torch.randint(1, max_len + 1, (len(decode),), generator=gen, dtype=torch.int32)
