@@ -61,8 +61,9 @@ def _decode_chain(gen: torch.Generator, max_seq_len: int):
     """A function that runs LAYERS decode layers (int8 projections, per channel; K of down_proj
     split with fp8 128x128 blocks, so its partial sums take a second kernel) on fixed buffers,
     the layers, and its input (a buffer read by the first kernel). `max_seq_len` sets the
-    attention's splits: 4096 gives the engine's 16 at batch 1, one key tile each; 1024 gives 4,
-    so that this token's key lies in a split's third tile."""
+    attention's splits: 4096 gives the engine's 16 at batch 1, one key tile each, so that this
+    token's key lies in a first tile (read before the wait, but for that key); 1024 gives 4 of
+    three tiles, and this token's key lies in the last split's second tile (read in the loop)."""
     layers = []
     for _ in range(LAYERS):
         down = torch.randn(HIDDEN, INTERMEDIATE, device="cuda", generator=gen).to(torch.float8_e4m3fn)
