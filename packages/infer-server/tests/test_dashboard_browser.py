@@ -172,10 +172,13 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server):
     assert dom.tiles["hit_rate"].strip() == f"{100 * hits / len(requests):.1f}%"
     assert "cancelled: 1" in dom.tiles["finish_reasons"] and "tool_calls: 1" in dom.tiles["finish_reasons"]
     # % of the memory roofline: each second's decode bandwidth over the measured copy bandwidth
-    # (the page's last second may have grown since it read it).
+    # (the page's last second may have grown since it read it). Not bounded by 100: a decode step
+    # only reads, and reads may stream faster than a copy's reads and writes (an H100's LM heads
+    # read at 107% of its copy rate), and on a shared CPU the start-up probe may catch a slow
+    # second (the CPU decode stack read at 102.8% of it once on the CI-class machine).
     shown = [float(a["data-value"]) for t, a in dom.charts["memory_roofline"]["shapes"] if t == "circle"]
     roofline = [value for _, value in history["memory_roofline_percent"]]
-    assert shown[:-1] == pytest.approx(roofline[: len(shown) - 1]) and all(0 < v < 100 for v in roofline)
+    assert shown[:-1] == pytest.approx(roofline[: len(shown) - 1]) and all(0 < v < 200 for v in roofline)
     # The prefix cache's entries: the tile counts them, the table shows the most recent ones.
     entries = stats["prefix_cache_entries"]
     assert dom.tiles["cache_entries"].strip() == str(stats["prefix_cache_num_entries"]) != "0"
