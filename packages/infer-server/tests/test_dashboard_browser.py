@@ -175,7 +175,7 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server):
     # (the page's last second may have grown since it read it). Not bounded by 100: a decode step
     # only reads, and reads may stream faster than a copy's reads and writes (an H100's LM heads
     # read at 107% of its copy rate), and on a shared CPU the start-up probe may catch a slow
-    # second (the CPU decode stack read at 102.8% of it once on the CI-class machine).
+    # second (one second of this test's decode read at 102.8% of it on the CI-class machine).
     shown = [float(a["data-value"]) for t, a in dom.charts["memory_roofline"]["shapes"] if t == "circle"]
     roofline = [value for _, value in history["memory_roofline_percent"]]
     assert shown[:-1] == pytest.approx(roofline[: len(shown) - 1]) and all(0 < v < 200 for v in roofline)
