@@ -96,6 +96,21 @@ def _split_span(seq_len, first, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _key_tile(
+    tile_start, end, first, table_row, k_base, v_base, k_stride_slot, v_stride_slot, dims, BLOCK_N, BLOCK_SIZE
+):
+    """A tile of BLOCK_N keys from `tile_start`: their indices, which are in view (before `end`,
+    from `first`), and the addresses of their keys and values."""
+    keys_at = tile_start + tl.arange(0, BLOCK_N)
+    in_range = keys_at < end
+    visible = in_range & (keys_at >= first)
+    slots = _key_slots(table_row, keys_at, in_range, BLOCK_SIZE)
+    k_ptrs = k_base + slots[:, None] * k_stride_slot + dims[None, :]
+    v_ptrs = v_base + slots[:, None] * v_stride_slot + dims[None, :]
+    return keys_at, visible, k_ptrs, v_ptrs
+
+
+@triton.jit
 def _attend_tile(q, k, v, visible, running_max, denominator, acc, scale, DOT_PRECISION: tl.constexpr):
     """The online softmax's update by one tile of keys (`visible`: the tile's keys in view)."""
     scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
@@ -170,12 +185,9 @@ def _decode_split_kernel(
     k_base = k_ptr + kv_head * k_stride_head
     v_base = v_ptr + kv_head * v_stride_head
     # The split's first tile.
-    keys_at = start + tl.arange(0, BLOCK_N)
-    in_range = keys_at < end
-    visible = in_range & (keys_at >= first)
-    slots = _key_slots(table_row, keys_at, in_range, BLOCK_SIZE)
-    k_ptrs = k_base + slots[:, None] * k_stride_slot + dims[None, :]
-    v_ptrs = v_base + slots[:, None] * v_stride_slot + dims[None, :]
+    keys_at, visible, k_ptrs, v_ptrs = _key_tile(
+        start, end, first, table_row, k_base, v_base, k_stride_slot, v_stride_slot, dims, BLOCK_N, BLOCK_SIZE
+    )
     if PDL:
         older = visible & (keys_at < seq_len - 1)
         k = tl.load(k_ptrs, mask=older[:, None] & dim_mask[None, :], other=0.0)
@@ -199,13 +211,22 @@ def _decode_split_kernel(
             q, k, v, visible, running_max, denominator, acc, scale, DOT_PRECISION
         )
         for tile_start in range(start + BLOCK_N, end, BLOCK_N):
-            keys_at = tile_start + tl.arange(0, BLOCK_N)
-            in_range = keys_at < end
-            visible = in_range & (keys_at >= first)
-            slots = _key_slots(table_row, keys_at, in_range, BLOCK_SIZE)
+            _, visible, k_ptrs, v_ptrs = _key_tile(
+                tile_start,
+                end,
+                first,
+                table_row,
+                k_base,
+                v_base,
+                k_stride_slot,
+                v_stride_slot,
+                dims,
+                BLOCK_N,
+                BLOCK_SIZE,
+            )
             load_mask = visible[:, None] & dim_mask[None, :]
-            k = tl.load(k_base + slots[:, None] * k_stride_slot + dims[None, :], mask=load_mask, other=0.0)
-            v = tl.load(v_base + slots[:, None] * v_stride_slot + dims[None, :], mask=load_mask, other=0.0)
+            k = tl.load(k_ptrs, mask=load_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=load_mask, other=0.0)
             running_max, denominator, acc = _attend_tile(
                 q, k, v, visible, running_max, denominator, acc, scale, DOT_PRECISION
             )
