@@ -84,11 +84,27 @@ def steps_of(kernels: list[dict]) -> list[tuple[list[dict], float]]:
     ]
 
 
+def exposed_times(step: list[dict]) -> list[float]:
+    """Each kernel's share of the step's critical path (us): how far its end passes the latest
+    end before it. Under PDL a kernel starts while the one before runs and waits inside, so its
+    own duration counts that wait; its exposed time is what it adds to the step."""
+    exposed, latest = [], step[0]["start"]
+    for k in step:
+        end = k["start"] + k["us"]
+        exposed.append(max(0.0, end - latest))
+        latest = max(latest, end)
+    return exposed
+
+
 def report(
-    folder: str, use_pdl: bool = False, by_kernel: bool = False, use_triton_gemv: bool = False
+    folder: str,
+    use_pdl: bool = False,
+    by_kernel: bool = False,
+    use_triton_gemv: bool = False,
+    max_seq_len: int = 4096,
 ) -> None:
     config = EngineConfig(
-        model=folder, device="cuda", dtype="bfloat16", max_batch_size=1, max_seq_len=1024,
+        model=folder, device="cuda", dtype="bfloat16", max_batch_size=1, max_seq_len=max_seq_len,
         use_chunked_prefill=True, use_cuda_graphs=True, async_scheduling=True, use_pdl=use_pdl,
         use_triton_gemv=use_triton_gemv,
     )  # fmt: skip
@@ -121,14 +137,30 @@ def report(
     for kind, us in sorted(by_kind.items(), key=lambda item: -item[1]):
         print(f"| {kind} | {us:.1f} | {100 * us / busy:.1f} |")
     if by_kernel:
-        per_name = defaultdict(lambda: [0, 0.0])
+        per_name = defaultdict(lambda: [0, 0.0, 0.0])
         for step, _ in steps:
-            for k in step:
+            for k, exposed in zip(step, exposed_times(step), strict=True):
                 per_name[k["name"]][0] += 1 / len(steps)
                 per_name[k["name"]][1] += k["us"] / len(steps)
-        print("\n| kernel | calls a step | us a step | us a call |\n|---|---:|---:|---:|")
-        for name, (calls, us) in sorted(per_name.items(), key=lambda item: -item[1][1]):
-            print(f"| {name[:70]} | {calls:.0f} | {us:.1f} | {us / calls:.2f} |")
+                per_name[k["name"]][2] += exposed / len(steps)
+        print(
+            "\n| kernel | calls a step | us a step | us a call | exposed us a step | exposed us a call |"
+            "\n|---|---:|---:|---:|---:|---:|"
+        )
+        for name, (calls, us, exposed) in sorted(per_name.items(), key=lambda item: -item[1][2]):
+            times = f"{us:.1f} | {us / calls:.2f} | {exposed:.1f} | {exposed / calls:.2f}"
+            print(f"| {name[:70]} | {calls:.0f} | {times} |")
+        # One layer in the middle of a step, kernel by kernel: where each starts and ends
+        # against the step's start, and what it adds to the critical path.
+        step, _ = steps[len(steps) // 2]
+        per_layer = len(step) // num_layers_of(core)
+        middle = (num_layers_of(core) // 2) * per_layer
+        origin = step[0]["start"]
+        print("\n| kernel (a middle layer) | start us | end us | exposed us |\n|---|---:|---:|---:|")
+        exposed = exposed_times(step)
+        for k, e in list(zip(step, exposed, strict=True))[middle : middle + per_layer + 2]:
+            start = k["start"] - origin
+            print(f"| {k['name'][:60]} | {start:.1f} | {start + k['us']:.1f} | {e:.2f} |")
     # GEMVs in order: each layer's four projections, then the LM head (a split-K GEMV's reduce
     # kernel counts with it).
     num_layers = model.config.num_layers
@@ -159,15 +191,22 @@ def report(
     engine.shutdown()
 
 
+def num_layers_of(core) -> int:
+    return core.loaded.model.config.num_layers
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoints", nargs="+")
     parser.add_argument("--use-pdl", action="store_true", help="EngineConfig.use_pdl")
     parser.add_argument("--use-triton-gemv", action="store_true", help="EngineConfig.use_triton_gemv")
     parser.add_argument("--by-kernel", action="store_true", help="also each kernel's calls and time a step")
+    parser.add_argument(
+        "--max-seq-len", type=int, default=4096, help="EngineConfig.max_seq_len (the bench's default)"
+    )
     args = parser.parse_args()
     for folder in args.checkpoints:
-        report(folder, args.use_pdl, args.by_kernel, args.use_triton_gemv)
+        report(folder, args.use_pdl, args.by_kernel, args.use_triton_gemv, args.max_seq_len)
 
 
 if __name__ == "__main__":

@@ -7,19 +7,29 @@ on compute capability 9.0 and newer), a kernel launched with the `launch_pdl` at
 scheduled as soon as every program of the kernel before it has called `gdc_launch_dependents`.
 
 Every kernel of infer.kernels, launched under `programmatic_launch()`, begins with `await_inputs`:
-- `gdc_wait` first: it returns once the kernel before has completed and its writes are visible.
-  Nothing is read or written before it, so every kernel still sees its inputs complete and never
-  writes memory that the kernel before may still read: the order of memory effects is the
-  stream's. The exceptions read memory that the kernel before does not write (every kernel
-  before that one has completed by then, since it waited in turn before releasing this one):
-  the GEMV loads its first weight tile before waiting (quantized_linear's `_gemv_kernel`), and
-  decode attention its row's length, block table and first tile of keys, all but this step's
-  own key, which the kernel before stores (paged_attention's `_decode_split_kernel`).
-- then `gdc_launch_dependents`: the next kernel may launch while this one runs. It waits in turn,
-  so at most the next kernel's programs are resident early, not the whole chain's.
+- `gdc_launch_dependents` first: the next kernel may launch at once, while this one waits and
+  runs. That one releases its own next kernel at once too, so several kernels of a chain may be
+  resident together, each waiting on the one before. (A kernel releases only once all of its
+  programs have started, so one of several waves holds back the kernels after it until its last
+  wave starts, and the programs of a running kernel are never kept from the GPU by later ones.)
+- then `gdc_wait`: it returns once the kernel before has completed and its writes are visible.
+  That kernel waited in turn, so every kernel before it has completed too. Every write comes
+  after the wait, so no kernel writes memory that an earlier one may still read.
+- Before its wait a kernel may read only memory that no kernel of the chain writes: since any
+  earlier kernel may still run then, anything else could be read stale. That memory is the
+  weights, the step's inputs (token positions, cache slots, row lengths, block tables, copied
+  before the chain's first kernel), the rope tables, and keys and values stored by earlier
+  steps. Reads of it before the wait: the GEMV's first weight tile (quantized_linear's
+  `_gemv_kernel`); decode attention's row length, block table and first tile of keys, all but
+  this step's own key (paged_attention's `_decode_split_kernel`); the norms' weights
+  (rms_norm); the position, table row and cache slot of a token (rope, qk_norm_rope) and the
+  head norms' weights (qk_norm_rope). Each of those chains of dependent loads then overlaps
+  the kernels before, not only the one just before.
 
-What overlaps is the next kernel's launch and start-up with this kernel's work and tail. A kernel
-that is not ours (cuBLAS, torch) is launched as usual: the one after it starts when it ends.
+A kernel that is not ours (cuBLAS, torch) or a copy starts a new chain: the kernel after it
+launches once it has completed.
+
+What overlaps is a kernel's launch, start-up and reads before its wait with the kernels before it.
 
 That pays where kernels are short single waves, as in a batch-1 decode step, and costs where they
 are long multi-wave ones (prompt chunks): the engine uses it for batch-1 decode steps only
@@ -66,7 +76,8 @@ def _supports_pdl(index: int) -> bool:
 
 @triton.jit
 def await_inputs(PDL: tl.constexpr):
-    """A kernel's first statement: with PDL, wait for the kernel before, then release the next."""
+    """With PDL: release the next kernel, then wait for the one before. A kernel's first
+    statement, but for the reads the module docstring lists."""
     if PDL:
-        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()

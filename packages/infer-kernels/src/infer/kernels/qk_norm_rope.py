@@ -23,7 +23,7 @@ from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
 from infer.kernels.pdl import await_inputs, launch_options
 from infer.kernels.rms_norm import rms_norm_ref
 from infer.kernels.rope import _head_tiles, _store_rotated, _table_rows, rope_ref
-from infer.kernels.store_kv import KVStore, _store_v, check_store, store_args
+from infer.kernels.store_kv import KVStore, _cache_row, _store_v, check_store, store_args
 
 
 @triton.jit
@@ -59,24 +59,32 @@ def _qk_norm_rope_kernel(
     BLOCK_HALF: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
+    is_q = tl.program_id(1) == 0
     dims = tl.arange(0, BLOCK_HALF)
     dim_mask = dims < half_dim
+    # Under PDL, what no kernel of a step writes is read before the wait: the token's position,
+    # its row of the tables, its cache slot and the norm's weight. The heads come after it.
+    position = tl.load(positions_ptr + token).to(tl.int64)
     cos, sin = _table_rows(
         cos_ptr, sin_ptr, table_row_stride, position, num_positions, dims, dim_mask, poison
     )
-    if tl.program_id(1) == 0:
+    if is_q:
+        scale1, scale2 = _head_scales(q_weight_ptr, half_dim, offset, dims, dim_mask)
+    else:
+        scale1, scale2 = _head_scales(k_weight_ptr, half_dim, offset, dims, dim_mask)
+    cache_row = _cache_row(slot_ptr, token, num_kv_heads, half_dim, STORE_KV)
+    await_inputs(PDL)
+    if is_q:
         q_at = q_ptr + token * q_stride_token
         _norm_and_rotate_heads(
             q_at,
             q_stride_head,
             num_q_heads,
-            q_weight_ptr,
+            scale1,
+            scale2,
             half_dim,
             eps,
-            offset,
             cos,
             sin,
             dims,
@@ -86,8 +94,8 @@ def _qk_norm_rope_kernel(
             False,
         )
     else:
-        cache_row = _store_v(
-            slot_ptr,
+        _store_v(
+            cache_row,
             token,
             v_ptr,
             v_stride_token,
@@ -104,10 +112,10 @@ def _qk_norm_rope_kernel(
             k_ptr + token * k_stride_token,
             k_stride_head,
             num_kv_heads,
-            k_weight_ptr,
+            scale1,
+            scale2,
             half_dim,
             eps,
-            offset,
             cos,
             sin,
             dims,
@@ -119,14 +127,22 @@ def _qk_norm_rope_kernel(
 
 
 @triton.jit
+def _head_scales(weight_ptr, half_dim, offset, dims, dim_mask):
+    """The norm's scale (offset + weight) over a head's two halves, in fp32."""
+    scale1 = offset + tl.load(weight_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    scale2 = offset + tl.load(weight_ptr + half_dim + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    return scale1, scale2
+
+
+@triton.jit
 def _norm_and_rotate_heads(
     token_ptr,
     stride_head,
     num_heads,
-    weight_ptr,
+    scale1,
+    scale2,
     half_dim,
     eps,
-    offset,
     cos,
     sin,
     dims,
@@ -138,8 +154,6 @@ def _norm_and_rotate_heads(
     """Normalise and rotate one token's heads in place; with STORE, also write them into the
     contiguous cache row at `cache_ptr`."""
     dtype = token_ptr.dtype.element_ty
-    scale1 = offset + tl.load(weight_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    scale2 = offset + tl.load(weight_ptr + half_dim + dims, mask=dim_mask, other=0.0).to(tl.float32)
     for first_head in range(0, num_heads, BLOCK_H):
         heads = first_head + tl.arange(0, BLOCK_H)
         mask = (heads < num_heads)[:, None] & dim_mask[None, :]

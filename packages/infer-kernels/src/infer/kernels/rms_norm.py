@@ -28,11 +28,16 @@ MAX_HIDDEN = 65536
 
 
 @triton.jit
-def _scaled_rms_norm(xf, weight_ptr, cols, mask, num_cols, eps, offset):
-    """`xf / rms(xf) * (offset + weight)` in fp32; masked columns of `xf` are 0 and stay 0."""
+def _scaled_rms_norm(xf, scale, num_cols, eps):
+    """`xf / rms(xf) * scale` in fp32 (`scale`: offset + weight); masked columns of `xf` are 0
+    and stay 0."""
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return xf * inv_rms * (offset + weight)
+    return xf * inv_rms * scale
+
+
+@triton.jit
+def _norm_scale(weight_ptr, cols, mask, offset):
+    return offset + tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -53,23 +58,29 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    await_inputs(PDL)
     # int64 row index: rows * stride overflows int32 beyond 2^31 elements.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
+    # The weights first, and under PDL before the wait (no kernel writes them): at one row, each
+    # load is a trip to HBM that would otherwise follow a reduction.
+    scale = _norm_scale(weight_ptr, cols, mask, offset)
+    if NORM_X_FIRST:
+        x_scale = _norm_scale(x_weight_ptr, cols, mask, offset)
+    await_inputs(PDL)
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        # Read beside x, not after x's norm.
+        residual_row = residual_ptr + row * residual_row_stride + cols
+        residual = tl.load(residual_row, mask=mask, other=0.0).to(tl.float32)
     if NORM_X_FIRST:
         # x's own norm is what joins the residual; rounded to x's dtype, as rms_norm stores it.
-        x = _scaled_rms_norm(x.to(tl.float32), x_weight_ptr, cols, mask, num_cols, eps, offset)
-        x = x.to(x_ptr.dtype.element_ty)
+        x = _scaled_rms_norm(x.to(tl.float32), x_scale, num_cols, eps).to(x_ptr.dtype.element_ty)
     if ADD_RESIDUAL:
-        residual_row = residual_ptr + row * residual_row_stride + cols
-        summed = x.to(tl.float32) + tl.load(residual_row, mask=mask, other=0.0).to(tl.float32)
         # Round the sum to the residual's dtype before normalising, as the unfused model does.
-        x = summed.to(residual_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + residual).to(residual_ptr.dtype.element_ty)
         tl.store(residual_row, x, mask=mask)
-    normed = _scaled_rms_norm(x.to(tl.float32), weight_ptr, cols, mask, num_cols, eps, offset)
+    normed = _scaled_rms_norm(x.to(tl.float32), scale, num_cols, eps)
     tl.store(out_ptr + row * out_row_stride + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
 from infer.kernels.pdl import await_inputs, launch_options
-from infer.kernels.store_kv import KVStore, _store_v, check_store, store_args, store_kv_ref
+from infer.kernels.store_kv import KVStore, _cache_row, _store_v, check_store, store_args, store_kv_ref
 
 # Most elements of one head-block tile (heads x head_dim // 2) a program holds at once; more heads
 # are walked in a loop, so any head count fits without register spills.
@@ -119,27 +119,33 @@ def _rope_kernel(
     BLOCK_HALF: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     batch = token // seq_len
     step = token % seq_len
-    if HAS_POSITIONS:  # noqa: SIM108 (a constexpr branch reads clearer to Triton readers than a ternary)
-        position = tl.load(positions_ptr + token).to(tl.int64)
-    else:
-        position = token  # per-token tables: row i belongs to token i
     dims = tl.arange(0, BLOCK_HALF)
     dim_mask = dims < half_dim
-    cos, sin = _table_rows(
-        cos_ptr, sin_ptr, table_row_stride, position, num_positions, dims, dim_mask, poison
-    )
+    # Under PDL, what no kernel of a step writes is read before the wait: the token's position,
+    # its row of the (2D, built once) tables and its cache slot. The heads come after it.
+    if HAS_POSITIONS:
+        position = tl.load(positions_ptr + token).to(tl.int64)
+        cos, sin = _table_rows(
+            cos_ptr, sin_ptr, table_row_stride, position, num_positions, dims, dim_mask, poison
+        )
+    cache_row = _cache_row(slot_ptr, token, num_kv_heads, half_dim, STORE_KV)
+    await_inputs(PDL)
+    if not HAS_POSITIONS:
+        # Per-token tables (row i belongs to token i) are made per call, maybe by the kernel before.
+        cos, sin = _table_rows(
+            cos_ptr, sin_ptr, table_row_stride, token, num_positions, dims, dim_mask, poison
+        )
     if tl.program_id(1) == 0:
         q_at = q_ptr + batch * q_stride_batch + step * q_stride_token
         _rotate_heads(
             q_at, q_stride_head, num_q_heads, half_dim, cos, sin, dims, dim_mask, q_at, BLOCK_HQ, False
         )
     else:
-        cache_row = _store_v(
-            slot_ptr,
+        _store_v(
+            cache_row,
             token,
             v_ptr,
             v_stride_token,

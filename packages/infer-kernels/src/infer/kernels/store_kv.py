@@ -42,8 +42,18 @@ def store_args(store: KVStore | None, k: torch.Tensor) -> tuple:
 
 
 @triton.jit
+def _cache_row(slot_ptr, token, num_kv_heads, half_dim, STORE: tl.constexpr):
+    """With STORE: the offset of the token's slot's row in the (contiguous) caches, where the
+    caller writes the token's v and rotated k. Without: 0, and nothing is read."""
+    cache_row = 0
+    if STORE:
+        cache_row = tl.load(slot_ptr + token).to(tl.int64) * num_kv_heads * 2 * half_dim
+    return cache_row
+
+
+@triton.jit
 def _store_v(
-    slot_ptr,
+    cache_row,
     token,
     v_ptr,
     v_stride_token,
@@ -56,17 +66,13 @@ def _store_v(
     BLOCK_H: tl.constexpr,
     STORE: tl.constexpr,
 ):
-    """With STORE: copy the token's v heads into its slot's row of the (contiguous) v cache and
-    return that row's offset, where the caller writes the rotated k in the k cache. Without: 0,
-    and nothing is read or written."""
-    cache_row = 0
+    """With STORE: copy the token's v heads into the v cache's row at `cache_row`
+    (`_cache_row`). Without: nothing."""
     if STORE:
-        cache_row = tl.load(slot_ptr + token).to(tl.int64) * num_kv_heads * 2 * half_dim
         v_at = v_ptr + token * v_stride_token
         _copy_heads(
             v_at, v_stride_head, num_kv_heads, v_cache_ptr + cache_row, half_dim, dims, dim_mask, BLOCK_H
         )
-    return cache_row
 
 
 @triton.jit
