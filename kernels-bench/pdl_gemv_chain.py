@@ -20,8 +20,8 @@ graph:
 The answer on an H100 (2026-11-26): in this chain, 3131 µs plain, 3020 with PDL and 2890 with the
 early tile. In the model, where the kernels between the GEMVs did not take part, both lost;
 docs/benchmarks/quantization.md has the numbers. Every kernel of infer.kernels now takes part
-(`infer.kernels.pdl`, `EngineConfig.use_pdl`), waiting before its first read: the early tile was
-not tried again.
+(`infer.kernels.pdl`, `EngineConfig.use_pdl`), releasing the next kernel first as here, and the
+GEMV loads its first tile before its wait (docs/benchmarks/generation.md).
 
 Needs a CUDA GPU of compute capability 9.0 or more.
 
