@@ -150,11 +150,13 @@ def report(
         for name, (calls, us, exposed) in sorted(per_name.items(), key=lambda item: -item[1][2]):
             times = f"{us:.1f} | {us / calls:.2f} | {exposed:.1f} | {exposed / calls:.2f}"
             print(f"| {name[:70]} | {calls:.0f} | {times} |")
-        # One layer in the middle of a step, kernel by kernel: where each starts and ends
-        # against the step's start, and what it adds to the critical path.
+        # About one layer in the middle of a step (the step's kernels over its layers, from the
+        # middle one's share on; the embedding's kernels come first, so the slice is shifted by a
+        # few), kernel by kernel: where each starts and ends against the step's start, and what
+        # it adds to the critical path.
         step, _ = steps[len(steps) // 2]
-        per_layer = len(step) // num_layers_of(core)
-        middle = (num_layers_of(core) // 2) * per_layer
+        per_layer = len(step) // model.config.num_layers
+        middle = (model.config.num_layers // 2) * per_layer
         origin = step[0]["start"]
         print("\n| kernel (a middle layer) | start us | end us | exposed us |\n|---|---:|---:|---:|")
         exposed = exposed_times(step)
@@ -189,10 +191,6 @@ def report(
         nbytes = weight.numel() * weight.element_size()
         print(f"| {name} | {list(weight.shape)} | {us:.1f} | {100 * nbytes / (us * 1e-6) / bandwidth:.0f} |")
     engine.shutdown()
-
-
-def num_layers_of(core) -> int:
-    return core.loaded.model.config.num_layers
 
 
 def main() -> None:
