@@ -21,7 +21,7 @@ import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
 from infer.kernels.pdl import await_inputs, launch_options
-from infer.kernels.rms_norm import rms_norm_ref
+from infer.kernels.rms_norm import _norm_scale, rms_norm_ref
 from infer.kernels.rope import _head_tiles, _store_rotated, _table_rows, rope_ref
 from infer.kernels.store_kv import KVStore, _cache_row, _store_v, check_store, store_args
 
@@ -129,9 +129,8 @@ def _qk_norm_rope_kernel(
 @triton.jit
 def _head_scales(weight_ptr, half_dim, offset, dims, dim_mask):
     """The norm's scale (offset + weight) over a head's two halves, in fp32."""
-    scale1 = offset + tl.load(weight_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    scale2 = offset + tl.load(weight_ptr + half_dim + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    return scale1, scale2
+    first = _norm_scale(weight_ptr, dims, dim_mask, offset)
+    return first, _norm_scale(weight_ptr + half_dim, dims, dim_mask, offset)
 
 
 @triton.jit

@@ -37,6 +37,7 @@ def _scaled_rms_norm(xf, scale, num_cols, eps):
 
 @triton.jit
 def _norm_scale(weight_ptr, cols, mask, offset):
+    """The scale a norm applies at `cols` (offset + weight), in fp32."""
     return offset + tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
 
 
