@@ -6,7 +6,11 @@ CUDA graph, as a model's layers run (`streamed_us`); the best six are timed agai
 programmatic dependent launch. `_dense_gemv_config` encodes what this found
 (docs/benchmarks/generation.md has the table). Needs a CUDA GPU.
 
-    python kernels-bench/sweep_dense_gemv.py [--lm-heads]
+    python kernels-bench/sweep_dense_gemv.py [--lm-heads | --focused]
+
+`--focused` times a short list of tiles (`FOCUSED`: two-row tiles, 2048 columns, software
+pipelining, K splits) on the shapes where `_dense_gemv_config` departs from 4 x 1024, each
+plain and under PDL, and prints the eight fastest under PDL.
 """
 
 import argparse
@@ -14,10 +18,11 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+import triton
 from sweep_quantized_gemv import streamed_us
 
 from infer.kernels.pdl import programmatic_launch
-from infer.kernels.quantized_linear import _launch
+from infer.kernels.quantized_linear import _dense_gemv_config, _launch
 
 PROJECTIONS = {
     "gemma qkv": (1536, 1152),
@@ -33,6 +38,15 @@ PROJECTIONS = {
     "qwen down": (2048, 6144),
 }
 LM_HEADS = {"gemma lm_head": (262144, 1152), "llama lm_head": (128256, 2048), "qwen lm_head": (151936, 2048)}
+# (rows, columns, warps, stages, K splits) for --focused.
+FOCUSED = [
+    (4, 1024, 8, 1, 1), (4, 1024, 8, 2, 1), (4, 1024, 8, 3, 1), (2, 1024, 4, 1, 1), (2, 1024, 4, 3, 1),
+    (2, 2048, 8, 1, 1), (4, 2048, 8, 1, 1), (8, 1024, 8, 1, 1), (8, 512, 4, 1, 1), (8, 512, 4, 3, 1),
+    (4, 512, 4, 1, 1), (4, 512, 4, 3, 1), (2, 512, 2, 1, 1), (1, 1024, 4, 1, 1), (1, 2048, 8, 1, 1),
+    (16, 256, 4, 1, 1), (16, 256, 4, 3, 1), (4, 1024, 8, 1, 2), (8, 1024, 8, 1, 2), (8, 256, 2, 1, 1),
+    (8, 256, 2, 3, 1), (16, 512, 8, 1, 1), (32, 256, 8, 1, 1),
+]  # fmt: skip
+FOCUSED_SHAPES = ("gemma down", "qwen down", "llama down", "gemma o", "gemma qkv")
 STREAMED_BYTES = 200e6  # weight copies per measurement: four times an H100's 50 MB L2
 COPY_BANDWIDTH = 3.0e12  # for the "ideal" column: an H100's measured device-to-device copy
 
@@ -82,6 +96,32 @@ def sweep_shape(n: int, k: int, configs: list[tuple[dict, int]]) -> None:
     )
 
 
+def sweep_focused(label: str, n: int, k: int) -> None:
+    """FOCUSED's tiles on one shape, plain and under PDL; the eight fastest under PDL."""
+    copies = max(4, int(300e6 // (2 * n * k)))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+    def calls(config=None, split=None):
+        return [lambda w=w: _launch(x, w, None, None, None, config=config, split_k=split) for w in weights]
+
+    rows = []
+    for bn, bk, warps, stages, split in FOCUSED:
+        if label.endswith("lm_head") and bn < 8:
+            continue  # 2^17-2^18 rows need 8 a tile (a grid dimension holds 65535 programs)
+        bk = min(bk, triton.next_power_of_2(k))
+        config = dict(BLOCK_N=bn, BLOCK_K=bk, UNROLL=1, num_warps=warps, num_stages=stages)
+        plain = streamed_us(calls(config, split))
+        with programmatic_launch():
+            pdl = streamed_us(calls(config, split))
+        rows.append((pdl, plain, f"{bn}x{bk}, {warps} warps, {stages} stages, split {split}"))
+    with programmatic_launch():
+        default = streamed_us(calls())
+    print(f"\n{label} {n}x{k}: {_dense_gemv_config(n, k)} under PDL {default:.2f} us")
+    for pdl, plain, name in sorted(rows)[:8]:
+        print(f"  {name}: {pdl:.2f} us under PDL, {plain:.2f} plain")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -89,8 +129,19 @@ def main() -> None:
     parser.add_argument(
         "--lm-heads", action="store_true", help="the three LM heads instead of the projections"
     )
+    parser.add_argument(
+        "--focused", action="store_true", help="FOCUSED's tiles on FOCUSED_SHAPES and gemma's LM head"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.focused:
+        shapes = {name: PROJECTIONS[name] for name in FOCUSED_SHAPES} | {
+            "gemma lm_head": LM_HEADS["gemma lm_head"]
+        }
+        for label, (n, k) in shapes.items():
+            sweep_focused(label, n, k)
+            torch.cuda.empty_cache()
+        return
     shapes = LM_HEADS if args.lm_heads else PROJECTIONS
     configs = configurations(args.lm_heads)
     for label, (n, k) in shapes.items():

@@ -61,7 +61,9 @@ _MIN_DOT = 16
 # batches; more make the partial results (fp32, per query head) a larger share of the traffic.
 _MIN_SPLIT_KEYS = 256
 _TARGET_DECODE_PROGRAMS = 4096
-# Keys per loop step of the decode kernel (halved for head_dim > 128 to bound registers).
+# Keys per loop step of the decode kernel, halved for head_dim > 64 to bound registers: at 64
+# keys of 128 dims (Qwen 3's heads) the split spilled 1312 bytes a thread (ptxas, sm_90), and 32
+# keys decoded qwen3-1.7b's shapes 3% faster on an H200 (docs/benchmarks/generation.md).
 _DECODE_BLOCK_N = 64
 _DECODE_WARPS = 4
 _DECODE_STAGES = 2
@@ -458,7 +460,7 @@ def _launch(
     )
     seq_lens = seq_lens.contiguous()
     if num_decode_rows:
-        block_n = _DECODE_BLOCK_N if dim_pad <= 128 else _DECODE_BLOCK_N // 2
+        block_n = _DECODE_BLOCK_N if dim_pad <= 64 else _DECODE_BLOCK_N // 2
         num_splits = decode_num_splits(num_decode_rows, num_kv_heads, max_seq_len)
         parts = num_decode_rows * num_q_heads * num_splits if num_splits > 1 else 1
         part_max = torch.empty(parts, dtype=torch.float32, device=q.device)

@@ -539,12 +539,24 @@ def _gemv_config(M: int, N: int, K: int, k_cap: int, scale_rows: int) -> dict:
 
 
 def _dense_gemv_config(N: int, K: int) -> dict:
-    """From a sweep on an H100 (the bf16 projections of Llama-3.2-1B, Qwen3-1.7B and Gemma-3-1B,
-    M = 1, streamed from a CUDA graph over distinct weights): 4 rows x 1024 columns with 8 warps,
-    unsplit, for all but the wide gate|up projections, which took 8 x 256 tiles with 2 warps (the
-    best tile there varied from shape to shape within 3%)."""
+    """From sweeps of the bf16 projections of Llama-3.2-1B, Qwen3-1.7B and Gemma-3-1B (M = 1,
+    streamed from a CUDA graph over distinct weights; docs/benchmarks/generation.md):
+    - wide gate|up projections: 8 rows x 256 columns with 2 warps (H100; the best tile there
+      varied from shape to shape within 3%);
+    - K <= 2048 (q|k|v, o): 4 rows and all of K in one tile, 8 warps. The GEMV loads its first
+      tile before its PDL wait, so the whole weight's load then overlaps the kernels before;
+      gemma's q|k|v (K = 1152) took 1.95 µs under PDL on an H200 against 2.55 for two
+      1024-column tiles;
+    - deeper rows (down_proj): 4 x 1024 with 8 warps, unless that leaves fewer than 512 tiles
+      (4 a SM): then 2 x 2048, the same bytes a tile over twice the programs (gemma's down,
+      1152 rows: 5.95 µs against 6.65 on an H200; Qwen's and Llama's 2048 rows: 4 x 1024 was
+      the fastest)."""
     if N >= 8192:
         block_n, block_k, num_warps = 8, 256, 2
+    elif K <= 2048:
+        block_n, block_k, num_warps = 4, 2048, 8
+    elif triton.cdiv(N, 4) < 512:
+        block_n, block_k, num_warps = 2, 2048, 8
     else:
         block_n, block_k, num_warps = 4, 1024, 8
     # A grid's second dimension holds at most 65535 programs (an LM head of 2^19 rows would
