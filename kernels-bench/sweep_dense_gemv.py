@@ -10,7 +10,8 @@ programmatic dependent launch. `_dense_gemv_config` encodes what this found
 
 `--focused` times a short list of tiles (`FOCUSED`: two-row tiles, 2048 columns, software
 pipelining, K splits) on the shapes where `_dense_gemv_config` departs from 4 x 1024, each
-plain and under PDL, and prints the eight fastest under PDL.
+plain and under PDL, and prints the eight fastest under PDL; then the gate|up projections as
+`gated_gemv` runs them (GeLU, unsplit) under `FOCUSED_GATED`'s tiles.
 """
 
 import argparse
@@ -47,6 +48,14 @@ FOCUSED = [
     (8, 256, 2, 3, 1), (16, 512, 8, 1, 1), (32, 256, 8, 1, 1),
 ]  # fmt: skip
 FOCUSED_SHAPES = ("gemma down", "qwen down", "llama down", "gemma o", "gemma qkv")
+# The gated GEMV's tiles: 8 x 256 with 2 warps (as shipped) needs 255 registers a thread and
+# spills 72 bytes (ptxas, sm_90, Triton 3.9.0); 4 warps or 128 columns need 158 and no spill.
+FOCUSED_GATED = [
+    (8, 256, 2, 1, 1), (8, 256, 4, 1, 1), (8, 128, 2, 1, 1), (4, 256, 2, 1, 1), (4, 512, 4, 1, 1),
+    (8, 512, 4, 1, 1), (16, 256, 4, 1, 1), (16, 256, 8, 1, 1), (4, 1024, 8, 1, 1), (8, 1024, 8, 1, 1),
+    (2, 2048, 8, 1, 1), (4, 2048, 8, 1, 1), (8, 256, 4, 3, 1), (8, 128, 2, 3, 1),
+]  # fmt: skip
+FOCUSED_GATED_SHAPES = ("gemma gate_up", "qwen gate_up", "llama gate_up")
 STREAMED_BYTES = 200e6  # weight copies per measurement: four times an H100's 50 MB L2
 COPY_BANDWIDTH = 3.0e12  # for the "ideal" column: an H100's measured device-to-device copy
 
@@ -96,17 +105,21 @@ def sweep_shape(n: int, k: int, configs: list[tuple[dict, int]]) -> None:
     )
 
 
-def sweep_focused(label: str, n: int, k: int) -> None:
-    """FOCUSED's tiles on one shape, plain and under PDL; the eight fastest under PDL."""
+def sweep_focused(label: str, n: int, k: int, activation: str | None = None) -> None:
+    """FOCUSED's tiles on one shape (FOCUSED_GATED's for a gate|up weight through the gated GEMV
+    with `activation`), plain and under PDL; the eight fastest under PDL."""
     copies = max(4, int(300e6 // (2 * n * k)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
 
     def calls(config=None, split=None):
-        return [lambda w=w: _launch(x, w, None, None, None, config=config, split_k=split) for w in weights]
+        return [
+            lambda w=w: _launch(x, w, None, None, None, config=config, split_k=split, activation=activation)
+            for w in weights
+        ]
 
     rows = []
-    for bn, bk, warps, stages, split in FOCUSED:
+    for bn, bk, warps, stages, split in FOCUSED_GATED if activation else FOCUSED:
         if label.endswith("lm_head") and bn < 8:
             continue  # 2^17-2^18 rows need 8 a tile (a grid dimension holds 65535 programs)
         bk = min(bk, triton.next_power_of_2(k))
@@ -140,6 +153,9 @@ def main() -> None:
         }
         for label, (n, k) in shapes.items():
             sweep_focused(label, n, k)
+            torch.cuda.empty_cache()
+        for label in FOCUSED_GATED_SHAPES:
+            sweep_focused(label, *PROJECTIONS[label], activation="gelu_tanh")
             torch.cuda.empty_cache()
         return
     shapes = LM_HEADS if args.lm_heads else PROJECTIONS
