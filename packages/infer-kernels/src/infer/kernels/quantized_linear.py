@@ -548,7 +548,7 @@ def _dense_gemv_config(N: int, K: int) -> dict:
       gemma's q|k|v (K = 1152) took 1.95 µs under PDL on an H200 against 2.55 for two
       1024-column tiles;
     - deeper rows (down_proj): 4 x 1024 with 8 warps, unless that leaves fewer than 512 tiles
-      (4 a SM): then 2 x 2048, the same bytes a tile over twice the programs (gemma's down,
+      (about 4 an SM): then 2 x 2048, the same bytes a tile over twice the programs (gemma's down,
       1152 rows: 5.95 µs against 6.65 on an H200; Qwen's and Llama's 2048 rows: 4 x 1024 was
       the fastest)."""
     if N >= 8192:
