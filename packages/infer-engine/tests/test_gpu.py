@@ -78,10 +78,7 @@ def real_shape(request, tmp_path_factory):
 @pytest.mark.parametrize("config_name", CONFIGS)
 def test_engine_greedy_equals_recompute_in_bf16_up_to_a_near_tie(real_shape, config_name):
     preset, loaded, prompts, params, expected = real_shape
-    config = EngineConfig(
-        device="cuda", dtype="bfloat16", max_batch_size=4, max_seq_len=1024, **CONFIGS[config_name]
-    )
-    engine = Engine(config, loaded_model=loaded)
+    engine = real_shape_engine(loaded, **CONFIGS[config_name])
     tokens = run_together(engine, prompts, params)
     if config_name.startswith("preempted"):
         assert engine.stats().num_preempted > 0
@@ -95,18 +92,17 @@ def test_batch_1_decode_with_pdl_and_the_triton_gemv_equals_recompute_up_to_a_ne
     decode attention reads all but this token's key before waiting for the kernel before) and
     the ones the Triton GEMV serves, replayed from a CUDA graph."""
     preset, loaded, prompts, params, expected = real_shape
-    config = EngineConfig(
-        device="cuda",
-        dtype="bfloat16",
-        max_batch_size=4,
-        max_seq_len=1024,
-        **CONFIGS["graphs-async-pdl-gemv"],
-    )
-    engine = Engine(config, loaded_model=loaded)
+    engine = real_shape_engine(loaded, **CONFIGS["graphs-async-pdl-gemv"])
     for prompt, oracle_tokens in zip(prompts, expected, strict=True):
         (ours,) = run_together(engine, [prompt], params)
         assert_equal_up_to_a_near_tie(loaded.model, prompt, ours, oracle_tokens, f"{preset}/batch-1")
     assert engine.core.runner.graphs.num_replays["decode"] > 0
+
+
+def real_shape_engine(loaded, **settings) -> Engine:
+    """An engine over a real shape's loaded model: bf16 on CUDA, up to 4 rows of 1024 tokens."""
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_batch_size=4, max_seq_len=1024, **settings)
+    return Engine(config, loaded_model=loaded)
 
 
 def run_together(engine: Engine, prompts, params) -> list[list[int]]:
@@ -131,8 +127,7 @@ def test_prefix_cache_hits_give_the_recompute_tokens_in_bf16_up_to_a_near_tie(re
     settings = dict(use_chunked_prefill=True, prefill_chunk_size=64, use_prefix_caching=True)
     if graphs_async:
         settings |= dict(use_cuda_graphs=True, async_scheduling=True)
-    config = EngineConfig(device="cuda", dtype="bfloat16", max_batch_size=4, max_seq_len=1024, **settings)
-    engine = Engine(config, loaded_model=loaded)
+    engine = real_shape_engine(loaded, **settings)
     first_wave = run_together(engine, prompts, params)
     vocab = loaded.config.vocab_size
     follow_ups = [
