@@ -57,6 +57,7 @@ FOCUSED_GATED = [
 ]  # fmt: skip
 FOCUSED_GATED_SHAPES = ("gemma gate_up", "qwen gate_up", "llama gate_up")
 STREAMED_BYTES = 200e6  # weight copies per measurement: four times an H100's 50 MB L2
+FOCUSED_STREAMED_BYTES = 300e6  # as --focused measured on the H200 (stop 42)
 COPY_BANDWIDTH = 3.0e12  # for the "ideal" column: an H100's measured device-to-device copy
 
 
@@ -73,14 +74,24 @@ def configurations(lm_heads: bool) -> list[tuple[dict, int]]:
     ]
 
 
-def sweep_shape(n: int, k: int, configs: list[tuple[dict, int]]) -> None:
-    copies = max(4, int(STREAMED_BYTES // (2 * n * k)))
+def streamed_gemv(n: int, k: int, streamed_bytes: float, activation: str | None = None):
+    """(x, the weight copies, `calls`): `calls(config, split)` lists one GEMV (the gated one with
+    `activation`) of x by each of at least four `[n, k]` bf16 copies, `streamed_bytes` in all."""
+    copies = max(4, int(streamed_bytes // (2 * n * k)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
 
     def calls(config=None, split=None):
-        return [lambda w=w: _launch(x, w, None, None, None, config=config, split_k=split) for w in weights]
+        return [
+            lambda w=w: _launch(x, w, None, None, None, config=config, split_k=split, activation=activation)
+            for w in weights
+        ]
 
+    return x, weights, calls
+
+
+def sweep_shape(n: int, k: int, configs: list[tuple[dict, int]]) -> None:
+    x, weights, calls = streamed_gemv(n, k, STREAMED_BYTES)
     cublas = streamed_us([lambda w=w: F.linear(x, w) for w in weights])
     default = streamed_us(calls())
     rows = sorted(
@@ -108,16 +119,7 @@ def sweep_shape(n: int, k: int, configs: list[tuple[dict, int]]) -> None:
 def sweep_focused(label: str, n: int, k: int, activation: str | None = None) -> None:
     """FOCUSED's tiles on one shape (FOCUSED_GATED's for a gate|up weight through the gated GEMV
     with `activation`), plain and under PDL; the eight fastest under PDL."""
-    copies = max(4, int(300e6 // (2 * n * k)))
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-
-    def calls(config=None, split=None):
-        return [
-            lambda w=w: _launch(x, w, None, None, None, config=config, split_k=split, activation=activation)
-            for w in weights
-        ]
-
+    _, _, calls = streamed_gemv(n, k, FOCUSED_STREAMED_BYTES, activation)
     rows = []
     for bn, bk, warps, stages, split in FOCUSED_GATED if activation else FOCUSED:
         if label.endswith("lm_head") and bn < 8:
