@@ -163,3 +163,47 @@ def test_an_int8_gated_mlp_takes_the_quantized_gated_gemv(method, block_size):
     for context in (contextlib.nullcontext(), triton_gemv()):
         with context:
             assert cuda_kernels(lambda: mlp(one)) == ["_gemv_kernel", "_gemv_kernel"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sandwich", [False, True], ids=["add-norm", "norm-add-norm"])
+def test_a_pre_norm_projection_of_one_row_takes_the_normed_gemv_inside_triton_gemv(sandwich):
+    """`RMSNorm.project` of one CUDA row inside `triton_gemv()`: one `_normed_gemv_kernel`,
+    `normed_gemv`'s output and new residual, the residual passed in left as it is. Outside it,
+    and for two rows: the norm's kernel (the residual updated in place), then the projection."""
+    from infer.kernels import add_rms_norm, normed_gemv, rms_norm_add_rms_norm
+    from infer.models.common import RMSNorm
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    hidden, offset = 1152, (1.0 if sandwich else 0.0)
+    norm, x_norm = (RMSNorm(hidden, 1e-6, offset=offset).to("cuda", torch.bfloat16) for _ in range(2))
+    proj = Linear(hidden, 1536).to("cuda", torch.bfloat16)
+    for param in (norm.weight, x_norm.weight, proj.weight):
+        param.data = torch.randn(param.shape, generator=gen, device="cuda", dtype=torch.bfloat16) / 8
+    extra = dict(x_norm=x_norm) if sandwich else {}
+    for rows in (1, 2):
+        x, residual = torch.randn(2, rows, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
+        if sandwich:
+            normed, expected_residual = rms_norm_add_rms_norm(
+                x, residual.clone(), x_norm.weight, norm.weight, 1e-6, offset=offset
+            )
+        else:
+            normed, expected_residual = add_rms_norm(x, residual.clone(), norm.weight, 1e-6, offset=offset)
+        unfused = proj(normed)
+        if rows == 1:
+            kept, spare = residual.clone(), residual.clone()
+            with triton_gemv():
+                kernels = cuda_kernels(lambda x=x, spare=spare: norm.project(x, spare, proj, **extra))
+                out, new_residual = norm.project(x, residual, proj, **extra)
+            assert kernels == ["_normed_gemv_kernel"]
+            assert torch.equal(residual, kept)
+            weights = (norm.weight, proj.weight)
+            x_weight = x_norm.weight if sandwich else None
+            expected = normed_gemv(x, residual, *weights, 1e-6, offset=offset, x_norm_weight=x_weight)
+            assert torch.equal(out, expected[0]) and torch.equal(new_residual, expected[1])
+            # The unfused pair's result, up to the norm's reduction order (test_normed_gemv).
+            torch.testing.assert_close(out, unfused, atol=0.05, rtol=0.02)
+        with triton_gemv() if rows == 2 else contextlib.nullcontext():
+            out, new_residual = norm.project(x, residual, proj, **extra)
+        assert torch.equal(out, unfused) and new_residual is residual
+        assert torch.equal(residual, expected_residual)

@@ -24,6 +24,7 @@ from infer.kernels.int8_linear_cpu import (
     int8_linear_cpu_supports,
 )
 from infer.kernels.native_cpu import native_cpu_kernels, native_cpu_kernels_available
+from infer.kernels.normed_gemv import normed_gemv, normed_gemv_ref
 from infer.kernels.paged_attention import (
     extend_tile_size,
     paged_attention,
@@ -90,6 +91,8 @@ __all__ = [
     "int8_linear_cpu_supports",
     "native_cpu_kernels",
     "native_cpu_kernels_available",
+    "normed_gemv",
+    "normed_gemv_ref",
     "paged_attention",
     "paged_attention_cpu",
     "paged_attention_ref",

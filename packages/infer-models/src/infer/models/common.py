@@ -6,7 +6,8 @@ Residual stream: blocks pass `(hidden, residual)` and the next norm adds the two
 hand on hidden before their post-feedforward norm, `output_norm`, which the next block applies
 fused with its own: `output_norm(hidden) + residual`). Norms update
 `residual` in place; a block called with `residual=None` takes its input as the residual and
-updates that tensor.
+updates that tensor. A norm in the q|k|v projection's kernel (`RMSNorm.project`, batch-1 decode
+on the Triton GEMV) returns a new residual instead: the block hands on whichever it got.
 """
 
 import weakref
@@ -19,6 +20,7 @@ from infer.kernels import (
     KVStore,
     add_rms_norm,
     gelu_tanh_and_mul,
+    normed_gemv,
     qk_norm_rope,
     rms_norm,
     rms_norm_add_rms_norm,
@@ -66,12 +68,34 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`residual += self(x)` in place, then `next_norm` of the new residual, in one fused op
         (a sandwich norm's output joining the residual stream); returns (normed, residual)."""
+        self._check_pair(next_norm)
+        return rms_norm_add_rms_norm(x, residual, self.weight, next_norm.weight, self.eps, offset=self.offset)
+
+    def project(
+        self, x: torch.Tensor, residual: torch.Tensor, proj: Linear, *, x_norm: "RMSNorm | None" = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`proj(self(x + residual))`, the new residual); with `x_norm`, of `x_norm(x) +
+        residual` (a sandwich norm joining the residual first). Where `proj` takes the normed
+        GEMV (`Linear.takes_normed_gemv`: batch-1 decode on the Triton GEMV) it is one kernel
+        and the residual a new tensor; otherwise the norm's kernel, in place, and `proj`."""
+        if x_norm is not None:
+            x_norm._check_pair(self)
+        if proj.takes_normed_gemv(x):
+            x_weight = x_norm.weight if x_norm is not None else None
+            weights = (self.weight, proj.weight)
+            return normed_gemv(x, residual, *weights, self.eps, offset=self.offset, x_norm_weight=x_weight)
+        if x_norm is not None:
+            normed, residual = x_norm.then_add_and_norm(x, residual, self)
+        else:
+            normed, residual = self(x, residual)
+        return proj(normed), residual
+
+    def _check_pair(self, next_norm: "RMSNorm") -> None:
         if (next_norm.eps, next_norm.offset) != (self.eps, self.offset):
             raise ValueError(
                 f"a fused pair of norms shares eps and offset, got ({self.eps}, {self.offset}) and "
                 f"({next_norm.eps}, {next_norm.offset}); call the two norms one after the other"
             )
-        return rms_norm_add_rms_norm(x, residual, self.weight, next_norm.weight, self.eps, offset=self.offset)
 
 
 class RotaryEmbedding:
@@ -166,8 +190,12 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        return self.attend(self.qkv_proj(x), batch)
+
+    def attend(self, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Attention from the q|k|v projection's output on: QK norm, rotation, cache, o_proj."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)

@@ -41,12 +41,14 @@ class Gemma3DecoderLayer(nn.Module):
         applied to `hidden`."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
-        elif pending_norm is not None:
-            # The block before's post-norm, the add and this block's input norm: one kernel.
-            hidden, residual = pending_norm.then_add_and_norm(hidden, residual, self.input_layernorm)
+            qkv = self.self_attn.qkv_proj(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, batch)
+            # The block before's post-norm, the add and this block's input norm: one kernel, and
+            # at batch-1 decode on the Triton GEMV the q|k|v projection's too.
+            qkv, residual = self.input_layernorm.project(
+                hidden, residual, self.self_attn.qkv_proj, x_norm=pending_norm
+            )
+        hidden = self.self_attn.attend(qkv, batch)
         # Attention's post-norm, the add and the MLP's pre-norm: one kernel, not two.
         hidden, residual = self.post_attention_layernorm.then_add_and_norm(
             hidden, residual, self.pre_feedforward_layernorm

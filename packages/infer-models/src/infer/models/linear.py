@@ -20,6 +20,8 @@ inputs (batch-1 decode) to infer.kernels' Triton GEMV instead of cuBLAS: faster 
 models' widths, and a kernel that programmatic dependent launch overlaps with its neighbours.
 A gated MLP's gate/up projection then takes `gated_gemv`, its activation in the same kernel;
 an int8 one always does (`quantized_gated_gemv`), its one-row product being that GEMV anyway.
+A projection after a pre-norm of a row of at most 2048 values takes `normed_gemv`, the norm in
+the same kernel (`RMSNorm.project`).
 
 On a CPU, per-channel int8 weights run `int8_linear_cpu`: a few rows through infer.kernels' AVX2
 kernel where `native_cpu_kernels()` allows it (EngineConfig.use_native_cpu_kernels).
@@ -40,6 +42,7 @@ from infer.kernels import (
     quantized_gated_gemv,
     quantized_linear,
 )
+from infer.kernels.normed_gemv import MAX_K as NORMED_GEMV_MAX_K
 from infer.models.quantization import Quantization, scale_shape
 
 # At most this many rows take the split path: measured on the 2-core CI machine, the batched
@@ -142,6 +145,11 @@ class Linear(nn.Module):
         if self.weight_scale is None:
             return self.takes_triton_gemv(x)
         return self.weight.dtype == torch.int8 and self._one_cuda_row(x)
+
+    def takes_normed_gemv(self, x: torch.Tensor) -> bool:
+        """Whether a norm of `x` and this projection of it run as one kernel (`normed_gemv`): on
+        the Triton GEMV, with no bias, for a row that one weight tile spans."""
+        return self.bias is None and self.in_features <= NORMED_GEMV_MAX_K and self.takes_triton_gemv(x)
 
     def gated_gemv(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """`act(gate) * up` of this gate/up projection of one row, where `takes_gated_gemv(x)`."""

@@ -23,9 +23,10 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
+            qkv = self.self_attn.qkv_proj(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, batch)
+            qkv, residual = self.input_layernorm.project(hidden, residual, self.self_attn.qkv_proj)
+        hidden = self.self_attn.attend(qkv, batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

@@ -1,0 +1,132 @@
+"""normed_gemv (a pre-norm block's norm, with the residual add, and the projection after it, in
+one kernel) against normed_gemv_ref: the norm kernels' references, then gemv_ref.
+
+Tolerance. The kernel normalises the row with its own reduction, whose order differs from the
+reference's: the inverse RMS may differ in its last fp32 bit, and then a normalised value may
+round to the neighbouring value of x's dtype (one unit in the last place, `eps` relative). Each
+such unit moves the output by at most `eps * |w_i| * |normed_i|`; the output's own rounding adds
+one unit of it, and fp32 products and sums a few more (as test_gemv's bound). The new residual
+is the rounded sum of x (or its norm) and the residual, within a unit of the reference's (the
+interpreter rounds fp32 to bf16 otherwise than torch does), plus what x's own norm may differ
+by: a unit of a rounding to bf16, or a few in fp32 (1/sqrt against rsqrt, then two products).
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from infer.kernels import normed_gemv, normed_gemv_ref, programmatic_launch
+from infer.kernels.normed_gemv import MAX_K
+
+
+def make(N, K, dtype, device, *, sandwich, seed=0):
+    gen = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(1, K, generator=gen, device=device).to(dtype)
+    residual = (4 * torch.randn(1, K, generator=gen, device=device)).to(dtype)
+    norm_weight = torch.randn(K, generator=gen, device=device).to(dtype)
+    x_norm_weight = torch.randn(K, generator=gen, device=device).to(dtype) if sandwich else None
+    weight = (torch.randn(N, K, generator=gen, device=device) * K**-0.5).to(dtype)
+    return x, residual, norm_weight, weight, x_norm_weight
+
+
+def assert_matches_reference(x, residual, norm_weight, weight, eps, offset, x_norm_weight):
+    before = residual.clone()
+    out, new_residual = normed_gemv(
+        x, residual, norm_weight, weight, eps, offset=offset, x_norm_weight=x_norm_weight
+    )
+    expected, expected_residual = normed_gemv_ref(
+        x, residual, norm_weight, weight, eps, offset=offset, x_norm_weight=x_norm_weight
+    )
+    assert torch.equal(residual, before), "the residual passed in must be left as it is"
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert new_residual.shape == residual.shape and new_residual.dtype == residual.dtype
+    unit = torch.finfo(x.dtype).eps
+    summed = expected_residual.float()
+    # What joined the residual (x, or x's norm) may be off by a unit (a rounding to bf16), or in
+    # fp32 by a few (1/sqrt against rsqrt, then two products): the sum by as much, and a unit.
+    joined = (summed - residual.float()).abs()
+    units = 1 if x_norm_weight is None else 4
+    residual_error = (new_residual.float() - summed).abs()
+    assert (residual_error <= unit * (summed.abs() + units * joined) + 1e-30).all()
+    # Each normalised value may be off by the sum's error and a unit of its own, and the inverse
+    # RMS by about a unit: twice that through the norm, then the fp32 products and sums (as
+    # test_gemv's bound) and the output's own rounding.
+    inv_rms = torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + eps)
+    scale = (offset + norm_weight.float()).abs()
+    normed = summed.abs() * inv_rms * scale
+    perturbed = (summed.abs() + units * joined) * inv_rms * scale
+    K = x.shape[-1]
+    weights = weight.abs().float().T
+    bound = (
+        2 * unit * (perturbed @ weights)
+        + 8 * math.sqrt(K) * 2.0**-24 * (normed @ weights)
+        + unit * expected.float().abs()
+        + 1e-6
+    ).reshape(out.shape)
+    error = (out.float() - expected.float()).abs()
+    assert (error <= bound).all(), f"error {error.max().item():.3g} above its bound"
+
+
+# -- the Triton kernel through the interpreter ---------------------------------------------------
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    N=st.integers(1, 40),
+    K=st.integers(1, MAX_K),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    sandwich=st.booleans(),
+    offset=st.sampled_from([0.0, 1.0]),
+)
+def test_interpreted_matches_reference(triton_on_cpu, N, K, dtype, sandwich, offset):
+    """Any N (partial row tiles) and K up to one tile; with and without x's own norm first."""
+    x, residual, norm_weight, weight, x_norm_weight = make(N, K, dtype, "cpu", sandwich=sandwich)
+    assert_matches_reference(x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight)
+
+
+@pytest.mark.parametrize("sandwich", [False, True], ids=["add-norm", "norm-add-norm"])
+def test_interpreted_model_widths(triton_on_cpu, sandwich):
+    """Gemma-3-1B's (1152, not a power of two) and Llama's and Qwen's (2048) hidden sizes, several
+    row tiles, so that only program 0 writes the residual and every program reads the old one."""
+    for K in (1152, 2048):
+        tensors = make(24, K, torch.bfloat16, "cpu", sandwich=sandwich)
+        x, residual, norm_weight, weight, x_norm_weight = tensors
+        offset = 1.0 if sandwich else 0.0
+        assert_matches_reference(x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight)
+
+
+def test_refuses_rows_wider_than_a_tile_and_mismatched_shapes():
+    x, residual, norm_weight, weight, _ = make(4, MAX_K + 1, torch.float32, "cpu", sandwich=False)
+    with pytest.raises(ValueError, match=f"at most {MAX_K}"):
+        normed_gemv(x, residual, norm_weight, weight, 1e-6)
+    x, residual, norm_weight, weight, _ = make(4, 64, torch.float32, "cpu", sandwich=False)
+    with pytest.raises(ValueError, match="residual must match x"):
+        normed_gemv(x, residual[:, :32], norm_weight, weight, 1e-6)
+    with pytest.raises(ValueError, match="weight must be a contiguous"):
+        normed_gemv(x, residual, norm_weight, weight.T.contiguous(), 1e-6)
+    with pytest.raises(ValueError, match="x_norm_weight must have shape"):
+        normed_gemv(x, residual, norm_weight, weight, 1e-6, x_norm_weight=norm_weight[:10])
+    with pytest.raises(ValueError, match="x must be one row"):
+        normed_gemv(torch.zeros(2, 64), torch.zeros(2, 64), norm_weight, weight, 1e-6)
+
+
+# -- the compiled kernel on a GPU ----------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("sandwich", [False, True], ids=["add-norm", "norm-add-norm"])
+@pytest.mark.parametrize("shape", [(1536, 1152), (3072, 2048), (4096, 2048), (37, 576)])
+def test_cuda_matches_reference(cuda, shape, sandwich, pdl):
+    """The 1-2B models' q|k|v projections (and SmolLM2's width with a partial row tile), bf16."""
+    N, K = shape
+    x, residual, norm_weight, weight, x_norm_weight = make(N, K, torch.bfloat16, cuda, sandwich=sandwich)
+    offset = 1.0 if sandwich else 0.0
+    if pdl:
+        with programmatic_launch():
+            assert_matches_reference(x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight)
+    else:
+        assert_matches_reference(x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight)
