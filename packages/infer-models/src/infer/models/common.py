@@ -78,10 +78,11 @@ class RMSNorm(nn.Module):
         residual` (a sandwich norm joining the residual first). Where `proj` takes the normed
         GEMV (`Linear.takes_normed_gemv`: batch-1 decode on the Triton GEMV) it is one kernel
         and the residual a new tensor; otherwise the norm's kernel, in place, and `proj`."""
-        if x_norm is not None:
-            x_norm._check_pair(self)
         if proj.takes_normed_gemv(x):
-            x_weight = x_norm.weight if x_norm is not None else None
+            x_weight = None
+            if x_norm is not None:
+                x_norm._check_pair(self)  # then_add_and_norm checks it on the other path
+                x_weight = x_norm.weight
             weights = (self.weight, proj.weight)
             return normed_gemv(x, residual, *weights, self.eps, offset=self.offset, x_norm_weight=x_weight)
         if x_norm is not None:
