@@ -21,18 +21,19 @@ SHAPES = {"llama-3.2-1b": (32, 8, 64, None), "qwen3-1.7b": (16, 8, 128, None), "
 BLOCK_SIZE, LAYERS = 16, 8
 # The function shadows its module in infer.kernels' namespace.
 module = importlib.import_module("infer.kernels.paged_attention")
+# At batch 1 every shape's grid is one wave: the split kernel's warps are _ONE_WAVE_DECODE_WARPS.
 DEFAULTS = {
-    "_DECODE_WARPS": module._DECODE_WARPS,
+    "_ONE_WAVE_DECODE_WARPS": module._ONE_WAVE_DECODE_WARPS,
     "_DECODE_STAGES": module._DECODE_STAGES,
     "_DECODE_BLOCK_N": module._DECODE_BLOCK_N,
 }
 VARIANTS = (
     [{}]
     + [
-        {"_DECODE_WARPS": w, "_DECODE_STAGES": s}
+        {"_ONE_WAVE_DECODE_WARPS": w, "_DECODE_STAGES": s}
         for w in (2, 4, 8)
         for s in (1, 2, 3)
-        if (w, s) != (DEFAULTS["_DECODE_WARPS"], DEFAULTS["_DECODE_STAGES"])
+        if (w, s) != (DEFAULTS["_ONE_WAVE_DECODE_WARPS"], DEFAULTS["_DECODE_STAGES"])
     ]
     + [{"_DECODE_BLOCK_N": b} for b in (32, 128)]
     + [{"splits": n} for n in (4, 8, 32)]

@@ -6,11 +6,14 @@ tests run the Triton code itself on a machine without a GPU. `INFER_KERNELS_BACK
 forces the reference everywhere (useful to bisect a numerical difference).
 """
 
+import functools
 import os
 
 import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# SMs assumed where there is no CUDA device (the interpreter): an H100's.
+_DEFAULT_SMS = 132
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -38,3 +41,15 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"tensors must be on one device, got {devices}")
+
+
+def num_sms(device: torch.device) -> int:
+    """The SMs of `device` (a CUDA GPU's, else _DEFAULT_SMS), for grids sized to a wave."""
+    if device.type == "cuda":
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _DEFAULT_SMS
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

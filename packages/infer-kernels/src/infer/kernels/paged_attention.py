@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+from infer.kernels._dispatch import check_dtype, check_same_device, num_sms, use_triton
 from infer.kernels.native_cpu import native_library
 from infer.kernels.pdl import await_inputs, launch_options
 
@@ -66,6 +66,12 @@ _TARGET_DECODE_PROGRAMS = 4096
 # keys decoded qwen3-1.7b's shapes 3% faster on an H200 (docs/benchmarks/generation.md).
 _DECODE_BLOCK_N = 64
 _DECODE_WARPS = 4
+# A decode grid of at most one program an SM (batch 1: 16 programs for Gemma 3's one KV head,
+# 128 for Llama's and Qwen's eight) runs each program alone on its SM, where more warps may
+# shorten its latency. With 8 warps instead of 4, an H200 decoded gemma-3-1b's shapes 1.7% and
+# 1.6% faster in two calls, llama-3.2-1b's +2.0% and -0.8%, qwen3-1.7b's level both times
+# (docs/benchmarks/generation.md, stop 44). Larger grids keep 4 (not measured with 8).
+_ONE_WAVE_DECODE_WARPS = 8
 _DECODE_STAGES = 2
 # Extend (BLOCK_M queries, BLOCK_N keys, warps, stages) for head_dim <= 128, the fastest of a
 # sweep on an H100 (Llama 3.2 1B heads, bf16): about 1.7x the time of torch's flash SDPA on
@@ -462,6 +468,8 @@ def _launch(
     if num_decode_rows:
         block_n = _DECODE_BLOCK_N if dim_pad <= 64 else _DECODE_BLOCK_N // 2
         num_splits = decode_num_splits(num_decode_rows, num_kv_heads, max_seq_len)
+        programs = num_decode_rows * num_kv_heads * num_splits
+        one_wave = programs <= num_sms(q.device)
         parts = num_decode_rows * num_q_heads * num_splits if num_splits > 1 else 1
         part_max = torch.empty(parts, dtype=torch.float32, device=q.device)
         part_sum = torch.empty(parts, dtype=torch.float32, device=q.device)
@@ -484,7 +492,7 @@ def _launch(
             GROUP_PAD=max(_MIN_DOT, triton.next_power_of_2(group)),
             BLOCK_N=block_n,
             SINGLE_SPLIT=num_splits == 1,
-            num_warps=_DECODE_WARPS,
+            num_warps=_ONE_WAVE_DECODE_WARPS if one_wave else _DECODE_WARPS,
             num_stages=_DECODE_STAGES,
             **common,
             **launch_options(q),

@@ -47,7 +47,6 @@ computes bf16 dots wrongly (numpy has no bf16), so interpreted runs take fp32 do
 inputs (`input_precision="ieee"`).
 """
 
-import functools
 import math
 
 import torch
@@ -55,7 +54,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from infer.kernels._dispatch import check_dtype, check_same_device, use_triton
+from infer.kernels._dispatch import check_dtype, check_same_device, num_sms, use_triton
 from infer.kernels.activation import gated_activation, gelu_tanh_and_mul_ref, silu_and_mul_ref
 from infer.kernels.pdl import await_inputs, launch_options
 
@@ -78,8 +77,6 @@ _MAX_SPLIT_K = 8
 _MIN_DOT = 16
 # K-tile cap when the scale is constant along K.
 _UNCAPPED = 1 << 30
-# SMs assumed where there is no CUDA device (the interpreter): an H100's.
-_DEFAULT_SMS = 132
 
 
 @triton.jit
@@ -477,17 +474,6 @@ def _split_k_sum_kernel(
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return _DEFAULT_SMS
-
-
-@functools.cache
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _k_tile_cap(K: int, block_k: int) -> int:
     """The largest K tile that never straddles two scale blocks (a power of two dividing bk)."""
     if block_k >= K:
@@ -669,9 +655,7 @@ def _launch(
         # Decode batches: at most ~4096 columns per program (deep layers such as down_proj).
         min_splits = triton.cdiv(K, 4096) if M <= 64 else 1
     if split_k is None:
-        splits, k_per_split = _split_k(
-            tiles, K, split_unit, _num_sms(x.device), min(min_splits, _MAX_SPLIT_K)
-        )
+        splits, k_per_split = _split_k(tiles, K, split_unit, num_sms(x.device), min(min_splits, _MAX_SPLIT_K))
     else:
         k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
         splits = triton.cdiv(K, k_per_split)
