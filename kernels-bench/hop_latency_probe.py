@@ -14,17 +14,18 @@ value another program wrote in the hop before, and writes one.
   barrier between hops: a release add on a global counter, then acquire loads of it until every
   program has arrived.
 A hop's cost is the difference of two chain lengths over the difference of their hops, so the
-launch of the graph and the counter's reset cancel. Each result is checked against torch.
+launch of the graph and the counter's reset cancel. Each chain is one graph, timed by the median
+of its replays (`streamed_us`); each result is checked against torch.
 
     python kernels-bench/hop_latency_probe.py [--reps 20]
 """
 
 import argparse
-import statistics
 
 import torch
 import triton
 import triton.language as tl
+from sweep_quantized_gemv import streamed_us
 
 from infer.kernels import programmatic_launch
 from infer.kernels.pdl import await_inputs, launch_options
@@ -66,30 +67,6 @@ def expected(start: torch.Tensor, hops: int) -> torch.Tensor:
     return value
 
 
-def replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def captured(body) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    return graph
-
-
 def kernel_chain_us(programs: int, hops: int, pdl: bool, reps: int) -> float:
     start = torch.arange(programs, device="cuda", dtype=torch.int32)
     buffers = [start.clone(), torch.empty_like(start)]
@@ -100,9 +77,8 @@ def kernel_chain_us(programs: int, hops: int, pdl: bool, reps: int) -> float:
             src, dst = buffers[hop % 2], buffers[(hop + 1) % 2]
             _hop_kernel[(programs,)](src, dst, programs, **launch_options(start))
 
-    with programmatic_launch(pdl):
-        graph = captured(body)
-    time = replay_us(graph, reps)
+    with programmatic_launch(pdl):  # around the capture: the graph keeps the launch mode
+        time = streamed_us([body], repeats=reps)
     assert torch.equal(buffers[hops % 2], expected(start, hops)), "the kernel chain computed a wrong value"
     return time
 
@@ -117,8 +93,7 @@ def barrier_chain_us(programs: int, hops: int, reps: int) -> float:
         counter.zero_()
         _barrier_chain_kernel[(programs,)](buffers, counter, programs, hops, num_warps=4)
 
-    graph = captured(body)
-    time = replay_us(graph, reps)
+    time = streamed_us([body], repeats=reps)
     assert torch.equal(buffers[hops % 2], expected(start, hops)), "the barrier chain computed a wrong value"
     return time
 
