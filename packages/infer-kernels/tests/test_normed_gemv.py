@@ -18,7 +18,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from infer.kernels import normed_gemv, normed_gemv_ref, programmatic_launch
+from infer.kernels import (
+    normed_gated_gemv,
+    normed_gated_gemv_ref,
+    normed_gemv,
+    normed_gemv_ref,
+    programmatic_launch,
+)
 from infer.kernels.normed_gemv import MAX_K
 
 
@@ -130,3 +136,98 @@ def test_cuda_matches_reference(cuda, shape, sandwich, pdl):
             assert_matches_reference(x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight)
     else:
         assert_matches_reference(x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight)
+
+
+# -- normed_gated_gemv (experiment, branch attempt/normed-gated-linear) -----------------------
+
+
+def assert_gated_matches_reference(x, residual, norm_weight, weight, eps, offset, x_norm_weight, activation):
+    """The new residual against the norm kernels' references, within the roundings
+    test_normed_gemv allows. The output against RMSNorm's arithmetic done exactly (float64) on
+    that residual h: `act(gate) * up` of `W (h / rms(h) * (offset + norm_weight))`, the kernel's
+    own rounding of the normed row left out, since it has none: it scales fp32 sums by the inverse
+    RMS. Gate and up (row j) are within fp32 sums (as test_gemv's bound) and a unit of their
+    rounding to x's dtype; the activation (slope at most 1.13) and the product pass those on, and
+    the output rounds once more."""
+    before = residual.clone()
+    out, new_residual = normed_gated_gemv(
+        x,
+        residual,
+        norm_weight,
+        weight,
+        eps,
+        activation=activation,
+        offset=offset,
+        x_norm_weight=x_norm_weight,
+    )
+    _, expected_residual = normed_gated_gemv_ref(
+        x,
+        residual,
+        norm_weight,
+        weight,
+        eps,
+        activation=activation,
+        offset=offset,
+        x_norm_weight=x_norm_weight,
+    )
+    assert torch.equal(residual, before), "the residual passed in must be left as it is"
+    assert out.shape == (*x.shape[:-1], weight.shape[0] // 2) and out.dtype == x.dtype
+    unit = torch.finfo(x.dtype).eps
+    summed = expected_residual.float()
+    units = 1 if x_norm_weight is None else 4
+    joined = (summed - residual.float()).abs()
+    assert ((new_residual.float() - summed).abs() <= unit * (summed.abs() + units * joined) + 1e-30).all()
+    h = new_residual.double().reshape(-1)
+    K, N = x.shape[-1], weight.shape[0] // 2
+    normed = h / torch.sqrt((h * h).mean() + eps) * (offset + norm_weight.double())
+    products = normed.abs()[None, :] * weight.abs().double()  # [2N, K]
+    projected = weight.double() @ normed
+    bound = unit * projected.abs() + 8 * math.sqrt(K) * 2.0**-24 * products.sum(dim=1) + 1e-6
+    gate, up = projected[:N], projected[N:]
+    gate_bound, up_bound = bound[:N], bound[N:]
+    if activation == "silu":
+        act = torch.nn.functional.silu(gate)
+    else:
+        act = torch.nn.functional.gelu(gate, approximate="tanh")
+    exact = act * up
+    total = 1.13 * gate_bound * (up.abs() + up_bound) + act.abs() * up_bound + unit * exact.abs() + 1e-6
+    error = (out.double().reshape(-1) - exact).abs()
+    assert (error <= total).all(), f"error {error.max().item():.3g} above its bound"
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    N=st.integers(1, 40),
+    K=st.integers(1, MAX_K),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    sandwich=st.booleans(),
+    activation=st.sampled_from(["silu", "gelu_tanh"]),
+)
+def test_gated_interpreted_matches_reference(triton_on_cpu, N, K, dtype, sandwich, activation):
+    """Any N (so programs of one tile, of several, and partial tiles) and K up to one tile."""
+    x, residual, norm_weight, weight, x_norm_weight = make(2 * N, K, dtype, "cpu", sandwich=sandwich)
+    offset = 1.0 if sandwich else 0.0
+    assert_gated_matches_reference(x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight, activation)
+
+
+def test_gated_interpreted_streams_rows_of_several_k_tiles(triton_on_cpu):
+    """Gemma's hidden size: 1152 columns, 4.5 of the kernel's K tiles, and a partial row tile."""
+    x, residual, norm_weight, weight, x_norm_weight = make(2 * 37, 1152, torch.bfloat16, "cpu", sandwich=True)
+    assert_gated_matches_reference(x, residual, norm_weight, weight, 1e-6, 1.0, x_norm_weight, "gelu_tanh")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize(
+    "shape, sandwich, activation",
+    [((13824, 1152), True, "gelu_tanh"), ((16384, 2048), False, "silu"), ((12288, 2048), False, "silu")],
+    ids=["gemma", "llama", "qwen"],
+)
+def test_gated_cuda_matches_reference(cuda, shape, sandwich, activation, pdl):
+    """The 1-2B models' gate|up projections, bf16."""
+    x, residual, norm_weight, weight, x_norm_weight = make(*shape, torch.bfloat16, cuda, sandwich=sandwich)
+    offset = 1.0 if sandwich else 0.0
+    with programmatic_launch(pdl):
+        assert_gated_matches_reference(
+            x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight, activation
+        )

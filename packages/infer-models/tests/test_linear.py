@@ -207,3 +207,81 @@ def test_a_pre_norm_projection_of_one_row_takes_the_normed_gemv_inside_triton_ge
             out, new_residual = norm.project(x, residual, proj, **extra)
         assert torch.equal(out, unfused) and new_residual is residual
         assert torch.equal(residual, expected_residual)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sandwich", [False, True], ids=["add-norm", "norm-add-norm"])
+@pytest.mark.parametrize("intermediate", [1536, 8192], ids=["one-wave", "two-waves"])
+def test_a_gated_mlp_after_its_norm_takes_the_normed_gated_gemv_where_its_grid_is_one_wave(
+    sandwich, intermediate
+):
+    """`GatedMLP.after_norm` of one CUDA row inside `triton_gemv()`. Where the fused kernel's grid
+    is one wave (1536 gate rows: 192 programs), `_normed_gated_gemv_kernel` then down's GEMV:
+    `normed_gated_gemv`'s hidden and new residual, the residual passed in left as it is, the norm
+    kernel's new residual, and the unfused path's output up to the roundings of the normed row (a
+    few units of bf16 at the output's scale). Where it is not (8192 rows, 1024 programs, more than
+    6 an SM), and for two rows: the norm's kernel (the residual updated in place), then the MLP."""
+    from infer.kernels import (
+        add_rms_norm,
+        normed_gated_gemv,
+        normed_gated_gemv_fills_one_wave,
+        rms_norm_add_rms_norm,
+    )
+    from infer.models.common import RMSNorm
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    hidden, offset = 1152, (1.0 if sandwich else 0.0)
+    activation = "gelu_pytorch_tanh" if sandwich else "silu"
+    config = SimpleNamespace(hidden_activation=activation, hidden_size=hidden, intermediate_size=intermediate)
+    mlp = GatedMLP(config).to("cuda", torch.bfloat16)
+    norm, x_norm = (RMSNorm(hidden, 1e-6, offset=offset).to("cuda", torch.bfloat16) for _ in range(2))
+    for param in (norm.weight, x_norm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight):
+        param.data = torch.randn(param.shape, generator=gen, device="cuda", dtype=torch.bfloat16) / 8
+    extra = dict(x_norm=x_norm) if sandwich else {}
+    one_wave = normed_gated_gemv_fills_one_wave(2 * intermediate, torch.device("cuda"))
+    assert one_wave == (intermediate == 1536), "the H100's and H200's 132 SMs (and any from 32 to 170)"
+    for rows in (1, 2):
+        x, residual = torch.randn(2, rows, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
+        if sandwich:
+            normed, expected_residual = rms_norm_add_rms_norm(
+                x, residual.clone(), x_norm.weight, norm.weight, 1e-6, offset=offset
+            )
+        else:
+            normed, expected_residual = add_rms_norm(x, residual.clone(), norm.weight, 1e-6, offset=offset)
+        if rows == 1 and one_wave:
+            kept, spare = residual.clone(), residual.clone()
+            with triton_gemv():
+                unfused = mlp(normed)
+                kernels = cuda_kernels(lambda x=x, spare=spare: mlp.after_norm(norm, x, spare, **extra))
+                out, new_residual = mlp.after_norm(norm, x, residual, **extra)
+                x_weight = x_norm.weight if sandwich else None
+                fused_hidden, fused_residual = normed_gated_gemv(
+                    x,
+                    residual,
+                    norm.weight,
+                    mlp.gate_up_proj.weight,
+                    1e-6,
+                    activation=mlp.activation_name,
+                    offset=offset,
+                    x_norm_weight=x_weight,
+                )
+                expected = mlp.down_proj(fused_hidden)
+            assert kernels == ["_normed_gated_gemv_kernel", "_gemv_kernel"]
+            assert torch.equal(residual, kept)
+            assert torch.equal(out, expected) and torch.equal(new_residual, fused_residual)
+            # The norm kernel's residual; with the sandwich, x's own norm may round otherwise
+            # (another reduction order), as test_normed_gemv allows.
+            unit, summed = torch.finfo(torch.bfloat16).eps, expected_residual.float()
+            joined = 4 * (summed - residual.float()).abs() if sandwich else 0
+            assert ((new_residual.float() - summed).abs() <= unit * (summed.abs() / 2 + joined)).all()
+            scale = unfused.float().abs().max()
+            assert (out.float() - unfused.float()).abs().max() <= 8 * torch.finfo(torch.bfloat16).eps * scale
+        else:
+            with triton_gemv():
+                if rows == 1:
+                    spare = residual.clone()
+                    kernels = cuda_kernels(lambda x=x, spare=spare: mlp.after_norm(norm, x, spare, **extra))
+                    assert kernels == ["_rms_norm_kernel", "_gemv_kernel", "_gemv_kernel"]
+                out, new_residual = mlp.after_norm(norm, x, residual, **extra)
+            assert torch.equal(out, mlp(normed)) and new_residual is residual
+            assert torch.equal(residual, expected_residual)

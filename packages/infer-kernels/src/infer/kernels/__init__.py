@@ -24,7 +24,13 @@ from infer.kernels.int8_linear_cpu import (
     int8_linear_cpu_supports,
 )
 from infer.kernels.native_cpu import native_cpu_kernels, native_cpu_kernels_available
-from infer.kernels.normed_gemv import normed_gemv, normed_gemv_ref
+from infer.kernels.normed_gemv import (
+    normed_gated_gemv,
+    normed_gated_gemv_fills_one_wave,
+    normed_gated_gemv_ref,
+    normed_gemv,
+    normed_gemv_ref,
+)
 from infer.kernels.paged_attention import (
     extend_tile_size,
     paged_attention,
@@ -91,6 +97,9 @@ __all__ = [
     "int8_linear_cpu_supports",
     "native_cpu_kernels",
     "native_cpu_kernels_available",
+    "normed_gated_gemv",
+    "normed_gated_gemv_fills_one_wave",
+    "normed_gated_gemv_ref",
     "normed_gemv",
     "normed_gemv_ref",
     "paged_attention",

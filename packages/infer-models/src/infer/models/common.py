@@ -20,6 +20,7 @@ from infer.kernels import (
     KVStore,
     add_rms_norm,
     gelu_tanh_and_mul,
+    normed_gated_gemv,
     normed_gemv,
     qk_norm_rope,
     rms_norm,
@@ -246,6 +247,37 @@ class GatedMLP(nn.Module):
             output_sizes=(config.intermediate_size, config.intermediate_size),
         )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+
+    def after_norm(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, *, x_norm: RMSNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`self(norm(x + residual))`, the new residual); with `x_norm`, of `x_norm(x) + residual`
+        (a sandwich norm joining the residual first). Where gate/up takes the normed gated GEMV
+        (`Linear.takes_normed_gated_gemv`: one row at batch-1 decode), the norm, gate/up and the
+        activation are one kernel, and the residual a new tensor; otherwise the norm's kernel, in
+        place, then the MLP."""
+        gate_up = self.gate_up_proj
+        if gate_up.takes_normed_gated_gemv(x):
+            x_weight = None
+            if x_norm is not None:
+                x_norm._check_pair(norm)  # then_add_and_norm checks it on the other path
+                x_weight = x_norm.weight
+            hidden, residual = normed_gated_gemv(
+                x,
+                residual,
+                norm.weight,
+                gate_up.weight,
+                norm.eps,
+                activation=self.activation_name,
+                offset=norm.offset,
+                x_norm_weight=x_weight,
+            )
+            return self.down_proj(hidden), residual
+        if x_norm is not None:
+            normed, residual = x_norm.then_add_and_norm(x, residual, norm)
+        else:
+            normed, residual = norm(x, residual)
+        return self(normed), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj

@@ -49,11 +49,11 @@ class Gemma3DecoderLayer(nn.Module):
                 hidden, residual, self.self_attn.qkv_proj, x_norm=pending_norm
             )
         hidden = self.self_attn.attend(qkv, batch)
-        # Attention's post-norm, the add and the MLP's pre-norm: one kernel, not two.
-        hidden, residual = self.post_attention_layernorm.then_add_and_norm(
-            hidden, residual, self.pre_feedforward_layernorm
+        # Attention's post-norm, the add and the MLP's pre-norm: one kernel, not two (and at
+        # batch-1 decode on the Triton GEMV, with NORMED_GATED_GEMV, the gate/up projection's).
+        return self.mlp.after_norm(
+            self.pre_feedforward_layernorm, hidden, residual, x_norm=self.post_attention_layernorm
         )
-        return self.mlp(hidden), residual
 
 
 class Gemma3ForCausalLM(CausalLM):

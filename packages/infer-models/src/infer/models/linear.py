@@ -21,7 +21,8 @@ models' widths, and a kernel that programmatic dependent launch overlaps with it
 A gated MLP's gate/up projection then takes `gated_gemv`, its activation in the same kernel;
 an int8 one always does (`quantized_gated_gemv`), its one-row product being that GEMV anyway.
 A projection after a pre-norm of a row of at most 2048 values takes `normed_gemv`, the norm in
-the same kernel (`RMSNorm.project`).
+the same kernel (`RMSNorm.project`); a dense gate/up projection takes `normed_gated_gemv` where its
+grid is one wave (`GatedMLP.after_norm`).
 
 On a CPU, per-channel int8 weights run `int8_linear_cpu`: a few rows through infer.kernels' AVX2
 kernel where `native_cpu_kernels()` allows it (EngineConfig.use_native_cpu_kernels).
@@ -39,6 +40,7 @@ from infer.kernels import (
     int8_cpu_scale,
     int8_linear_cpu,
     int8_linear_cpu_supports,
+    normed_gated_gemv_fills_one_wave,
     quantized_gated_gemv,
     quantized_linear,
 )
@@ -150,6 +152,16 @@ class Linear(nn.Module):
         """Whether a norm of `x` and this projection of it run as one kernel (`normed_gemv`): on
         the Triton GEMV, with no bias, for a row that one weight tile spans."""
         return self.bias is None and self.in_features <= NORMED_GEMV_MAX_K and self.takes_triton_gemv(x)
+
+    def takes_normed_gated_gemv(self, x: torch.Tensor) -> bool:
+        """Whether a norm of `x`, this gate/up projection of it and the activation run as one kernel
+        (`normed_gated_gemv`): a dense weight that takes the normed GEMV, where the kernel's grid is
+        one wave (where it was faster than the norm's kernel and the gated GEMV)."""
+        return (
+            self.weight_scale is None
+            and self.takes_normed_gemv(x)
+            and normed_gated_gemv_fills_one_wave(self.out_features, x.device)
+        )
 
     def gated_gemv(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """`act(gate) * up` of this gate/up projection of one row, where `takes_gated_gemv(x)`."""

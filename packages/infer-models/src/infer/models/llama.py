@@ -27,8 +27,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             qkv, residual = self.input_layernorm.project(hidden, residual, self.self_attn.qkv_proj)
         hidden = self.self_attn.attend(qkv, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp.after_norm(self.post_attention_layernorm, hidden, residual)
 
 
 class LlamaForCausalLM(CausalLM):
