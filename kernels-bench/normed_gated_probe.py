@@ -1,7 +1,6 @@
 """Is the MLP's pre-norm inside its gate/up GEMV (`normed_gated_gemv`: the gated GEMV's tiles, each
 scaled by the norm's weight, the sums by the inverse RMS) faster than the norm's kernel and
-`gated_gemv` (issue 15, branch attempt/normed-gated-linear)? Needs a CUDA GPU of compute
-capability 9.0 or newer.
+`gated_gemv` (issue 15)? Needs a CUDA GPU of compute capability 9.0 or newer.
 
 Per shape (the 1-2B models' gate|up with their norms: Gemma's sandwich pair, Llama's and Qwen's
 add-and-norm), µs a call of each way, streamed back to back from one CUDA graph over distinct

@@ -138,7 +138,7 @@ def test_cuda_matches_reference(cuda, shape, sandwich, pdl):
         assert_matches_reference(x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight)
 
 
-# -- normed_gated_gemv (experiment, branch attempt/normed-gated-linear) -----------------------
+# -- normed_gated_gemv ---------------------------------------------------------------------------
 
 
 def assert_gated_matches_reference(x, residual, norm_weight, weight, eps, offset, x_norm_weight, activation):

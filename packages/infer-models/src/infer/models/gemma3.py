@@ -50,7 +50,7 @@ class Gemma3DecoderLayer(nn.Module):
             )
         hidden = self.self_attn.attend(qkv, batch)
         # Attention's post-norm, the add and the MLP's pre-norm: one kernel, not two (and at
-        # batch-1 decode on the Triton GEMV, with NORMED_GATED_GEMV, the gate/up projection's).
+        # batch-1 decode on the Triton GEMV, where its grid is one wave, the gate/up projection's).
         return self.mlp.after_norm(
             self.pre_feedforward_layernorm, hidden, residual, x_norm=self.post_attention_layernorm
         )
