@@ -165,13 +165,25 @@ def test_an_int8_gated_mlp_takes_the_quantized_gated_gemv(method, block_size):
             assert cuda_kernels(lambda: mlp(one)) == ["_gemv_kernel", "_gemv_kernel"]
 
 
+def unfused_norms(x, residual, norm, x_norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the normed row, the new residual) from the norm's own kernel on a copy of `residual`:
+    `add_rms_norm`, or with `x_norm` (a sandwich norm), `rms_norm_add_rms_norm`."""
+    from infer.kernels import add_rms_norm, rms_norm_add_rms_norm
+
+    if x_norm is None:
+        return add_rms_norm(x, residual.clone(), norm.weight, norm.eps, offset=norm.offset)
+    return rms_norm_add_rms_norm(
+        x, residual.clone(), x_norm.weight, norm.weight, norm.eps, offset=norm.offset
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sandwich", [False, True], ids=["add-norm", "norm-add-norm"])
 def test_a_pre_norm_projection_of_one_row_takes_the_normed_gemv_inside_triton_gemv(sandwich):
     """`RMSNorm.project` of one CUDA row inside `triton_gemv()`: one `_normed_gemv_kernel`,
     `normed_gemv`'s output and new residual, the residual passed in left as it is. Outside it,
     and for two rows: the norm's kernel (the residual updated in place), then the projection."""
-    from infer.kernels import add_rms_norm, normed_gemv, rms_norm_add_rms_norm
+    from infer.kernels import normed_gemv
     from infer.models.common import RMSNorm
 
     gen = torch.Generator("cuda").manual_seed(0)
@@ -183,12 +195,7 @@ def test_a_pre_norm_projection_of_one_row_takes_the_normed_gemv_inside_triton_ge
     extra = dict(x_norm=x_norm) if sandwich else {}
     for rows in (1, 2):
         x, residual = torch.randn(2, rows, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
-        if sandwich:
-            normed, expected_residual = rms_norm_add_rms_norm(
-                x, residual.clone(), x_norm.weight, norm.weight, 1e-6, offset=offset
-            )
-        else:
-            normed, expected_residual = add_rms_norm(x, residual.clone(), norm.weight, 1e-6, offset=offset)
+        normed, expected_residual = unfused_norms(x, residual, norm, x_norm if sandwich else None)
         unfused = proj(normed)
         if rows == 1:
             kept, spare = residual.clone(), residual.clone()
@@ -221,12 +228,7 @@ def test_a_gated_mlp_after_its_norm_takes_the_normed_gated_gemv_where_its_grid_i
     kernel's new residual, and the unfused path's output up to the roundings of the normed row (a
     few units of bf16 at the output's scale). Where it is not (8192 rows, 1024 programs, more than
     6 an SM), and for two rows: the norm's kernel (the residual updated in place), then the MLP."""
-    from infer.kernels import (
-        add_rms_norm,
-        normed_gated_gemv,
-        normed_gated_gemv_fills_one_wave,
-        rms_norm_add_rms_norm,
-    )
+    from infer.kernels import normed_gated_gemv, normed_gated_gemv_fills_one_wave
     from infer.models.common import RMSNorm
 
     gen = torch.Generator("cuda").manual_seed(0)
@@ -242,12 +244,7 @@ def test_a_gated_mlp_after_its_norm_takes_the_normed_gated_gemv_where_its_grid_i
     assert one_wave == (intermediate == 1536), "the H100's and H200's 132 SMs (and any from 32 to 170)"
     for rows in (1, 2):
         x, residual = torch.randn(2, rows, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
-        if sandwich:
-            normed, expected_residual = rms_norm_add_rms_norm(
-                x, residual.clone(), x_norm.weight, norm.weight, 1e-6, offset=offset
-            )
-        else:
-            normed, expected_residual = add_rms_norm(x, residual.clone(), norm.weight, 1e-6, offset=offset)
+        normed, expected_residual = unfused_norms(x, residual, norm, x_norm if sandwich else None)
         if rows == 1 and one_wave:
             kept, spare = residual.clone(), residual.clone()
             with triton_gemv():
