@@ -204,7 +204,8 @@ def assert_gated_matches_reference(x, residual, norm_weight, weight, eps, offset
     activation=st.sampled_from(["silu", "gelu_tanh"]),
 )
 def test_gated_interpreted_matches_reference(triton_on_cpu, N, K, dtype, sandwich, activation):
-    """Any N (so programs of one tile, of several, and partial tiles) and K up to one tile."""
+    """Any N (one program or several, and partial row tiles) and any K up to MAX_K (one to eight
+    of the kernel's K tiles, the last partial)."""
     x, residual, norm_weight, weight, x_norm_weight = make(2 * N, K, dtype, "cpu", sandwich=sandwich)
     offset = 1.0 if sandwich else 0.0
     assert_gated_matches_reference(x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight, activation)

@@ -21,12 +21,11 @@ Every kernel of infer.kernels, launched under `programmatic_launch()`, begins wi
   before the chain's first kernel), the rope tables, and keys and values stored by earlier
   steps. Reads of it before the wait: the GEMV's first weight tile (quantized_linear's
   `_gemv_kernel`), normed_gemv's tile with its norms' weights, and normed_gated_gemv's first
-  gate and up tiles; decode attention's row
-  length, block table and first tile of keys, all but this step's own key (paged_attention's
-  `_decode_split_kernel`); the norms' weights (rms_norm); the position, table row and cache
-  slot of a token (rope, qk_norm_rope) and the head norms' weights (qk_norm_rope). Each of
-  those chains of dependent loads then overlaps the kernels before, not only the one just
-  before.
+  gate and up tiles; decode attention's row length, block table and first tile of keys, all
+  but this step's own key (paged_attention's `_decode_split_kernel`); the norms' weights
+  (rms_norm); the position, table row and cache slot of a token (rope, qk_norm_rope) and the
+  head norms' weights (qk_norm_rope). Each of those chains of dependent loads then overlaps
+  the kernels before, not only the one just before.
 
 A kernel that is not ours (cuBLAS, torch) or a copy starts a new chain: the kernel after it
 launches once it has completed.
