@@ -80,17 +80,28 @@ class RMSNorm(nn.Module):
         GEMV (`Linear.takes_normed_gemv`: batch-1 decode on the Triton GEMV) it is one kernel
         and the residual a new tensor; otherwise the norm's kernel, in place, and `proj`."""
         if proj.takes_normed_gemv(x):
-            x_weight = None
-            if x_norm is not None:
-                x_norm._check_pair(self)  # then_add_and_norm checks it on the other path
-                x_weight = x_norm.weight
             weights = (self.weight, proj.weight)
+            x_weight = self.x_norm_weight(x_norm)
             return normed_gemv(x, residual, *weights, self.eps, offset=self.offset, x_norm_weight=x_weight)
-        if x_norm is not None:
-            normed, residual = x_norm.then_add_and_norm(x, residual, self)
-        else:
-            normed, residual = self(x, residual)
+        normed, residual = self.add_and_norm(x, residual, x_norm=x_norm)
         return proj(normed), residual
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, *, x_norm: "RMSNorm | None" = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This norm's kernel, the residual updated in place: (`self(x + residual)`, residual);
+        with `x_norm`, of `x_norm(x) + residual` (`then_add_and_norm`)."""
+        if x_norm is not None:
+            return x_norm.then_add_and_norm(x, residual, self)
+        return self(x, residual)
+
+    def x_norm_weight(self, x_norm: "RMSNorm | None") -> torch.Tensor | None:
+        """For a kernel that fuses `x_norm` before this norm: `x_norm`'s weight (None without
+        one), once the pair is checked as `then_add_and_norm` checks it on the unfused path."""
+        if x_norm is None:
+            return None
+        x_norm._check_pair(self)
+        return x_norm.weight
 
     def _check_pair(self, next_norm: "RMSNorm") -> None:
         if (next_norm.eps, next_norm.offset) != (self.eps, self.offset):
@@ -258,10 +269,6 @@ class GatedMLP(nn.Module):
         place, then the MLP."""
         gate_up = self.gate_up_proj
         if gate_up.takes_normed_gated_gemv(x):
-            x_weight = None
-            if x_norm is not None:
-                x_norm._check_pair(norm)  # then_add_and_norm checks it on the other path
-                x_weight = x_norm.weight
             hidden, residual = normed_gated_gemv(
                 x,
                 residual,
@@ -270,13 +277,10 @@ class GatedMLP(nn.Module):
                 norm.eps,
                 activation=self.activation_name,
                 offset=norm.offset,
-                x_norm_weight=x_weight,
+                x_norm_weight=norm.x_norm_weight(x_norm),
             )
             return self.down_proj(hidden), residual
-        if x_norm is not None:
-            normed, residual = x_norm.then_add_and_norm(x, residual, norm)
-        else:
-            normed, residual = norm(x, residual)
+        normed, residual = norm.add_and_norm(x, residual, x_norm=x_norm)
         return self(normed), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

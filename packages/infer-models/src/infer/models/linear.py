@@ -157,11 +157,7 @@ class Linear(nn.Module):
         """Whether a norm of `x`, this gate/up projection of it and the activation run as one kernel
         (`normed_gated_gemv`): a dense weight that takes the normed GEMV, where the kernel's grid is
         one wave (where it was faster than the norm's kernel and the gated GEMV)."""
-        return (
-            self.weight_scale is None
-            and self.takes_normed_gemv(x)
-            and normed_gated_gemv_fills_one_wave(self.out_features, x.device)
-        )
+        return self.takes_normed_gemv(x) and normed_gated_gemv_fills_one_wave(self.out_features, x.device)
 
     def gated_gemv(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """`act(gate) * up` of this gate/up projection of one row, where `takes_gated_gemv(x)`."""
