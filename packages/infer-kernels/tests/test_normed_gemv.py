@@ -150,26 +150,10 @@ def assert_gated_matches_reference(x, residual, norm_weight, weight, eps, offset
     rounding to x's dtype; the activation (slope at most 1.13) and the product pass those on, and
     the output rounds once more."""
     before = residual.clone()
-    out, new_residual = normed_gated_gemv(
-        x,
-        residual,
-        norm_weight,
-        weight,
-        eps,
-        activation=activation,
-        offset=offset,
-        x_norm_weight=x_norm_weight,
-    )
-    _, expected_residual = normed_gated_gemv_ref(
-        x,
-        residual,
-        norm_weight,
-        weight,
-        eps,
-        activation=activation,
-        offset=offset,
-        x_norm_weight=x_norm_weight,
-    )
+    args = (x, residual, norm_weight, weight, eps)
+    options = dict(activation=activation, offset=offset, x_norm_weight=x_norm_weight)
+    out, new_residual = normed_gated_gemv(*args, **options)
+    _, expected_residual = normed_gated_gemv_ref(*args, **options)
     assert torch.equal(residual, before), "the residual passed in must be left as it is"
     assert out.shape == (*x.shape[:-1], weight.shape[0] // 2) and out.dtype == x.dtype
     unit = torch.finfo(x.dtype).eps
