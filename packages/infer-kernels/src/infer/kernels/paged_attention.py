@@ -62,8 +62,9 @@ _MIN_DOT = 16
 _MIN_SPLIT_KEYS = 256
 _TARGET_DECODE_PROGRAMS = 4096
 # Keys per loop step of the decode kernel, halved for head_dim > 64 to bound registers: at 64
-# keys of 128 dims (Qwen 3's heads) the split spilled 1312 bytes a thread (ptxas, sm_90), and 32
-# keys decoded qwen3-1.7b's shapes 3% faster on an H200 (docs/benchmarks/generation.md).
+# keys of 128 dims (Qwen 3's heads) the split takes 228 registers a thread with 4 warps, at 32
+# keys 158 (ptxas, sm_90, offline with the JIT's divisibility by 16), and 32 keys decoded
+# qwen3-1.7b's shapes 3% faster on an H200 (docs/benchmarks/generation.md).
 _DECODE_BLOCK_N = 64
 _DECODE_WARPS = 4
 # A decode grid of at most one program an SM (batch 1: 16 programs for Gemma 3's one KV head,
