@@ -259,6 +259,16 @@ def _check(x, residual, norm_weight, weight, x_norm_weight) -> None:
     check_same_device(x=x, residual=residual, weight=weight, **norms)
 
 
+def _normed_row_ref(
+    x, residual, norm_weight, eps, offset, x_norm_weight
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the normed row, the new residual) from the norm kernels' references on a copy of the
+    residual: `add_rms_norm_ref`, or with `x_norm_weight` `rms_norm_add_rms_norm_ref`."""
+    if x_norm_weight is None:
+        return add_rms_norm_ref(x, residual.clone(), norm_weight, eps, offset=offset)
+    return rms_norm_add_rms_norm_ref(x, residual.clone(), x_norm_weight, norm_weight, eps, offset=offset)
+
+
 def normed_gemv_ref(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -271,13 +281,7 @@ def normed_gemv_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: the norm kernels' references on a copy of the residual, then `gemv_ref`."""
     _check(x, residual, norm_weight, weight, x_norm_weight)
-    residual = residual.clone()
-    if x_norm_weight is None:
-        normed, residual = add_rms_norm_ref(x, residual, norm_weight, eps, offset=offset)
-    else:
-        normed, residual = rms_norm_add_rms_norm_ref(
-            x, residual, x_norm_weight, norm_weight, eps, offset=offset
-        )
+    normed, residual = _normed_row_ref(x, residual, norm_weight, eps, offset, x_norm_weight)
     return gemv_ref(normed, weight), residual
 
 
@@ -338,13 +342,7 @@ def normed_gated_gemv_ref(
     `gated_gemv_ref` (which rounds the normed row to x's dtype, as the kernel does not)."""
     _check(x, residual, norm_weight, weight, x_norm_weight)
     _check_gate_up(weight, activation)
-    residual = residual.clone()
-    if x_norm_weight is None:
-        normed, residual = add_rms_norm_ref(x, residual, norm_weight, eps, offset=offset)
-    else:
-        normed, residual = rms_norm_add_rms_norm_ref(
-            x, residual, x_norm_weight, norm_weight, eps, offset=offset
-        )
+    normed, residual = _normed_row_ref(x, residual, norm_weight, eps, offset, x_norm_weight)
     return gated_gemv_ref(normed, weight, activation=activation), residual
 
 
