@@ -26,6 +26,7 @@ DEFAULTS = {
     "_ONE_WAVE_DECODE_WARPS": module._ONE_WAVE_DECODE_WARPS,
     "_DECODE_STAGES": module._DECODE_STAGES,
     "_DECODE_BLOCK_N": module._DECODE_BLOCK_N,
+    "_DECODE_NATIVE_QK": module._DECODE_NATIVE_QK,
 }
 VARIANTS = (
     [{}]
@@ -37,6 +38,7 @@ VARIANTS = (
     ]
     + [{"_DECODE_BLOCK_N": b} for b in (32, 128)]
     + [{"splits": n} for n in (4, 8, 32)]
+    + [{"_DECODE_NATIVE_QK": not DEFAULTS["_DECODE_NATIVE_QK"]}]
 )
 
 
@@ -78,10 +80,12 @@ def main() -> None:
     parser.add_argument(
         "--tune", action="store_true", help="also the other launch settings (max_seq_len 4096)"
     )
+    parser.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     args = parser.parse_args()
     flush = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     default_splits = module.decode_num_splits
-    for name, shape in SHAPES.items():
+    for name in args.models:
+        shape = SHAPES[name]
         for variant in VARIANTS if args.tune else [{}]:
             for constant, value in DEFAULTS.items():
                 setattr(module, constant, variant.get(constant, value))

@@ -38,8 +38,8 @@ ops a row and layer, which dominate a CPU decode step's attention), and leaves e
 the reference.
 
 Scores, softmax and accumulators are fp32. Dots run in tf32 for bf16/fp16 inputs (tf32 holds
-them exactly, on tensor cores) and in full fp32 for fp32 inputs; the
-extend kernel's q.k runs in the inputs' own dtype on CUDA (the same exact products, twice as fast).
+them exactly, on tensor cores) and in full fp32 for fp32 inputs; q.k of both kernels runs in the
+inputs' own dtype on CUDA (the same exact products, twice as fast).
 """
 
 import ctypes
@@ -74,6 +74,13 @@ _DECODE_WARPS = 4
 # (docs/benchmarks/generation.md, stop 44). Larger grids keep 4 (not measured with 8).
 _ONE_WAVE_DECODE_WARPS = 8
 _DECODE_STAGES = 2
+# q.k of decode in bf16/fp16 as the extend kernel's (exact products in fp32, as tf32's): gemma-3-1b's
+# split (sm_90, 8 warps) compiles to 1456 SASS instructions a thread instead of 1896 and 160
+# registers instead of 219 (offline). An H200 decoded gemma-3-1b's shapes 0.9% and 0.7% faster in
+# two calls, llama-3.2-1b's and qwen3-1.7b's level (docs/benchmarks/generation.md, stop 47).
+# probs x v stays in tf32: in bf16 (the probabilities rounded, as in FlashAttention) it changes
+# the result, and llama-3.2-1b decoded 4.6% slower with it in the same call.
+_DECODE_NATIVE_QK = True
 # Extend (BLOCK_M queries, BLOCK_N keys, warps, stages) for head_dim <= 128, the fastest of a
 # sweep on an H100 (Llama 3.2 1B heads, bf16): about 1.7x the time of torch's flash SDPA on
 # contiguous K/V, against 3x for 64/64/4 warps.
@@ -120,9 +127,24 @@ def _key_tile(
 
 
 @triton.jit
-def _attend_tile(q, k, v, visible, running_max, denominator, acc, scale, DOT_PRECISION: tl.constexpr):
-    """The online softmax's update by one tile of keys (`visible`: the tile's keys in view)."""
-    scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+def _attend_tile(
+    q,
+    k,
+    v,
+    visible,
+    running_max,
+    denominator,
+    acc,
+    scale,
+    DOT_PRECISION: tl.constexpr,
+    NATIVE_QK: tl.constexpr,
+):
+    """The online softmax's update by one tile of keys (`visible`: the tile's keys in view).
+    NATIVE_QK: q and k as they are (bf16/fp16), as in the extend kernel."""
+    if NATIVE_QK:
+        scores = tl.dot(q, tl.trans(k))
+    else:
+        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
     scores = tl.where(visible[None, :], scores * scale, float("-inf"))
     tile_max = tl.maximum(running_max, tl.max(scores, 1))
     rescale = tl.exp(running_max - tile_max)
@@ -164,6 +186,7 @@ def _decode_split_kernel(
     HAS_WINDOW: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NATIVE_QK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -215,9 +238,11 @@ def _decode_split_kernel(
             q_ptr + row * q_stride_token + q_heads[:, None] * q_stride_head + dims[None, :],
             mask=head_mask[:, None] & dim_mask[None, :],
             other=0.0,
-        ).to(tl.float32)
+        )
+        if not NATIVE_QK:
+            q = q.to(tl.float32)
         running_max, denominator, acc = _attend_tile(
-            q, k, v, visible, running_max, denominator, acc, scale, DOT_PRECISION
+            q, k, v, visible, running_max, denominator, acc, scale, DOT_PRECISION, NATIVE_QK
         )
         for tile_start in range(start + BLOCK_N, end, BLOCK_N):
             _, visible, k_ptrs, v_ptrs = _key_tile(
@@ -237,7 +262,7 @@ def _decode_split_kernel(
             k = tl.load(k_ptrs, mask=load_mask, other=0.0)
             v = tl.load(v_ptrs, mask=load_mask, other=0.0)
             running_max, denominator, acc = _attend_tile(
-                q, k, v, visible, running_max, denominator, acc, scale, DOT_PRECISION
+                q, k, v, visible, running_max, denominator, acc, scale, DOT_PRECISION, NATIVE_QK
             )
 
     store_mask = head_mask[:, None] & dim_mask[None, :]
@@ -493,6 +518,7 @@ def _launch(
             GROUP_PAD=max(_MIN_DOT, triton.next_power_of_2(group)),
             BLOCK_N=block_n,
             SINGLE_SPLIT=num_splits == 1,
+            NATIVE_QK=_DECODE_NATIVE_QK and q.is_cuda and q.dtype != torch.float32,
             num_warps=_ONE_WAVE_DECODE_WARPS if one_wave else _DECODE_WARPS,
             num_stages=_DECODE_STAGES,
             **common,
