@@ -77,7 +77,8 @@ _DECODE_STAGES = 2
 # q.k of decode in bf16/fp16 as the extend kernel's (exact products in fp32, as tf32's): gemma-3-1b's
 # split (sm_90, 8 warps) compiles to 1456 SASS instructions a thread instead of 1896 and 160
 # registers instead of 219 (offline). An H200 decoded gemma-3-1b's shapes 0.9% and 0.7% faster in
-# two calls, llama-3.2-1b's and qwen3-1.7b's level (docs/benchmarks/generation.md, stop 47).
+# two calls, qwen3-1.7b's level in both and llama-3.2-1b's in one (docs/benchmarks/generation.md,
+# stop 47).
 # probs x v stays in tf32: in bf16 (the probabilities rounded, as in FlashAttention) it changes
 # the result, and llama-3.2-1b decoded 4.6% slower with it in the same call.
 _DECODE_NATIVE_QK = True
