@@ -43,12 +43,12 @@ _NUM_WARPS = 8
 _GATED_BLOCK_N = 8
 _GATED_BLOCK_K = 256
 _GATED_NUM_WARPS = 2
-# Its programs resident on an SM at once: compiled for sm_90 (Triton 3.9.0, offline, with the
-# divisibility by 16 the JIT gives these shapes' arguments) it takes 155 registers a thread, so 6
-# programs of 64 threads fit an SM's 64K registers (`gated_gemv`'s same tiles: 129, so 7). On an
-# H200 it beat the norm's kernel and `gated_gemv` only where its grid was one wave of those (stop
-# 45: Qwen3-1.7B's 768 programs, +2.7% decode); with 864 (Gemma 3 1B) or 1024 (Llama 3.2 1B)
-# programs the second, mostly idle wave made the step 12% and 7% slower.
+# Its programs resident on an SM at once: as the JIT compiled it on an H200 (Triton 3.6.0) it takes
+# 167 registers a thread, so 6 programs of 64 threads fit an SM's 64K registers (`gated_gemv`'s
+# same tiles: 126, so 8; kernels-bench/kernel_registers.py, stop 47). On an H200 it beat the
+# norm's kernel and `gated_gemv` only where its grid was one wave of those (stop 45: Qwen3-1.7B's
+# 768 programs, +2.7% decode); with 864 (Gemma 3 1B) or 1024 (Llama 3.2 1B) programs the second,
+# mostly idle wave made the step 12% and 7% slower.
 _GATED_PROGRAMS_PER_SM = 6
 
 
