@@ -30,3 +30,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# On CUDA the engine's KV pool defaults to 0.9 of the memory free after the weights
+# (infer.engine.device_defaults), which one engine of one process should take. The GPU suite runs
+# several pytest-xdist workers on one GPU, each building engines: each engine that leaves the
+# pool's size to the default gets this share of the free memory instead, as a user sharing a GPU
+# sets kv_cache_memory_fraction.
+GPU_TEST_KV_CACHE_MEMORY_FRACTION = 0.05
+
+
+@pytest.fixture(autouse=True)
+def _share_the_gpu_between_test_workers(monkeypatch):
+    if torch.cuda.is_available():
+        try:
+            from infer.engine import device_defaults
+        except ImportError:  # the infer-kernels wheel tested alone
+            return
+        share = GPU_TEST_KV_CACHE_MEMORY_FRACTION
+        monkeypatch.setattr(device_defaults, "CUDA_KV_CACHE_MEMORY_FRACTION", share)

@@ -149,7 +149,9 @@ def test_report_records_server_info_engine_config_and_server_queue_time(tmp_path
     json.dumps(report)  # everything is plain data
     assert report["model"] == "peer-model"  # the first of /v1/models
     assert report["server"]["engine_config"]["batching_mode"] == "static"
-    assert report["server"]["engine_config"]["max_batch_size"] == 8  # defaults filled in by EngineConfig
+    # Defaults filled in by EngineConfig: max_batch_size is the device's (auto) until the engine runs.
+    assert report["server"]["engine_config"]["max_batch_size"] is None
+    assert report["server"]["engine_config"]["max_queue_len"] == 1024
     assert report["server"]["memory_after_run"]["infer_kv_cache_total_bytes"] == 65536
     # The peer's queue histogram gained the 4 timed requests (the warm-up and probe came before).
     assert report["stats"]["queue_wait_s"]["count"] == 4

@@ -15,7 +15,7 @@ PEER = Path(__file__).with_name("bench_peer.py")
 
 
 def test_matrix_runs_each_row_on_its_own_server_and_compares_to_static(tmp_path):
-    rows = MATRIX_ROWS[:2]
+    rows = select_rows("static,continuous-contiguous")
     summary = run_matrix(
         model="peer-model",
         out_dir=tmp_path,
@@ -50,7 +50,7 @@ def test_a_row_whose_server_dies_is_reported_and_the_matrix_goes_on(tmp_path):
         out_dir=tmp_path,
         workloads=["W2"],
         concurrency_levels={"W2": (2,)},
-        rows=MATRIX_ROWS[:2],
+        rows=select_rows("static,continuous-contiguous"),
         server_command=f"{sys.executable} -c 'import sys; sys.exit(3)'",
         health_timeout_s=30,
     )

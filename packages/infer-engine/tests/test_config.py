@@ -13,7 +13,8 @@ def test_defaults_are_valid_and_continuous():
     config = EngineConfig()
     assert config.batching_mode == "continuous"
     assert config.kv_cache_backend == "paged" and config.block_size == 16
-    assert (config.use_chunked_prefill, config.use_cuda_graphs) == (False, False)
+    # None: the device's measured best, decided when the engine is built (test_device_defaults.py).
+    assert (config.use_chunked_prefill, config.use_cuda_graphs, config.max_batch_size) == (None, None, None)
 
 
 @pytest.mark.parametrize(

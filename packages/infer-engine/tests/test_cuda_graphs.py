@@ -11,8 +11,14 @@ import torch
 
 from conformance.oracles import RecomputeOracle
 from infer.engine import SamplingParams, generate
-from infer.engine.config import EngineConfig, EngineConfigError, add_cli_arguments, from_cli_args
-from infer.engine.cuda_graphs import StepGraphs, batch_buckets, chunk_buckets, launches_with_pdl
+from infer.engine.config import AUTO_FLAGS, EngineConfig, EngineConfigError, add_cli_arguments, from_cli_args
+from infer.engine.cuda_graphs import (
+    StepGraphs,
+    batch_buckets,
+    chunk_buckets,
+    launches_with_pdl,
+    mixed_decode_buckets,
+)
 from infer.engine.engine import Engine
 from infer.models.load import load_model
 from infer.models.random_checkpoint import make_random_checkpoint
@@ -28,6 +34,13 @@ def test_chunk_buckets_start_at_sixteen_tokens_and_end_at_the_step_budget():
     assert chunk_buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
     assert chunk_buckets(100) == [16, 32, 64, 100]
     assert chunk_buckets(8) == [8]
+
+
+def test_mixed_step_decode_buckets_are_every_other_power_of_two_down_from_the_largest():
+    assert mixed_decode_buckets(256) == [16, 64, 256]
+    assert mixed_decode_buckets(64) == [16, 64]
+    assert mixed_decode_buckets(100) == [32, 100]
+    assert mixed_decode_buckets(8) == [8]
 
 
 def test_mixed_step_graphs_flag_is_a_boolean():
@@ -84,7 +97,8 @@ def test_cuda_graphs_flag_parses_true_and_false():
     assert from_cli_args(
         parser.parse_args(["--use-chunked-prefill", "--max-batch-size", "4"])
     ).use_chunked_prefill
-    assert from_cli_args(parser.parse_args([])).use_cuda_graphs is False
+    # Left out: the device's default (infer.engine.device_defaults).
+    assert from_cli_args(parser.parse_args([])).use_cuda_graphs is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--use-cuda-graphs", "maybe"])
 
@@ -112,12 +126,15 @@ def cuda_tiny(tmp_path_factory):
     }
 
 
+# Every switch whose default depends on the device is named (PLAIN: all off).
+PLAIN = dict.fromkeys(AUTO_FLAGS, False)
 GRAPH_MODES = {
-    "eager": dict(use_cuda_graphs=False),
-    "decode-graphs": dict(use_cuda_graphs=True, cuda_graph_mixed_steps=False),
-    "step-graphs": dict(use_cuda_graphs=True, cuda_graph_mixed_steps=True),
+    "eager": PLAIN,
+    "decode-graphs": PLAIN | dict(use_cuda_graphs=True, cuda_graph_mixed_steps=False),
+    "step-graphs": PLAIN | dict(use_cuda_graphs=True, cuda_graph_mixed_steps=True),
     # The graphs read decode inputs that are placeholders for the previous step's tokens.
-    "step-graphs-async": dict(use_cuda_graphs=True, cuda_graph_mixed_steps=True, async_scheduling=True),
+    "step-graphs-async": PLAIN
+    | dict(use_cuda_graphs=True, cuda_graph_mixed_steps=True, async_scheduling=True),
 }
 
 
@@ -143,8 +160,7 @@ def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(cuda_tiny, pr
             max_seq_len=256,
             block_size=16,
             num_gpu_blocks=14,
-            **chunking,
-            **graph_settings,
+            **graph_settings | chunking,
         )
         engine = Engine(config, loaded_model=loaded)
         ids = [engine.add_request(prompt, params) for prompt in prompts]
@@ -169,6 +185,40 @@ def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(cuda_tiny, pr
         assert engine.stats().num_preempted > 0
     assert results["decode-graphs"] == results["eager"]
     assert results["step-graphs"] == results["eager"]
+    assert results["step-graphs-async"] == results["eager"]
+
+
+@pytest.mark.gpu
+def test_mixed_steps_of_every_decode_bucket_give_the_tokens_of_the_eager_engine(cuda_tiny):
+    """40 requests arriving over time on 64 rows: prompt chunks meet 1 to 39 decode rows, so mixed
+    steps replay the graphs of 16 and of 64 decode rows (their chunk rows start at row 16 or
+    64), between decode-only replays; every token is the eager engine's."""
+    loaded = cuda_tiny["llama-tiny"]
+    rng = random.Random(2)
+    prompts = [
+        [rng.randrange(1, loaded.config.vocab_size) for _ in range(rng.randrange(3, 60))] for _ in range(40)
+    ]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    results = {}
+    for mode in ("eager", "step-graphs-async"):
+        config = EngineConfig(
+            device="cuda", max_batch_size=64, max_num_batched_tokens=512, max_seq_len=128, **GRAPH_MODES[mode]
+        )
+        engine = Engine(config, loaded_model=loaded)
+        tokens = {}
+        for index, prompt in enumerate(prompts):
+            tokens[engine.add_request(prompt, params)] = []
+            if index % 3 == 2:  # a few arrive together, then steps run
+                for output in engine.step():
+                    if output.token_id is not None:
+                        tokens[output.request_id].append(output.token_id)
+        while engine.has_work():
+            for output in engine.step():
+                if output.token_id is not None:
+                    tokens[output.request_id].append(output.token_id)
+        results[mode] = list(tokens.values())
+        if mode != "eager":
+            assert set(engine.core.runner.graphs.mixed_replays_by_decode_rows) == {16, 64}
     assert results["step-graphs-async"] == results["eager"]
 
 
@@ -220,7 +270,8 @@ def test_graph_logits_equal_the_eager_forward_at_real_shape_in_bf16(tmp_path):
     loaded = load_model(folder, dtype=torch.bfloat16, device="cuda")
     engine = Engine(
         EngineConfig(
-            device="cuda", dtype="bfloat16", max_batch_size=2, max_seq_len=512, use_cuda_graphs=True
+            **PLAIN
+            | dict(device="cuda", dtype="bfloat16", max_batch_size=2, max_seq_len=512, use_cuda_graphs=True)
         ),
         loaded_model=loaded,
     )
@@ -253,7 +304,8 @@ def test_one_request_with_pdl_gives_the_tokens_and_logprobs_of_plain_launches(tm
     loaded = load_model(folder, dtype=torch.bfloat16, device="cuda")
     prompt = torch.randint(0, 32000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True, logprobs=3)
-    for graph_settings in (dict(use_cuda_graphs=True, async_scheduling=True), {}):
+    eager = dict(use_cuda_graphs=False, async_scheduling=False)
+    for graph_settings in (dict(use_cuda_graphs=True, async_scheduling=True), eager):
         results = []
         for use_pdl in (False, True):
             config = EngineConfig(
@@ -303,8 +355,7 @@ def test_mixed_step_graph_logits_equal_the_eager_forward_at_real_shape_in_bf16(t
             dtype="bfloat16",
             max_batch_size=4,
             max_seq_len=512,
-            use_cuda_graphs=True,
-            use_chunked_prefill=True,
+            **PLAIN | dict(use_cuda_graphs=True, use_chunked_prefill=True),
             prefill_chunk_size=64,
             max_num_batched_tokens=256,
         ),

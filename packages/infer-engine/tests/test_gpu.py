@@ -22,6 +22,7 @@ import torch
 
 from conformance.oracles import RecomputeOracle
 from infer.engine import Engine, EngineConfig, SamplingParams
+from infer.engine.config import AUTO_FLAGS
 from infer.engine.grammar_spec import GrammarSpec
 from infer.models.forward_batch import ForwardBatch
 from infer.models.load import load_model
@@ -32,28 +33,31 @@ NUM_TOKENS = 32
 PROMPT_LENGTHS = (40, 150, 600)
 # Two bf16 units in the last place of the larger logit.
 TIE_ULPS = 2
+# Each config names every switch whose default depends on the device (PLAIN: all off), so that
+# it means the same run whatever the defaults; "defaults" is what `infer serve` runs unasked.
+PLAIN = dict.fromkeys(AUTO_FLAGS, False)
 CONFIGS = {
-    "paged": {},
-    "contiguous": dict(kv_cache_backend="contiguous"),
-    "chunked-16": dict(use_chunked_prefill=True, prefill_chunk_size=16),
-    "chunked-64": dict(use_chunked_prefill=True, prefill_chunk_size=64),
-    "chunked-512": dict(use_chunked_prefill=True, prefill_chunk_size=512),
+    "defaults": {},
+    "paged": PLAIN,
+    "contiguous": PLAIN | dict(kv_cache_backend="contiguous"),
+    "chunked-16": PLAIN | dict(use_chunked_prefill=True, prefill_chunk_size=16),
+    "chunked-64": PLAIN | dict(use_chunked_prefill=True, prefill_chunk_size=64),
+    "chunked-512": PLAIN | dict(use_chunked_prefill=True, prefill_chunk_size=512),
     # 45 blocks of 16 for three requests of up to 632 tokens (40 blocks): decodes outgrow it.
-    "preempted": dict(num_gpu_blocks=45, use_chunked_prefill=True, prefill_chunk_size=64),
-    "graphs": dict(use_cuda_graphs=True, use_chunked_prefill=True, prefill_chunk_size=64),
-    "graphs-async": dict(
-        use_cuda_graphs=True, use_chunked_prefill=True, prefill_chunk_size=64, async_scheduling=True
-    ),
-    "graphs-async-pdl": dict(
+    "preempted": PLAIN | dict(num_gpu_blocks=45, use_chunked_prefill=True, prefill_chunk_size=64),
+    "graphs": PLAIN | dict(use_cuda_graphs=True, use_chunked_prefill=True, prefill_chunk_size=64),
+    "graphs-async": PLAIN
+    | dict(use_cuda_graphs=True, use_chunked_prefill=True, prefill_chunk_size=64, async_scheduling=True),
+    "graphs-async-pdl": PLAIN
+    | dict(
         use_cuda_graphs=True,
         use_chunked_prefill=True,
         prefill_chunk_size=64,
         async_scheduling=True,
         use_pdl=True,
     ),
-    "preempted-async": dict(
-        num_gpu_blocks=45, use_chunked_prefill=True, prefill_chunk_size=64, async_scheduling=True
-    ),
+    "preempted-async": PLAIN
+    | dict(num_gpu_blocks=45, use_chunked_prefill=True, prefill_chunk_size=64, async_scheduling=True),
 }
 CONFIGS["graphs-async-pdl-gemv"] = CONFIGS["graphs-async-pdl"] | dict(use_triton_gemv=True)
 

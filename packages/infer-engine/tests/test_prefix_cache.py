@@ -210,7 +210,7 @@ def test_int8_hits_on_the_default_model_agree_with_unquantized_hits(smollm2, cap
 
 def test_int8_prefix_blocks_need_the_prefix_cache():
     with pytest.raises(EngineConfigError, match="use_prefix_caching"):
-        EngineConfig(**SETTINGS, prefix_cache_kv_bits=8)
+        EngineConfig(**SETTINGS, use_prefix_caching=False, prefix_cache_kv_bits=8)
     with pytest.raises(EngineConfigError, match="8 or None"):
         EngineConfig(**SETTINGS, use_prefix_caching=True, prefix_cache_kv_bits=4)
 
@@ -246,7 +246,7 @@ def test_different_cache_salts_never_share(tiny_models):
 
 def test_prefix_caching_needs_a_paged_pool_and_chunked_prefill():
     with pytest.raises(EngineConfigError, match="use_chunked_prefill"):
-        EngineConfig(use_prefix_caching=True)
+        EngineConfig(use_prefix_caching=True, use_chunked_prefill=False)
     with pytest.raises(EngineConfigError, match="paged"):
         EngineConfig(use_prefix_caching=True, use_chunked_prefill=True, kv_cache_backend="contiguous")
 
@@ -289,7 +289,7 @@ def test_the_shadow_check_counts_a_cache_that_serves_wrong_keys(tiny_models, mon
 
 def test_a_shadow_rate_without_the_cache_is_refused():
     with pytest.raises(EngineConfigError, match="use_prefix_caching"):
-        EngineConfig(prefix_cache_shadow_rate=0.5)
+        EngineConfig(prefix_cache_shadow_rate=0.5, use_prefix_caching=False)
     with pytest.raises(EngineConfigError, match=r"\[0, 1\]"):
         EngineConfig(**SETTINGS, use_prefix_caching=True, prefix_cache_shadow_rate=1.5)
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from infer.engine.cli import load_engine, resolve_device_and_dtype
+from infer.engine.config import AUTO_FLAGS
 from infer.engine.engine import Engine
 from infer.engine.generate import generate, stream
 from infer.engine.sampling_params import SamplingParams
@@ -71,11 +72,13 @@ def run_bench_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=0, max_new_tokens=args.gen_tokens, ignore_eos=True)
 
     # Warm-up: first-call costs (allocator, kernel compilation); graphs were captured at start-up.
-    generate(engine, prompt_ids, params)
+    generate(engine, prompt_ids, params, cache_salt="warm-up")
     probe = PeakMemoryProbe(device)
     runs, token_ids = [], []
-    for _ in range(args.repeats):
-        timing, token_ids = time_generation(engine, prompt_ids, params)
+    for run in range(args.repeats):
+        # A salt per run: the prefix cache (on by default on CUDA) must not serve the prompt
+        # that the run before computed, or prefill would be timed as a cache hit.
+        timing, token_ids = time_generation(engine, prompt_ids, params, cache_salt=f"run-{run}")
         runs.append(timing)
     memory = memory_split(loaded.model, engine, probe.finish(), device)
     ours = median_timing(runs)
@@ -89,11 +92,12 @@ def run_bench_generate(args: argparse.Namespace) -> int:
         "infer": {
             **ours.as_dict(),
             "kv_cache_backend": engine.config.kv_cache_backend,
-            "use_cuda_graphs": args.use_cuda_graphs,
-            "async_scheduling": args.async_scheduling,
-            "use_pdl": args.use_pdl,
-            "use_triton_gemv": args.use_triton_gemv,
-            "use_native_cpu_kernels": args.use_native_cpu_kernels,
+            # As the engine runs them: the flags' auto settings decided for the device.
+            **{
+                name: getattr(engine.config, name)
+                for name in (*AUTO_FLAGS, "use_native_cpu_kernels", "max_batch_size")
+            },
+            "settings": engine.settings_line,
             "runs": [r.as_dict() for r in runs],
         },
         "memory": {**memory, "runtime_rss_bytes_before_load": runtime_rss if device.type == "cpu" else None},
@@ -145,11 +149,11 @@ def random_prompt(loaded, num_tokens: int, *, seed: int) -> list[int]:
 
 
 def time_generation(
-    engine: Engine, prompt_ids: list[int], params: SamplingParams
+    engine: Engine, prompt_ids: list[int], params: SamplingParams, *, cache_salt: str | None = None
 ) -> tuple[GenerationTiming, list[int]]:
     _synchronize(engine.core.device)
     start = time.perf_counter()
-    chunks = stream(engine, prompt_ids, params)
+    chunks = stream(engine, prompt_ids, params, cache_salt=cache_salt)
     token_ids = [next(chunks).token_id]
     first_token_at = time.perf_counter()
     token_ids += [chunk.token_id for chunk in chunks]
@@ -307,6 +311,7 @@ def markdown_report(report: dict) -> str:
         f"transformers {env['transformers']}",
         f"model {model['path']} (revision {model['revision']}), {model['dtype']}",
         f"flags: {flags}",
+        f"engine: {report['infer']['settings']}",
         "",
         "| engine | KV pool | prompt | generated | prefill s | prefill tok/s | decode tok/s | total s |",
         "|---|---|---:|---:|---:|---:|---:|---:|",

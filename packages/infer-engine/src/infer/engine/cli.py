@@ -64,24 +64,29 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="most CUDA memory the engine takes, weights included (default: the whole device)",
     )
-    parser.add_argument(
-        "--use-cuda-graphs", action="store_true", help="decode by replaying CUDA graphs (CUDA only)"
-    )
-    parser.add_argument(
-        "--async-scheduling",
-        action="store_true",
-        help="launch each step before the previous step's token reaches the host (overlaps host and GPU)",
-    )
-    parser.add_argument(
-        "--use-pdl",
-        action="store_true",
-        help="programmatic dependent launch: each Triton kernel lets the next launch early (CUDA, sm_90+)",
-    )
-    parser.add_argument(
-        "--use-triton-gemv",
-        action="store_true",
-        help="batch-1 decode's dense projections through infer-kernels' Triton GEMV, not cuBLAS (CUDA)",
-    )
+    # None: the measured best for the device (infer.engine.device_defaults); true or false overrides.
+    for flag, what in (
+        ("--use-cuda-graphs", "replay steps from CUDA graphs (CUDA only)"),
+        ("--async-scheduling", "launch each step before the previous step's token reaches the host"),
+        (
+            "--use-pdl",
+            "programmatic dependent launch: each Triton kernel lets the next launch early (sm_90+)",
+        ),
+        ("--use-triton-gemv", "batch-1 decode's dense projections through infer-kernels' Triton GEMV (CUDA)"),
+    ):
+        name = flag[2:].replace("-", "_")
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=parse_bool,
+            nargs="?",
+            const=True,
+            default=None,
+            help=f"{what} (default: auto)",
+        )
+        parser.add_argument(
+            "--no-" + flag[2:], dest=name, action="store_const", const=False, help=argparse.SUPPRESS
+        )
     parser.add_argument(
         "--use-native-cpu-kernels",
         type=parse_bool,

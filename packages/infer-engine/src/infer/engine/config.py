@@ -51,6 +51,18 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
+# Switches whose None means "the measured best for the device" (infer.engine.device_defaults
+# fills them in when the engine is built; an explicit true or false is kept).
+AUTO_FLAGS = (
+    "use_chunked_prefill",
+    "use_prefix_caching",
+    "use_cuda_graphs",
+    "async_scheduling",
+    "use_pdl",
+    "use_triton_gemv",
+)
+
+
 class EngineConfigError(ValueError):
     """A config value or combination that the engine cannot run; the message names the rule."""
 
@@ -67,7 +79,9 @@ class EngineConfig:
     # None: the model's max_position_embeddings, capped at 4096 so the default KV pool stays small.
     max_seq_len: int | None = _flag(None, "longest prompt + generation one request may have")
     seed: int = _flag(0, "seeds every request that brings no seed of its own (deterministic steps)")
-    max_batch_size: int = _flag(8, "requests running at once")
+    max_batch_size: int | None = _flag(
+        None, "requests running at once; None: 256 on CUDA (vLLM's default), 8 on a CPU"
+    )
     max_num_batched_tokens: int = _flag(2048, "tokens per step: prefill chunks + one per decoding request")
     kv_cache_backend: str = _flag(
         "paged",
@@ -78,11 +92,13 @@ class EngineConfig:
     block_size: int = _flag(16, "tokens per KV block (paged backend)")
     num_gpu_blocks: int | None = _flag(
         None,
-        "KV blocks in the pool; None: kv_cache_memory_fraction of free device memory if set, "
-        "else room for max_batch_size sequences of max_seq_len",
+        "KV blocks in the pool; None: kv_cache_memory_fraction of free device memory (CUDA), "
+        "room for max_batch_size sequences of max_seq_len (CPU)",
     )
     kv_cache_memory_fraction: float | None = _flag(
-        None, "fraction of the device memory free after loading the weights to give the KV pool (CUDA)"
+        None,
+        "fraction of the device memory free after loading the weights to give the KV pool (CUDA); "
+        "None: 0.9 on CUDA unless num_gpu_blocks is set",
     )
     device_memory_limit_gib: float | None = _flag(
         None,
@@ -97,16 +113,16 @@ class EngineConfig:
     )
     scheduler_policy: str = _flag("fcfs", "order of a step's work", choices=SCHEDULER_POLICIES)
     decode_service_interval: int = _flag(4, "a decoding request gets a token at least once every N steps")
-    use_chunked_prefill: bool = _flag(
-        False, "split prompts into chunks of prefill_chunk_size that share steps with decodes: true or false"
+    use_chunked_prefill: bool | None = _flag(
+        None, "split prompts into chunks of prefill_chunk_size that share steps with decodes: true or false"
     )
     prefill_chunk_size: int = _flag(512, "most prompt tokens of one request in one step (chunked prefill)")
     max_prefill_chunks_per_step: int | None = _flag(
         None, "most prompt chunks in one step (chunked prefill); None: no cap"
     )
     max_queue_len: int = _flag(1024, "waiting requests beyond which add_request raises QueueFullError")
-    use_cuda_graphs: bool = _flag(
-        False,
+    use_cuda_graphs: bool | None = _flag(
+        None,
         "replay steps from CUDA graphs captured at start-up (CUDA only): decode-only steps per batch "
         "bucket, and see cuda_graph_mixed_steps: true or false",
     )
@@ -115,18 +131,18 @@ class EngineConfig:
         "with use_cuda_graphs, also replay steps that hold prompt chunks, from graphs captured per "
         "bucket of chunk tokens: true or false",
     )
-    async_scheduling: bool = _flag(
-        False,
+    async_scheduling: bool | None = _flag(
+        None,
         "launch each step before the previous step's tokens reach the host, so that scheduling, "
         "stop checks and input building overlap the forward: true or false",
     )
-    use_pdl: bool = _flag(
-        False,
+    use_pdl: bool | None = _flag(
+        None,
         "programmatic dependent launch (CUDA, compute capability 9.0 and newer) in batch-1 decode "
         "steps: each Triton kernel lets the next one launch while it runs: true or false",
     )
-    use_triton_gemv: bool = _flag(
-        False,
+    use_triton_gemv: bool | None = _flag(
+        None,
         "dense Linears of one row (batch-1 decode), the LM head included, run infer-kernels' "
         "Triton GEMV instead of cuBLAS, a gated MLP's activation fused into its gate/up GEMV "
         "(CUDA only): true or false",
@@ -137,8 +153,8 @@ class EngineConfig:
         "at start-up, once a machine) for decode steps' attention and int8 Linears, where ATen "
         "would run them; ATen's where they cannot be built: true or false",
     )
-    use_prefix_caching: bool = _flag(
-        False,
+    use_prefix_caching: bool | None = _flag(
+        None,
         "reuse the KV of token runs earlier requests left (prefix, supersequence, common prefix), "
         "token by token; needs kv_cache_backend paged and use_chunked_prefill: true or false",
     )
@@ -179,7 +195,8 @@ class EngineConfig:
         if self.max_seq_len is not None:
             _check_int(self, "max_seq_len", minimum=2)
         _check_int(self, "seed", minimum=0)
-        _check_int(self, "max_batch_size", minimum=1)
+        if self.max_batch_size is not None:
+            _check_int(self, "max_batch_size", minimum=1)
         _check_int(self, "max_num_batched_tokens", minimum=1)
         _check_int(self, "decode_service_interval", minimum=1)
         _check_int(self, "max_queue_len", minimum=1)
@@ -213,8 +230,9 @@ class EngineConfig:
             "use_native_cpu_kernels",
             "use_prefix_caching",
         ):
-            if not isinstance(getattr(self, name), bool):
-                raise EngineConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name in AUTO_FLAGS):
+                raise EngineConfigError(f"{name} must be true or false, got {value!r}")
         _check_choice(self, "kv_cache_backend", KV_CACHE_BACKENDS)
         _check_choice(self, "batching_mode", BATCHING_MODES)
         _check_choice(self, "scheduler_policy", SCHEDULER_POLICIES)
@@ -228,7 +246,7 @@ class EngineConfig:
                 raise EngineConfigError(
                     f"prefix_cache_kv_bits must be 8 or None, got {self.prefix_cache_kv_bits!r}"
                 )
-            if not self.use_prefix_caching:
+            if self.use_prefix_caching is False:
                 raise EngineConfigError(
                     "prefix_cache_kv_bits=8 stores prefix-cache blocks; set use_prefix_caching=True "
                     "or prefix_cache_kv_bits=None"
@@ -242,7 +260,7 @@ class EngineConfig:
         rate = self.prefix_cache_shadow_rate
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
             raise EngineConfigError(f"prefix_cache_shadow_rate must be in [0, 1], got {rate!r}")
-        if rate > 0 and not self.use_prefix_caching:
+        if rate > 0 and self.use_prefix_caching is False:
             raise EngineConfigError(
                 f"prefix_cache_shadow_rate={rate} checks the prefix cache; set use_prefix_caching=True "
                 "or the rate to 0"
@@ -253,7 +271,9 @@ class EngineConfig:
                 "use_chunked_prefill=True requires batching_mode='continuous', got "
                 f"{self.batching_mode!r}; set batching_mode='continuous' or use_chunked_prefill=False"
             )
-        if self.use_prefix_caching and (self.kv_cache_backend != "paged" or not self.use_chunked_prefill):
+        if self.use_prefix_caching and (
+            self.kv_cache_backend != "paged" or self.use_chunked_prefill is False
+        ):
             raise EngineConfigError(
                 "use_prefix_caching=True requires kv_cache_backend='paged' and use_chunked_prefill=True, got "
                 f"{self.kv_cache_backend!r} and {self.use_chunked_prefill}"
@@ -268,7 +288,7 @@ class EngineConfig:
                 raise EngineConfigError(
                     f"{name}=True needs a CUDA device, got device='cpu'; set device='cuda'"
                 )
-        if self.max_num_batched_tokens < self.max_batch_size:
+        if self.max_batch_size is not None and self.max_num_batched_tokens < self.max_batch_size:
             # Otherwise the running requests could not all decode in one step, and the
             # decode_service_interval bound could not be kept when they all fall due together.
             raise EngineConfigError(
@@ -320,22 +340,35 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine-config", type=Path, default=None, help="a .json or .toml file of engine settings"
     )
     for config_field in dataclasses.fields(EngineConfig):
-        is_bool = config_field.type in (bool, "bool")
+        is_bool = config_field.type in (bool, "bool", bool | None)
         kind = parse_bool if is_bool else int
         kind = str if config_field.name in _STRING_FIELDS else kind
         kind = float if config_field.name in _FLOAT_FIELDS else kind
         default = config_field.default
         # A boolean flag alone means true, as `infer generate --use-cuda-graphs` has it; a value
         # (true/false) still works, for scripts that pass one either way.
+        flag = "--" + config_field.name.replace("_", "-")
+        shown = (
+            "auto" if default is None and config_field.name in (*AUTO_FLAGS, "max_batch_size") else default
+        )
         group.add_argument(
-            "--" + config_field.name.replace("_", "-"),
+            flag,
             dest=config_field.name,
             type=kind,
             default=None,
             choices=config_field.metadata.get("choices"),
-            help=f"{config_field.metadata['help']} (default: {default})",
+            help=f"{config_field.metadata['help']} (default: {shown}"
+            + (f"; {'--no-' + flag[2:]} is false)" if is_bool else ")"),
             **({"nargs": "?", "const": True} if is_bool else {}),
         )
+        if is_bool:  # the escape hatch from a default that is on: --no-use-cuda-graphs
+            group.add_argument(
+                "--no-" + flag[2:],
+                dest=config_field.name,
+                action="store_const",
+                const=False,
+                help=argparse.SUPPRESS,
+            )
 
 
 def from_cli_args(namespace: argparse.Namespace) -> EngineConfig:

@@ -9,12 +9,13 @@ buffers, and a step is copied into the smallest captured shape that holds it:
 - **Decode-only steps**: one graph per batch bucket (powers of two up to max_batch_size). A step
   of B rows replays the smallest bucket >= B.
 - **Mixed steps** (prompt chunks, with or without decode rows), when `mixed_steps`: one graph per
-  bucket of chunk tokens (powers of two from MIN_CHUNK_BUCKET up to max_num_batched_tokens).
-  Its first max_batch_size rows and tokens are decode rows, then come up to
-  MAX_GRAPH_CHUNK_ROWS chunk rows whose tokens fill the bucket. The extend kernel launches from a
-  tile map (paged_attention's `extend_tiles`), so one graph serves any split of its bucket's
-  tokens between rows. A step with more chunk rows, or more chunk tokens than the largest
-  bucket, runs eagerly.
+  bucket of decode rows (every other power of two down from max_batch_size, none below
+  MIN_MIXED_DECODE_BUCKET) and bucket of chunk tokens (powers of two from MIN_CHUNK_BUCKET up to
+  max_num_batched_tokens). Its first rows and tokens are the decode bucket's decode rows, then
+  come up to MAX_GRAPH_CHUNK_ROWS chunk rows whose tokens fill the chunk bucket. The extend
+  kernel launches from a tile map (paged_attention's `extend_tiles`), so one graph serves any
+  split of its bucket's tokens between rows. A step with more chunk rows, or more chunk tokens
+  than the largest bucket, runs eagerly.
 
 Padding: decode rows past the step's are token 0 at position 0, writing their K/V to the pool's
 reserved null block (never lent to a request) and reading one key from it; chunk rows past the
@@ -32,6 +33,7 @@ them have run (an event): a step that samples nothing, or async scheduling, leav
 Sampling stays outside the graph (per-request generators, data-dependent paths).
 """
 
+import collections
 import contextlib
 from collections.abc import Callable, Sequence
 
@@ -48,6 +50,11 @@ from infer.models.linear import triton_gemv
 MAX_GRAPH_CHUNK_ROWS = 16
 # The smallest chunk-token bucket of the mixed-step graphs.
 MIN_CHUNK_BUCKET = 16
+# The mixed-step graphs' decode rows come in every other power of two (each pad row costs a
+# token of every GEMM), none below this: a step of 40 decode rows and a 512-token chunk pads to
+# 64 rows, not to max_batch_size (256 by default on CUDA, which cost W2 at 64 about 6% of its
+# output rate on an H200: docs/benchmarks/serving.md#defaults).
+MIN_MIXED_DECODE_BUCKET = 16
 # With EngineConfig.use_pdl, decode-only steps of up to this many rows launch their kernels with
 # programmatic dependent launch (infer.kernels.pdl). A batch-1 step's kernels are one short wave
 # each, whose launch and start-up PDL hides. From kernels-bench/pdl_decode_chain.py on an H100
@@ -77,6 +84,13 @@ def batch_buckets(largest: int) -> list[int]:
         sizes.append(size)
         size *= 2
     return [*sizes, largest]
+
+
+def mixed_decode_buckets(max_batch_size: int) -> list[int]:
+    """The mixed-step graphs' decode-row buckets: every other batch bucket down from the largest,
+    none below MIN_MIXED_DECODE_BUCKET (the largest alone where all are)."""
+    buckets = batch_buckets(max_batch_size)[::-2][::-1]
+    return [size for size in buckets if size >= MIN_MIXED_DECODE_BUCKET] or buckets[-1:]
 
 
 def chunk_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -125,6 +139,7 @@ class StepGraphs:
             raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {self.device}")
         self.decode_buckets = batch_buckets(max_batch_size)
         self.chunk_buckets = chunk_buckets(max_num_batched_tokens) if mixed_steps else []
+        self.mixed_decode_buckets = mixed_decode_buckets(max_batch_size) if mixed_steps else []
         self.tile_size = extend_tile_size(model.config.head_dim)
         rows = max_batch_size
         chunk_rows = MAX_GRAPH_CHUNK_ROWS if mixed_steps else 0
@@ -160,12 +175,13 @@ class StepGraphs:
         self.query_start_loc = self._int[num_rows : 2 * num_rows + 1]
         self._tiles = self._int[2 * num_rows + 1 : self._table_start]
         self.block_tables = self._int[self._table_start :].view(num_rows, self.max_blocks)
-        # Decode rows are rows 0..max_batch_size-1, one token each, in every graph: their query
-        # starts never change. Chunk rows' starts follow them and are written per step.
+        # Decode rows come first, one token each: query start i is i up to a graph's decode rows,
+        # and a mixed step writes its chunk rows' starts after them (`_set_query_starts`).
         self._host_query_start_loc[: rows + 1] = np.arange(rows + 1)
 
         self._decode_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # By (decode rows, chunk tokens).
+        self._mixed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # Mixed-step graphs write their logits here (one buffer for all of them, not one each:
         # with Gemma's 262k vocabulary each would hold 80 MiB).
         self._mixed_logits: torch.Tensor | None = None
@@ -176,6 +192,8 @@ class StepGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         # Steps replayed so far, by kind of graph.
         self.num_replays = {"decode": 0, "mixed": 0}
+        # Mixed steps replayed so far, by the decode rows of their graph.
+        self.mixed_replays_by_decode_rows: collections.Counter[int] = collections.Counter()
 
     @property
     def max_batch_size(self) -> int:
@@ -190,9 +208,11 @@ class StepGraphs:
         for batch_size in self.decode_buckets:
             if batch_size not in self._decode_graphs:
                 self._decode_graphs[batch_size] = self._capture_decode(batch_size)
-        for num_chunk_tokens in self.chunk_buckets:
-            if num_chunk_tokens not in self._mixed_graphs:
-                self._mixed_graphs[num_chunk_tokens] = self._capture_mixed(num_chunk_tokens)
+        for decode_rows in self.mixed_decode_buckets:
+            for num_chunk_tokens in self.chunk_buckets:
+                if (decode_rows, num_chunk_tokens) not in self._mixed_graphs:
+                    key = (decode_rows, num_chunk_tokens)
+                    self._mixed_graphs[key] = self._capture_mixed(decode_rows, num_chunk_tokens)
 
     @torch.inference_mode()
     def logits(self, step: StepInputs) -> torch.Tensor | None:
@@ -230,6 +250,7 @@ class StepGraphs:
         inputs[0, :num_rows] = step.input_ids
         inputs[1, :num_rows] = step.positions
         inputs[2, :num_rows] = step.slot_mapping
+        self._set_query_starts(batch_size)  # a mixed step may have written chunk starts there
         self._host_seq_lens[:num_rows] = step.seq_lens
         self._host_block_tables[:num_rows, : step.block_tables.shape[1]] = step.block_tables
         self._set_pad_decode_rows(num_rows, batch_size)
@@ -270,10 +291,11 @@ class StepGraphs:
 
     def _replay_mixed(self, step: StepInputs, num_chunk_tokens: int) -> torch.Tensor:
         bucket = next(size for size in self.chunk_buckets if size >= num_chunk_tokens)
-        if bucket not in self._mixed_graphs:
-            self._mixed_graphs[bucket] = self._capture_mixed(bucket)
-        rows = self.max_batch_size  # the graph's decode rows; its chunk rows start here
         num_decode = step.num_decode_rows
+        # The graph's decode rows; its chunk rows start here.
+        rows = next(size for size in self.mixed_decode_buckets if size >= num_decode)
+        if (rows, bucket) not in self._mixed_graphs:
+            self._mixed_graphs[rows, bucket] = self._capture_mixed(rows, bucket)
         num_chunk_rows = len(step.request_ids) - num_decode
         num_tokens = rows + bucket
         self._wait_inputs_sent()
@@ -293,10 +315,13 @@ class StepGraphs:
         self._set_pad_decode_rows(num_decode, rows)
         seq_lens[rows : rows + num_chunk_rows] = step.seq_lens[num_decode:]
         block_tables[rows : rows + num_chunk_rows, :width] = step.block_tables[num_decode:]
-        seq_lens[rows + num_chunk_rows : self.max_rows] = 0
+        seq_lens[rows + num_chunk_rows : rows + MAX_GRAPH_CHUNK_ROWS] = 0
         chunk_starts = step.query_start_loc[num_decode:] - num_decode + rows  # [chunk rows + 1]
+        self._set_query_starts(rows)
         self._host_query_start_loc[rows : rows + num_chunk_rows + 1] = chunk_starts
-        self._host_query_start_loc[rows + num_chunk_rows + 1 :] = chunk_starts[-1]
+        self._host_query_start_loc[rows + num_chunk_rows + 1 : rows + MAX_GRAPH_CHUNK_ROWS + 1] = (
+            chunk_starts[-1]
+        )
         # The extend kernel's launch plan: every tile of every chunk row, then empty slots.
         tile_counts = _cdiv(np.diff(chunk_starts), self.tile_size)
         num_tiles = int(tile_counts.sum())
@@ -315,23 +340,25 @@ class StepGraphs:
         )
         self._host_logits_indices[num_sampled:] = 0
         self._send(rows + num_chunk_rows)
-        self._mixed_graphs[bucket].replay()
+        self._mixed_graphs[rows, bucket].replay()
         self.num_replays["mixed"] += 1
+        self.mixed_replays_by_decode_rows[rows] += 1
         return self._mixed_logits[:num_sampled]
 
     def _num_tile_slots(self, num_chunk_tokens: int) -> int:
         # Each chunk row adds at most one partly filled tile to the bucket's full ones.
         return _cdiv(num_chunk_tokens, self.tile_size) + MAX_GRAPH_CHUNK_ROWS
 
-    def _mixed_batch(self, num_chunk_tokens: int) -> ForwardBatch:
-        rows, num_rows = self.max_batch_size, self.max_rows
+    def _mixed_batch(self, rows: int, num_chunk_tokens: int) -> ForwardBatch:
+        """The batch of a mixed step of `rows` decode rows and a bucket of chunk tokens."""
+        num_rows = rows + MAX_GRAPH_CHUNK_ROWS
         num_tokens = rows + num_chunk_tokens
         slots = self._num_tile_slots(num_chunk_tokens)
         metadata = AttentionMetadata(
-            query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens,
+            query_start_loc=self.query_start_loc[: num_rows + 1],
+            seq_lens=self.seq_lens[:num_rows],
             slot_mapping=self.slot_mapping[:num_tokens],
-            block_tables=self.block_tables,
+            block_tables=self.block_tables[:num_rows],
             num_decode_rows=rows,
             max_query_len=num_chunk_tokens,
             max_seq_len=self.max_seq_len,
@@ -345,8 +372,8 @@ class StepGraphs:
             logits_indices=self.logits_indices[:num_rows],
         )
 
-    def _capture_mixed(self, num_chunk_tokens: int) -> torch.cuda.CUDAGraph:
-        batch = self._mixed_batch(num_chunk_tokens)
+    def _capture_mixed(self, rows: int, num_chunk_tokens: int) -> torch.cuda.CUDAGraph:
+        batch = self._mixed_batch(rows, num_chunk_tokens)
         if self._mixed_logits is None:
             vocab_size = self.model.config.vocab_size
             self._mixed_logits = torch.empty(
@@ -356,9 +383,10 @@ class StepGraphs:
 
         def forward() -> None:
             self._resolve_pending(batch)
-            logits.copy_(self.model.compute_logits(self.model(batch)))
+            rows_logits = self.model.compute_logits(self.model(batch))
+            logits[: rows_logits.shape[0]].copy_(rows_logits)
 
-        graph, _ = self._capture(forward, pdl=False)
+        graph, _ = self._capture(forward, pdl=False, decode_rows=rows)
         return graph
 
     # -- shared --------------------------------------------------------------------------------
@@ -368,6 +396,10 @@ class StepGraphs:
         self._host_inputs[0, start:stop] = 0
         self._host_inputs[1, start:stop] = 0
         self._host_inputs[2, start:stop] = self.null_block * self.block_size
+
+    def _set_query_starts(self, rows: int) -> None:
+        """Query starts 0..rows: one token per decode row."""
+        self._host_query_start_loc[: rows + 1] = np.arange(rows + 1)
 
     def _set_pad_decode_rows(self, start: int, stop: int) -> None:
         """Decode rows start..stop-1 (and their tokens) become padding: one key, in the null block."""
@@ -398,10 +430,10 @@ class StepGraphs:
         if self.last_sampled is not None:
             resolve_pending_tokens(batch.input_ids, self.last_sampled)
 
-    def _pad_everything(self) -> None:
-        """Every row and token a pad (warm-up and capture): decode rows read the null block,
-        chunk rows have no tokens and no tiles."""
-        rows = self.max_batch_size
+    def _pad_everything(self, rows: int) -> None:
+        """Every row and token a pad (warm-up and capture) for a graph of `rows` decode rows:
+        decode rows read the null block, chunk rows have no tokens and no tiles."""
+        self._set_query_starts(rows)
         self._set_pad_decode_rows(0, rows)
         self._set_pad_tokens(rows, self.max_tokens)
         self._host_seq_lens[rows:] = 0
@@ -412,11 +444,12 @@ class StepGraphs:
         self._int.copy_(self._host_int)
 
     def _capture(
-        self, forward: Callable[[], torch.Tensor | None], *, pdl: bool
+        self, forward: Callable[[], torch.Tensor | None], *, pdl: bool, decode_rows: int | None = None
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
         """Captures `forward` after two warm-up runs, its kernels launched with PDL if `pdl`;
-        returns the graph and what the forward returned (tensors it fills on every replay)."""
-        self._pad_everything()
+        returns the graph and what the forward returned (tensors it fills on every replay).
+        `decode_rows`: the graph's decode rows (None: max_batch_size)."""
+        self._pad_everything(self.max_batch_size if decode_rows is None else decode_rows)
         # Warm-up on a side stream, as torch.cuda.graphs asks: compiles Triton kernels and lets
         # the allocator settle before capture.
         side = torch.cuda.Stream(self.device)

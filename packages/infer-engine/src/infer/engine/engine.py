@@ -50,7 +50,9 @@ class Engine:
         return engine
 
     def _connect(self, config: EngineConfig, client: EngineClient, model_info, stats: EngineStats) -> None:
-        self.config = config
+        # The core's config: its auto settings decided for the device it runs on.
+        self.config = client.limits.config or config
+        self.settings_line = client.limits.settings_line
         self.client = client
         self.model_info = model_info
         self.tokenizer = model_info.tokenizer

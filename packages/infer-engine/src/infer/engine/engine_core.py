@@ -35,6 +35,7 @@ from infer.cache import (
     num_blocks_for_memory,
 )
 from infer.engine.config import EngineConfig, EngineConfigError, resolve_device, resolve_dtype
+from infer.engine.device_defaults import resolve_for_device
 from infer.engine.eos import eos_token_ids_of
 from infer.engine.kv_manager import KVCacheManager
 from infer.engine.protocol import (
@@ -70,12 +71,21 @@ ENTRIES_MAX_TIME_SHARE = 0.01
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded_model=None):
         """`loaded_model`: an infer.models.LoadedModel; None loads config.model (its dtype and
-        device then come from the config; a given model keeps its own)."""
-        self.config = config
+        device then come from the config; a given model keeps its own). The config's auto
+        settings are decided for the device (infer.engine.device_defaults): `self.config` holds
+        the result, and `self.settings_line` says it in one line."""
+        device = (
+            resolve_device(config.device)
+            if loaded_model is None
+            else next(loaded_model.model.parameters()).device
+        )
+        resolved = resolve_for_device(config, device)
+        config = self.config = resolved.config
+        self.settings_line = resolved.describe()
+        logger.info("engine settings: %s", self.settings_line)
         if loaded_model is None:
             from infer.models.load import load_model
 
-            device = resolve_device(config.device)
             limit_device_memory(config, device)
             loaded_model = load_model(
                 config.model,
@@ -138,6 +148,8 @@ class EngineCore:
             max_queue_len=config.max_queue_len,
             vocab_size=model.config.vocab_size,
             eos_token_ids=eos_token_ids,
+            config=config,
+            settings_line=self.settings_line,
         )
         # Structured output: a matcher per constrained request.
         self.structured_output = StructuredOutput(
@@ -163,9 +175,18 @@ class EngineCore:
         )
         # At start-up, not on first use: a kernel compile or a graph capture would land on the
         # latency of whichever request first needs it, and of every request in its step.
+        started = time.perf_counter()
         self.runner.warm_up()
+        logger.info("warmed up the kernels in %.1f s", time.perf_counter() - started)
         if self.runner.graphs is not None:
+            started = time.perf_counter()
+            logger.info("capturing CUDA graphs (use_cuda_graphs=false skips this)")
             self.runner.graphs.capture_all()
+            logger.info(
+                "captured %d CUDA graphs in %.1f s",
+                self.runner.graphs.num_captured,
+                time.perf_counter() - started,
+            )
         # Final outputs decided outside a step (aborts, refusals), sent with the next step's.
         self._early_outputs: list[EngineOutput] = []
         # Decisions launched on the runner whose outputs are not collected yet (async scheduling

@@ -28,10 +28,15 @@ class GenerationResult:
     finish_reason: str
 
 
-def stream(engine: Engine, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[GenerationChunk]:
+def stream(
+    engine: Engine, prompt: str | Sequence[int], params: SamplingParams, *, cache_salt: str | None = None
+) -> Iterator[GenerationChunk]:
     """Yields one chunk per generated token; the last has finished=True and a finish_reason.
-    Raises RuntimeError if the request fails; abandoning the iterator aborts the request."""
-    request_id = engine.add_request(prompt if isinstance(prompt, str) else list(prompt), params)
+    Raises RuntimeError if the request fails; abandoning the iterator aborts the request.
+    `cache_salt`: the prefix cache serves this request only tokens cached under the same salt."""
+    request_id = engine.add_request(
+        prompt if isinstance(prompt, str) else list(prompt), params, cache_salt=cache_salt
+    )
     finished = False
     try:
         while not finished:
@@ -50,8 +55,10 @@ def stream(engine: Engine, prompt: str | Sequence[int], params: SamplingParams) 
             engine.step()
 
 
-def generate(engine: Engine, prompt: str | Sequence[int], params: SamplingParams) -> GenerationResult:
-    chunks = list(stream(engine, prompt, params))
+def generate(
+    engine: Engine, prompt: str | Sequence[int], params: SamplingParams, *, cache_salt: str | None = None
+) -> GenerationResult:
+    chunks = list(stream(engine, prompt, params, cache_salt=cache_salt))
     return GenerationResult(
         token_ids=[chunk.token_id for chunk in chunks],
         text="".join(chunk.text for chunk in chunks),

@@ -15,6 +15,7 @@ Errors are outputs: a request the core refuses or whose forward failed ends with
 import enum
 from dataclasses import dataclass, field
 
+from infer.engine.config import EngineConfig
 from infer.engine.decision import TokenLogprobs
 from infer.engine.request import InvalidParamError, RequestTooLongError
 from infer.engine.sampling_params import SamplingParams
@@ -198,6 +199,10 @@ class CoreLimits:
     # Rows of the model's embedding: token ids (prompts, logit_bias) must be below this.
     vocab_size: int
     eos_token_ids: frozenset[int]
+    # The config the core runs, its auto settings decided for the device
+    # (infer.engine.device_defaults), and that decision in one line for the operator.
+    config: EngineConfig | None = None
+    settings_line: str = ""
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises what makes a request impossible: ValueError for an empty prompt or an id

@@ -29,6 +29,7 @@ import httpx
 from infer.bench.serving.report import markdown_table, write_json
 from infer.bench.serving.runner import benchmark_server
 from infer.bench.serving.workloads import CONCURRENCY_LEVELS, make_workload
+from infer.engine.config import AUTO_FLAGS
 
 DEFAULT_SERVER_COMMAND = f"{sys.executable} -m infer.server.cli serve"
 
@@ -41,15 +42,25 @@ class ConfigRow:
     name: str
     engine_settings: dict
     server_args: tuple[str, ...] = ()
+    # False: max_batch_size is the engine's default, not the matrix's highest concurrency.
+    sized_by_matrix: bool = True
 
 
+# The engine's defaults are the device's measured best (infer.engine.device_defaults), so each
+# row but "defaults" turns every fast path off and then on again by name: a row means the same
+# configuration whatever the defaults become.
+_ALL_OFF = dict.fromkeys(AUTO_FLAGS, False)
 # The first design document's baseline matrix (static, +continuous, +paged, +chunked), then the
 # scheduler policies and CUDA graphs on the last of them.
-_PAGED = {"batching_mode": "continuous", "kv_cache_backend": "paged"}
+_PAGED = {**_ALL_OFF, "batching_mode": "continuous", "kv_cache_backend": "paged"}
 _PAGED_CHUNKED = {**_PAGED, "use_chunked_prefill": True}
 MATRIX_ROWS = (
-    ConfigRow("static", {"batching_mode": "static", "kv_cache_backend": "contiguous"}),
-    ConfigRow("continuous-contiguous", {"batching_mode": "continuous", "kv_cache_backend": "contiguous"}),
+    # `infer serve` with no engine flags.
+    ConfigRow("defaults", {}, sized_by_matrix=False),
+    ConfigRow("static", {**_ALL_OFF, "batching_mode": "static", "kv_cache_backend": "contiguous"}),
+    ConfigRow(
+        "continuous-contiguous", {**_ALL_OFF, "batching_mode": "continuous", "kv_cache_backend": "contiguous"}
+    ),
     ConfigRow("continuous-paged", _PAGED),
     ConfigRow("paged-chunked", _PAGED_CHUNKED),
     ConfigRow("paged-chunked-prefix_cache", {**_PAGED_CHUNKED, "use_prefix_caching": True}),
@@ -173,15 +184,12 @@ def run_matrix(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     levels = {name: (concurrency_levels or {}).get(name) or CONCURRENCY_LEVELS[name] for name in workloads}
-    settings = {
-        "model": model,
-        "max_batch_size": max(max(c) for c in levels.values()),
-        **(base_settings or {}),
-    }
+    settings = {"model": model, **(base_settings or {})}
+    matrix_batch_size = {"max_batch_size": max(max(c) for c in levels.values())}
     summary = {
         "model": model,
         "rows": [row.name for row in rows],
-        "settings": settings,
+        "settings": {**matrix_batch_size, **settings},
         "runs": [],
         "failed_rows": [],
     }
@@ -189,8 +197,9 @@ def run_matrix(
         row_dir = out_dir / row.name
         row_dir.mkdir(exist_ok=True)
         try:
+            sizing = matrix_batch_size if row.sized_by_matrix else {}
             config = EngineConfig.from_dict(
-                {**settings, **row.engine_settings}, source=f"matrix row {row.name}"
+                {**sizing, **settings, **row.engine_settings}, source=f"matrix row {row.name}"
             )
         except EngineConfigError as error:  # e.g. CUDA graphs on a CPU run
             summary["failed_rows"].append({"row": row.name, "error": str(error)})
