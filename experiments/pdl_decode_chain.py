@@ -14,7 +14,7 @@ engine gives PDL to batch-1 decode steps only (`infer.engine.cuda_graphs.launche
 docs/benchmarks/generation.md has the whole table. Needs a CUDA GPU of compute capability 9.0
 or more.
 
-    python kernels-bench/pdl_decode_chain.py [--rows 1,4,8,16,32,64,256]
+    PYTHONPATH=kernels-bench python experiments/pdl_decode_chain.py [--rows 1,4,8,16,32,64,256]
 """
 
 import argparse
