@@ -3,7 +3,7 @@
  *
  * Why: a CPU pays per op, not per byte. SmolLM2's step through the PyTorch path makes about 80 ops
  * and as many Python calls a layer, 30 layers a token: on the CI-class VM that was 8 of the 20 ms
- * an int8 token took (docs/benchmarks/generation.md). Here a step is one call, and what is left is
+ * an int8 token took (docs/benchmarks/generation.md#cpu-smollm2-135m-instruct). Here a step is one call, and what is left is
  * reading the weights.
  *
  * Each block, for each row (pre-norm; "sandwich" where pre_feedforward_norm is set, as Gemma 3):
