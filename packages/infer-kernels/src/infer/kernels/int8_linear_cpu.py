@@ -33,7 +33,8 @@ from infer.kernels.native_cpu import native_library
 K_MULTIPLE = 16
 ALIGNMENT = 64
 # Rows up to which the AVX2 kernel runs: it re-reads each block of weights from L1 once a row,
-# which beat ATen's kernel at 1, 2, 4 and 8 rows on the CI-class VM.
+# which beat ATen's kernel at 1, 2, 4 and 8 rows on the CI-class VM
+# (docs/benchmarks/quantization.md#cpu-decisions-what-chose-them).
 AVX2_MAX_ROWS = 8
 
 
