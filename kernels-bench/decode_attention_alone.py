@@ -2,7 +2,7 @@
 CUDA graph over 8 layers' caches, with a 64 MB write between calls so that K/V come from HBM, as
 in a decode step whose weights stream through the L2. The write's own time, measured alone, is
 subtracted. `--tune` also tries other warps, stages, key tiles and split counts of the decode
-kernel, by setting the module's constants (docs/benchmarks/generation.md has what it found).
+kernel, by setting the module's constants (docs/benchmarks/generation.md#decode-attention).
 Needs a CUDA GPU.
 
     python kernels-bench/decode_attention_alone.py [--tune]

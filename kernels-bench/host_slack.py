@@ -2,11 +2,11 @@
 
 With async scheduling a step is launched before the one running is collected, so the host has
 one GPU step's time to schedule and launch the next. decode_timeline.py's profiled steps show
-the GPU idle for tens of µs a step outside the layers (gemma-3-1b, stop 47: one elementwise
-kernel a step 48 µs exposed for 1.2 µs of work, the two input copies 14 µs for 5.8, the token's
-copy to the host 7 µs for 1.5), but the profiler slows the host too. This measures without a profiler, for
-each checkpoint (W1: a 256-token prompt, 256 new tokens, the engine as decode_timeline builds
-it):
+the GPU idle for tens of µs a step outside the layers (gemma-3-1b on an H200, 2026-11-28: one
+elementwise kernel a step 48 µs exposed for 1.2 µs of work, the two input copies 14 µs for 5.8,
+the token's copy to the host 7 µs for 1.5), but the profiler slows the host too. This measures
+without a profiler, for each checkpoint (W1: a 256-token prompt, 256 new tokens, the engine as
+decode_timeline builds it):
 
 - the engine's decode: µs a token, from `Engine.step()` timed on the host;
 - the host's wait a step: µs spent in the runner's `_read` (waiting for the step's `done`

@@ -4,7 +4,7 @@ against cuBLAS's `F.linear`, on the 1-2B models' projections (issue 15).
 Each configuration runs back to back on distinct weight copies (more than the L2 holds) from one
 CUDA graph, as a model's layers run (`streamed_us`); the best six are timed again under
 programmatic dependent launch. `_dense_gemv_config` encodes what this found
-(docs/benchmarks/generation.md has the table). Needs a CUDA GPU.
+(docs/benchmarks/generation.md#one-row-gemv). Needs a CUDA GPU.
 
     python kernels-bench/sweep_dense_gemv.py [--lm-heads | --focused]
 
@@ -57,7 +57,7 @@ FOCUSED_GATED = [
 ]  # fmt: skip
 FOCUSED_GATED_SHAPES = ("gemma gate_up", "qwen gate_up", "llama gate_up")
 STREAMED_BYTES = 200e6  # weight copies per measurement: four times an H100's 50 MB L2
-FOCUSED_STREAMED_BYTES = 300e6  # as --focused measured on the H200 (stop 42)
+FOCUSED_STREAMED_BYTES = 300e6  # as --focused measured on the H200 (2026-11-28, 7f1a445)
 COPY_BANDWIDTH = 3.0e12  # for the "ideal" column: an H100's measured device-to-device copy
 
 

@@ -22,7 +22,8 @@ from infer.kernels._dispatch import check_dtype, use_triton
 from infer.kernels.pdl import await_inputs, launch_options
 
 # Rows up to which the two kernels run: at 64 rows they beat torch.argmax on an H100 on all four
-# vocabularies measured (49,152 to 262,144), at 256 they did not.
+# vocabularies measured (49,152 to 262,144), at 256 they did not
+# (docs/benchmarks/generation.md#elsewhere).
 MAX_ROWS = 64
 # Entries per program of the first pass: 8 fp32 per thread with 4 warps (two 16-byte loads).
 _BLOCK = 1024

@@ -3,8 +3,8 @@
  *
  * Why: a CPU pays per op, not per byte. SmolLM2's step through the PyTorch path makes about 80 ops
  * and as many Python calls a layer, 30 layers a token: on the CI-class VM that was 8 of the 20 ms
- * an int8 token took (docs/benchmarks/generation.md). Here a step is one call, and what is left is
- * reading the weights.
+ * an int8 token took (docs/benchmarks/generation.md#cpu-smollm2-135m-instruct). Here a step is
+ * one call, and what is left is reading the weights.
  *
  * Each block, for each row (pre-norm; "sandwich" where pre_feedforward_norm is set, as Gemma 3):
  *   x = norm(residual, input_norm)
@@ -68,7 +68,8 @@ static void rms_norm(const float *x, const float *w, float offset, float eps, in
 /* Rows [i, i + 4) of a float32 weight times rows x [m, k] into out [m, n], each row of x reusing
  * the block from L1. The rows PREFETCH_ROWS ahead are prefetched into L2, a line at a time, as
  * int8_gemv_cpu.c does: streamed from 2 threads on the CI-class VM, SmolLM2's shapes read at
- * 27-33 GB/s that way, against 22-29 without and 24-33 for MKL's batched product. */
+ * 27-33 GB/s that way, against 22-29 without and 24-33 for MKL's batched product
+ * (docs/benchmarks/generation.md#elsewhere). */
 static void four_rows_f32(const float *x, int64_t m, const float *w, float *out, int64_t i, int64_t n,
                           int64_t k) {
     const float *w0 = w + i * k;

@@ -1,11 +1,11 @@
 """A decoder-only model's stack of blocks for a CPU step of decode rows, in one C call.
 
-A CPU pays per op, not per byte. Through the PyTorch path SmolLM2's decode step makes about 80
-ops and as many Python calls a block, 30 blocks a token, which on the CI-class VM took 8 ms of an
-int8 token's 20 (docs/benchmarks/generation.md). `DecoderStackCpu` runs every block of a step of up
-to MAX_ROWS decode rows in `decoder_stack_cpu.c` (infer.kernels.native_cpu), which includes the
-int8 product of int8_gemv_cpu.c and the attention of decode_attention_cpu.c; the embedding, the
-final norm and the LM head stay with the caller.
+A CPU pays per op, not per byte. Through the PyTorch path SmolLM2's decode step makes about 80 ops
+and as many Python calls a block, 30 blocks a token, which on the CI-class VM took 8 ms of an int8
+token's 20 (docs/benchmarks/generation.md#cpu-smollm2-135m-instruct). `DecoderStackCpu` runs every
+block of a step of up to MAX_ROWS decode rows in `decoder_stack_cpu.c` (infer.kernels.native_cpu),
+which includes the int8 product of int8_gemv_cpu.c and the attention of decode_attention_cpu.c; the
+embedding, the final norm and the LM head stay with the caller.
 
 The blocks are pre-norm (Llama, Qwen 3) or sandwich-norm (Gemma 3: `pre_feedforward_norm` and
 `post_feedforward_norm` set), with optional per-head QK norms, every norm scaling by

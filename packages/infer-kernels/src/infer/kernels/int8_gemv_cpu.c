@@ -11,7 +11,8 @@
  * - Four weight rows share each load of x, and the rows PREFETCH_ROWS ahead are prefetched: on
  *   the CI-class VM the hardware prefetcher alone read the weights at half the speed. Into L2
  *   (_MM_HINT_T1), not L1: streamed one row at a time from 2 threads, SmolLM2's shapes read at
- *   20-28 GB/s that way, against 12-17 GB/s with _MM_HINT_T1 (docs/benchmarks/quantization.md).
+ *   20-28 GB/s that way, against 12-17 GB/s with _MM_HINT_T0
+ *   (docs/benchmarks/quantization.md#cpu-decisions-what-chose-them).
  * - The int32 sums are folded into floats every CHUNK columns: a lane adds CHUNK / 16 pairs of
  *   products of at most 128 * 32767, 2^31 - 65536 at most, which int32 holds.
  * Threads split the weight's rows, through the OpenMP runtime torch already loaded.

@@ -6,8 +6,9 @@ kernels:
   (inside its `native_cpu_kernels()`, the default). It rounds each row of x to int16 and
   multiplies in integers, prefetching the weights into L2; on the 2-core CI-class VM it reads
   SmolLM2's int8 weights 1.65-3.0x faster than ATen's kernel with its conversions
-  (kernels-bench/cpu_native_kernels.py, docs/benchmarks/quantization.md). Its result equals the
-  float reference on x rounded to int16 with a scale per row (2^-15 of the row's largest entry),
+  (kernels-bench/cpu_native_kernels.py,
+  docs/benchmarks/quantization.md#cpu-decisions-what-chose-them). Its result equals the float
+  reference on x rounded to int16 with a scale per row (2^-15 of the row's largest entry),
   then summed in fp32.
 - larger batches (prompts), and where the C kernel is off or cannot be built: ATen's
   `_weight_int8pack_mm`. It takes x and the scales in bf16 (its fp32 path is a slow fallback, ~3
@@ -32,7 +33,8 @@ from infer.kernels.native_cpu import native_library
 K_MULTIPLE = 16
 ALIGNMENT = 64
 # Rows up to which the AVX2 kernel runs: it re-reads each block of weights from L1 once a row,
-# which beat ATen's kernel at 1, 2, 4 and 8 rows on the CI-class VM.
+# which beat ATen's kernel at 1, 2, 4 and 8 rows on the CI-class VM
+# (docs/benchmarks/quantization.md#cpu-decisions-what-chose-them).
 AVX2_MAX_ROWS = 8
 
 

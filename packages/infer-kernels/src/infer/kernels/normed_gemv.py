@@ -3,11 +3,11 @@
 `x_norm_weight`, x is normalised first (`rms_norm_add_rms_norm`, Gemma's sandwich norm joining
 the residual).
 
-At batch-1 decode the norm is a kernel of one program over a row of 1-2k values, between two
-GEMVs: under programmatic dependent launch it adds 1.1-1.4 µs a call to the critical path of a
-step on an H200 (docs/benchmarks/generation.md), mostly waiting for the kernel before and being
-waited for by the next. Here every program of the GEMV normalises the row itself after its wait:
-a few kilobytes from L2 and one or two reductions, instead of a kernel.
+At batch-1 decode the norm is a kernel of one program over a row of 1-2k values, between two GEMVs:
+under programmatic dependent launch it adds 1.1-1.4 µs a call to the critical path of a step on an
+H200 (docs/benchmarks/generation.md#pre-norm-inside-the-next-gemv), mostly waiting for the kernel
+before and being waited for by the next. Here every program of the GEMV normalises the row itself
+after its wait: a few kilobytes from L2 and one or two reductions, instead of a kernel.
 
 Only for rows of at most MAX_K values, which one weight tile spans: the row is then loaded once,
 whole, and its norm is at hand for the tile's product (the dense GEMV takes one tile of all of K
@@ -43,12 +43,11 @@ _NUM_WARPS = 8
 _GATED_BLOCK_N = 8
 _GATED_BLOCK_K = 256
 _GATED_NUM_WARPS = 2
-# Its programs resident on an SM at once: as the JIT compiled it on an H200 (Triton 3.6.0) it takes
-# 167 registers a thread, so 6 programs of 64 threads fit an SM's 64K registers (`gated_gemv`'s
-# same tiles: 126, so 8; kernels-bench/kernel_registers.py, stop 47). On an H200 it beat the
-# norm's kernel and `gated_gemv` only where its grid was one wave of those (stop 45: Qwen3-1.7B's
-# 768 programs, +2.7% decode); with 864 (Gemma 3 1B) or 1024 (Llama 3.2 1B) programs the second,
-# mostly idle wave made the step 12% and 7% slower.
+# Its programs resident on an SM at once: the JIT compiles it to 167 registers a thread on an H200
+# (Triton 3.6.0), so 6 programs of 64 threads fit an SM's 64K registers. It beats the norm's kernel
+# and `gated_gemv` only where its grid is one wave of those (Qwen3-1.7B's 768 programs, +2.7%); the
+# second, mostly idle wave of Gemma 3 1B's and Llama 3.2 1B's made their steps slower
+# (docs/benchmarks/generation.md#pre-norm-inside-the-next-gemv).
 _GATED_PROGRAMS_PER_SM = 6
 
 

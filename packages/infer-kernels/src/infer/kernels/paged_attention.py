@@ -64,23 +64,20 @@ _TARGET_DECODE_PROGRAMS = 4096
 # Keys per loop step of the decode kernel, halved for head_dim > 64 to bound registers: at 64
 # keys of 128 dims (Qwen 3's heads) the split takes 228 registers a thread with 4 warps, at 32
 # keys 158 (ptxas, sm_90, offline with the JIT's divisibility by 16), and 32 keys decoded
-# qwen3-1.7b's shapes 3% faster on an H200 (docs/benchmarks/generation.md).
+# qwen3-1.7b's shapes 3% faster on an H200 (docs/benchmarks/generation.md#decode-attention).
 _DECODE_BLOCK_N = 64
 _DECODE_WARPS = 4
 # A decode grid of at most one program an SM (batch 1: 16 programs for Gemma 3's one KV head,
-# 128 for Llama's and Qwen's eight) runs each program alone on its SM, where more warps may
-# shorten its latency. With 8 warps instead of 4, an H200 decoded gemma-3-1b's shapes 1.7% and
-# 1.6% faster in two calls, llama-3.2-1b's +2.0% and -0.8%, qwen3-1.7b's level both times
-# (docs/benchmarks/generation.md, stop 44). Larger grids keep 4 (not measured with 8).
+# 128 for Llama's and Qwen's eight) runs each program alone on its SM, where more warps shorten
+# its latency: gemma-3-1b +1.7% and +1.6% on an H200, llama and qwen level
+# (docs/benchmarks/generation.md#decode-attention). Larger grids keep 4 (not measured with 8).
 _ONE_WAVE_DECODE_WARPS = 8
+# 1 stage was within the run-to-run spread of 2 (same section).
 _DECODE_STAGES = 2
-# q.k of decode in bf16/fp16 as the extend kernel's (exact products in fp32, as tf32's): gemma-3-1b's
-# split (sm_90, 8 warps) compiles to 1456 SASS instructions a thread instead of 1896 and 160
-# registers instead of 219 (offline). An H200 decoded gemma-3-1b's shapes 0.9% and 0.7% faster in
-# two calls, qwen3-1.7b's level in both and llama-3.2-1b's in one (docs/benchmarks/generation.md,
-# stop 47).
-# probs x v stays in tf32: in bf16 (the probabilities rounded, as in FlashAttention) it changes
-# the result, and llama-3.2-1b decoded 4.6% slower with it in the same call.
+# q.k of decode in bf16/fp16 as the extend kernel's (exact products in fp32, as tf32's): fewer
+# instructions and registers; gemma-3-1b +0.9% and +0.7% on an H200, llama and qwen level.
+# probs x v stays in tf32: bf16 would round the probabilities, and llama-3.2-1b decoded 4.6% slower
+# with it (docs/benchmarks/generation.md#decode-attention).
 _DECODE_NATIVE_QK = True
 # Extend (BLOCK_M queries, BLOCK_N keys, warps, stages) for head_dim <= 128, the fastest of a
 # sweep on an H100 (Llama 3.2 1B heads, bf16): about 1.7x the time of torch's flash SDPA on

@@ -3,7 +3,7 @@
 Qwen 3 and Gemma 3 normalise each head of q and of k (one weight of `head_dim` for all q heads,
 another for all k heads) before rotating them. Unfused, that is three kernels a layer (two
 `rms_norm`, one `rope`), each reading and writing the heads; at batch 1 each also costs its
-launch, which is what a decode step is made of (docs/benchmarks/generation.md). Here two programs
+launch, which is what a decode step is made of (docs/benchmarks/generation.md#elsewhere). Here two programs
 per token normalise and rotate all of its q heads, and all of its k heads.
 
 The result is that of `rms_norm` of each head, rounded to the input dtype as the unfused kernel

@@ -62,12 +62,11 @@ WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 # Rows of x up to which the FMA kernel runs: on an H100 the tensor-core kernel was as fast from
 # M = 2 (the FMA kernel re-reads the weight tile for each row of x).
+# docs/benchmarks/quantization.md#gpu-decisions-what-chose-them has these and the tiles' figures.
 _GEMV_MAX_M = 1
 # Rows of x from which dequantizing the weight in one pass and handing it to cuBLAS beats the
 # tensor-core kernel (prefill chunks). On an H100, summed over Qwen3-8B's four projections: fp8
-# 516 against 654 µs at 512 rows, 1259 against 2025 at 2048; int8 518 against 536 at 512, even at
-# 1024 (763, 760), 1283 against 1506 at 2048; at 256 rows the tensor-core kernel wins (fp8 442
-# against 334).
+# 516 against 654 µs at 512 rows, int8 518 against 536; at 256 rows the tensor-core kernel wins.
 _DEQUANTIZE_MIN_M = 512
 # K is split while the output tiles alone number fewer than half the SMs, as long as each split
 # keeps at least _MIN_SPLIT_K columns.
@@ -506,7 +505,7 @@ def _gemv_config(M: int, N: int, K: int, k_cap: int, scale_rows: int) -> dict:
     gate|up from 41.9 to 37.8 (o and down unchanged). Folding made int8's decode slower.
     Scales per 128 columns of each row: tiles of 16 x 128 with the loop unrolled 4 times and 8
     warps, except deep layers (K >= 8192, down_proj): 32 x 128 tiles with 4 warps and K split 8
-    ways."""
+    ways. docs/benchmarks/quantization.md#gpu-decisions-what-chose-them."""
     if k_cap < 512 and scale_rows % 8 == 0:
         block_k = min(1024, max(triton.next_power_of_2(K), 16))
         return dict(BLOCK_N=8, BLOCK_K=block_k, UNROLL=1, num_warps=4, num_stages=1, FOLD=16)
@@ -526,7 +525,7 @@ def _gemv_config(M: int, N: int, K: int, k_cap: int, scale_rows: int) -> dict:
 
 def _dense_gemv_config(N: int, K: int) -> dict:
     """From sweeps of the bf16 projections of Llama-3.2-1B, Qwen3-1.7B and Gemma-3-1B (M = 1,
-    streamed from a CUDA graph over distinct weights; docs/benchmarks/generation.md):
+    streamed from a CUDA graph over distinct weights; docs/benchmarks/generation.md#one-row-gemv):
     - wide gate|up projections: 8 rows x 256 columns with 2 warps (H100; the best tile there
       varied from shape to shape within 3%);
     - K <= 2048 (q|k|v, o): 4 rows and all of K in one tile, 8 warps. The GEMV loads its first
@@ -852,7 +851,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     For batch-1 decode on a GPU: at the 1-2B models' widths it streams the weight faster than
     cuBLAS's GEMV does, and under programmatic dependent launch (`infer.kernels.pdl`) it overlaps
-    its neighbours as cuBLAS's kernels cannot (docs/benchmarks/generation.md).
+    its neighbours as cuBLAS's kernels cannot (docs/benchmarks/generation.md#one-row-gemv).
     """
     _check_gemv(x, weight, bias)
     if use_triton(x):

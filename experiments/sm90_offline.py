@@ -4,13 +4,13 @@ shared memory and SASS instruction counts, from ptxas and cuobjdump as Triton sh
 The JIT specializes a launch's arguments: integers divisible by 16 and pointers aligned to 16
 bytes are marked (`tt.divisibility`), which lets a tile's loads be 16 bytes wide. A compile
 without the marks loads 2 bytes at a time and keeps an address for every element in registers:
-stops 41-45 reported the gated GEMV's 8 x 256 tiles at 255 registers and 72 bytes of spill that
-way, 129 and none with the marks (docs/benchmarks/generation.md, stop 46). So every pointer and
+generation.md's H200 entries of 2026-11-28 before 8e22133 reported the gated GEMV's 8 x 256
+tiles at 255 registers and 72 bytes of spill that way, 129 and none with the marks. So every pointer and
 integer argument is marked here, except those named in `unmarked` (give the ones a launch
 passes that are not multiples of 16, and those the kernel lists in `do_not_specialize`).
 `kernel_registers.py` reads what the JIT compiled on a GPU.
 
-    python kernels-bench/sm90_offline.py   # the decode split for Gemma's heads, as an example
+    python experiments/sm90_offline.py   # the decode split for Gemma's heads, as an example
 """
 
 import collections

@@ -7,7 +7,7 @@ samples one token whenever a request has computed all its known tokens; every re
 workload arrives at once. Only the scheduler and the pool decide concurrency, so no model or GPU
 is needed. Usage:
 
-    python tools/bench_admission.py --slots 64 --max-seq-len 5120 --workload W2 --num-requests 256
+    python experiments/bench_admission.py --slots 64 --max-seq-len 5120 --workload W2 --num-requests 256
 """
 
 import argparse

@@ -2,14 +2,14 @@
 
 A kernel compiled offline (`triton.compile` of an `ASTSource`) without the argument
 specialization the JIT gives (integers divisible by 16, pointers aligned to 16 bytes) loads 2
-bytes at a time where the JIT's loads 16, and needs far more registers: stop 46 found the gated
-GEMV's 8 x 256 tiles at 255 registers and 72 bytes of spill that way, 129 and none with the
-hints. This reads what the GPU runs. Each checkpoint decodes a few tokens through the engine
-(CUDA graphs, PDL, the Triton GEMV), then every compiled variant of every kernel in
+bytes at a time where the JIT's loads 16, and needs far more registers: the gated GEMV's
+8 x 256 tiles compiled to 255 registers and 72 bytes of spill that way, 129 and none with the
+hints (2026-11-28, 8e22133). This reads what the GPU runs. Each checkpoint decodes a few tokens
+through the engine (CUDA graphs, PDL, the Triton GEMV), then every compiled variant of every kernel in
 `infer.kernels` is printed with its registers a thread, spilled bytes, warps, and by the
 register count the programs that fit an SM. Needs a CUDA GPU.
 
-    python kernels-bench/kernel_registers.py /tmp/ckpt/gemma-3-1b ...
+    python experiments/kernel_registers.py /tmp/ckpt/gemma-3-1b ...
 """
 
 import argparse

@@ -25,7 +25,7 @@ GEMV loads its first tile before its wait (docs/benchmarks/generation.md).
 
 Needs a CUDA GPU of compute capability 9.0 or more.
 
-    python kernels-bench/pdl_gemv_chain.py [--layers 36] [--json FILE]
+    PYTHONPATH=kernels-bench python experiments/pdl_gemv_chain.py [--layers 36] [--json FILE]
 """
 
 import argparse

@@ -7,7 +7,7 @@ hold), eager and compiled, alternated in one process; x and the scales in bf16, 
 `int8_linear_cpu` passes them. The template needs its weights to be constants (freezing), so a
 model would need one compile per weight: this measures the kernel, not a way to ship it.
 
-    python kernels-bench/cpu_int8_gemv_inductor.py [qkv o gate_up down lm_head]
+    python experiments/cpu_int8_gemv_inductor.py [qkv o gate_up down lm_head]
 """
 
 import sys

@@ -6,7 +6,7 @@ by an oracle independent of the backends (``json.loads`` + ``jsonschema`` / ``re
 
 Usage::
 
-    python -m infer.bench.grammar_backends [--backends xgrammar llguidance outlines-core]
+    python experiments/grammar_backends.py [--backends xgrammar llguidance outlines-core]
         [--tokenizer PATH ...] [--json OUT] [--quick]
 
 The three libraries are optional; they are imported lazily so that a missing one only drops its rows.

@@ -1,6 +1,6 @@
 """Which transport should carry the engine core's messages to and from its child process?
 
-`python -m infer.bench.transport [--requests 64] [--steps 2000] [--repeats 5] [--no-pin]`
+`python experiments/transport.py [--requests 64] [--steps 2000] [--repeats 5] [--no-pin]`
 
 For each transport and encoding below, a real spawned child plays the engine core and the parent
 plays the frontend. The child sends one `EngineOutputs` per step (`--requests` outputs of one new

@@ -2,9 +2,9 @@
 debug sections left out: to tell whether a change to the kernel's source changes the code a
 configuration compiles to. Run it once per source tree and compare the two files:
 
-    PYTHONPATH=<old tree's package srcs> python kernels-bench/gemv_ptx.py /tmp/old.json
-    PYTHONPATH=<new tree's package srcs> python kernels-bench/gemv_ptx.py /tmp/new.json
-    python kernels-bench/gemv_ptx.py --compare /tmp/old.json /tmp/new.json
+    PYTHONPATH=<old tree's package srcs> python experiments/gemv_ptx.py /tmp/old.json
+    PYTHONPATH=<new tree's package srcs> python experiments/gemv_ptx.py /tmp/new.json
+    python experiments/gemv_ptx.py --compare /tmp/old.json /tmp/new.json
 
 Constexprs a tree's kernel does not have are left out, so trees that add one can be compared
 (its value here is the one that keeps the old code path).

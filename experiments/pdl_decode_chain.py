@@ -11,10 +11,10 @@ The answer on an H100 (2026-11-26; timed then by the wall-clock mean of 20 repla
 `streamed_us`), ms a replay, PDL / plain: int8 0.964 / 0.986 at one row, but
 1.02-1.09x slower from 4 to 32 rows, and 4.92 / 3.58 at 256; bf16 0.99-1.00x at 1-256 rows. So the
 engine gives PDL to batch-1 decode steps only (`infer.engine.cuda_graphs.launches_with_pdl`);
-docs/benchmarks/generation.md has the whole table. Needs a CUDA GPU of compute capability 9.0
+docs/benchmarks/generation.md#pdl has the figures. Needs a CUDA GPU of compute capability 9.0
 or more.
 
-    python kernels-bench/pdl_decode_chain.py [--rows 1,4,8,16,32,64,256]
+    PYTHONPATH=kernels-bench python experiments/pdl_decode_chain.py [--rows 1,4,8,16,32,64,256]
 """
 
 import argparse

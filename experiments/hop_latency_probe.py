@@ -4,7 +4,7 @@ one persistent kernel (issue 15)? Needs a CUDA GPU of compute capability 9.0 or 
 A batch-1 decode step of a 1B model is a chain of a few hundred kernels, each needing all of the
 one before's output (attention all of q|k|v, o_proj all of attention, the next norm all of
 o_proj). On an H200, Gemma 3 1B's eight kernels a layer leave 8.7 of its 27.4 µs to the four
-that read next to nothing (docs/benchmarks/generation.md, stop 44). Whether a kernel per layer
+that read next to nothing (H200, 2026-11-28, 5cf5040). Whether a kernel per layer
 (grid-wide barriers between its phases instead of kernel boundaries) could pay depends first on
 what a hop costs each way. Both chains here do the same work a hop: every program reads one
 value another program wrote in the hop before, and writes one.
@@ -17,7 +17,7 @@ A hop's cost is the difference of two chain lengths over the difference of their
 launch of the graph and the counter's reset cancel. Each chain is one graph, timed by the median
 of its replays (`streamed_us`); each result is checked against torch.
 
-    python kernels-bench/hop_latency_probe.py [--reps 20]
+    PYTHONPATH=kernels-bench python experiments/hop_latency_probe.py [--reps 20]
 """
 
 import argparse

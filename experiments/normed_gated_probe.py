@@ -8,7 +8,7 @@ weight copies (more than the L2 holds) under programmatic dependent launch: `gat
 (no norm), the norm's kernel then `gated_gemv`, and the fused kernel under each of its tiles
 and warps, set through its module constants.
 
-    python kernels-bench/normed_gated_probe.py
+    PYTHONPATH=kernels-bench python experiments/normed_gated_probe.py
 """
 
 import importlib
