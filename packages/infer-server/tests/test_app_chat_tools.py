@@ -182,6 +182,62 @@ def test_forced_call_arguments_hold_to_a_rich_schema_streamed_or_not(server, too
     assert isinstance(arguments, dict)
 
 
+NOTE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "save_note",
+        "description": "Save a note",
+        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+    },
+}
+# Greedy, SmolLM2 copies the tag into the note: `{"text": "</tool_call>"}`.
+NOTE_WITH_THE_CLOSING_TAG = [{"role": "user", "content": 'Save a note with the text "</tool_call>".'}]
+
+
+def _streamed_call(server, body: dict) -> dict:
+    """The function of a streamed answer's one call, which ends with finish_reason tool_calls and
+    has no content."""
+    events = _stream_events(server, {**body, "stream": True})
+    chunks = [json.loads(payload) for payload in events[:-1]]
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
+    content = "".join(delta.get("content") or "" for delta in deltas)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls", f"no call parsed from {content!r}"
+    assert content == ""
+    (call,) = [call for delta in deltas for call in delta.get("tool_calls", [])]
+    return call["function"]
+
+
+# The grammar lets a string hold any text, the call's closing tag `</tool_call>` included; the
+# call still ends at the tag after the arguments, and is read back whole.
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "save_note"}}],
+    ids=["required", "named"],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_call_whose_string_holds_the_closing_tag_is_one_call(server, tool_choice, stream):
+    body = {"messages": NOTE_WITH_THE_CLOSING_TAG, "tools": [NOTE_TOOL], "tool_choice": tool_choice}
+    if not stream:
+        answer = server.openai_client().chat.completions.create(model=server.model, temperature=0, **body)
+        arguments = _assert_one_call(answer.choices[0], [NOTE_TOOL])
+    else:
+        function = _streamed_call(server, {**body, "temperature": 0})
+        assert function["name"] == "save_note"
+        arguments = json.loads(function["arguments"])
+        jsonschema.validate(arguments, NOTE_TOOL["function"]["parameters"])
+    assert arguments == {"text": "</tool_call>"}
+
+
+def test_a_sampled_forced_call_that_writes_the_closing_tag_in_a_string_is_one_call(server):
+    # At seed 32 and the default temperature SmolLM2 opens the city's string with `}}</tool_call>`
+    # (as if closing the call), then goes on and closes the string later.
+    answer = server.openai_client().chat.completions.create(
+        model=server.model, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="required", seed=32
+    )
+    arguments = _assert_one_call(answer.choices[0], [WEATHER_TOOL])
+    assert "</tool_call>" in arguments["city"]  # the case it is meant to be (else pick another seed)
+
+
 def test_a_forced_call_to_a_tool_whose_schema_cannot_be_enforced_is_a_400_naming_it(server):
     tool = {
         "type": "function",

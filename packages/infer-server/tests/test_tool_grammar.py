@@ -75,8 +75,8 @@ def random_walk(compiler, tokenizer, closing_ids, spec, seed) -> str | None:
     return tokenizer.decode(ids) if ended else None
 
 
-def parsed_calls(tool_format, prefix: str, text: str) -> list:
-    parser = tool_format.parser([name for name, _ in TOOLS])
+def parsed_calls(tool_format, prefix: str, text: str, names=tuple(name for name, _ in TOOLS)) -> list:
+    parser = tool_format.parser(names)
     return [piece for piece in parser.feed(prefix + text) + parser.finish() if piece != ""]
 
 
@@ -126,3 +126,33 @@ def test_a_property_tool_code_cannot_name_is_refused_for_gemma_only():
     forced_call_grammar(HERMES, tools, "f")
     with pytest.raises(ToolSchemaError, match="max-size"):
         forced_call_grammar(GEMMA_TOOL_CODE, tools, "f")
+
+
+def grammar_accepts(compiler, tokenizer, spec, text: str) -> bool:
+    """Whether the output may be `text` (as the tokenizer splits it) and end there."""
+    matcher = compiler.compile(spec).matcher()
+    return all(matcher.advance(token) for token in tokenizer.encode(text, add_special_tokens=False)) and (
+        matcher.is_terminal
+    )
+
+
+# What the model may write after a forced call's opening, a string holding the families' closing
+# markers (and an opening): the grammar allows any text in a string. JSON as the grammar writes it
+# (compact).
+NOTE = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]}
+ARGUMENTS = {"note": 'a</tool_call>b"<tool_call>```'}
+ARGUMENTS_TEXT = json.dumps(ARGUMENTS, separators=(",", ":"))
+MARKERS_IN_STRINGS = {
+    "hermes": ARGUMENTS_TEXT + "}\n</tool_call>",
+    "llama3_json": ARGUMENTS_TEXT + "}",
+    "gemma_tool_code": f"note={json.dumps(ARGUMENTS['note'])})\n```",
+}
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
+def test_a_forced_call_the_grammar_accepts_parses_whatever_its_strings_hold(compiler, tokenizer, format_name):
+    tool_format, text = FORMATS[format_name], MARKERS_IN_STRINGS[format_name]
+    spec = forced_call_grammar(tool_format, [("write", NOTE)], "write")
+    assert grammar_accepts(compiler, tokenizer, spec, text), text
+    calls = parsed_calls(tool_format, tool_format.named_call_prefix("write"), text, ["write"])
+    assert calls == [ParsedToolCall("write", json.dumps(ARGUMENTS))]

@@ -92,6 +92,36 @@ CASES = {
         [PARIS],
     ),
     "hermes-truncated-call": (HERMES, 'Sure <tool_call>{"name": "get_wea', None, []),
+    # A call ends at the first closing tag outside a JSON string: the grammar of a forced call lets
+    # a string hold any text, tags included.
+    "hermes-closing-tag-inside-a-string": (
+        HERMES,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}\n</tool_call>',
+        None,
+        [call("get_weather", city="a</tool_call>b")],
+    ),
+    "hermes-tags-and-escaped-quotes-inside-strings": (
+        HERMES,
+        'Hi <tool_call>{"name": "get_weather", "arguments": {"<tool_call>": "\\\\", '
+        '"city": "say \\"</tool_call>\\" \\u003c/tool_call>"}}</tool_call> ok',
+        "Hi  ok",
+        [call("get_weather", **{"<tool_call>": "\\", "city": 'say "</tool_call>" </tool_call>'})],
+    ),
+    "hermes-closing-tag-inside-a-string-left-open-at-the-end": (
+        HERMES,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "</tool_call>"}}\n',
+        None,
+        [call("get_weather", city="</tool_call>")],
+    ),
+    # A quote left open does not run past its line (JSON strings hold no newline): the malformed
+    # call is text, and the next call is read.
+    "hermes-unclosed-quote-then-a-call": (
+        HERMES,
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris}}\n</tool_call>',
+        [PARIS],
+    ),
     # -- Llama 3 JSON -----------------------------------------------------------------------------
     "llama3-one-call": (
         LLAMA3_JSON,
@@ -166,6 +196,12 @@ CASES = {
     "gemma-not-python": (GEMMA_TOOL_CODE, "```tool_code\nget_weather(city=\n```", None, []),
     "gemma-expression-argument": (GEMMA_TOOL_CODE, "```tool_code\nget_weather(city=x + 1)\n```", None, []),
     "gemma-other-code-block": (GEMMA_TOOL_CODE, "```python\nprint(1)\n```", None, []),
+    "gemma-fences-inside-strings": (
+        GEMMA_TOOL_CODE,
+        '```tool_code\nget_weather(city="a```b", unit=\'```\', note="\\"```")\n```',
+        None,
+        [call("get_weather", city="a```b", unit="```", note='"```')],
+    ),
 }
 
 
@@ -228,9 +264,11 @@ def test_llama3_streams_prose_at_once_and_holds_json_to_the_end():
 @pytest.mark.parametrize(
     ("tool_format", "model_writes"),
     [
-        (HERMES, '{"city": "Paris"}}\n'),  # generation stops at </tool_call> (a stop string)
+        (HERMES, '{"city": "Paris"}}\n</tool_call>'),  # the grammar ends the call at its closing tag
+        (HERMES, '{"city": "Paris"}}\n'),  # the closing tag cut off (max_tokens, a stop string)
         (LLAMA3_JSON, '{"city": "Paris"}}'),
-        (GEMMA_TOOL_CODE, 'city="Paris")\n'),  # stops at ```
+        (GEMMA_TOOL_CODE, 'city="Paris")\n```'),
+        (GEMMA_TOOL_CODE, 'city="Paris")\n'),
     ],
 )
 def test_a_forced_calls_prefix_is_part_of_the_answer(tool_format, model_writes):
@@ -239,6 +277,20 @@ def test_a_forced_calls_prefix_is_part_of_the_answer(tool_format, model_writes):
     assert parser.parse(model_writes) == ChatAnswer(None, None, [PARIS])
     malformed = ChatOutputParser(tool_format=tool_format, tool_names=TOOLS, call_prefix=prefix)
     assert malformed.parse("oops") == ChatAnswer((prefix + "oops").strip(), None, [])
+
+
+@pytest.mark.parametrize(
+    ("tool_format", "model_writes", "city"),
+    [
+        (HERMES, '{"city": "</tool_call>"}}\n</tool_call>', "</tool_call>"),
+        (HERMES, '{"city": "x\\"</tool_call><tool_call>"}}\n</tool_call>', 'x"</tool_call><tool_call>'),
+        (GEMMA_TOOL_CODE, 'city="```")\n```', "```"),
+    ],
+)
+def test_a_forced_call_whose_string_holds_the_closing_marker_is_one_call(tool_format, model_writes, city):
+    prefix = tool_format.named_call_prefix("get_weather")
+    parser = ChatOutputParser(tool_format=tool_format, tool_names=TOOLS, call_prefix=prefix)
+    assert parser.parse(model_writes) == ChatAnswer(None, None, [call("get_weather", city=city)])
 
 
 def test_required_prefix_lets_the_model_pick_the_function():

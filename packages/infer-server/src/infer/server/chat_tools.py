@@ -11,9 +11,11 @@ that OpenAI answers with 400, are here, each error naming its field:
 `tool_choice` "none" means the tools are neither shown to the model nor looked for in its answer.
 A named or "required" choice starts the answer with the opening of the family's call format (see
 infer.server.tool_parsers.ToolCallFormat), and the rest of the call is held to a grammar
-(infer.server.tool_grammar): the answer is always a call to one of the tools whose arguments
-validate against its `parameters`. Those must then be in the JSON Schema subset structured output
-enforces; a keyword outside it is a 400 naming the tool's field.
+(infer.server.tool_grammar), which also ends the answer at the call's closing marker (not a
+stop string: the model may write that marker inside a string of the arguments): the answer is
+always one call to one of the tools whose arguments validate against its `parameters`. Those must
+then be in the JSON Schema subset structured output enforces; a keyword outside it is a 400
+naming the tool's field.
 """
 
 from dataclasses import dataclass
@@ -45,11 +47,6 @@ class ToolUse:
         if self.forced_name is not None:
             return tool_format.named_call_prefix(self.forced_name)
         return tool_format.any_call_prefix if self.required else ""
-
-    def stop(self, tool_format: ToolCallFormat) -> list[str]:
-        """Stop strings for the answer: a forced call ends at its closing marker (one call, and no
-        prose after it for the parser to mistake for part of the answer)."""
-        return [tool_format.call_end] if self.forced and tool_format.call_end else []
 
     def grammar(self, tool_format: ToolCallFormat) -> GrammarSpec | None:
         """What the answer after `call_prefix` is held to (None when the model answers freely):

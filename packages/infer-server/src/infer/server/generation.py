@@ -41,17 +41,14 @@ def sampling_params(
     num_prompt_tokens: int,
     max_model_len: int,
     prompt_field: str,
-    extra_stop: Sequence[str] = (),
     grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; no token limit means "as many as the context leaves".
-    `extra_stop`: the server's own stop strings besides the client's (e.g. a forced tool call's
-    closing marker); `grammar`: the server's own constraint (a forced tool call's), which takes
-    the place of `response_format`'s, since the answer is then a call and has no content.
+    `grammar`: the server's own constraint (a forced tool call's), which takes the place of
+    `response_format`'s, since the answer is then a call and has no content.
     ApiError 400 context_length_exceeded when prompt + limit do not fit."""
     room = max_model_len - num_prompt_tokens
     kwargs = body.to_sampling_kwargs(max_new_tokens_default=max(room, 1))
-    kwargs["stop"] += [text for text in extra_stop if text not in kwargs["stop"]]
     if grammar is not None:
         kwargs["grammar"] = grammar
     max_new_tokens = kwargs["max_new_tokens"]

@@ -63,7 +63,6 @@ async def create_chat_completion(request: Request) -> Response:
         len(prompt_ids),
         server.max_model_len,
         prompt_field="messages",
-        extra_stop=tools.stop(tool_format) if tools is not None else (),
         grammar=tools.grammar(tool_format) if tools is not None else None,
     )
     # One parser per choice: each reads its own text.

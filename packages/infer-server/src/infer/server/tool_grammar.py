@@ -5,8 +5,11 @@ may write after the call's opening, which the server has already written into th
 The call is then always there, names one of the request's tools, and its arguments parse and
 validate against that tool's `parameters` schema (the same JSON Schema subset as
 `response_format`; a keyword outside it is a 400 naming the tool's field). The grammar ends where
-the family's parser (infer.server.tool_parsers) closes the call, so what it allows is exactly
-what that parser reads back as one call:
+the family's parser (infer.server.tool_parsers) closes the call, at the closing marker after the
+arguments, and generation with it (the grammar then allows only EOS; a stop string would end a
+call at a marker inside a string). A string may hold any text, markers included; the parser
+closes a call at the first marker outside a string, so what the grammar allows is exactly what
+that parser reads back as one call:
 
 - Hermes: `<args>}` then `\\n</tool_call>`; for "required", the name's rest (`get_weather", `)
   and `"arguments": ` first.

@@ -12,9 +12,11 @@ parser here reads that format back:
 
 A parser is fed the text as it is generated and returns what can be decided so far: plain text
 (`str`) and complete calls (`ParsedToolCall`). Text that may be the start of a call is held back
-until the call closes or proves not to be one. A call that is malformed (bad JSON, a name not
-among the request's tools, no name, arguments that are not an object) is given back as the text
-it was, never an error. Feeding the whole text at once and then `finish()` is the non-streamed
+until the call closes or proves not to be one. A call closes at the first closing marker outside
+its string literals: a string may hold any text, markers included (a forced call's grammar
+allows that), so every call that grammar allows is read back. A call that is malformed (bad JSON,
+a name not among the request's tools, no name, arguments that are not an object) is given back
+as the text it was, never an error. Feeding the whole text at once and then `finish()` is the non-streamed
 parse, so streamed and whole answers agree by construction.
 """
 
@@ -59,8 +61,6 @@ class ToolCallFormat:
     named_call_prefix: Callable[[str], str]
     # prefix of a call to a function the model picks (tool_choice "required")
     any_call_prefix: str
-    # Text that ends a call; a forced call stops generation there (None: the answer's end does).
-    call_end: str | None
 
     def parser(self, tool_names: Collection[str]) -> ToolCallParser:
         return self.make_parser(tool_names)
@@ -89,17 +89,21 @@ def partial_marker_length(text: str, marker: str) -> int:
 
 
 class _DelimitedCallParser(ToolCallParser):
+    """`quotes`: the characters that open a string literal in a call's body (closed by the same
+    character; a backslash escapes the next one)."""
+
     def __init__(
         self,
         tool_names: Collection[str],
         opening: str,
         closing: str,
+        quotes: str,
         parse_body: Callable[[str, Collection[str]], list[ParsedToolCall] | None],
     ):
         self.tool_names, self.parse_body = tool_names, parse_body
-        self.opening, self.closing = opening, closing
+        self.opening, self.closing, self.quotes = opening, closing, quotes
         self.buffer = ""
-        self.in_call = False
+        self._enter_call(False)
 
     def feed(self, text: str) -> list[Parsed]:
         self.buffer += text
@@ -113,22 +117,55 @@ class _DelimitedCallParser(ToolCallParser):
                     self.buffer = self.buffer[len(self.buffer) - keep :]
                     return _merge_text(out)
                 out.append(self.buffer[:start])
-                self.buffer, self.in_call = self.buffer[start:], True
-            end = self.buffer.find(self.closing, len(self.opening))
+                self.buffer = self.buffer[start:]
+                self._enter_call(True)
+            end = self._closing_position()
             if end < 0:
                 return _merge_text(out)
             block = self.buffer[: end + len(self.closing)]
             out += self._block(block, self.buffer[len(self.opening) : end])
-            self.buffer, self.in_call = self.buffer[len(block) :], False
+            self.buffer = self.buffer[len(block) :]
+            self._enter_call(False)
 
     def finish(self) -> list[Parsed]:
-        # An open call at the end: the model stopped before the closing marker (or generation was
-        # stopped at it, for a forced call). Its body may still be a whole call.
+        # An open call at the end: the model stopped before the closing marker (max_tokens, a
+        # stop string). Its body may still be a whole call.
         block, self.buffer = self.buffer, ""
         if not self.in_call:
             return _merge_text([block])
-        self.in_call = False
+        self._enter_call(False)
         return self._block(block, block[len(self.opening) :])
+
+    def _enter_call(self, in_call: bool) -> None:
+        """Starts (or leaves) a call at the start of the buffer: its body is scanned from after
+        the opening, outside any string."""
+        self.in_call = in_call
+        self._scanned, self._quote, self._escaped = len(self.opening), None, False
+
+    def _closing_position(self) -> int:
+        """Where the first closing marker outside the body's string literals starts in the
+        buffer, or -1 while there is none yet. The scan goes on from where the last one stopped.
+        A newline ends a string left open (neither a JSON string nor a one-line Python string
+        holds one), so a stray quote hides the markers of its own line only."""
+        buffer, closing, position = self.buffer, self.closing, self._scanned
+        while position < len(buffer):
+            char = buffer[position]
+            if self._quote is not None:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == self._quote or char == "\n":
+                    self._quote = None
+            elif buffer.startswith(closing, position):
+                return position
+            elif len(buffer) - position < len(closing) and closing.startswith(buffer[position:]):
+                break  # the marker may be arriving: scan from here once more text comes
+            elif char in self.quotes:
+                self._quote = char
+            position += 1
+        self._scanned = position
+        return -1
 
     def _block(self, block: str, body: str) -> list[Parsed]:
         calls = self.parse_body(body, self.tool_names)
@@ -293,26 +330,23 @@ TOOL_CODE_OPEN, TOOL_CODE_CLOSE = "```tool_code", "```"
 
 HERMES = ToolCallFormat(
     name="hermes",
-    make_parser=lambda names: _DelimitedCallParser(names, HERMES_OPEN, HERMES_CLOSE, _parse_hermes_body),
+    make_parser=lambda names: _DelimitedCallParser(names, HERMES_OPEN, HERMES_CLOSE, '"', _parse_hermes_body),
     named_call_prefix=lambda name: f'{HERMES_OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
     any_call_prefix=f'{HERMES_OPEN}\n{{"name": "',
-    call_end=HERMES_CLOSE,
 )
 LLAMA3_JSON = ToolCallFormat(
     name="llama3_json",
     make_parser=_WholeAnswerJsonParser,
     named_call_prefix=lambda name: f'{{"name": {json.dumps(name)}, "parameters": ',
     any_call_prefix='{"name": "',
-    call_end=None,
 )
 GEMMA_TOOL_CODE = ToolCallFormat(
     name="gemma_tool_code",
     make_parser=lambda names: _DelimitedCallParser(
-        names, TOOL_CODE_OPEN, TOOL_CODE_CLOSE, _parse_tool_code_body
+        names, TOOL_CODE_OPEN, TOOL_CODE_CLOSE, "\"'", _parse_tool_code_body
     ),
     named_call_prefix=lambda name: f"{TOOL_CODE_OPEN}\n{name}(",
     any_call_prefix=f"{TOOL_CODE_OPEN}\n",
-    call_end=TOOL_CODE_CLOSE,
 )
 # Chat-template family (infer.models.chat_template) -> the call format its template teaches.
 TOOL_CALL_FORMATS = {"chatml": HERMES, "qwen3": HERMES, "llama3": LLAMA3_JSON, "gemma3": GEMMA_TOOL_CODE}
