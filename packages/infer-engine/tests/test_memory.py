@@ -80,3 +80,23 @@ def test_the_engines_statistics_carry_its_weights_and_memory(tiny_models, tiny_c
     assert stats.memory_device == "cpu"
     assert stats.memory_used_bytes == pytest.approx(rss, rel=0.05)
     assert stats.memory_used_bytes > stats.weights_bytes + stats.kv_bytes_total
+
+
+@pytest.mark.gpu
+def test_cuda_memory_is_the_caching_allocators(tiny_checkpoints):
+    from infer.models.load import load_model
+
+    loaded = load_model(tiny_checkpoints["qwen3-tiny"], dtype=torch.bfloat16, device="cuda")
+    config = EngineConfig(max_batch_size=2, max_seq_len=128, block_size=16)
+    engine = Engine(config, loaded_model=loaded)
+    try:
+        time.sleep(READ_PERIOD_S)
+        stats = engine.core.stats()
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    finally:
+        engine.shutdown()
+    assert stats.weights_bytes == checkpoint_bytes(tiny_checkpoints["qwen3-tiny"], itemsize=2)
+    assert stats.memory_device == "cuda"
+    assert stats.memory_used_bytes == allocated and stats.memory_reserved_bytes == reserved
+    assert stats.weights_bytes + stats.kv_bytes_total <= stats.memory_used_bytes <= reserved
+    assert stats.memory_total_bytes == pytest.approx(torch.cuda.mem_get_info()[1], rel=0.01)
