@@ -50,7 +50,6 @@ HISTORY_CHARTS = {
     "memory_roofline": ("%", {"decode": "memory_roofline_percent"}, 1),
     "cache_admissions": ("requests/s", {kind: f"prefix_cache_{kind}_per_s" for kind in MATCH_KINDS}, 1),
 }
-COUNT_CHARTS = ("running_waiting", "cache_admissions")  # whole numbers on the value axis and legend
 PREFIX = "The history of the city begins with a small harbour, a market and a bridge over the river. " * 4
 
 

@@ -7,8 +7,7 @@ On CUDA the figures are the caching allocator's: `torch.cuda.memory_allocated` (
 and `memory_reserved` (what the allocator holds from the driver, alive or cached). On a CPU
 nothing tells a tensor's bytes from the rest of the process, so the figure is the process's
 resident set (`/proc/self/statm`): everything the process holds (Python, libraries, the server
-when the core shares its process), and pages the OS has not mapped yet (an untouched part of
-the KV pool) do not count.
+when the core shares its process), but no page that was never touched.
 """
 
 import os
