@@ -1,13 +1,15 @@
 """GET /dashboard in a real browser: a real server gets a few requests (two sharing a prefix, one
 whose client hangs up, a chat answered with a tool call), headless Chromium renders the page
 (its script reading /v1/stats as a person's browser would), and the rendered DOM shows every
-chart with one point per request or per second of history, tiles with the numbers /v1/stats
-holds, and a row per prefix-cache entry. The screenshot is saved to
+chart with one point per request or per second of history, labelled axes and a legend naming
+each line with its latest value, tiles with the numbers /v1/stats holds, a row per prefix-cache
+entry, and a memory panel whose weights match the checkpoint's tensors. The screenshot is saved to
 `test-artifacts/dashboard.png` (docs/dashboard.md shows it).
 
 Chromium is Debian's `chromium` package; `nox -s tests` installs it when it is missing.
 """
 
+import math
 import re
 import shutil
 import subprocess
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from safetensors import safe_open
 
 REPO = Path(__file__).resolve().parents[3]
 ARTIFACTS = REPO / "test-artifacts"
@@ -27,27 +30,65 @@ WEATHER_TOOL = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
-KIND_COLORS = {"miss": "#e53935", "prefix": "#4caf50", "supersequence": "#26c6da", "lcp": "#ffa726"}
+MATCH_KINDS = ("miss", "prefix", "supersequence", "lcp")
+# Each chart over requests: its unit, and per line its legend's name and the request's value.
+REQUEST_CHARTS = {
+    "ttft": ("ms", {"time to first token": lambda r: 1000 * r["ttft_s"]}),
+    "prefill_speed": ("tok/s", {"prefilled tokens": lambda r: r["prefill_tokens_per_s"]}),
+}
+# Each chart over the history: its unit, per line its legend's name and /v1/stats series, and the
+# series' scale on the chart (bytes as MB).
+HISTORY_CHARTS = {
+    "throughput": ("tok/s", {"generated": "generated_tokens_per_s"}, 1),
+    "running_waiting": ("requests", {"running": "requests_running", "waiting": "requests_waiting"}, 1),
+    # No prefix-cache budget is set: the KV pool is the budget.
+    "cache_memory": (
+        "MB",
+        {"prefix cache": "prefix_cache_bytes", "budget (the KV pool)": "kv_total_bytes"},
+        1e6,
+    ),
+    "memory_roofline": ("%", {"decode": "memory_roofline_percent"}, 1),
+    "cache_admissions": ("requests/s", {kind: f"prefix_cache_{kind}_per_s" for kind in MATCH_KINDS}, 1),
+}
 PREFIX = "The history of the city begins with a small harbour, a market and a bridge over the river. " * 4
 
 
 class Dom(HTMLParser):
-    """The rendered page's charts (data-chart -> attributes, and the shapes inside), tiles, and
-    tables (data-table -> the text of each body row's cells)."""
+    """The rendered page's charts (data-chart -> attributes, the shapes inside, and each axis's
+    texts: "x"/"y" -> {"attrs", "texts"}), legends (data-legend -> {series: (data-value, the
+    text after the swatch)}), tiles, and tables (data-table -> the text of each body row's
+    cells)."""
 
     def __init__(self):
         super().__init__()
         self.charts: dict[str, dict] = {}
+        self.legends: dict[str, dict[str, list]] = {}
         self.tiles: dict[str, str] = {}
         self.hidden: set[str] = set()
         self.tables: dict[str, list[list[str]]] = {}
         self._chart = None
+        self._axis = None
+        self._in_text = False
+        self._legend = None
+        self._series = None
         self._tile = None
         self._table = None
         self._in_body = False
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
+        if "data-legend" in attrs:
+            self._legend = attrs["data-legend"]
+            self.legends[self._legend] = {}
+        elif self._legend is not None and "data-series" in attrs:
+            self._series = attrs["data-series"]
+            self.legends[self._legend][self._series] = [attrs["data-value"], ""]
+        if self._chart is not None and tag == "g" and "data-axis" in attrs:
+            self._axis = attrs["data-axis"]
+            self.charts[self._chart]["axes"][self._axis] = {"attrs": attrs, "texts": []}
+        elif self._axis is not None and tag == "text":
+            self._in_text = True
+            self.charts[self._chart]["axes"][self._axis]["texts"].append("")
         if tag == "table" and "data-table" in attrs:
             self._table = attrs["data-table"]
             self.tables[self._table] = []
@@ -59,7 +100,7 @@ class Dom(HTMLParser):
             self.tables[self._table][-1].append("")
         if tag == "svg" and "data-chart" in attrs:
             self._chart = attrs["data-chart"]
-            self.charts[self._chart] = {"points": attrs.get("data-points"), "shapes": []}
+            self.charts[self._chart] = {"points": attrs.get("data-points"), "shapes": [], "axes": {}}
         elif self._chart is not None and tag in ("circle", "rect", "polyline"):
             self.charts[self._chart]["shapes"].append((tag, attrs))
         if "data-tile" in attrs:
@@ -69,6 +110,14 @@ class Dom(HTMLParser):
                 self.hidden.add(self._tile)
 
     def handle_endtag(self, tag):
+        if self._legend is not None and tag == "div":
+            self._legend = self._series = None
+        elif self._series is not None and tag == "span":
+            self._series = None
+        if tag == "text":
+            self._in_text = False
+        elif tag == "g":
+            self._axis = None
         if tag == "svg":
             self._chart = None
         elif tag == "table":
@@ -77,7 +126,11 @@ class Dom(HTMLParser):
             self._tile = None
 
     def handle_data(self, data):
-        if self._tile is not None:
+        if self._in_text:
+            self.charts[self._chart]["axes"][self._axis]["texts"][-1] += data
+        elif self._series is not None:
+            self.legends[self._legend][self._series][1] += data
+        elif self._tile is not None:
             self.tiles[self._tile] += data
         elif self._in_body and self.tables[self._table] and self.tables[self._table][-1]:
             self.tables[self._table][-1][-1] += data
@@ -89,14 +142,64 @@ def chromium() -> str:
     return path
 
 
-def browse(url: str, *extra: str) -> str:
+def browse(url: str, *extra: str, window: str = "1400,900") -> str:
     command = [
         chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-        "--virtual-time-budget=4000", "--window-size=1400,900", *extra, url,
+        "--virtual-time-budget=4000", f"--window-size={window}", *extra, url,
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
+
+
+def tick_value(text: str) -> float:
+    """An axis tick as the page writes it: k, M and G past ten thousand."""
+    scale = {"k": 1e3, "M": 1e6, "G": 1e9}.get(text[-1])
+    return float(text[:-1]) * scale if scale else float(text)
+
+
+def clock(unix_second: float) -> str:
+    """A time axis label: the browser's local time of day (the browser runs on this machine)."""
+    return time.strftime("%H:%M:%S", time.localtime(unix_second))
+
+
+def size(num_bytes: int) -> str:
+    """Bytes as the memory panel writes them."""
+    return f"{num_bytes / 1e9:.2f} GB" if abs(num_bytes) >= 1e9 else f"{num_bytes / 1e6:.1f} MB"
+
+
+def assert_reading(text: str, label: str, value: float, unit: str) -> None:
+    """A legend entry: the line's name, its current value as the page rounds it, the unit."""
+    match = re.fullmatch(rf"{re.escape(label)} (-?[\d.]+) {re.escape(unit)}", text.strip())
+    assert match, (text, label, unit)
+    decimals = len(match[1].partition(".")[2])
+    assert float(match[1]) == pytest.approx(value, abs=0.5 * 10**-decimals + 1e-9), (text, value)
+
+
+def assert_axes(chart: dict, unit: str, x_title: str, x_labels: list[str], drawn: list[float]) -> None:
+    """A value axis from 0 past every value drawn, titled with its unit; an x axis with its title
+    and these labels."""
+    y, x = chart["axes"]["y"], chart["axes"]["x"]
+    assert y["attrs"]["data-unit"] == unit and y["texts"][-1] == unit
+    ticks = [tick_value(text) for text in y["texts"][:-1]]
+    assert len(ticks) >= 2 and ticks[0] == 0 and ticks == sorted(ticks) and ticks[-1] >= max(drawn)
+    assert x["attrs"]["data-title"] == x_title and x["texts"] == [*x_labels, x_title]
+
+
+def checkpoint_numel(folder: Path) -> int:
+    """Elements of every tensor the checkpoint's files hold (SmolLM2's LM head is its embedding,
+    stored once)."""
+    numel = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(path, "pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 - safe_open is no mapping
+                numel += math.prod(tensors.get_slice(name).get_shape())
+    return numel
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +207,7 @@ def server(start_server):
     return start_server(max_batch_size=4, use_chunked_prefill=True, use_prefix_caching=True)
 
 
-def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server):
+def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server, smollm2_loaded):
     with httpx.Client(base_url=server.base_url, timeout=120.0) as client:
         for ending in ("Its people", "Its bridges"):
             body = {"model": server.model, "prompt": PREFIX + ending, "max_tokens": 6, "temperature": 0}
@@ -164,6 +267,69 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server):
         assert shown >= 1 and len(history[series[0]]) - shown in (0, 1), name
         circles = sum(tag == "circle" for tag, _ in dom.charts[name]["shapes"])
         assert circles == shown * len(series), name
+    # Axes and legends: the value axis reaches past every point drawn and names its unit; the
+    # x axis numbers the requests or gives the time of the first and last second drawn; the
+    # legend names each line with its latest value (the latest request's, or latest second's).
+    request_axis, time_axis = "request, oldest to newest", "time (one point a second)"
+    numbers = [str(i) for i in range(1, len(requests) + 1)]
+    for name, (unit, lines) in REQUEST_CHARTS.items():
+        circles = [a for t, a in dom.charts[name]["shapes"] if t == "circle"]
+        assert_axes(dom.charts[name], unit, request_axis, numbers, [float(a["data-value"]) for a in circles])
+        assert list(dom.legends[name]) == list(lines), name
+        for label, value_of in lines.items():
+            drawn = [float(a["data-value"]) for a in circles if a["data-series"] == label]
+            assert drawn == pytest.approx([value_of(r) for r in requests]), name
+            value, text = dom.legends[name][label]
+            assert float(value) == pytest.approx(value_of(requests[-1])) and float(value) > 0, name
+            assert_reading(text, label, value_of(requests[-1]), unit)
+    for name, (unit, lines, scale) in HISTORY_CHARTS.items():
+        circles = [a for t, a in dom.charts[name]["shapes"] if t == "circle"]
+        assert list(dom.legends[name]) == list(lines), name
+        for label, series in lines.items():
+            drawn = [(int(a["data-x"]), float(a["data-value"])) for a in circles if a["data-series"] == label]
+            held = [(second, value / scale) for second, value in history[series][: len(drawn)]]
+            # The page's newest second may have grown since it read it (a maximum or a sum).
+            assert [x for x, _ in drawn] == [x for x, _ in held], name
+            assert [v for _, v in drawn[:-1]] == pytest.approx([v for _, v in held[:-1]]), name
+            assert drawn[-1][1] <= held[-1][1] + 1e-9, name
+            value, text = dom.legends[name][label]
+            assert float(value) == drawn[-1][1], name
+            assert_reading(text, label, drawn[-1][1], unit)
+        seconds = sorted({int(a["data-x"]) for a in circles})
+        ends = [seconds[0], *(seconds[-1:] if len(seconds) > 1 else [])]
+        x_labels = dom.charts[name]["axes"]["x"]["texts"][:-1]
+        assert [x_labels[0], x_labels[-1]] == [clock(second) for second in (ends[0], ends[-1])], name
+        assert_axes(dom.charts[name], unit, time_axis, x_labels, [float(a["data-value"]) for a in circles])
+    for label in ("prefix cache", "budget (the KV pool)"):  # this page's non-zero gauges
+        assert float(dom.legends["cache_memory"][label][0]) > 0
+    assert_axes(dom.charts["cache_match"], "% of prompt", request_axis, numbers, [100])
+    last = requests[-1]
+    assert dom.legends["cache_match"] == {
+        "cached": [str(last["cached_tokens"]), f"cached {last['cached_tokens']} tokens"],
+        "prefilled": [str(last["prompt_tokens"] - last["cached_tokens"]),
+                      f"prefilled {last['prompt_tokens'] - last['cached_tokens']} tokens"],
+    }  # fmt: skip
+
+    # Memory: the weights against the checkpoint's own tensors (at the dtype the model was loaded
+    # in), the KV pool against the history, and the rest of this process's resident set (the
+    # engine runs in this process) beyond both.
+    memory, model = stats["memory"], smollm2_loaded.model
+    itemsize = next(model.parameters()).element_size()
+    assert memory["weights_bytes"] == checkpoint_numel(smollm2_loaded.path) * itemsize
+    assert memory["kv_total_bytes"] == history["kv_total_bytes"][-1][1]
+    assert memory["device"] == "cpu" and memory["used_bytes"] == pytest.approx(resident_bytes(), rel=0.1)
+    other = memory["used_bytes"] - memory["weights_bytes"] - memory["kv_total_bytes"]
+    assert memory["other_bytes"] == other > 0
+    assert dom.tiles["memory_weights"] == size(memory["weights_bytes"])
+    assert dom.tiles["memory_kv"] == f"{size(memory['kv_used_bytes'])} of {size(memory['kv_total_bytes'])}"
+    assert dom.tiles["memory_other"] == size(other) and dom.tiles["memory_used"] == size(memory["used_bytes"])
+    assert dom.tiles["memory_cached"] == "n/a" and "cpu" in dom.tiles["memory_device"]
+    bar = {a["data-kind"]: int(a["data-value"]) for t, a in dom.charts["memory"]["shapes"] if t == "rect"}
+    assert bar == {
+        "weights": memory["weights_bytes"], "kv_used": memory["kv_used_bytes"],
+        "kv_free": memory["kv_total_bytes"] - memory["kv_used_bytes"], "other": other, "allocator_cache": 0,
+    }  # fmt: skip
+
     totals = stats["totals"]
     for name in ("prompt_tokens_cached", "prompt_tokens_prefilled", "disconnects", "requests"):
         assert dom.tiles[name].strip() == str(totals[name]), name
@@ -196,7 +362,7 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server):
         assert f"{kind}: {count}" in dom.tiles["match_kinds"]
         # Each admission in the second it happened (the page may lack the newest second).
         shown = sum(float(a["data-value"]) for t, a in dom.charts["cache_admissions"]["shapes"]
-                    if t == "circle" and a["fill"] == KIND_COLORS[kind])  # fmt: skip
+                    if t == "circle" and a["data-series"] == kind)  # fmt: skip
         assert shown in (count, sum(value for _, value in history[f"prefix_cache_{kind}_per_s"][:-1])), kind
     assert dom.tiles["evicted"].strip() == "0.0 MB"  # nothing evicted: the pool is far from full
     assert "pressure" in dom.hidden  # the cache is far below its budget (here the KV pool)
@@ -206,5 +372,5 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server):
     ARTIFACTS.mkdir(exist_ok=True)
     screenshot = ARTIFACTS / "dashboard.png"
     screenshot.unlink(missing_ok=True)
-    browse(f"{server.base_url}/dashboard", f"--screenshot={screenshot}")
+    browse(f"{server.base_url}/dashboard", f"--screenshot={screenshot}", window="1400,1400")
     assert screenshot.stat().st_size > 10_000

@@ -151,3 +151,21 @@ def test_cache_admissions_by_kind_and_evictions_are_counted_per_second():
     assert history["prefix_cache_prefix_per_s"] == [[10, 0], [11, 1]]
     assert history["prefix_cache_supersequence_per_s"] == [[10, 0], [11, 0]]
     assert history["prefix_cache_evicted_bytes_per_s"] == [[10, 0], [11, 4096]]
+
+
+def test_the_memory_is_the_latest_steps_and_other_is_what_is_in_use_beyond_weights_and_kv():
+    stats = ServerStats(clock=lambda: 100.0)
+    assert stats.snapshot()["memory"] is None  # no step yet
+    for used in (900, 1000):
+        stats.on_engine_stats(
+            engine_stats(
+                weights_bytes=500, kv_bytes_used=40, kv_bytes_total=300, memory_device="cuda",
+                memory_used_bytes=used, memory_reserved_bytes=1200, memory_total_bytes=8000,
+            )
+        )  # fmt: skip
+    assert stats.snapshot()["memory"] == {
+        "device": "cuda", "weights_bytes": 500, "kv_used_bytes": 40, "kv_total_bytes": 300,
+        "used_bytes": 1000, "reserved_bytes": 1200, "total_bytes": 8000, "other_bytes": 200,
+    }  # fmt: skip
+    stats.on_engine_stats(engine_stats(weights_bytes=500, kv_bytes_total=300))  # nothing measured
+    assert stats.snapshot()["memory"]["other_bytes"] is None

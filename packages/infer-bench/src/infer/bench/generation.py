@@ -32,6 +32,7 @@ from infer.engine.cli import load_engine, resolve_device_and_dtype
 from infer.engine.config import AUTO_FLAGS
 from infer.engine.engine import Engine
 from infer.engine.generate import generate, stream
+from infer.engine.memory import resident_bytes, weights_bytes
 from infer.engine.sampling_params import SamplingParams
 
 
@@ -229,8 +230,7 @@ class PeakMemoryProbe:
 
 
 def memory_split(model: torch.nn.Module, engine: Engine, probe: dict, device) -> dict:
-    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
-    weights = sum(t.numel() * t.element_size() for t in tensors.values())
+    weights = weights_bytes(model)
     kv = engine.core.kv_pool.kv_bytes
     if device.type == "cuda":
         method = "torch.cuda.max_memory_allocated; other = peak - weights - KV"
@@ -239,11 +239,6 @@ def memory_split(model: torch.nn.Module, engine: Engine, probe: dict, device) ->
         method = "VmHWM reset before the timed runs; other = peak RSS - RSS at their start"
         other = probe["peak_bytes"] - probe["start_bytes"]
     return {"weights_bytes": weights, "kv_bytes": kv, "other_bytes": other, **probe, "method": method}
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def peak_resident_bytes() -> int:

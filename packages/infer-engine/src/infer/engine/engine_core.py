@@ -38,6 +38,7 @@ from infer.engine.config import EngineConfig, EngineConfigError, resolve_device,
 from infer.engine.device_defaults import resolve_for_device
 from infer.engine.eos import eos_token_ids_of
 from infer.engine.kv_manager import KVCacheManager
+from infer.engine.memory import DeviceMemory, weights_bytes
 from infer.engine.protocol import (
     ENTRIES_SENT,
     CoreLimits,
@@ -187,6 +188,9 @@ class EngineCore:
                 self.runner.graphs.num_captured,
                 time.perf_counter() - started,
             )
+        # The weights do not change once the engine is built: counted once (EngineStats.weights_bytes).
+        self.weights_bytes = weights_bytes(model)
+        self.device_memory = DeviceMemory(self.device)
         # Final outputs decided outside a step (aborts, refusals), sent with the next step's.
         self._early_outputs: list[EngineOutput] = []
         # Decisions launched on the runner whose outputs are not collected yet (async scheduling
@@ -354,6 +358,8 @@ class EngineCore:
             decode_bytes_total=self._decode_bytes_total,
             decode_time_s_total=self._decode_time_s_total,
             copy_bandwidth_bytes_per_s=self.copy_bandwidth,
+            weights_bytes=self.weights_bytes,
+            **self.device_memory.stats(),
             **self._prefix_cache_stats(),
             **self._prefix_cache_entries(),
         )

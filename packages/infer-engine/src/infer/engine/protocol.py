@@ -129,6 +129,16 @@ class EngineStats:
     decode_bytes_total: int = 0
     decode_time_s_total: float = 0.0
     copy_bandwidth_bytes_per_s: float = 0.0
+    # Memory (infer.engine.memory): the model's parameters and buffers (each storage once),
+    # counted when the engine was built; and the device's memory, read at most once a second:
+    # on "cuda" the caching allocator's allocated and reserved bytes, on "cpu" the process's
+    # resident set (reserved 0); total, the device's memory or the machine's RAM. What is in use
+    # beyond weights and the KV pool (kv_bytes_total) is activations, graphs and the rest.
+    weights_bytes: int = 0
+    memory_device: str = ""
+    memory_used_bytes: int = 0
+    memory_reserved_bytes: int = 0
+    memory_total_bytes: int = 0
 
 
 @dataclass(frozen=True)

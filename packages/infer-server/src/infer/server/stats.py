@@ -17,6 +17,9 @@ chart needs, per request and per second:
   bandwidth the engine measured at start-up: infer.engine.roofline).
 - The prefix cache's entries (runs of tokens between branches of its tree), as the engine last
   walked them (once a second while it works, and once when it falls idle).
+- Memory, as the engine last read it (infer.engine.memory): the weights, the KV pool (used and
+  total) and the device memory in use, whose rest beyond weights and KV pool is `other_bytes`
+  (activations, CUDA graphs, the allocator's; on a CPU everything else the process holds).
 
 `ServerStats` is updated from the engine thread (each step's EngineStats) and the event loop
 (each dispatched token, each finished request), so it takes a lock; `snapshot()` is the JSON of
@@ -160,6 +163,7 @@ class ServerStats:
         self._decode_totals = (0, 0.0)
         self.copy_bandwidth_bytes_per_s = 0.0
         self._cache_totals = dict.fromkeys(CACHE_RATE_SERIES, 0)  # the core's, at its last step
+        self.memory: dict | None = None  # memory_of the core's latest statistics
 
     def on_engine_stats(self, stats) -> None:
         """The core's state after a step (infer.engine.protocol.EngineStats)."""
@@ -177,6 +181,7 @@ class ServerStats:
             for name, value in values.items():
                 self.history[name].record(now, value)
             self.copy_bandwidth_bytes_per_s = stats.copy_bandwidth_bytes_per_s
+            self.memory = memory_of(stats)
             totals = (stats.decode_bytes_total, stats.decode_time_s_total)
             if totals[1] > self._decode_totals[1]:
                 self._decode_bytes.add(now, totals[0] - self._decode_totals[0])
@@ -240,8 +245,9 @@ class ServerStats:
     def snapshot(self) -> dict:
         """GET /v1/stats: {"time", "totals", "finish_reasons", "prefix_cache_matches",
         "prefix_cache_num_entries", "prefix_cache_entries" (most recently used first, with their
-        age and idle time now), "copy_bandwidth_bytes_per_s", "requests" (oldest first), "history": {series:
-        [[unix_second, value], ...]}}."""
+        age and idle time now), "copy_bandwidth_bytes_per_s", "memory" (memory_of; null before
+        the first step), "requests" (oldest first), "history": {series: [[unix_second, value],
+        ...]}}."""
         with self._lock:
             now = self.clock()
             history = {name: history.as_list() for name, history in self.history.items()}
@@ -257,6 +263,7 @@ class ServerStats:
                     for entry in self.prefix_cache_entries
                 ],
                 "copy_bandwidth_bytes_per_s": self.copy_bandwidth_bytes_per_s,
+                "memory": self.memory,
                 "requests": [asdict(record) for record in self.records],
                 "history": history,
             }
@@ -273,3 +280,22 @@ class ServerStats:
                 self._decode_bytes.points, self._decode_seconds.points, strict=True
             )
         ]
+
+
+def memory_of(stats) -> dict:
+    """The memory panel's figures from the core's EngineStats: `device` ("cuda", "cpu"),
+    `weights_bytes`, `kv_used_bytes`, `kv_total_bytes`, `used_bytes` (CUDA: allocated; CPU: the
+    process's resident set), `reserved_bytes` (CUDA: held by the allocator; 0 on a CPU),
+    `total_bytes` (the device's, or the machine's RAM), and `other_bytes`: in use beyond the
+    weights and the whole KV pool (None where nothing was measured)."""
+    used = stats.memory_used_bytes
+    return {
+        "device": stats.memory_device,
+        "weights_bytes": stats.weights_bytes,
+        "kv_used_bytes": stats.kv_bytes_used,
+        "kv_total_bytes": stats.kv_bytes_total,
+        "used_bytes": used,
+        "reserved_bytes": stats.memory_reserved_bytes,
+        "total_bytes": stats.memory_total_bytes,
+        "other_bytes": used - stats.weights_bytes - stats.kv_bytes_total if used else None,
+    }
