@@ -8,7 +8,7 @@ that read next to nothing (H200, 2026-11-28, 5cf5040). Whether a kernel per laye
 (grid-wide barriers between its phases instead of kernel boundaries) could pay depends first on
 what a hop costs each way. Both chains here do the same work a hop: every program reads one
 value another program wrote in the hop before, and writes one.
-- `pdl`: one small kernel a hop, launched under `programmatic_launch()` (each releases the next
+- `pdl`: one small kernel a hop, launched with `pdl=True` (each releases the next
   at its start, then waits), and `plain` (the same kernels without PDL), replayed from a graph.
 - `barrier`: one kernel whose programs (at most a few per SM, so all are resident) meet at a
   barrier between hops: a release add on a global counter, then acquire loads of it until every
@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 from sweep_quantized_gemv import streamed_us
 
-from infer.kernels import programmatic_launch
 from infer.kernels.pdl import await_inputs, launch_options
 
 SHORT, LONG = 64, 256  # hops of the two chains a cost is measured between
@@ -75,10 +74,9 @@ def kernel_chain_us(programs: int, hops: int, pdl: bool, reps: int) -> float:
         buffers[0].copy_(start)
         for hop in range(hops):
             src, dst = buffers[hop % 2], buffers[(hop + 1) % 2]
-            _hop_kernel[(programs,)](src, dst, programs, **launch_options(start))
+            _hop_kernel[(programs,)](src, dst, programs, **launch_options(start, pdl))
 
-    with programmatic_launch(pdl):  # around the capture: the graph keeps the launch mode
-        time = streamed_us([body], repeats=reps)
+    time = streamed_us([body], repeats=reps)  # a captured launch keeps its launch mode
     assert torch.equal(buffers[hops % 2], expected(start, hops)), "the kernel chain computed a wrong value"
     return time
 

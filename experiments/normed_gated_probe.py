@@ -17,7 +17,7 @@ import torch
 import triton
 from sweep_quantized_gemv import streamed_us
 
-from infer.kernels import add_rms_norm, gated_gemv, programmatic_launch, rms_norm_add_rms_norm
+from infer.kernels import add_rms_norm, gated_gemv, rms_norm_add_rms_norm
 
 module = importlib.import_module(
     "infer.kernels.normed_gemv"
@@ -50,26 +50,26 @@ def shape_row(hidden: int, intermediate: int, sandwich: bool, activation: str, g
 
     def unfused(w):
         if sandwich:
-            normed, _ = rms_norm_add_rms_norm(x, residual, x_norm_weight, norm_weight, 1e-6, offset=offset)
+            normed, _ = rms_norm_add_rms_norm(
+                x, residual, x_norm_weight, norm_weight, 1e-6, offset=offset, pdl=True
+            )
         else:
-            normed, _ = add_rms_norm(x, residual, norm_weight, 1e-6, offset=offset)
-        return gated_gemv(normed, w, activation=activation)
+            normed, _ = add_rms_norm(x, residual, norm_weight, 1e-6, offset=offset, pdl=True)
+        return gated_gemv(normed, w, activation=activation, pdl=True)
 
     def fused(w):
-        return module.normed_gated_gemv(
-            x, residual, norm_weight, w, 1e-6, activation=activation, offset=offset, x_norm_weight=x_weight
-        )
+        options = dict(activation=activation, offset=offset, x_norm_weight=x_weight, pdl=True)
+        return module.normed_gated_gemv(x, residual, norm_weight, w, 1e-6, **options)
 
     row = []
     defaults = [getattr(module, name) for name in NAMES]
-    with programmatic_launch():
-        alone = [lambda w=w: gated_gemv(x, w, activation=activation) for w in weights]
-        row.append(streamed_us(alone, repeats=7))
-        row.append(streamed_us([lambda w=w: unfused(w) for w in weights], repeats=7))
-        for config in CONFIGS:
-            for name, value in zip(NAMES, config, strict=True):
-                setattr(module, name, value)
-            row.append(streamed_us([lambda w=w: fused(w) for w in weights], repeats=7))
+    alone = [lambda w=w: gated_gemv(x, w, activation=activation, pdl=True) for w in weights]
+    row.append(streamed_us(alone, repeats=7))
+    row.append(streamed_us([lambda w=w: unfused(w) for w in weights], repeats=7))
+    for config in CONFIGS:
+        for name, value in zip(NAMES, config, strict=True):
+            setattr(module, name, value)
+        row.append(streamed_us([lambda w=w: fused(w) for w in weights], repeats=7))
     for name, value in zip(NAMES, defaults, strict=True):
         setattr(module, name, value)
     return row

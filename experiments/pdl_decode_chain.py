@@ -1,8 +1,8 @@
 """Where does programmatic dependent launch pay: by the number of rows a step's kernels serve.
 
 A question for `EngineConfig.use_pdl` (issues 15 and 16). Layers of Qwen3-8B's projections with
-their norms and gated activation run from one CUDA graph, launched plainly and under
-`infer.kernels.programmatic_launch()`, at 1 to 256 rows:
+their norms and gated activation run from one CUDA graph, launched plainly and with `pdl=True`
+(infer.kernels.pdl), at 1 to 256 rows:
 - int8 per channel through `quantized_linear` (every kernel in the chain is ours, so each one
   takes part in PDL);
 - bf16 through cuBLAS (`F.linear`), where only the norms and the activation take part.
@@ -10,8 +10,8 @@ their norms and gated activation run from one CUDA graph, launched plainly and u
 The answer on an H100 (2026-11-26; timed then by the wall-clock mean of 20 replays, not yet with
 `streamed_us`), ms a replay, PDL / plain: int8 0.964 / 0.986 at one row, but
 1.02-1.09x slower from 4 to 32 rows, and 4.92 / 3.58 at 256; bf16 0.99-1.00x at 1-256 rows. So the
-engine gives PDL to batch-1 decode steps only (`infer.engine.cuda_graphs.launches_with_pdl`);
-docs/benchmarks/generation.md#pdl has the figures. Needs a CUDA GPU of compute capability 9.0
+engine gives PDL to one-token inputs only (`infer.models.linear_method.launches_pdl`);
+docs/benchmarks/generation.md #pdl has the figures. Needs a CUDA GPU of compute capability 9.0
 or more.
 
     PYTHONPATH=kernels-bench python experiments/pdl_decode_chain.py [--rows 1,4,8,16,32,64,256]
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 from sweep_quantized_gemv import streamed_us
 
-from infer.kernels import programmatic_launch, quantized_linear, rms_norm, silu_and_mul
+from infer.kernels import quantized_linear, rms_norm, silu_and_mul
 
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]  # q|k|v, o, gate|up, down
 INT8_LAYERS, BF16_LAYERS = 12, 4  # about 0.8 GB of weights each: more than the L2 holds
@@ -52,27 +52,27 @@ def main() -> None:
     norm = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
     inputs = {m: torch.randn(m, 4096, device="cuda", generator=gen).to(torch.bfloat16) for m in rows}
 
-    def int8_chain(m: int) -> torch.Tensor:
+    def int8_chain(m: int, pdl: bool) -> torch.Tensor:
         x = inputs[m]
         for qkv, o, gate_up, down in int8:
-            a = quantized_linear(rms_norm(x, norm, 1e-6), *qkv, (1, 4096))
-            b = quantized_linear(a[:, :4096], *o, (1, 4096))
-            c = quantized_linear(rms_norm(b, norm, 1e-6), *gate_up, (1, 4096))
-            x = quantized_linear(silu_and_mul(c), *down, (1, 12288))
+            a = quantized_linear(rms_norm(x, norm, 1e-6, pdl=pdl), *qkv, (1, 4096), pdl=pdl)
+            b = quantized_linear(a[:, :4096], *o, (1, 4096), pdl=pdl)
+            c = quantized_linear(rms_norm(b, norm, 1e-6, pdl=pdl), *gate_up, (1, 4096), pdl=pdl)
+            x = quantized_linear(silu_and_mul(c, pdl=pdl), *down, (1, 12288), pdl=pdl)
         return x
 
-    def bf16_chain(m: int) -> torch.Tensor:
+    def bf16_chain(m: int, pdl: bool) -> torch.Tensor:
         x = inputs[m]
         for qkv, o, gate_up, down in bf16:
-            a = F.linear(rms_norm(x, norm, 1e-6), qkv)
+            a = F.linear(rms_norm(x, norm, 1e-6, pdl=pdl), qkv)
             b = F.linear(a[:, :4096], o)
-            c = F.linear(rms_norm(b, norm, 1e-6), gate_up)
-            x = F.linear(silu_and_mul(c), down)
+            c = F.linear(rms_norm(b, norm, 1e-6, pdl=pdl), gate_up)
+            x = F.linear(silu_and_mul(c, pdl=pdl), down)
         return x
 
     def replay_ms(chain, m: int, pdl: bool) -> float:
-        with programmatic_launch(pdl):  # around the capture: the graph keeps the launch mode
-            return streamed_us([lambda: chain(m)], repeats=20) / 1e3
+        # A captured launch keeps its launch mode.
+        return streamed_us([lambda: chain(m, pdl)], repeats=20) / 1e3
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print("| chain | rows | plain ms (two runs) | PDL ms (two runs) | PDL / plain |\n|---|---:|---|---|---:|")

@@ -17,7 +17,6 @@ import torch
 from sweep_quantized_gemv import streamed_us
 
 from infer.kernels import argmax, gemv, silu_and_mul
-from infer.kernels.pdl import programmatic_launch
 from infer.kernels.quantized_linear import _dense_gemv_config, _launch
 
 GATE_UP = {"gemma": (13824, 1152), "llama": (16384, 2048), "qwen": (12288, 2048)}
@@ -31,17 +30,17 @@ def gated_gemv_shape(label: str, n: int, k: int) -> None:
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     whole_tiles = _dense_gemv_config(n, k)  # as many gate rows a tile as the plain GEMV's rows
     variants = {
-        "gemv + silu_and_mul": lambda w: silu_and_mul(gemv(x, w)),
-        "gated (default tiles)": lambda w: _launch(x, w, None, None, None, activation="silu"),
-        "gated (plain GEMV's tiles)": lambda w: _launch(
-            x, w, None, None, None, activation="silu", config=whole_tiles
+        "gemv + silu_and_mul": lambda w, pdl: silu_and_mul(gemv(x, w, pdl=pdl), pdl=pdl),
+        "gated (default tiles)": lambda w, pdl: _launch(x, w, None, None, None, activation="silu", pdl=pdl),
+        "gated (plain GEMV's tiles)": lambda w, pdl: _launch(
+            x, w, None, None, None, activation="silu", config=whole_tiles, pdl=pdl
         ),
     }
     for pdl in (False, True):
-        with programmatic_launch(pdl):
-            times = {
-                name: streamed_us([lambda w=w, f=f: f(w) for w in weights]) for name, f in variants.items()
-            }
+        times = {
+            name: streamed_us([lambda w=w, f=f, pdl=pdl: f(w, pdl) for w in weights])
+            for name, f in variants.items()
+        }
         results = " | ".join(f"{name} {us:.2f} µs" for name, us in times.items())
         print(f"{label} gate_up {n}x{k}, PDL {pdl}: {results}", flush=True)
 
@@ -51,14 +50,13 @@ def sweep_gated_shape(label: str, n: int, k: int) -> None:
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     rows = []
-    with programmatic_launch():
-        for block_n, block_k, warps in itertools.product([4, 8, 16], [256, 512], [2, 4]):
-            config = dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=1, num_warps=warps, num_stages=1)
-            calls = [
-                lambda w=w, c=config: _launch(x, w, None, None, None, activation="silu", config=c)
-                for w in weights
-            ]
-            rows.append((streamed_us(calls), f"{block_n}x{block_k}, {warps} warps"))
+    for block_n, block_k, warps in itertools.product([4, 8, 16], [256, 512], [2, 4]):
+        config = dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=1, num_warps=warps, num_stages=1)
+        calls = [
+            lambda w=w, c=config: _launch(x, w, None, None, None, activation="silu", config=c, pdl=True)
+            for w in weights
+        ]
+        rows.append((streamed_us(calls), f"{block_n}x{block_k}, {warps} warps"))
     best = ", ".join(f"{us:.2f} µs ({name})" for us, name in sorted(rows)[:4])
     print(f"{label} gate_up {n}x{k} gated, PDL, best: {best}", flush=True)
 

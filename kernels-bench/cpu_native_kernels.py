@@ -1,4 +1,4 @@
-"""infer.kernels' C kernels for the CPU (native_cpu_kernels) against the ATen paths they replace,
+"""infer.kernels' C kernels for the CPU (`native=True`) against the ATen paths they replace,
 alternated in one process on SmolLM2-135M's shapes, 2 threads:
 
 - `int8_linear_cpu` of one row, per Linear shape: each shape as many distinct weights (more bytes
@@ -16,7 +16,6 @@ import torch
 from infer.kernels import (
     int8_cpu_scale,
     int8_linear_cpu,
-    native_cpu_kernels,
     native_cpu_kernels_available,
     paged_attention_cpu,
 )
@@ -42,11 +41,11 @@ def us_per_call(calls, repeats: int) -> float:
 
 
 def alternated(name: str, calls, repeats: int, bytes_per_call: float | None = None) -> None:
+    """`calls(native)`: the calls to time with the C kernel (True) or ATen's (False)."""
     for _ in range(2):
         times = {}
         for native in (False, True):
-            with native_cpu_kernels(native):
-                times[native] = us_per_call(calls, repeats)
+            times[native] = us_per_call(calls(native), repeats)
         rate = "" if bytes_per_call is None else f" ({bytes_per_call / times[True] / 1e3:.1f} GB/s)"
         speedup = times[False] / times[True]
         print(f"{name}: ATen {times[False]:.1f} µs, C {times[True]:.1f} µs{rate}, {speedup:.2f}x")
@@ -61,7 +60,13 @@ def main() -> None:
         weights = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(copies)]
         scales = [int8_cpu_scale(torch.rand(n, 1) / 127) for _ in range(copies)]
         x = torch.randn(1, k)
-        calls = [lambda w=w, s=s, x=x: int8_linear_cpu(x, w, s) for w, s in zip(weights, scales, strict=True)]
+
+        def calls(native, x=x, weights=weights, scales=scales):
+            return [
+                lambda w=w, s=s: int8_linear_cpu(x, w, s, native=native)
+                for w, s in zip(weights, scales, strict=True)
+            ]
+
         alternated(f"int8 {name} {n}x{k}", calls, repeats=20, bytes_per_call=n * k)
     heads, kv_heads, head_dim, block_size, keys = 9, 3, 64, 16, 384
     k_cache = torch.randn(keys // block_size + 2, block_size, kv_heads, head_dim)
@@ -78,7 +83,9 @@ def main() -> None:
         decode_key_slots=(range(block_size, block_size + keys),),  # the SDPA path's view
     )
     alternated(
-        f"decode attention, {keys} keys", [lambda: paged_attention_cpu(q, k_cache, v_cache, **kwargs)], 2000
+        f"decode attention, {keys} keys",
+        lambda native: [lambda: paged_attention_cpu(q, k_cache, v_cache, native=native, **kwargs)],
+        2000,
     )
 
 

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 import triton
 from sweep_quantized_gemv import streamed_us
 
-from infer.kernels.pdl import programmatic_launch
 from infer.kernels.quantized_linear import _dense_gemv_config, _launch
 
 PROJECTIONS = {
@@ -81,9 +80,11 @@ def streamed_gemv(n: int, k: int, streamed_bytes: float, activation: str | None 
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
 
-    def calls(config=None, split=None):
+    def calls(config=None, split=None, pdl=False):
         return [
-            lambda w=w: _launch(x, w, None, None, None, config=config, split_k=split, activation=activation)
+            lambda w=w: _launch(
+                x, w, None, None, None, config=config, split_k=split, activation=activation, pdl=pdl
+            )
             for w in weights
         ]
 
@@ -99,8 +100,9 @@ def sweep_shape(n: int, k: int, configs: list[tuple[dict, int]]) -> None:
         for config, split in configs
         if config["BLOCK_K"] * split <= k
     )
-    with programmatic_launch():
-        pdl_rows = sorted((streamed_us(calls(config, split)), config, split) for _, config, split in rows[:6])
+    pdl_rows = sorted(
+        (streamed_us(calls(config, split, pdl=True)), config, split) for _, config, split in rows[:6]
+    )
 
     def name(row):
         us, config, split = row
@@ -127,11 +129,9 @@ def sweep_focused(label: str, n: int, k: int, activation: str | None = None) -> 
         bk = min(bk, triton.next_power_of_2(k))
         config = dict(BLOCK_N=bn, BLOCK_K=bk, UNROLL=1, num_warps=warps, num_stages=stages)
         plain = streamed_us(calls(config, split))
-        with programmatic_launch():
-            pdl = streamed_us(calls(config, split))
+        pdl = streamed_us(calls(config, split, pdl=True))
         rows.append((pdl, plain, f"{bn}x{bk}, {warps} warps, {stages} stages, split {split}"))
-    with programmatic_launch():
-        default = streamed_us(calls())
+    default = streamed_us(calls(pdl=True))
     print(f"\n{label} {n}x{k}: {_dense_gemv_config(n, k)} under PDL {default:.2f} us")
     for pdl, plain, name in sorted(rows)[:8]:
         print(f"  {name}: {pdl:.2f} us under PDL, {plain:.2f} plain")

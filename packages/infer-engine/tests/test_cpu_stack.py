@@ -1,7 +1,7 @@
-"""CPU decode steps through the C decoder stack (infer.models.cpu_stack, on by default with
-use_native_cpu_kernels) against the same engine with the stack turned off on its model: the
-PyTorch path with the same C kernels for attention and int8 products, so the same arithmetic up to
-summation order. The same greedy tokens, and their logprobs within ATOL.
+"""CPU decode steps through the C decoder stack (infer.models.cpu_stack, the runner's CPU decode
+backend, on by default with use_native_cpu_kernels) against the same engine with the backend
+taken off its runner: the PyTorch path with the same C kernels for attention and int8 products,
+so the same arithmetic up to summation order. The same greedy tokens, and their logprobs within ATOL.
 
 Tiny Llama, Qwen 3 and Gemma 3 checkpoints, float32 and int8 at load, three requests at once
 (steps of one to three decode rows, and steps that mix a prompt in, which the stack leaves to the
@@ -24,12 +24,18 @@ PROMPTS = [[5, 91, 200, 17, 300, 42, 7], [11, 12, 13], list(range(40, 80))]
 
 def engine_over(folder, quantization: str | None, *, stack: bool) -> Engine:
     loaded = load_model(folder, dtype=torch.float32, quantization=quantization)
-    if not stack:
-        loaded.model._cpu_stack = False  # the PyTorch path for every step
     config = EngineConfig(
         model=str(folder), device="cpu", max_seq_len=256, max_batch_size=4, quantization=quantization
     )
-    return Engine(config, loaded_model=loaded)
+    engine = Engine(config, loaded_model=loaded)
+    assert engine.core.runner.cpu_decode is not None, "the model does not fit the stack"
+    if not stack:
+        engine.core.runner.cpu_decode = None  # the PyTorch path for every step
+    return engine
+
+
+def stack_steps(engine: Engine) -> int:
+    return engine.core.runner.cpu_decode.num_steps
 
 
 def requests_at_once(
@@ -64,7 +70,7 @@ def test_decode_steps_through_the_stack_match_the_pytorch_path(preset, quantizat
     params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, logprobs=0)
     with_stack = engine_over(tiny_checkpoints[preset], quantization, stack=True)
     ours = requests_at_once(with_stack, params)
-    assert isinstance(with_stack.core.loaded.model._cpu_stack, DecoderStackCpu), "the stack did not run"
+    assert stack_steps(with_stack) > 0, "the stack did not run"
     theirs = requests_at_once(engine_over(tiny_checkpoints[preset], quantization, stack=False), params)
     assert [len(t) for t in ours] == [20, 20, 20]
     for request_ours, request_theirs in zip(ours, theirs, strict=True):
@@ -86,7 +92,17 @@ def test_the_real_models_decode_the_same_through_the_stack(fixture, quantization
     folder = model.loaded.path
     with_stack = engine_over(folder, quantization, stack=True)
     [ours] = requests_at_once(with_stack, params, [prompt])
-    assert isinstance(with_stack.core.loaded.model._cpu_stack, DecoderStackCpu)
+    assert stack_steps(with_stack) > 0
     [theirs] = requests_at_once(engine_over(folder, quantization, stack=False), params, [prompt])
     assert len(ours) == 24
     assert_same(ours, theirs, quantization)
+
+
+def test_without_the_native_cpu_kernels_the_runner_has_no_stack(tiny_checkpoints):
+    folder = tiny_checkpoints[TINY_PRESETS[0]]
+    loaded = load_model(folder, dtype=torch.float32)
+    config = EngineConfig(model=str(folder), device="cpu", max_seq_len=64, use_native_cpu_kernels=False)
+    engine = Engine(config, loaded_model=loaded)
+    assert engine.core.runner.cpu_decode is None
+    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True, logprobs=0)
+    assert [len(tokens) for tokens in requests_at_once(engine, params, PROMPTS[:1])] == [3]

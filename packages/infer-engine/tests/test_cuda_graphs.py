@@ -12,13 +12,7 @@ import torch
 from conformance.oracles import RecomputeOracle
 from infer.engine import SamplingParams, generate
 from infer.engine.config import AUTO_FLAGS, EngineConfig, EngineConfigError, add_cli_arguments, from_cli_args
-from infer.engine.cuda_graphs import (
-    StepGraphs,
-    batch_buckets,
-    chunk_buckets,
-    launches_with_pdl,
-    mixed_decode_buckets,
-)
+from infer.engine.cuda_graphs import StepGraphs, batch_buckets, chunk_buckets, mixed_decode_buckets
 from infer.engine.engine import Engine
 from infer.models.load import load_model
 from infer.models.random_checkpoint import make_random_checkpoint
@@ -68,14 +62,6 @@ def test_triton_gemv_on_the_cpu_is_refused_naming_the_flag():
         EngineConfig(device="cpu", use_triton_gemv=True)
     with pytest.raises(EngineConfigError, match="use_triton_gemv must be true or false"):
         EngineConfig(use_triton_gemv=1)
-
-
-def test_only_batch_1_decode_steps_launch_with_pdl():
-    assert launches_with_pdl(True, num_rows=1, num_decode_rows=1)
-    assert not launches_with_pdl(False, num_rows=1, num_decode_rows=1)
-    assert not launches_with_pdl(True, num_rows=1, num_decode_rows=0)  # a prompt chunk
-    assert not launches_with_pdl(True, num_rows=2, num_decode_rows=1)
-    assert not launches_with_pdl(True, num_rows=4, num_decode_rows=4)
 
 
 def test_cuda_graphs_need_the_paged_pool_and_continuous_batching():

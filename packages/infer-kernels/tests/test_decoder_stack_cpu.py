@@ -19,7 +19,6 @@ from infer.kernels import (
     CpuStackShape,
     DecoderStackCpu,
     decoder_stack_cpu_ref,
-    native_cpu_kernels,
     rope_tables,
 )
 from infer.kernels.decoder_stack_cpu import MAX_ROWS
@@ -178,13 +177,3 @@ def test_refuses_what_it_does_not_take():
         stack(residual, positions + MAX_POSITIONS, slots, tables, lens, kv_layers)
     with pytest.raises(ValueError, match="slot"):
         stack(residual, positions, slots + NUM_CACHE_BLOCKS * BLOCK_SIZE, tables, lens, kv_layers)
-
-
-def test_off_outside_native_cpu_kernels():
-    shape, blocks = make_stack("llama", quantized=False)
-    stack = DecoderStackCpu(shape, blocks)
-    assert DecoderStackCpu.runs_here()
-    with native_cpu_kernels(False):
-        assert not DecoderStackCpu.runs_here()
-        with pytest.raises(RuntimeError, match="native_cpu_kernels"):
-            stack(*make_step([3]))

@@ -22,7 +22,6 @@ from infer.kernels import (
     gated_gemv_ref,
     gemv,
     gemv_ref,
-    programmatic_launch,
 )
 
 # (N, K) of the 1-2B models' projections: Gemma-3-1B qkv, o, gate_up, down; Llama-3.2-1B qkv,
@@ -168,24 +167,23 @@ def test_cuda_more_row_tiles_than_a_grid_dimension_holds(cuda):
 
 
 @pytest.mark.gpu
-def test_cuda_chain_under_programmatic_launch_matches_plain_launches(cuda):
+def test_cuda_chain_launched_with_pdl_matches_plain_launches(cuda):
     """Each GEMV of a chain reads the one before it: with PDL, a kernel that did not wait for its
     predecessor would read a half-written x."""
     weights = [make(2048, 2048, torch.bfloat16, cuda, seed=s)[1] for s in range(8)]
     x = make(2048, 2048, torch.bfloat16, cuda)[0]
 
-    def chain():
+    def chain(pdl: bool = False):
         y = x
         for weight in weights:
-            y = gemv(y, weight)
+            y = gemv(y, weight, pdl=pdl)
         return y
 
     plain = chain()
     graph = torch.cuda.CUDAGraph()
-    with programmatic_launch():
-        chain()  # compile the PDL variant outside the graph
-        with torch.cuda.graph(graph):
-            out = chain()
+    chain(pdl=True)  # compile the PDL variant outside the graph
+    with torch.cuda.graph(graph):
+        out = chain(pdl=True)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, plain)

@@ -1,4 +1,4 @@
-"""int8_linear_cpu's two kernels (native_cpu_kernels on and off) against quantized_linear_ref,
+"""int8_linear_cpu's two kernels (`native=True` and `native=False`) against quantized_linear_ref,
 each on the input it rounds to.
 
 - ATen's weight-only int8 kernel rounds x and the scales to bf16 and returns a bf16 product,
@@ -21,7 +21,6 @@ from infer.kernels import (
     int8_linear_cpu,
     int8_linear_cpu_supports,
     native_cpu,
-    native_cpu_kernels,
     native_cpu_kernels_available,
     quantized_linear_ref,
 )
@@ -60,8 +59,7 @@ def test_aten_matches_the_reference_on_bf16_inputs(rows, n, k, bias):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     b = torch.randn(n) if bias else None
     assert int8_linear_cpu_supports(weight)
-    with native_cpu_kernels(False):
-        out = int8_linear_cpu(x, weight, int8_cpu_scale(scale), b)
+    out = int8_linear_cpu(x, weight, int8_cpu_scale(scale), b, native=False)
     assert out.dtype == torch.float32 and out.shape == (rows, n)
     rounded_scale = scale.to(torch.bfloat16).float()
     expected = quantized_linear_ref(x.to(torch.bfloat16).float(), weight, rounded_scale, (1, k))
@@ -124,8 +122,9 @@ def test_rows_beyond_the_avx2_kernels_take_aten():
     weight, scale = weights(64, 32)
     x = torch.randn(AVX2_MAX_ROWS + 1, 32)
     out = int8_linear_cpu(x, weight, int8_cpu_scale(scale))
-    with native_cpu_kernels(False):
-        aten, aten_few = (int8_linear_cpu(rows, weight, int8_cpu_scale(scale)) for rows in (x, x[:2]))
+    aten, aten_few = (
+        int8_linear_cpu(rows, weight, int8_cpu_scale(scale), native=False) for rows in (x, x[:2])
+    )
     torch.testing.assert_close(out, aten)
     # and a few rows do not: the two kernels round x differently
     assert not torch.equal(int8_linear_cpu(x[:2], weight, int8_cpu_scale(scale)), aten_few)
@@ -135,10 +134,9 @@ def test_rows_beyond_the_avx2_kernels_take_aten():
 def test_leading_dims_are_kept(native):
     weight, scale = weights(64, 32)
     x = torch.randn(2, 3, 32)
-    with native_cpu_kernels(native):
-        out = int8_linear_cpu(x, weight, int8_cpu_scale(scale))
-        assert out.shape == (2, 3, 64)
-        torch.testing.assert_close(out[1], int8_linear_cpu(x[1], weight, int8_cpu_scale(scale)))
+    out = int8_linear_cpu(x, weight, int8_cpu_scale(scale), native=native)
+    assert out.shape == (2, 3, 64)
+    torch.testing.assert_close(out[1], int8_linear_cpu(x[1], weight, int8_cpu_scale(scale), native=native))
 
 
 def test_weights_the_kernel_cannot_take_are_refused(monkeypatch):

@@ -23,7 +23,6 @@ from infer.kernels import (
     normed_gated_gemv_ref,
     normed_gemv,
     normed_gemv_ref,
-    programmatic_launch,
 )
 from infer.kernels.normed_gemv import MAX_K
 
@@ -38,10 +37,10 @@ def make(N, K, dtype, device, *, sandwich, seed=0):
     return x, residual, norm_weight, weight, x_norm_weight
 
 
-def assert_matches_reference(x, residual, norm_weight, weight, eps, offset, x_norm_weight):
+def assert_matches_reference(x, residual, norm_weight, weight, eps, offset, x_norm_weight, pdl=False):
     before = residual.clone()
     out, new_residual = normed_gemv(
-        x, residual, norm_weight, weight, eps, offset=offset, x_norm_weight=x_norm_weight
+        x, residual, norm_weight, weight, eps, offset=offset, x_norm_weight=x_norm_weight, pdl=pdl
     )
     expected, expected_residual = normed_gemv_ref(
         x, residual, norm_weight, weight, eps, offset=offset, x_norm_weight=x_norm_weight
@@ -131,17 +130,15 @@ def test_cuda_matches_reference(cuda, shape, sandwich, pdl):
     N, K = shape
     x, residual, norm_weight, weight, x_norm_weight = make(N, K, torch.bfloat16, cuda, sandwich=sandwich)
     offset = 1.0 if sandwich else 0.0
-    if pdl:
-        with programmatic_launch():
-            assert_matches_reference(x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight)
-    else:
-        assert_matches_reference(x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight)
+    assert_matches_reference(x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight, pdl)
 
 
 # -- normed_gated_gemv ---------------------------------------------------------------------------
 
 
-def assert_gated_matches_reference(x, residual, norm_weight, weight, eps, offset, x_norm_weight, activation):
+def assert_gated_matches_reference(
+    x, residual, norm_weight, weight, eps, offset, x_norm_weight, activation, pdl=False
+):
     """The new residual against the norm kernels' references, within the roundings
     test_normed_gemv allows. The output against RMSNorm's arithmetic done exactly (float64) on
     that residual h: `act(gate) * up` of `W (h / rms(h) * (offset + norm_weight))`, the kernel's
@@ -152,7 +149,7 @@ def assert_gated_matches_reference(x, residual, norm_weight, weight, eps, offset
     before = residual.clone()
     args = (x, residual, norm_weight, weight, eps)
     options = dict(activation=activation, offset=offset, x_norm_weight=x_norm_weight)
-    out, new_residual = normed_gated_gemv(*args, **options)
+    out, new_residual = normed_gated_gemv(*args, **options, pdl=pdl)
     _, expected_residual = normed_gated_gemv_ref(*args, **options)
     assert torch.equal(residual, before), "the residual passed in must be left as it is"
     assert out.shape == (*x.shape[:-1], weight.shape[0] // 2) and out.dtype == x.dtype
@@ -212,7 +209,6 @@ def test_gated_cuda_matches_reference(cuda, shape, sandwich, activation, pdl):
     """The 1-2B models' gate|up projections, bf16."""
     x, residual, norm_weight, weight, x_norm_weight = make(*shape, torch.bfloat16, cuda, sandwich=sandwich)
     offset = 1.0 if sandwich else 0.0
-    with programmatic_launch(pdl):
-        assert_gated_matches_reference(
-            x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight, activation
-        )
+    assert_gated_matches_reference(
+        x, residual, norm_weight, weight, 1e-6, offset, x_norm_weight, activation, pdl
+    )

@@ -12,12 +12,10 @@ from hypothesis import strategies as st
 from infer.kernels import (
     TOLERANCES,
     assert_close,
-    native_cpu_kernels,
     native_cpu_kernels_available,
     paged_attention,
     paged_attention_cpu,
     paged_attention_ref,
-    programmatic_launch,
 )
 
 # The module, not the function that infer.kernels exports under the same name.
@@ -144,13 +142,12 @@ def test_reference_writes_into_out():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("native", [True, False], ids=["native", "sdpa"])
 def test_cpu_path_equals_the_reference(heads, block_size, sliding_window, dtype, native):
-    """fp32 decode rows take decode_attention_cpu.c inside native_cpu_kernels() (the default),
-    SDPA outside it; bf16 ones take SDPA either way."""
+    """fp32 decode rows take decode_attention_cpu.c with `native=True` (the default), SDPA with
+    `native=False`; bf16 ones take SDPA either way."""
     q, k_cache, v_cache, kwargs = make_batch(
         MIXED["decode"], MIXED["extend"], heads, block_size, dtype, "cpu", 4
     )
-    with native_cpu_kernels(native):
-        out = paged_attention_cpu(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
+    out = paged_attention_cpu(q, k_cache, v_cache, sliding_window=sliding_window, native=native, **kwargs)
     assert out.shape == q.shape and out.dtype == dtype
     assert_close(out, paged_attention_ref(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs))
 
@@ -165,8 +162,7 @@ def test_the_native_decode_path_at_a_thousand_keys(sliding_window):
     out = paged_attention_cpu(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
     expected = brute_force(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
-    with native_cpu_kernels(False):
-        sdpa = paged_attention_cpu(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
+    sdpa = paged_attention_cpu(q, k_cache, v_cache, sliding_window=sliding_window, native=False, **kwargs)
     assert not torch.equal(out, sdpa)  # a different sum order: the C kernel ran
 
 
@@ -197,10 +193,15 @@ def test_cpu_path_reads_the_decode_key_slots_it_is_given(sliding_window):
         slots.append(
             shuffled["block_tables"][b, positions // block_size].long() * block_size + positions % block_size
         )
-    with native_cpu_kernels(False):
-        out = paged_attention(
-            q, k_cache, v_cache, sliding_window=sliding_window, decode_key_slots=tuple(slots), **kwargs
-        )
+    out = paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        sliding_window=sliding_window,
+        decode_key_slots=tuple(slots),
+        native=False,
+        **kwargs,
+    )
     decode = slice(0, kwargs["num_decode_rows"])
     expected = paged_attention_ref(q, k_cache, v_cache, sliding_window=sliding_window, **shuffled)
     assert_close(out[decode], expected[decode])
@@ -225,10 +226,15 @@ def test_cpu_path_reads_consecutive_slots_given_as_a_range(sliding_window):
         slots.append(range(first_block * block_size, first_block * block_size + seq_len))
         first_block += count
     kwargs = dict(kwargs, block_tables=block_tables)
-    with native_cpu_kernels(False):
-        out = paged_attention(
-            q, k_cache, v_cache, sliding_window=sliding_window, decode_key_slots=tuple(slots), **kwargs
-        )
+    out = paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        sliding_window=sliding_window,
+        decode_key_slots=tuple(slots),
+        native=False,
+        **kwargs,
+    )
     decode = slice(0, kwargs["num_decode_rows"])
     expected = paged_attention_ref(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
     assert_close(out[decode], expected[decode])
@@ -443,11 +449,10 @@ def test_kernel_in_a_cuda_graph_follows_new_lengths_and_block_tables(cuda, block
     max_len = 1024  # captured at the model's longest length; rows are shorter: 4 splits
     decode = [max_len, 5, 600, 300, 129, 1000, 64, 17]
     q, k_cache, v_cache, kwargs = make_batch(decode, [], heads, block_size, torch.bfloat16, cuda, 13)
-    with programmatic_launch(pdl):
-        paged_attention(q, k_cache, v_cache, **kwargs)  # compile before capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = paged_attention(q, k_cache, v_cache, **kwargs)
+    paged_attention(q, k_cache, v_cache, pdl=pdl, **kwargs)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention(q, k_cache, v_cache, pdl=pdl, **kwargs)
     gen = torch.Generator().manual_seed(14)
     for _ in range(3):
         new_lens = torch.randint(1, max_len + 1, (len(decode),), generator=gen, dtype=torch.int32)

@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (infer.kernels.pdl): the kernels launched under
-`programmatic_launch()` compute exactly what they compute launched plainly.
+"""Programmatic dependent launch (infer.kernels.pdl): the kernels launched with `pdl=True` compute
+exactly what they compute launched plainly.
 
 The GPU oracle is the same chain of kernels launched without PDL: the kernels and their arguments
 are the same, so the outputs must be equal bit for bit. A kernel that read its input before the
@@ -15,7 +15,6 @@ from infer.kernels import (
     KVStore,
     add_rms_norm,
     paged_attention,
-    programmatic_launch,
     qk_norm_rope,
     quantized_linear,
     rms_norm,
@@ -25,26 +24,10 @@ from infer.kernels import (
 from infer.kernels.pdl import launch_options
 
 
-def test_launch_options_are_plain_on_a_cpu_and_outside_the_context():
+def test_launch_options_are_plain_on_a_cpu_and_without_pdl():
     x = torch.zeros(4)
-    assert launch_options(x) == {"PDL": False}
-    with programmatic_launch():
-        assert launch_options(x) == {"PDL": False}  # no PDL on a CPU (or in Triton's interpreter)
-
-
-def test_programmatic_launch_nests_and_restores_the_setting_it_found():
-    from infer.kernels import pdl
-
-    assert pdl._enabled is False
-    with programmatic_launch():
-        assert pdl._enabled is True
-        with programmatic_launch(False):
-            assert pdl._enabled is False
-        assert pdl._enabled is True
-    assert pdl._enabled is False
-    with pytest.raises(RuntimeError), programmatic_launch():
-        raise RuntimeError("a kernel failed")
-    assert pdl._enabled is False
+    assert launch_options(x, False) == {"PDL": False}
+    assert launch_options(x, True) == {"PDL": False}  # no PDL on a CPU (or in Triton's interpreter)
 
 
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 4096, 32, 8, 128, 12288
@@ -95,14 +78,14 @@ def _decode_chain(gen: torch.Generator, max_seq_len: int):
     query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
     seq_lens = torch.tensor([NUM_KEYS], dtype=torch.int32, device="cuda")
 
-    def run() -> torch.Tensor:
-        hidden, residual = rms_norm(x0, layers[0]["norms"][3], 1e-6), x0.clone()
+    def run(pdl: bool) -> torch.Tensor:
+        hidden, residual = rms_norm(x0, layers[0]["norms"][3], 1e-6, pdl=pdl), x0.clone()
         for layer in layers:
-            h, residual = add_rms_norm(hidden, residual, layer["norms"][0], 1e-6)
-            qkv = quantized_linear(h, *layer["qkv"], (1, HIDDEN))
+            h, residual = add_rms_norm(hidden, residual, layer["norms"][0], 1e-6, pdl=pdl)
+            qkv = quantized_linear(h, *layer["qkv"], (1, HIDDEN), pdl=pdl)
             q, k, v = qkv.view(1, -1, HEAD_DIM).split([Q_HEADS, KV_HEADS, KV_HEADS], dim=1)
             store = KVStore(v, layer["k_cache"], layer["v_cache"], slot)
-            q, _ = qk_norm_rope(q, k, *layer["qk_norms"], 1e-6, cos, sin, positions, store=store)
+            q, _ = qk_norm_rope(q, k, *layer["qk_norms"], 1e-6, cos, sin, positions, store=store, pdl=pdl)
             attn = paged_attention(
                 q,
                 layer["k_cache"],
@@ -114,12 +97,13 @@ def _decode_chain(gen: torch.Generator, max_seq_len: int):
                 max_query_len=1,
                 max_seq_len=max_seq_len,
                 scale=HEAD_DIM**-0.5,
+                pdl=pdl,
             )
-            o = quantized_linear(attn.view(1, -1), *layer["o"], (1, Q_HEADS * HEAD_DIM))
-            h, residual = add_rms_norm(o, residual, layer["norms"][1], 1e-6)
-            gate_up = quantized_linear(h, *layer["gate_up"], (1, HIDDEN))
-            hidden = quantized_linear(silu_and_mul(gate_up), *layer["down"], (128, 128))
-        return rms_norm(hidden + residual, layers[-1]["norms"][2], 1e-6)
+            o = quantized_linear(attn.view(1, -1), *layer["o"], (1, Q_HEADS * HEAD_DIM), pdl=pdl)
+            h, residual = add_rms_norm(o, residual, layer["norms"][1], 1e-6, pdl=pdl)
+            gate_up = quantized_linear(h, *layer["gate_up"], (1, HIDDEN), pdl=pdl)
+            hidden = quantized_linear(silu_and_mul(gate_up, pdl=pdl), *layer["down"], (128, 128), pdl=pdl)
+        return rms_norm(hidden + residual, layers[-1]["norms"][2], 1e-6, pdl=pdl)
 
     return run, layers, x0
 
@@ -132,12 +116,12 @@ def _replayed(run, layers, x0, inputs, *, pdl: bool) -> tuple[list[torch.Tensor]
     x0.copy_(inputs[0])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), programmatic_launch(pdl):
-        run()  # compiles every kernel variant outside the capture
+    with torch.cuda.stream(side):
+        run(pdl)  # compiles every kernel variant outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with programmatic_launch(pdl), torch.cuda.graph(graph):
-        out = run()
+    with torch.cuda.graph(graph):
+        out = run(pdl)
     outputs = []
     for x in inputs[1:]:
         x0.copy_(x)
@@ -152,8 +136,7 @@ def _replayed(run, layers, x0, inputs, *, pdl: bool) -> tuple[list[torch.Tensor]
 def test_a_decode_chain_launched_with_pdl_computes_exactly_what_plain_launches_do(max_seq_len):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs compute capability 9.0 or newer")
-    with programmatic_launch():
-        assert launch_options(torch.zeros(1, device="cuda")) == {"PDL": True, "launch_pdl": True}
+    assert launch_options(torch.zeros(1, device="cuda"), True) == {"PDL": True, "launch_pdl": True}
     gen = torch.Generator(device="cuda").manual_seed(0)
     run, layers, x0 = _decode_chain(gen, max_seq_len)
     inputs = [torch.randn(x0.shape, device="cuda", generator=gen).to(x0.dtype) for _ in range(4)]

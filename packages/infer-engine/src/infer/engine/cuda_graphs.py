@@ -34,16 +34,14 @@ Sampling stays outside the graph (per-request generators, data-dependent paths).
 """
 
 import collections
-import contextlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from infer.engine.input_batch import StepInputs, resolve_pending_tokens
-from infer.kernels import extend_tile_size, programmatic_launch
+from infer.kernels import extend_tile_size
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
-from infer.models.linear import triton_gemv
 
 # Chunk rows a mixed-step graph holds. A serving step rarely holds more than a few prompt
 # chunks; one with more runs eagerly. Each slot costs empty programs of the extend kernel.
@@ -55,26 +53,6 @@ MIN_CHUNK_BUCKET = 16
 # 64 rows, not to max_batch_size (256 by default on CUDA, which cost W2 at 64 about 6% of its
 # output rate on an H200: docs/benchmarks/serving.md#defaults).
 MIN_MIXED_DECODE_BUCKET = 16
-# With EngineConfig.use_pdl, decode-only steps of up to this many rows launch their kernels with
-# programmatic dependent launch (infer.kernels.pdl). A batch-1 step's kernels are one short wave
-# each, whose launch and start-up PDL hides. From kernels-bench/pdl_decode_chain.py on an H100
-# (12 layers of Qwen3-8B's int8 projections with their norms and activation, in a graph), PDL over
-# plain: 0.978x the time at one row, but 1.02-1.09x from 4 to 32 rows (the tensor-core kernel) and
-# 1.37x at 256 (a prompt chunk). With bf16 (cuBLAS) projections, 0.99-1.00x at 1-256 rows.
-PDL_MAX_DECODE_ROWS = 1
-
-
-def launches_with_pdl(use_pdl: bool, num_rows: int, num_decode_rows: int) -> bool:
-    """Whether a step of num_rows rows, the first num_decode_rows of them decodes, uses PDL."""
-    return use_pdl and num_decode_rows == num_rows and num_rows <= PDL_MAX_DECODE_ROWS
-
-
-@contextlib.contextmanager
-def kernel_launches(pdl: bool, use_triton_gemv: bool):
-    """What every forward runs inside, eager or captured: programmatic dependent launch for its
-    Triton kernels (`pdl`), and one-row dense Linears on the Triton GEMV (`use_triton_gemv`)."""
-    with programmatic_launch(pdl), triton_gemv(use_triton_gemv):
-        yield
 
 
 def batch_buckets(largest: int) -> list[int]:
@@ -119,16 +97,12 @@ class StepGraphs:
         null_block: int,
         mixed_steps: bool = True,
         last_sampled: torch.Tensor | None = None,
-        use_pdl: bool = False,
-        use_triton_gemv: bool = False,
     ):
-        """`last_sampled`: the runner's device copy of the previous step's sampled tokens, which
-        placeholder input ids point into (runner.py). `use_pdl`: the batch-1 decode graph is
-        captured with programmatic dependent launch (`launches_with_pdl`). `use_triton_gemv`:
-        every graph is captured inside infer.models.linear.triton_gemv."""
+        """`model`: built with its kernel policy (infer.models.kernel_policy), whose launch
+        options each captured kernel keeps (programmatic dependent launch in the batch-1 decode
+        graph, with KernelPolicy.use_pdl). `last_sampled`: the runner's device copy of the
+        previous step's sampled tokens, which placeholder input ids point into (runner.py)."""
         self.model = model
-        self.use_pdl = use_pdl
-        self.use_triton_gemv = use_triton_gemv
         self.last_sampled = last_sampled
         self.kv_layers = kv_layers
         self.max_seq_len = max_seq_len
@@ -267,7 +241,7 @@ class StepGraphs:
             self._resolve_pending(batch)
             return self.model.compute_logits(self.model(batch))
 
-        return self._capture(forward, pdl=launches_with_pdl(self.use_pdl, batch_size, batch_size))
+        return self._capture(forward)
 
     def _decode_batch(self, batch_size: int) -> ForwardBatch:
         metadata = AttentionMetadata(
@@ -386,7 +360,7 @@ class StepGraphs:
             rows_logits = self.model.compute_logits(self.model(batch))
             logits[: rows_logits.shape[0]].copy_(rows_logits)
 
-        graph, _ = self._capture(forward, pdl=False, decode_rows=rows)
+        graph, _ = self._capture(forward, decode_rows=rows)
         return graph
 
     # -- shared --------------------------------------------------------------------------------
@@ -444,26 +418,21 @@ class StepGraphs:
         self._int.copy_(self._host_int)
 
     def _capture(
-        self, forward: Callable[[], torch.Tensor | None], *, pdl: bool, decode_rows: int | None = None
+        self, forward: Callable[[], torch.Tensor | None], *, decode_rows: int | None = None
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
-        """Captures `forward` after two warm-up runs, its kernels launched with PDL if `pdl`;
-        returns the graph and what the forward returned (tensors it fills on every replay).
-        `decode_rows`: the graph's decode rows (None: max_batch_size)."""
+        """Captures `forward` after two warm-up runs; returns the graph and what the forward
+        returned (tensors it fills on every replay). `decode_rows`: the graph's decode rows
+        (None: max_batch_size)."""
         self._pad_everything(self.max_batch_size if decode_rows is None else decode_rows)
         # Warm-up on a side stream, as torch.cuda.graphs asks: compiles Triton kernels and lets
         # the allocator settle before capture.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        launches = kernel_launches(pdl, self.use_triton_gemv)
-        with torch.cuda.stream(side), torch.inference_mode(), launches:
+        with torch.cuda.stream(side), torch.inference_mode():
             for _ in range(2):
                 forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with (
-            torch.inference_mode(),
-            kernel_launches(pdl, self.use_triton_gemv),
-            torch.cuda.graph(graph, pool=self._pool),
-        ):
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
             output = forward()
         return graph, output

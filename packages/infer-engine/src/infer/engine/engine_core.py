@@ -56,6 +56,7 @@ from infer.engine.runner import ModelRunner
 from infer.engine.scheduler import Scheduler
 from infer.engine.stop import stop_token_ids_of, token_finish_reason
 from infer.engine.structured_output import StructuredOutput
+from infer.models.kernel_policy import KernelPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -169,9 +170,9 @@ class EngineCore:
             use_cuda_graphs=config.use_cuda_graphs,
             cuda_graph_mixed_steps=config.cuda_graph_mixed_steps,
             async_scheduling=config.async_scheduling,
-            use_pdl=config.use_pdl,
-            use_triton_gemv=config.use_triton_gemv,
-            use_native_cpu_kernels=config.use_native_cpu_kernels,
+            kernel_policy=KernelPolicy(
+                self.device, config.use_triton_gemv, config.use_pdl, config.use_native_cpu_kernels
+            ),
             eos_token_ids=eos_token_ids,
         )
         # At start-up, not on first use: a kernel compile or a graph capture would land on the

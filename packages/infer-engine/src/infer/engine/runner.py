@@ -1,8 +1,12 @@
 """ModelRunner.execute(decision) -> RunnerOutput: every scheduled token of a step in one forward.
 
-Prompt chunks and decodes go through the same flat forward (`ForwardBatch`, decode rows first);
-a step that fits the captured buckets replays a CUDA graph instead (`EngineConfig.use_cuda_graphs`,
-and `cuda_graph_mixed_steps` for steps with prompt chunks). Rows whose last scheduled token is
+Prompt chunks and decodes go through the same flat forward (`ForwardBatch`, decode rows first).
+The runner builds the model once with its kernel policy (infer.models.kernel_policy: each
+Linear's method, the fused pre-norm projections, the launch options), then selects a backend per
+step: a step that fits the captured buckets replays a CUDA graph (`EngineConfig.use_cuda_graphs`,
+and `cuda_graph_mixed_steps` for steps with prompt chunks); on a CPU, a step of decode rows runs
+the C decoder stack where the policy allows the C kernels (infer.models.cpu_stack); every other
+step runs the model's eager forward. Rows whose last scheduled token is
 their last known token sample one token each, with the batched sampler; a mid-prompt chunk
 samples nothing. The runner keeps each request's tokens in its `InputBatch` and appends what it
 samples, so the next decision only says how many tokens to run.
@@ -23,12 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from infer.engine.cuda_graphs import StepGraphs, kernel_launches, launches_with_pdl
+from infer.engine.cuda_graphs import StepGraphs
 from infer.engine.decision import RunnerOutput, ScheduleDecision, TokenLogprobs
 from infer.engine.input_batch import InputBatch, RowState, StepInputs, resolve_pending_tokens
 from infer.engine.sampler import AllowedTokens, SamplingTensors, compute_logprobs, sample
-from infer.kernels import native_cpu_kernels, native_cpu_kernels_available
+from infer.kernels import native_cpu_kernels_available
+from infer.models.cpu_stack import CpuDecodeStack
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
+from infer.models.kernel_policy import KernelPolicy, apply_kernel_policy
 
 
 @dataclass
@@ -83,29 +89,28 @@ class ModelRunner:
         use_cuda_graphs: bool = False,
         cuda_graph_mixed_steps: bool = True,
         async_scheduling: bool = False,
-        use_pdl: bool = False,
-        use_triton_gemv: bool = False,
-        use_native_cpu_kernels: bool = True,
+        kernel_policy: KernelPolicy | None = None,
         eos_token_ids: Collection[int] = (),
     ):
         """`kv_pool`: an infer.cache.KVPool (its kv_layers, block_size and null_block are used).
         `max_num_batched_tokens`: the most tokens a step holds (sizes the mixed-step graphs;
         None: max_seq_len). `async_scheduling`: a step may be launched before the previous one is
-        collected (the graphs then resolve placeholders). `use_pdl`: batch-1 decode steps launch their
-        kernels with programmatic dependent launch, eager or captured (`launches_with_pdl`).
-        `use_triton_gemv`: every forward runs inside infer.models.linear.triton_gemv (one-row
-        dense Linears on the Triton GEMV). `use_native_cpu_kernels`: every forward runs inside
-        infer.kernels.native_cpu_kernels (C kernels for decode attention and int8 on a CPU).
-        `eos_token_ids`: the model's EOS set, which a request's min_tokens keeps out."""
+        collected (the graphs then resolve placeholders). `kernel_policy`: what the model runs,
+        applied to it here, once (None: `KernelPolicy(device)`, the plain ATen paths); its C
+        kernels also select the CPU decode stack. `eos_token_ids`: the model's EOS set, which a
+        request's min_tokens keeps out."""
         self.async_scheduling = async_scheduling
-        self.use_pdl = use_pdl
-        self.use_triton_gemv = use_triton_gemv
-        self.use_native_cpu_kernels = use_native_cpu_kernels
         self.eos_token_ids = tuple(eos_token_ids)
         self.model = model
         self.kv_pool = kv_pool
         self.kv_layers = kv_pool.kv_layers
         self.device = next(model.parameters()).device
+        self.kernel_policy = kernel_policy or KernelPolicy(self.device)
+        apply_kernel_policy(model, self.kernel_policy)
+        # The CPU decode backend (None: every step takes the model's forward).
+        self.cpu_decode = None
+        if self.device.type == "cpu" and self.kernel_policy.use_native_cpu_kernels:
+            self.cpu_decode = CpuDecodeStack.for_model(model)
         self.input_batch = InputBatch(
             max_rows=max_batch_size,
             max_seq_len=max_seq_len,
@@ -137,8 +142,6 @@ class ModelRunner:
                 null_block=kv_pool.null_block,
                 mixed_steps=cuda_graph_mixed_steps,
                 last_sampled=self.last_sampled if async_scheduling else None,
-                use_pdl=use_pdl,
-                use_triton_gemv=use_triton_gemv,
             )
 
     @torch.inference_mode()
@@ -147,9 +150,10 @@ class ModelRunner:
         variant (one-split and split decode rows, prompt chunks after decode rows) is compiled
         now and not on the step of whichever request first needs it (graph capture compiles the
         graphs' own; a step no graph holds runs eagerly). Only the null block is
-        written. A CPU has infer.kernels' C kernels to build (native_cpu_kernels), once a machine."""
+        written. A CPU has infer.kernels' C kernels to build (KernelPolicy.use_native_cpu_kernels),
+        once a machine."""
         if self.device.type != "cuda":
-            if self.use_native_cpu_kernels:
+            if self.kernel_policy.use_native_cpu_kernels:
                 native_cpu_kernels_available()
             return
         block_size = self.input_batch.block_size
@@ -170,7 +174,7 @@ class ModelRunner:
                 logits_indices=np.array([0, 2], dtype=np.int64),
             )
             self._eager_logits(step)
-            if self.use_pdl:  # a decode-only step launches the kernels' PDL variants
+            if self.kernel_policy.pdl:  # a one-token step launches the kernels' PDL variants
                 decode_only = StepInputs(
                     request_ids=step.request_ids[:1],
                     input_ids=step.input_ids[:1],
@@ -296,15 +300,18 @@ class ModelRunner:
         return self._eager_logits(step)
 
     def _eager_logits(self, step: StepInputs) -> torch.Tensor:
-        num_rows = len(step.request_ids)
-        pdl = launches_with_pdl(self.use_pdl, num_rows, step.num_decode_rows)
-        with kernel_launches(pdl, self.use_triton_gemv), native_cpu_kernels(self.use_native_cpu_kernels):
-            if not step.sampling_rows:
-                # Mid-prompt chunks only: the forward still fills the cache.
-                self.model(self.forward_batch(step, logits_indices=np.zeros(1, dtype=np.int64)))
-                return torch.empty(0)
-            hidden = self.model(self.forward_batch(step, logits_indices=step.logits_indices))
-            return self.model.compute_logits(hidden)
+        if not step.sampling_rows:
+            # Mid-prompt chunks only: the forward still fills the cache.
+            self._forward(self.forward_batch(step, logits_indices=np.zeros(1, dtype=np.int64)))
+            return torch.empty(0)
+        hidden = self._forward(self.forward_batch(step, logits_indices=step.logits_indices))
+        return self.model.compute_logits(hidden)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward of `batch`, through the CPU decode stack where it takes the step."""
+        if self.cpu_decode is not None and self.cpu_decode.takes(batch):
+            return self.cpu_decode(batch)
+        return self.model(batch)
 
     def _decode_key_slots(self, step: StepInputs) -> tuple[torch.Tensor | range, ...]:
         """Each decode row's key slots through its block table (AttentionMetadata.decode_key_slots):

@@ -23,7 +23,7 @@ from infer.kernels.int8_linear_cpu import (
     int8_linear_cpu,
     int8_linear_cpu_supports,
 )
-from infer.kernels.native_cpu import native_cpu_kernels, native_cpu_kernels_available
+from infer.kernels.native_cpu import native_cpu_kernels_available
 from infer.kernels.normed_gemv import (
     normed_gated_gemv,
     normed_gated_gemv_fills_one_wave,
@@ -37,7 +37,6 @@ from infer.kernels.paged_attention import (
     paged_attention_cpu,
     paged_attention_ref,
 )
-from infer.kernels.pdl import programmatic_launch
 from infer.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from infer.kernels.quantized_linear import (
     dequantize_weight,
@@ -95,7 +94,6 @@ __all__ = [
     "int8_cpu_scale",
     "int8_linear_cpu",
     "int8_linear_cpu_supports",
-    "native_cpu_kernels",
     "native_cpu_kernels_available",
     "normed_gated_gemv",
     "normed_gated_gemv_fills_one_wave",
@@ -105,7 +103,6 @@ __all__ = [
     "paged_attention",
     "paged_attention_cpu",
     "paged_attention_ref",
-    "programmatic_launch",
     "qk_norm_rope",
     "qk_norm_rope_ref",
     "quantized_gated_gemv",

@@ -57,7 +57,7 @@ def _gated_activation_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(gate_up: torch.Tensor, *, gelu_tanh: bool) -> torch.Tensor:
+def _launch(gate_up: torch.Tensor, *, gelu_tanh: bool, pdl: bool) -> torch.Tensor:
     num_cols = gate_up.shape[-1] // 2
     if gate_up.stride(-1) != 1:
         gate_up = gate_up.contiguous()  # read only: a copy changes nothing the caller sees
@@ -74,7 +74,7 @@ def _launch(gate_up: torch.Tensor, *, gelu_tanh: bool) -> torch.Tensor:
             GELU_TANH=gelu_tanh,
             BLOCK=_BLOCK,
             num_warps=_NUM_WARPS,
-            **launch_options(rows),
+            **launch_options(rows, pdl),
         )
     return out.view(*gate_up.shape[:-1], num_cols)
 
@@ -97,17 +97,17 @@ def _check(gate_up: torch.Tensor) -> None:
         raise ValueError(f"gate_up's last dim must be even (gate and up halves), got {gate_up.shape[-1]}")
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: `silu(gate) * up`."""
+def silu_and_mul(gate_up: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """SwiGLU: `silu(gate) * up`. `pdl`: launch with programmatic dependent launch (infer.kernels.pdl)."""
     _check(gate_up)
     if use_triton(gate_up):
-        return _launch(gate_up, gelu_tanh=False)
+        return _launch(gate_up, gelu_tanh=False, pdl=pdl)
     return silu_and_mul_ref(gate_up)
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GeGLU with the tanh approximation of GELU (Gemma): `gelu_tanh(gate) * up`."""
+def gelu_tanh_and_mul(gate_up: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """GeGLU with the tanh approximation of GELU (Gemma): `gelu_tanh(gate) * up`. `pdl`: as silu_and_mul's."""
     _check(gate_up)
     if use_triton(gate_up):
-        return _launch(gate_up, gelu_tanh=True)
+        return _launch(gate_up, gelu_tanh=True, pdl=pdl)
     return gelu_tanh_and_mul_ref(gate_up)

@@ -89,9 +89,10 @@ def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """The index of the largest entry of each row of `logits` `[..., V]`, int64 `[...]`:
-    `torch.argmax(logits, dim=-1)`, ties and NaNs included."""
+    `torch.argmax(logits, dim=-1)`, ties and NaNs included. `pdl`: launch with programmatic
+    dependent launch (infer.kernels.pdl)."""
     check_dtype("logits", logits)
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have a non-empty last dim, got shape {list(logits.shape)}")
@@ -109,7 +110,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     chunk_max = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=logits.device)
     chunk_index = torch.empty((num_rows, num_chunks), dtype=torch.int64, device=logits.device)
     chunk_nan = torch.empty((num_rows, num_chunks), dtype=torch.int64, device=logits.device)
-    pdl = launch_options(rows)
+    options = launch_options(rows, pdl)
     _chunk_argmax_kernel[(num_rows, num_chunks)](
         rows,
         rows.stride(0),
@@ -121,7 +122,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         BLOCK=_BLOCK,
         NO_NAN=_NO_NAN,
         num_warps=_NUM_WARPS,
-        **pdl,
+        **options,
     )
     _row_argmax_kernel[(num_rows,)](
         chunk_max,
@@ -132,6 +133,6 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         CHUNKS=triton.next_power_of_2(num_chunks),
         NO_NAN=_NO_NAN,
         num_warps=4,
-        **pdl,
+        **options,
     )
     return out.view(logits.shape[:-1])

@@ -27,7 +27,7 @@ import torch
 
 from infer.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from infer.kernels.int8_linear_cpu import ALIGNMENT, K_MULTIPLE
-from infer.kernels.native_cpu import native_library
+from infer.kernels.native_cpu import load_native
 from infer.kernels.paged_attention import NATIVE_MAX_HEAD_DIM, paged_attention_ref
 from infer.kernels.rms_norm import rms_norm_ref
 from infer.kernels.rope import rope_ref
@@ -150,8 +150,8 @@ class DecoderStackCpu:
 
     @staticmethod
     def runs_here() -> bool:
-        """Whether the C library is built and enabled (infer.kernels.native_cpu_kernels)."""
-        return native_library(SOURCE) is not None
+        """Whether the C library builds here (infer.kernels.native_cpu)."""
+        return load_native(SOURCE) is not None
 
     def __call__(
         self,
@@ -192,9 +192,9 @@ class DecoderStackCpu:
         num_slots = self._caches(kv_layers)
         if int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < 0:
             raise ValueError(f"slot_mapping holds a slot outside the cache's {num_slots}")
-        library = native_library(SOURCE)
+        library = load_native(SOURCE)
         if library is None:
-            raise RuntimeError("decoder_stack_cpu.c is not built here or native_cpu_kernels is off")
+            raise RuntimeError("decoder_stack_cpu.c does not build here (DecoderStackCpu.runs_here())")
         run = _decoder_stack(library)
         status = run(ctypes.byref(self._stack), self._blocks, residual.data_ptr(), rows, positions.data_ptr(),
                      slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),

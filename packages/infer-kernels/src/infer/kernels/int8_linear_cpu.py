@@ -3,14 +3,14 @@
 A CPU decode step is bound by reading the weights; int8 reads a quarter of fp32's bytes. Two
 kernels:
 - up to AVX2_MAX_ROWS rows (decode steps), int8_gemv_cpu.c, a C kernel of infer.kernels.native_cpu
-  (inside its `native_cpu_kernels()`, the default). It rounds each row of x to int16 and
+  (with `native=True`, the default). It rounds each row of x to int16 and
   multiplies in integers, prefetching the weights into L2; on the 2-core CI-class VM it reads
   SmolLM2's int8 weights 1.65-3.0x faster than ATen's kernel with its conversions
   (kernels-bench/cpu_native_kernels.py,
   docs/benchmarks/quantization.md#cpu-decisions-what-chose-them). Its result equals the float
   reference on x rounded to int16 with a scale per row (2^-15 of the row's largest entry),
   then summed in fp32.
-- larger batches (prompts), and where the C kernel is off or cannot be built: ATen's
+- larger batches (prompts), and with `native=False` or where the C kernel cannot be built: ATen's
   `_weight_int8pack_mm`. It takes x and the scales in bf16 (its fp32 path is a slow fallback, ~3
   GB/s), so x is rounded to bf16 on the way in and the bf16 product widened on the way out: the
   result equals the reference on x and scales rounded to bf16, up to the output's bf16 rounding.
@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from infer.kernels.native_cpu import native_library
+from infer.kernels.native_cpu import load_native
 
 # ATen's kernel reads K in vectors of 16 int8s with aligned loads: another K gives wrong sums or
 # a crash, and so does a weight whose data does not start on a 64-byte boundary. The AVX2 kernel
@@ -69,12 +69,18 @@ def int8_cpu_scale(scale: torch.Tensor) -> Int8CpuScale:
 
 
 def int8_linear_cpu(
-    x: torch.Tensor, weight: torch.Tensor, scale: Int8CpuScale, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: Int8CpuScale,
+    bias: torch.Tensor | None = None,
+    *,
+    native: bool = True,
 ) -> torch.Tensor:
     """`x @ (weight * scale[:, None]).T + bias` in x's dtype, for an int8 `weight` [N, K] that
-    `int8_linear_cpu_supports`, the scales of `int8_cpu_scale`, x `[..., K]` on the CPU."""
+    `int8_linear_cpu_supports`, the scales of `int8_cpu_scale`, x `[..., K]` on the CPU.
+    `native`: a few rows may take the C kernel (else ATen's, always)."""
     rows = x.reshape(-1, x.shape[-1])
-    gemv = _int8_gemv() if rows.shape[0] <= AVX2_MAX_ROWS else None
+    gemv = _int8_gemv() if native and rows.shape[0] <= AVX2_MAX_ROWS else None
     if gemv is not None:
         rows = rows.to(torch.float32).contiguous()
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
@@ -91,7 +97,7 @@ def int8_linear_cpu(
 
 
 def _int8_gemv():
-    library = native_library("int8_gemv_cpu.c")
+    library = load_native("int8_gemv_cpu.c")
     if library is None:
         return None
     gemv = library.int8_gemv

@@ -3,9 +3,10 @@ as Triton builds its launchers: no compiled code in the wheel, one build per mac
 
 Three use them: `int8_linear_cpu` (int8 weights times a few rows), `paged_attention_cpu` (decode
 rows) and `DecoderStackCpu` (a model's blocks for a step of decode rows, which includes the other
-two sources). Each takes its ATen path instead outside `native_cpu_kernels()`'s default (the context
-`native_cpu_kernels(False)`, EngineConfig.use_native_cpu_kernels) or where the library cannot be
-built; `native_library(source)` says which.
+two sources). The first two take a `native` argument and take their ATen path with
+`native=False` (a model built with `KernelPolicy(use_native_cpu_kernels=False)`,
+EngineConfig.use_native_cpu_kernels) or where the library cannot be built; the engine's runner
+selects the third only where its policy allows it.
 
 `load_native(source)` compiles `source` (a .c file beside this module) into a shared library
 under `$INFER_HOME/kernels` (INFER_HOME defaults to ~/.cache/infer), named by a hash of every
@@ -18,7 +19,6 @@ The library links the OpenMP runtime by its soname, libgomp.so.1, which resolves
 torch has already loaded: one thread pool in the process, sized by `torch.get_num_threads()`.
 """
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -37,32 +37,12 @@ logger = logging.getLogger(__name__)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 LIBRARIES = ("-lm",)
 
-_enabled = True
-
-
-@contextlib.contextmanager
-def native_cpu_kernels(enabled: bool = True):
-    """Inside, the CPU ops take (`enabled`) or skip their C kernels. A context, not a setting, so
-    that engines sharing a process each run their own choice (as infer.models.linear.triton_gemv)."""
-    global _enabled
-    previous, _enabled = _enabled, enabled
-    try:
-        yield
-    finally:
-        _enabled = previous
-
-
 SOURCES = ("int8_gemv_cpu.c", "decode_attention_cpu.c", "decoder_stack_cpu.c")
 
 
 def native_cpu_kernels_available() -> bool:
     """Whether every C kernel builds and loads here (building them now, once a machine)."""
     return all(load_native(source) is not None for source in SOURCES)
-
-
-def native_library(source: str) -> ctypes.CDLL | None:
-    """`load_native(source)` where native kernels are enabled here, else None."""
-    return load_native(source) if _enabled else None
 
 
 def cache_dir() -> Path:

@@ -293,10 +293,12 @@ def normed_gemv(
     *,
     offset: float = 0.0,
     x_norm_weight: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(`normed @ weight.T`, the new residual) for one row x of K <= MAX_K values, where the new
     residual is `residual + x` (with `x_norm_weight`: `residual + rms_norm(x, x_norm_weight)`) and
-    `normed` its RMSNorm scaled by `offset + norm_weight`. `residual` is left as it is."""
+    `normed` its RMSNorm scaled by `offset + norm_weight`. `residual` is left as it is. `pdl`:
+    launch with programmatic dependent launch (infer.kernels.pdl)."""
     _check(x, residual, norm_weight, weight, x_norm_weight)
     if not use_triton(x) or weight.numel() == 0:  # no program would write the residual
         return normed_gemv_ref(
@@ -321,7 +323,7 @@ def normed_gemv(
         BLOCK_N=_BLOCK_N,
         BLOCK_K=max(triton.next_power_of_2(K), 16),
         num_warps=_NUM_WARPS,
-        **launch_options(x),
+        **launch_options(x, pdl),
     )
     return out, residual_out
 
@@ -355,6 +357,7 @@ def normed_gated_gemv(
     activation: str,
     offset: float = 0.0,
     x_norm_weight: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`normed_gemv` for a gate/up weight `[2N, K]` with its activation: (`act(gate) * up` of the
     normed row, the new residual), in one kernel (`_normed_gated_gemv_kernel`)."""
@@ -392,7 +395,7 @@ def normed_gated_gemv(
         BLOCK_K=min(_GATED_BLOCK_K, max(triton.next_power_of_2(K), 16)),
         ROW=max(triton.next_power_of_2(K), 16),
         num_warps=_GATED_NUM_WARPS,
-        **launch_options(x),
+        **launch_options(x, pdl),
     )
     return out, residual_out
 

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, num_sms, use_triton
-from infer.kernels.native_cpu import native_library
+from infer.kernels.native_cpu import load_native
 from infer.kernels.pdl import await_inputs, launch_options
 
 # tl.dot needs every dim to be at least 16: the query heads of a group (1-8) are padded to it.
@@ -468,6 +468,7 @@ def _launch(
     scale,
     sliding_window,
     extend_tiles,
+    pdl,
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -520,7 +521,7 @@ def _launch(
             num_warps=_ONE_WAVE_DECODE_WARPS if one_wave else _DECODE_WARPS,
             num_stages=_DECODE_STAGES,
             **common,
-            **launch_options(q),
+            **launch_options(q, pdl),
         )
         if num_splits > 1:
             splits_pad = triton.next_power_of_2(num_splits)
@@ -537,7 +538,7 @@ def _launch(
                 SPLITS_PAD=splits_pad,
                 # A warp a 1,024 partial values (32 a thread), so that many splits do not spill.
                 num_warps=min(8, max(1, splits_pad * dim_pad // 1024)),
-                **launch_options(q),
+                **launch_options(q, pdl),
             )
     num_extend_rows = seq_lens.shape[0] - num_decode_rows
     if num_extend_rows and num_tokens > num_decode_rows:
@@ -570,7 +571,7 @@ def _launch(
             USE_TILE_MAP=extend_tiles is not None,
             num_warps=num_warps,
             num_stages=num_stages,
-            **launch_options(q),
+            **launch_options(q, pdl),
             **common,
         )
 
@@ -641,10 +642,11 @@ def paged_attention_cpu(
     out: torch.Tensor | None = None,
     extend_tiles: torch.Tensor | None = None,
     decode_key_slots: tuple[torch.Tensor | range, ...] | None = None,
+    native: bool = True,
 ) -> torch.Tensor:
-    """The CPU path (same contract as paged_attention_ref). Decode rows in fp32 go to
-    decode_attention_cpu.c, one C call for them all (`_decode_attention_native`), where
-    infer.kernels.native_cpu allows it. Otherwise each decode row's keys (the last
+    """The CPU path (same contract as paged_attention_ref). With `native`, decode rows in fp32 go
+    to decode_attention_cpu.c, one C call for them all (`_decode_attention_native`), where it
+    builds here (infer.kernels.native_cpu). Otherwise each decode row's keys (the last
     `sliding_window` of them with one) are gathered through its block table, or through
     `decode_key_slots[b]` (its keys' slots, made once for every layer) when given, and attended
     by `F.scaled_dot_product_attention`, which computes in fp32 for any input dtype. Extend rows
@@ -675,8 +677,12 @@ def paged_attention_cpu(
             sliding_window=sliding_window,
             out=result[start:],
         )
-    if num_decode_rows and _decode_attention_native(
-        q, k_cache, v_cache, result, seq_lens, block_tables, num_decode_rows, scale, sliding_window
+    if (
+        num_decode_rows
+        and native
+        and _decode_attention_native(
+            q, k_cache, v_cache, result, seq_lens, block_tables, num_decode_rows, scale, sliding_window
+        )
     ):
         return result
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
@@ -746,7 +752,7 @@ def _decode_attention_native(
 
 
 def _decode_attention():
-    library = native_library("decode_attention_cpu.c")
+    library = load_native("decode_attention_cpu.c")
     if library is None:
         return None
     attend = library.decode_attention
@@ -857,6 +863,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     extend_tiles: torch.Tensor | None = None,
     decode_key_slots: tuple[torch.Tensor | range, ...] | None = None,
+    native: bool = True,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """q `[N, Hq, D]`, the tokens of B rows back to back (`query_start_loc` `[B+1]`), against
     each row's keys 0..seq_lens[b]-1 in the caches `[num_blocks, block_size, Hkv, D]` through
@@ -876,7 +884,9 @@ def paged_attention(
     `decode_key_slots` (CPU only, else ignored): each decode row's key slots, int64 `[seq_lens[b]]`
     or a `range` where they are consecutive (AttentionMetadata.decode_key_slots), which the CPU
     path's SDPA reads instead of the block table. They must be the table's slots: the CPU's C
-    kernel reads the table.
+    kernel reads the table. `native` (CPU only): decode rows may take decode_attention_cpu.c
+    (`paged_attention_cpu`). `pdl` (CUDA): launch with programmatic dependent launch
+    (infer.kernels.pdl).
     """
     kwargs = dict(
         query_start_loc=query_start_loc,
@@ -893,7 +903,7 @@ def paged_attention(
     if not use_triton(q):
         if q.device.type == "cpu":
             return paged_attention_cpu(
-                q, k_cache, v_cache, out=out, decode_key_slots=decode_key_slots, **kwargs
+                q, k_cache, v_cache, out=out, decode_key_slots=decode_key_slots, native=native, **kwargs
             )
         return paged_attention_ref(q, k_cache, v_cache, out=out, **kwargs)
     if q.stride(-1) != 1:
@@ -901,5 +911,5 @@ def paged_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     kwargs["block_tables"] = block_tables.contiguous()
-    _launch(q, k_cache, v_cache, out, **kwargs)
+    _launch(q, k_cache, v_cache, out, pdl=pdl, **kwargs)
     return out

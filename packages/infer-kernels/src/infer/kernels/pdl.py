@@ -6,7 +6,8 @@ is a few hundred short kernels, so that gap is paid a few hundred times a token.
 on compute capability 9.0 and newer), a kernel launched with the `launch_pdl` attribute may be
 scheduled as soon as every program of the kernel before it has called `gdc_launch_dependents`.
 
-Every kernel of infer.kernels, launched under `programmatic_launch()`, begins with `await_inputs`:
+Every kernel of infer.kernels, launched with `pdl=True` (a keyword of every op), begins with
+`await_inputs`:
 - `gdc_launch_dependents` first: the next kernel may launch at once, while this one waits and
   runs. That one releases its own next kernel at once too, so several kernels of a chain may be
   resident together, each waiting on the one before. (A kernel releases only once all of its
@@ -33,37 +34,24 @@ launches once it has completed.
 What overlaps is a kernel's launch, start-up and reads before its wait with the kernels before it.
 
 That pays where kernels are short single waves, as in a batch-1 decode step, and costs where they
-are long multi-wave ones (prompt chunks): the engine uses it for batch-1 decode steps only
-(`EngineConfig.use_pdl`, infer.engine.cuda_graphs.launches_with_pdl, with the measurements). The
-context manager sets it for the kernels launched inside it, including those captured into a CUDA
-graph, whose replays keep the edges.
+are long multi-wave ones (prompt chunks): the models built with `KernelPolicy.use_pdl`
+(EngineConfig.use_pdl) launch with it their one-row inputs only (infer.models.kernel_policy, with
+the measurements). The option travels with each launch, so a kernel captured into a CUDA graph
+keeps it, and the graph's replays keep the edges.
 """
 
-import contextlib
 import functools
 
 import torch
 import triton
 import triton.language as tl
 
-_enabled = False
 
-
-@contextlib.contextmanager
-def programmatic_launch(enabled: bool = True):
-    """Kernels launched inside take part in PDL where the device supports it."""
-    global _enabled
-    previous, _enabled = _enabled, enabled
-    try:
-        yield
-    finally:
-        _enabled = previous
-
-
-def launch_options(t: torch.Tensor) -> dict:
-    """The launch keywords of a kernel whose tensors live on t's device: `PDL` (the constexpr
-    that compiles `await_inputs` in) and Triton's `launch_pdl`, or `PDL=False` alone."""
-    if _enabled and t.is_cuda:
+def launch_options(t: torch.Tensor, pdl: bool) -> dict:
+    """The launch keywords of a kernel whose tensors live on t's device: with `pdl` on a device
+    that supports it, `PDL` (the constexpr that compiles `await_inputs` in) and Triton's
+    `launch_pdl`; else `PDL=False` alone."""
+    if pdl and t.is_cuda:
         index = t.device.index if t.device.index is not None else torch.cuda.current_device()
         if _supports_pdl(index):
             return {"PDL": True, "launch_pdl": True}

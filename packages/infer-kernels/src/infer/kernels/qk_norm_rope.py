@@ -170,7 +170,7 @@ def _norm_and_rotate_heads(
             _store_rotated(cached, half_dim, n1, n2, cos, sin, mask, dtype)
 
 
-def _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions, store) -> None:
+def _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions, store, pdl) -> None:
     num_tokens, half_dim = q.shape[0], q.shape[-1] // 2
     if num_tokens == 0:
         return
@@ -198,7 +198,7 @@ def _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions, store) -
         float("nan"),
         STORE_KV=store is not None,
         **_head_tiles(half_dim, q.shape[1], k.shape[1]),
-        **launch_options(q),
+        **launch_options(q, pdl),
     )
 
 
@@ -267,12 +267,14 @@ def qk_norm_rope(
     *,
     offset: float = 0.0,
     store: KVStore | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of each head of q (scale `offset + q_weight`) and of k (`offset + k_weight`), then
     rotary embedding by `positions`, in place; returns (q, k). With `store`, then write the
-    rotated k and `store.v` into the caches at their slots (as `store_kv`)."""
+    rotated k and `store.v` into the caches at their slots (as `store_kv`). `pdl`: launch with
+    programmatic dependent launch (infer.kernels.pdl)."""
     _check(q, k, q_weight, k_weight, cos, sin, positions, store)
     if use_triton(q):
-        _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions, store)
+        _launch(q, k, q_weight, k_weight, eps, offset, cos, sin, positions, store, pdl)
         return q, k
     return qk_norm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin, positions, offset=offset, store=store)

@@ -424,7 +424,7 @@ def _dequantize_kernel(
 
 
 def _dequantized(
-    weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int], dtype
+    weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int], dtype, pdl: bool
 ) -> torch.Tensor:
     """`dequantize_weight` in one Triton pass (reads one byte, writes dtype's bytes per weight)."""
     N, K = weight.shape
@@ -445,7 +445,7 @@ def _dequantized(
         BLOCK_N=32,
         BLOCK_K=128,
         num_warps=4,
-        **launch_options(weight),
+        **launch_options(weight, pdl),
     )
     return out
 
@@ -583,13 +583,14 @@ def _launch(
     config: dict | None = None,
     split_k: int | None = None,
     activation: str | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Run one kernel. `kernel` ("gemv", "dot" or "dequantize": the weight dequantized to x's dtype
     in one pass, then cuBLAS), `config` and `split_k` override the choice by shape (for tests and
     tuning). `scale` None: a dense weight in x's dtype, which only the GEMV kernel takes.
     `activation` ("silu" or "gelu_tanh"; one row): `gated_gemv` and `quantized_gated_gemv`,
     whose weight's first half of rows is the gate, and whose output is the gated activation, half
-    as wide."""
+    as wide. `pdl`: launch with programmatic dependent launch (infer.kernels.pdl)."""
     N, K = weight.shape
     scaled = scale is not None
     if not scaled:
@@ -623,7 +624,7 @@ def _launch(
         if M >= _DEQUANTIZE_MIN_M and x.is_cuda and x.dtype != torch.float32:
             kernel = "dequantize"
     if kernel == "dequantize":
-        return F.linear(x, _dequantized(weight, scale, block_size, x.dtype), bias)
+        return F.linear(x, _dequantized(weight, scale, block_size, x.dtype, pdl), bias)
     if config is None and not scaled:
         config = _dense_gemv_config(N, K)
     elif config is None:
@@ -663,9 +664,9 @@ def _launch(
         raise ValueError("the gated GEMV takes one row of x and no K split")
     weight_fp8 = weight.dtype == torch.float8_e4m3fn
     fast_int8 = config.pop("FAST_INT8", True) and weight.dtype == torch.int8
-    pdl = launch_options(x)
+    options = launch_options(x, pdl)
     common = dict(
-        **pdl,
+        **options,
         SCALE_PER_TILE=scale_per_tile,
         HAS_BIAS=bias is not None and splits == 1,
         WEIGHT_FP8=weight_fp8,
@@ -722,7 +723,7 @@ def _launch(
             HAS_BIAS=bias is not None,
             BLOCK=block,
             num_warps=4,
-            **pdl,
+            **options,
         )
     return out.view(*x.shape[:-1], N)
 
@@ -809,14 +810,17 @@ def quantized_linear(
     scale: torch.Tensor,
     block_size: tuple[int, int],
     bias: torch.Tensor | None = None,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """`x @ dequantize_weight(weight, scale, block_size).T + bias`, accumulated in fp32, in x's dtype.
 
-    x is `[..., K]` (bf16, fp16 or fp32); the leading dims are kept.
+    x is `[..., K]` (bf16, fp16 or fp32); the leading dims are kept. `pdl`: launch with
+    programmatic dependent launch (infer.kernels.pdl), as every op of this module takes it.
     """
     _check(x, weight, scale, block_size, bias)
     if use_triton(x):
-        return _launch(x, weight, scale, tuple(block_size), bias)
+        return _launch(x, weight, scale, tuple(block_size), bias, pdl=pdl)
     return quantized_linear_ref(x, weight, scale, block_size, bias)
 
 
@@ -845,7 +849,9 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return y.to(x.dtype)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False
+) -> torch.Tensor:
     """`x @ weight.T + bias` for one row x (`[..., K]` holding K values) and a dense weight `[N, K]`
     of x's dtype, accumulated in fp32: the M = 1 kernel above, unscaled.
 
@@ -855,7 +861,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """
     _check_gemv(x, weight, bias)
     if use_triton(x):
-        return _launch(x, weight, None, None, bias)
+        return _launch(x, weight, None, None, bias, pdl=pdl)
     return gemv_ref(x, weight, bias)
 
 
@@ -883,7 +889,12 @@ def gated_gemv_ref(
 
 
 def gated_gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """`act(gate) * up` of `gemv(x, weight, bias)` split into halves (gate, up), in one kernel:
     a gated MLP's gate/up projection and its activation (`activation` "silu" or "gelu_tanh") for
@@ -893,7 +904,7 @@ def gated_gemv(
     """
     _check_gated(x, weight, bias, activation)
     if use_triton(x) and weight.numel() > 0:
-        return _launch(x, weight, None, None, bias, activation=activation)
+        return _launch(x, weight, None, None, bias, activation=activation, pdl=pdl)
     return gated_gemv_ref(x, weight, bias, activation=activation)
 
 
@@ -926,11 +937,12 @@ def quantized_gated_gemv(
     bias: torch.Tensor | None = None,
     *,
     activation: str,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """`gated_gemv` for an 8-bit `[gate; up]` weight with its scales (as `quantized_linear` takes
     them): `act(gate) * up` of one row x in one kernel, gate and up rounded to x's dtype first, as
     `quantized_linear` and the activation op store them."""
     _check_quantized_gated(x, weight, scale, block_size, bias, activation)
     if use_triton(x) and weight.numel() > 0:
-        return _launch(x, weight, scale, tuple(block_size), bias, activation=activation)
+        return _launch(x, weight, scale, tuple(block_size), bias, activation=activation, pdl=pdl)
     return quantized_gated_gemv_ref(x, weight, scale, block_size, bias, activation=activation)

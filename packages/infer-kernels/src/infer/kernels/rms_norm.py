@@ -107,7 +107,7 @@ def _rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def _launch(x, residual, weight, eps, offset, *, x_weight=None):
+def _launch(x, residual, weight, eps, offset, *, x_weight=None, pdl=False):
     """rms_norm(x), or with `residual` add_rms_norm, or with both `residual` and `x_weight`
     rms_norm_add_rms_norm (x normalised by `x_weight` first)."""
     num_cols = x.shape[-1]
@@ -134,7 +134,7 @@ def _launch(x, residual, weight, eps, offset, *, x_weight=None):
             ADD_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=num_warps,
-            **launch_options(x_rows),
+            **launch_options(x_rows, pdl),
         )
     return out.view(x.shape)
 
@@ -207,25 +207,34 @@ def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
     check_same_device(x=x, residual=residual)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0) -> torch.Tensor:
-    """RMSNorm over the last dim of `x`: `x / rms(x) * (offset + weight)`, in x's dtype."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0, pdl: bool = False
+) -> torch.Tensor:
+    """RMSNorm over the last dim of `x`: `x / rms(x) * (offset + weight)`, in x's dtype. `pdl`:
+    launch with programmatic dependent launch (infer.kernels.pdl), here and in the two below."""
     _check(x, weight=weight)
     if use_triton(x):
-        return _launch(x, None, weight, eps, offset)
+        return _launch(x, None, weight, eps, offset, pdl=pdl)
     if x.device.type == "cpu":
         return rms_norm_cpu(x, weight, eps, offset=offset)
     return rms_norm_ref(x, weight, eps, offset=offset)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual += x` in place, then RMSNorm of the new residual. Returns (normed, residual)."""
     _check(x, weight=weight)
     _check_residual(x, residual)
     if use_triton(x):
         _rows_view("residual", residual)  # fail before any write
-        return _launch(x, residual, weight, eps, offset), residual
+        return _launch(x, residual, weight, eps, offset, pdl=pdl), residual
     if x.device.type == "cpu":
         residual.add_(x)  # rounded to the residual's dtype before normalising, as the reference
         return rms_norm_cpu(residual, weight, eps, offset=offset), residual
@@ -240,6 +249,7 @@ def rms_norm_add_rms_norm(
     eps: float,
     *,
     offset: float = 0.0,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual += rms_norm(x, weight)` in place, then RMSNorm of the new residual by
     `next_weight`. Returns (normed, residual). Both norms share `eps` and `offset`."""
@@ -247,7 +257,7 @@ def rms_norm_add_rms_norm(
     _check_residual(x, residual)
     if use_triton(x):
         _rows_view("residual", residual)  # fail before any write
-        return _launch(x, residual, next_weight, eps, offset, x_weight=weight), residual
+        return _launch(x, residual, next_weight, eps, offset, x_weight=weight, pdl=pdl), residual
     if x.device.type == "cpu":
         # x's norm is rounded to its dtype, then the sum to the residual's, as the reference.
         residual.add_(rms_norm_cpu(x, weight, eps, offset=offset))

@@ -242,7 +242,7 @@ def _head_tiles(half_dim: int, num_q_heads: int, num_kv_heads: int) -> dict:
     )
 
 
-def _launch(q, k, cos, sin, positions, store):
+def _launch(q, k, cos, sin, positions, store, pdl):
     half_dim = q.shape[-1] // 2
     seq_len = q.shape[-3]
     num_tokens = q.shape[:-2].numel()
@@ -273,7 +273,7 @@ def _launch(q, k, cos, sin, positions, store):
         HAS_POSITIONS=positions is not None,
         STORE_KV=store is not None,
         **_head_tiles(half_dim, q.shape[-2], k.shape[-2]),
-        **launch_options(q),
+        **launch_options(q, pdl),
     )
     return q, k
 
@@ -408,12 +408,14 @@ def rope(
     positions: torch.Tensor | None,
     *,
     store: KVStore | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k in place by their positions; returns (q, k). With `store`, then write the
-    rotated k and `store.v` into the caches at their slots (as `store_kv`)."""
+    rotated k and `store.v` into the caches at their slots (as `store_kv`). `pdl`: launch with
+    programmatic dependent launch (infer.kernels.pdl)."""
     _check(q, k, cos, sin, positions, store)
     if use_triton(q):
-        return _launch(q, k, cos, sin, positions, store)
+        return _launch(q, k, cos, sin, positions, store, pdl)
     if q.device.type == "cpu":
         return rope_cpu(q, k, cos, sin, positions, store=store)
     return rope_ref(q, k, cos, sin, positions, store=store)

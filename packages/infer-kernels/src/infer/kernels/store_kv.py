@@ -119,7 +119,7 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + cache_at, v, mask=mask)
 
 
-def _launch(k, v, k_cache, v_cache, slot_mapping) -> None:
+def _launch(k, v, k_cache, v_cache, slot_mapping, pdl) -> None:
     num_tokens, num_heads, head_dim = k.shape
     if k.stride(-1) != 1:
         k = k.contiguous()  # read only: a copy changes nothing the caller sees
@@ -141,7 +141,7 @@ def _launch(k, v, k_cache, v_cache, slot_mapping) -> None:
             HEADS_PAD=triton.next_power_of_2(num_heads),
             DIM_PAD=triton.next_power_of_2(head_dim),
             num_warps=4 if num_heads * head_dim >= 2048 else 1,
-            **launch_options(k),
+            **launch_options(k, pdl),
         )
 
 
@@ -190,16 +190,23 @@ def _check(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> None:
     """Write k[i], v[i] (`[N, Hkv, D]`) into flat slot slot_mapping[i] of the caches
-    `[num_blocks, block_size, Hkv, D]`, in place.
+    `[num_blocks, block_size, Hkv, D]`, in place. `pdl`: launch with programmatic dependent
+    launch (infer.kernels.pdl).
 
     The caller keeps every slot in `0..num_blocks * block_size - 1`: slots are read on the device
     (no host sync), so they are not checked.
     """
     _check(k, v, k_cache, v_cache, slot_mapping)
     if use_triton(k):
-        _launch(k, v, k_cache, v_cache, slot_mapping)
+        _launch(k, v, k_cache, v_cache, slot_mapping, pdl)
     else:
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping)

@@ -68,10 +68,13 @@ def _check(logits, bitmask, rows) -> None:
         )
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor, *, pdl: bool = False
+) -> None:
     """Sets `logits[rows[i], t]` to -inf, in place, for every token t that bitmask row i does not
     allow. logits [B, V] float; bitmask [R, words] int32; rows [R] distinct row indices in 0..B-1
-    (read on the device, so not checked)."""
+    (read on the device, so not checked). `pdl`: launch with programmatic dependent launch
+    (infer.kernels.pdl)."""
     _check(logits, bitmask, rows)
     if not use_triton(logits):
         apply_token_bitmask_ref(logits, bitmask, rows)
@@ -89,5 +92,5 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
             bitmask.shape[1],
             BLOCK=_BLOCK,
             num_warps=4,
-            **launch_options(logits),
+            **launch_options(logits, pdl),
         )

@@ -25,6 +25,7 @@ from infer.models.common import CausalLM
 from infer.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
 from infer.models.gemma3 import Gemma3ForCausalLM
+from infer.models.kernel_policy import KernelPolicy, apply_kernel_policy
 from infer.models.llama import LlamaForCausalLM
 from infer.models.load import LoadedModel, ModelInfo, load_causal_lm, load_model, load_model_info
 from infer.models.loader.fetch import (
@@ -62,6 +63,7 @@ __all__ = [
     "ForwardBatch",
     "Gemma3ForCausalLM",
     "IncrementalDetokenizer",
+    "KernelPolicy",
     "LayerDiff",
     "LlamaForCausalLM",
     "LoadedModel",
@@ -73,6 +75,7 @@ __all__ = [
     "Tokenizer",
     "__version__",
     "activation_diffs",
+    "apply_kernel_policy",
     "architecture_for",
     "attention",
     "chat_template_families",

@@ -4,9 +4,16 @@ With a cache (the engine): each new token's k and v are written at its slot, and
 `paged_attention` serves every row from the cache, one-token decode rows and multi-token extend
 rows (a prompt chunk attending to its cached prefix and itself) alike. There is one path whatever
 the pool (paged, or contiguous, which is paged with one block per sequence) and whatever the step
-holds; the kernel, not this module, splits decode rows from extend rows. Off the CPU the layer's
-rotation writes k and v into the cache on its way out (`kv_store` says where; one kernel fewer
-per layer), so `attention` is called with `kv_stored=True`; otherwise `store_kv` writes them here.
+holds; the kernel, not this module, splits decode rows from extend rows.
+
+One writer of the KV cache per backend:
+- CUDA: the layer's rotation kernel (`rope` or `qk_norm_rope` with `store=`) writes k and v on
+  its way out (`kv_store` says where; one kernel fewer per layer), and `attention` is called
+  with `kv_stored=True`;
+- a CPU, through PyTorch: `store_kv`, here (`kv_store` gives None there: the CPU rotation takes
+  rows gathered once a forward, and a store is an op of its own either way);
+- a CPU decode step on the C decoder stack (infer.models.cpu_stack, chosen by the engine's
+  runner): the C stack, which runs every block itself.
 
 Without a cache (oracles, tests): each row attends causally to its own tokens in this batch, by
 position, with SDPA.
@@ -39,9 +46,12 @@ def attention(
     scale: float,
     sliding_window: int | None = None,
     kv_stored: bool = False,
+    native_cpu_kernels: bool = True,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """q: [N, Hq, D]; k, v: [N, Hkv, D]. Returns [N, Hq, D]. `kv_stored`: k and v are already in
-    the cache (written where `kv_store` said)."""
+    the cache (written where `kv_store` said). `native_cpu_kernels`, `pdl`: paged_attention's
+    `native` and `pdl` launch options."""
     if batch.kv_layers is None:
         return _attention_without_cache(q, k, v, batch, scale=scale, sliding_window=sliding_window)
     metadata = batch.attention
@@ -62,6 +72,8 @@ def attention(
         sliding_window=sliding_window,
         extend_tiles=metadata.extend_tiles,
         decode_key_slots=metadata.decode_key_slots,
+        native=native_cpu_kernels,
+        pdl=pdl,
     )
 
 

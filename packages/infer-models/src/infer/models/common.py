@@ -6,8 +6,12 @@ Residual stream: blocks pass `(hidden, residual)` and the next norm adds the two
 hand on hidden before their post-feedforward norm, `output_norm`, which the next block applies
 fused with its own: `output_norm(hidden) + residual`). Norms update
 `residual` in place; a block called with `residual=None` takes its input as the residual and
-updates that tensor. A norm in the q|k|v projection's kernel (`RMSNorm.project`, batch-1 decode
+updates that tensor. A norm in the next projection's kernel (infer.models.prenorm, batch-1 decode
 on the Triton GEMV) returns a new residual instead: the block hands on whichever it got.
+
+Which kernels run is decided when the model is built (infer.models.kernel_policy): each Linear's
+method, the fused pre-norm modules, and the modules' `pdl` and `native_cpu_kernels` launch
+options; `forward` never asks.
 """
 
 import weakref
@@ -19,22 +23,17 @@ from torch import nn
 from infer.kernels import (
     KVStore,
     add_rms_norm,
-    gelu_tanh_and_mul,
-    normed_gated_gemv,
-    normed_gemv,
     qk_norm_rope,
     rms_norm,
     rms_norm_add_rms_norm,
     rope,
     rope_tables,
-    silu_and_mul,
-    store_kv,
 )
-from infer.models import cpu_stack
 from infer.models.attention import attention, kv_store
 from infer.models.config import ModelConfig, RopeConfig
 from infer.models.forward_batch import ForwardBatch
 from infer.models.linear import Linear
+from infer.models.linear_method import launches_pdl
 from infer.models.quantization import Quantization
 
 
@@ -48,7 +47,10 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """`x / rms(x) * (offset + weight)`; Gemma stores `weight` so that the scale is `1 + weight`."""
+    """`x / rms(x) * (offset + weight)`; Gemma stores `weight` so that the scale is `1 + weight`.
+    `pdl` (set by the kernel policy): one-row inputs launch with programmatic dependent launch."""
+
+    pdl = False
 
     def __init__(self, dim: int, eps: float, *, offset: float = 0.0):
         super().__init__()
@@ -60,9 +62,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: `residual += x` in place, returns (norm, residual)."""
+        pdl = launches_pdl(self.pdl, x)
         if residual is None:
-            return rms_norm(x, self.weight, self.eps, offset=self.offset)
-        return add_rms_norm(x, residual, self.weight, self.eps, offset=self.offset)
+            return rms_norm(x, self.weight, self.eps, offset=self.offset, pdl=pdl)
+        return add_rms_norm(x, residual, self.weight, self.eps, offset=self.offset, pdl=pdl)
 
     def then_add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor, next_norm: "RMSNorm"
@@ -70,27 +73,15 @@ class RMSNorm(nn.Module):
         """`residual += self(x)` in place, then `next_norm` of the new residual, in one fused op
         (a sandwich norm's output joining the residual stream); returns (normed, residual)."""
         self._check_pair(next_norm)
-        return rms_norm_add_rms_norm(x, residual, self.weight, next_norm.weight, self.eps, offset=self.offset)
-
-    def project(
-        self, x: torch.Tensor, residual: torch.Tensor, proj: Linear, *, x_norm: "RMSNorm | None" = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`proj(self(x + residual))`, the new residual); with `x_norm`, of `x_norm(x) +
-        residual` (a sandwich norm joining the residual first). Where `proj` takes the normed
-        GEMV (`Linear.takes_normed_gemv`: batch-1 decode on the Triton GEMV) it is one kernel
-        and the residual a new tensor; otherwise the norm's kernel, in place, and `proj`."""
-        if proj.takes_normed_gemv(x):
-            weights = (self.weight, proj.weight)
-            x_weight = self.x_norm_weight(x_norm)
-            return normed_gemv(x, residual, *weights, self.eps, offset=self.offset, x_norm_weight=x_weight)
-        normed, residual = self.add_and_norm(x, residual, x_norm=x_norm)
-        return proj(normed), residual
+        weights, pdl = (self.weight, next_norm.weight), launches_pdl(next_norm.pdl, x)
+        return rms_norm_add_rms_norm(x, residual, *weights, self.eps, offset=self.offset, pdl=pdl)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor, *, x_norm: "RMSNorm | None" = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This norm's kernel, the residual updated in place: (`self(x + residual)`, residual);
-        with `x_norm`, of `x_norm(x) + residual` (`then_add_and_norm`)."""
+        with `x_norm`, of `x_norm(x) + residual` (`then_add_and_norm`). The unfused half of a
+        pre-norm projection (infer.models.prenorm)."""
         if x_norm is not None:
             return x_norm.then_add_and_norm(x, residual, self)
         return self(x, residual)
@@ -134,19 +125,26 @@ class RotaryEmbedding:
         return self._tables
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, store: KVStore | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        store: KVStore | None = None,
+        *,
+        pdl: bool = False,
     ) -> None:
-        """Rotate q and k in place; with `store`, then write k and `store.v` into the KV cache."""
+        """Rotate q and k in place; with `store` (CUDA: the rotation is the KV cache's writer
+        there, infer.models.attention), then write k and `store.v` into the KV cache."""
         cos, sin = self.tables(q.device)
         if q.device.type == "cpu":
+            if store is not None:
+                raise ValueError("on a CPU the KV cache is written by attention (store_kv), not the rotation")
             rows = self._rows
             if rows is None or rows[0]() is not positions:
                 rows = self._rows = (weakref.ref(positions), cos[positions], sin[positions])
             rope(q, k, rows[1], rows[2], None)
-            if store is not None:
-                store_kv(k, store.v, store.k_cache, store.v_cache, store.slot_mapping)
             return
-        rope(q, k, cos, sin, positions, store=store)
+        rope(q, k, cos, sin, positions, store=store, pdl=pdl)
 
     def normalize_and_rotate(
         self,
@@ -156,22 +154,30 @@ class RotaryEmbedding:
         k_norm: RMSNorm,
         positions: torch.Tensor,
         store: KVStore | None = None,
+        *,
+        pdl: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """QK norm (each head of q by `q_norm`, of k by `k_norm`), then the rotation, then (with
-        `store`) k and `store.v` into the KV cache; returns the new (q, k). Off the CPU one fused
-        op in place (qk_norm_rope: one kernel instead of four); on a CPU the separate ops, so that
-        the rotation takes the rows gathered once per forward."""
+        `store`, CUDA only) k and `store.v` into the KV cache; returns the new (q, k). Off the CPU
+        one fused op in place (qk_norm_rope: one kernel instead of four); on a CPU the separate
+        ops, so that the rotation takes the rows gathered once per forward."""
         if q.device.type == "cpu":
             q, k = q_norm(q), k_norm(k)
             self(q, k, positions, store)
             return q, k
         cos, sin = self.tables(q.device)
         weights, eps, offset = (q_norm.weight, k_norm.weight), q_norm.eps, q_norm.offset
-        return qk_norm_rope(q, k, *weights, eps, cos, sin, positions, offset=offset, store=store)
+        return qk_norm_rope(q, k, *weights, eps, cos, sin, positions, offset=offset, store=store, pdl=pdl)
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with one fused q/k/v projection and optional per-head QK norm."""
+    """Grouped-query self-attention with one fused q/k/v projection and optional per-head QK norm.
+    Launch options, set by the kernel policy: `pdl` (one-row inputs launch with programmatic
+    dependent launch) and `native_cpu_kernels` (a CPU's decode rows may take infer.kernels' C
+    attention kernel)."""
+
+    pdl = False
+    native_cpu_kernels = True
 
     def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, *, qk_norm_offset=None):
         super().__init__()
@@ -202,11 +208,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), batch)
-
-    def attend(self, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Attention from the q|k|v projection's output on: QK norm, rotation, cache, o_proj."""
+    def forward(self, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Attention from the q|k|v projection's output on (the block runs the projection with its
+        pre-norm, infer.models.prenorm): QK norm, rotation, cache, o_proj."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -216,10 +220,12 @@ class Attention(nn.Module):
         # through their strides (a CPU's QK norm excepted), and attention reads them the same way.
         # Off the CPU the rotation also writes k and v into the KV cache (one kernel fewer a layer).
         store = kv_store(v, batch, self.layer_idx)
+        pdl = launches_pdl(self.pdl, qkv)
         if self.q_norm is not None:
-            q, k = self.rotary.normalize_and_rotate(q, k, self.q_norm, self.k_norm, batch.positions, store)
+            norms = (self.q_norm, self.k_norm)
+            q, k = self.rotary.normalize_and_rotate(q, k, *norms, batch.positions, store, pdl=pdl)
         else:
-            self.rotary(q, k, batch.positions, store)
+            self.rotary(q, k, batch.positions, store, pdl=pdl)
         out = attention(
             q,
             k,
@@ -229,20 +235,19 @@ class Attention(nn.Module):
             scale=self.scale,
             sliding_window=self.sliding_window,
             kv_stored=store is not None,
+            native_cpu_kernels=self.native_cpu_kernels,
+            pdl=pdl,
         )
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
-# A config's hidden activation: its name in infer.kernels (gated_gemv) and its op on a gate/up output.
-_GATED_ACTIVATIONS = {
-    "silu": ("silu", silu_and_mul),
-    "gelu_pytorch_tanh": ("gelu_tanh", gelu_tanh_and_mul),
-    "gelu_tanh": ("gelu_tanh", gelu_tanh_and_mul),
-}
+# A config's hidden activation by its name in infer.kernels (gated_gemv, silu_and_mul...).
+_GATED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 class GatedMLP(nn.Module):
-    """`down(act(gate(x)) * up(x))` with gate and up fused into one `[2 * intermediate, hidden]` matmul."""
+    """`down(act(gate(x)) * up(x))` with gate and up fused into one `[2 * intermediate, hidden]` matmul.
+    In a block, `gate_up_proj` runs with its pre-norm (infer.models.prenorm), then `down_proj`."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -251,7 +256,7 @@ class GatedMLP(nn.Module):
                 f"hidden activation {config.hidden_activation!r} is not supported; "
                 f"supported: {', '.join(_GATED_ACTIVATIONS)}"
             )
-        self.activation_name, self.activation = _GATED_ACTIVATIONS[config.hidden_activation]
+        self.activation_name = _GATED_ACTIVATIONS[config.hidden_activation]
         self.gate_up_proj = Linear(
             config.hidden_size,
             2 * config.intermediate_size,
@@ -259,38 +264,8 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
-    def after_norm(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, *, x_norm: RMSNorm | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`self(norm(x + residual))`, the new residual); with `x_norm`, of `x_norm(x) + residual`
-        (a sandwich norm joining the residual first). Where gate/up takes the normed gated GEMV
-        (`Linear.takes_normed_gated_gemv`: one row at batch-1 decode), the norm, gate/up and the
-        activation are one kernel, and the residual a new tensor; otherwise the norm's kernel, in
-        place, then the MLP."""
-        gate_up = self.gate_up_proj
-        if gate_up.takes_normed_gated_gemv(x):
-            hidden, residual = normed_gated_gemv(
-                x,
-                residual,
-                norm.weight,
-                gate_up.weight,
-                norm.eps,
-                activation=self.activation_name,
-                offset=norm.offset,
-                x_norm_weight=norm.x_norm_weight(x_norm),
-            )
-            return self.down_proj(hidden), residual
-        normed, residual = norm.add_and_norm(x, residual, x_norm=x_norm)
-        return self(normed), residual
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj
-        if gate_up.takes_gated_gemv(x):
-            # Batch-1 decode on the Triton GEMV: the activation in the projection's kernel.
-            hidden = gate_up.gated_gemv(x, self.activation_name)
-        else:
-            hidden = self.activation(gate_up(x))
-        return self.down_proj(hidden)
+        return self.down_proj(self.gate_up_proj.gated(x, self.activation_name))
 
 
 def rotary_per_layer(config: ModelConfig) -> list[RotaryEmbedding]:
@@ -328,9 +303,6 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # On a CPU: the blocks as one C call for decode steps (infer.models.cpu_stack), built at
-        # the first such step, once the weights are loaded (False: this model does not fit).
-        self._cpu_stack: cpu_stack.DecoderStackCpu | bool | None = None
 
     def make_layer(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module:
         raise NotImplementedError
@@ -351,29 +323,12 @@ class CausalLM(nn.Module):
         """Hidden states after the final norm, `[num_tokens, hidden_size]`, or only the rows of
         `batch.logits_indices` when it is set (the final norm then runs on those alone)."""
         hidden, residual = self.embed(batch.input_ids), None
-        if self.runs_cpu_stack(batch, hidden):
-            return self.forward_cpu_stack(batch, hidden)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
         if batch.logits_indices is not None:
             hidden, residual = hidden[batch.logits_indices], residual[batch.logits_indices]
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    def runs_cpu_stack(self, batch: ForwardBatch, hidden: torch.Tensor) -> bool:
-        """Whether this step's blocks run as one C call (a CPU decode step, infer.models.cpu_stack)."""
-        if self._cpu_stack is False or not cpu_stack.takes(batch, hidden):
-            return False
-        if self._cpu_stack is None:
-            self._cpu_stack = cpu_stack.decoder_stack_for(self) or False
-        return self._cpu_stack is not False
-
-    def forward_cpu_stack(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """`forward` where `runs_cpu_stack`: the C stack, then the final norm of the stream."""
-        stream = cpu_stack.run(self._cpu_stack, batch, hidden)
-        if batch.logits_indices is not None:
-            stream = stream[batch.logits_indices]
-        return self.norm(stream)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits `[..., vocab_size]`, soft-capped where the config says so."""

@@ -1,12 +1,15 @@
-"""A CausalLM's blocks as infer.kernels' DecoderStackCpu takes them: on a CPU, a step whose rows
-are all decode tokens (up to its MAX_ROWS) runs every block in one C call instead of ~80 ops and
-Python calls a block (docs/architecture.md, "A CPU decode step's blocks in one C call").
+"""A CPU decode backend: a CausalLM's blocks as infer.kernels' DecoderStackCpu takes them. On a
+CPU, a step whose rows are all decode tokens (up to its MAX_ROWS) runs every block in one C call
+instead of ~80 ops and Python calls a block (docs/architecture.md, "A CPU decode step's blocks in
+one C call").
 
-`decoder_stack_for(model)` builds it from the model's loaded weights, or says why the model does
-not fit (8-bit weights other than int8 per channel, norms that do not share one eps and offset,
-activations other than float32, a block of another shape); `takes(batch, hidden)` says whether
-a step goes to it. The PyTorch path stays the oracle: infer-engine's tests/test_cpu_stack.py holds
-the two to the same tokens and logprobs.
+`CpuDecodeStack.for_model(model)` builds it from the model's loaded weights, or says why the
+model does not fit (8-bit weights other than int8 per channel, norms that do not share one eps
+and offset, activations other than float32, a block of another shape, a library that does not
+build here); the engine's runner builds it where its kernel policy allows the C kernels, and
+selects it per step (`takes(batch)`) as it selects a CUDA graph. The C stack is the KV cache's
+writer on the steps it runs. The PyTorch path stays the oracle: infer-engine's
+tests/test_cpu_stack.py holds the two to the same tokens and logprobs.
 """
 
 import logging
@@ -28,42 +31,54 @@ from infer.models.linear import Linear
 logger = logging.getLogger(__name__)
 
 
-def decoder_stack_for(model) -> DecoderStackCpu | None:
-    """The C stack over `model`'s blocks (a CausalLM on the CPU, weights loaded), or None where
-    it does not fit, the reason logged at INFO."""
-    try:
-        return DecoderStackCpu(_shape(model), [_block(layer) for layer in model.layers])
-    except ValueError as why:
-        logger.info("infer.models: decode steps take the PyTorch path on this CPU: %s", why)
-        return None
+class CpuDecodeStack:
+    """`model`'s forward for a CPU step of decode rows: the embedding, the C stack, the final norm."""
 
+    def __init__(self, model, stack: DecoderStackCpu):
+        self.model = model
+        self.stack = stack
+        self.num_steps = 0  # steps run so far
 
-def takes(batch: ForwardBatch, hidden: torch.Tensor) -> bool:
-    """Whether a step goes to the C stack: float32 on the CPU, with a cache, every row one decode
-    token, at most MAX_ROWS rows, and the library built and enabled."""
-    metadata = batch.attention
-    return (
-        hidden.device.type == "cpu"
-        and hidden.dtype == torch.float32
-        and batch.kv_layers is not None
-        and metadata is not None
-        and metadata.num_decode_rows == batch.num_tokens <= MAX_ROWS
-        and DecoderStackCpu.runs_here()
-    )
+    @classmethod
+    def for_model(cls, model) -> "CpuDecodeStack | None":
+        """The backend over `model`'s blocks (a CausalLM on the CPU, weights loaded), or None
+        where it does not fit, the reason logged at INFO."""
+        try:
+            if not DecoderStackCpu.runs_here():
+                raise ValueError("decoder_stack_cpu.c does not build here")
+            stack = DecoderStackCpu(_shape(model), [_block(layer) for layer in model.layers])
+        except ValueError as why:
+            logger.info("infer.models: decode steps take the PyTorch path on this CPU: %s", why)
+            return None
+        return cls(model, stack)
 
+    def takes(self, batch: ForwardBatch) -> bool:
+        """Whether a step goes to the C stack: with a cache, every row one decode token, at most
+        MAX_ROWS rows."""
+        metadata = batch.attention
+        return (
+            batch.kv_layers is not None
+            and metadata is not None
+            and metadata.num_decode_rows == batch.num_tokens <= MAX_ROWS
+        )
 
-def run(stack: DecoderStackCpu, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-    """The stream after the last block for embedded tokens `hidden`, updated in place."""
-    metadata = batch.attention
-    stack(
-        hidden,
-        batch.positions,
-        metadata.slot_mapping,
-        metadata.block_tables,
-        metadata.seq_lens,
-        batch.kv_layers,
-    )
-    return hidden
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        """What `model(batch)` returns: the final norm of the stream after the last block (of
+        the rows of `batch.logits_indices` when it is set)."""
+        metadata = batch.attention
+        self.num_steps += 1
+        stream = self.model.embed(batch.input_ids)
+        self.stack(
+            stream,
+            batch.positions,
+            metadata.slot_mapping,
+            metadata.block_tables,
+            metadata.seq_lens,
+            batch.kv_layers,
+        )
+        if batch.logits_indices is not None:
+            stream = stream[batch.logits_indices]
+        return self.model.norm(stream)
 
 
 def _shape(model) -> CpuStackShape:

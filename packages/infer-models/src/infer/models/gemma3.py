@@ -7,6 +7,7 @@ from torch import nn
 from infer.models.common import Attention, CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
 from infer.models.config import ModelConfig
 from infer.models.forward_batch import ForwardBatch
+from infer.models.prenorm import PreNormProjection
 
 # Gemma stores RMSNorm weights w and scales by (1 + w).
 GEMMA_NORM_OFFSET = 1.0
@@ -28,6 +29,12 @@ class Gemma3DecoderLayer(nn.Module):
         # The block hands on the MLP's output before this norm: the next block (or the final
         # norm) applies it in the same kernel as the residual add and its own norm.
         self.output_norm = self.post_feedforward_layernorm
+        # Each pre-norm with the projection after it, as one module (infer.models.prenorm).
+        self.attention_input = PreNormProjection(self.input_layernorm, self.self_attn.qkv_proj)
+        activation = self.mlp.activation_name
+        self.mlp_input = PreNormProjection(
+            self.pre_feedforward_layernorm, self.mlp.gate_up_proj, activation=activation
+        )
 
     def forward(
         self,
@@ -39,21 +46,12 @@ class Gemma3DecoderLayer(nn.Module):
         """Returns (MLP output before `output_norm`, residual): `output_norm(hidden) + residual`
         is transformers' block output. `pending_norm`: the block before's `output_norm`, not yet
         applied to `hidden`."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-            qkv = self.self_attn.qkv_proj(hidden)
-        else:
-            # The block before's post-norm, the add and this block's input norm: one kernel, and
-            # at batch-1 decode on the Triton GEMV the q|k|v projection's too.
-            qkv, residual = self.input_layernorm.project(
-                hidden, residual, self.self_attn.qkv_proj, x_norm=pending_norm
-            )
-        hidden = self.self_attn.attend(qkv, batch)
-        # Attention's post-norm, the add and the MLP's pre-norm: one kernel, not two (and at
-        # batch-1 decode on the Triton GEMV, where its grid is one wave, the gate/up projection's).
-        return self.mlp.after_norm(
-            self.pre_feedforward_layernorm, hidden, residual, x_norm=self.post_attention_layernorm
-        )
+        # The block before's post-norm joins the residual in the kernel of this one's input norm,
+        # and attention's post-norm in the kernel of the MLP's pre-norm: one norm kernel each.
+        qkv, residual = self.attention_input(hidden, residual, x_norm=pending_norm)
+        hidden = self.self_attn(qkv, batch)
+        gated, residual = self.mlp_input(hidden, residual, x_norm=self.post_attention_layernorm)
+        return self.mlp.down_proj(gated), residual
 
 
 class Gemma3ForCausalLM(CausalLM):
@@ -67,8 +65,6 @@ class Gemma3ForCausalLM(CausalLM):
         """CausalLM.forward, each block's post-feedforward norm fused into the next one's input
         norm (and the last block's into the final norm): one norm kernel a layer fewer."""
         hidden, residual, pending_norm = self.embed(batch.input_ids), None, None
-        if self.runs_cpu_stack(batch, hidden):
-            return self.forward_cpu_stack(batch, hidden)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch, pending_norm)
             pending_norm = layer.output_norm

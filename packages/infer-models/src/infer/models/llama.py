@@ -6,6 +6,7 @@ from torch import nn
 from infer.models.common import Attention, CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
 from infer.models.config import ModelConfig
 from infer.models.forward_batch import ForwardBatch
+from infer.models.prenorm import PreNormProjection
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -17,17 +18,20 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_idx, rotary, qk_norm_offset=self.qk_norm_offset)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config)
+        # Each norm with the projection after it, as one module (infer.models.prenorm).
+        self.attention_input = PreNormProjection(self.input_layernorm, self.self_attn.qkv_proj)
+        activation = self.mlp.activation_name
+        self.mlp_input = PreNormProjection(
+            self.post_attention_layernorm, self.mlp.gate_up_proj, activation=activation
+        )
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-            qkv = self.self_attn.qkv_proj(hidden)
-        else:
-            qkv, residual = self.input_layernorm.project(hidden, residual, self.self_attn.qkv_proj)
-        hidden = self.self_attn.attend(qkv, batch)
-        return self.mlp.after_norm(self.post_attention_layernorm, hidden, residual)
+        qkv, residual = self.attention_input(hidden, residual)  # input_layernorm, q|k|v
+        hidden = self.self_attn(qkv, batch)
+        gated, residual = self.mlp_input(hidden, residual)  # post_attention_layernorm, act(gate) * up
+        return self.mlp.down_proj(gated), residual
 
 
 class LlamaForCausalLM(CausalLM):

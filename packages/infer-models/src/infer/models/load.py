@@ -8,6 +8,7 @@ import torch
 from infer.models.chat_template import ChatTemplate, chat_template_for, detect_family, read_tokenizer_config
 from infer.models.common import CausalLM
 from infer.models.config import ModelConfig
+from infer.models.kernel_policy import KernelPolicy, apply_kernel_policy
 from infer.models.linear import quantize_linears
 from infer.models.loader.fetch import fetch_model
 from infer.models.loader.tokenizer import Tokenizer
@@ -55,7 +56,8 @@ def load_causal_lm(
 ) -> CausalLM:
     """Our model for a checkpoint folder, weights cast to `dtype` (default: the config's, else
     fp32). Linear weights stay 8-bit where the checkpoint stores them so, and `quantization`
-    ("int8", "fp8") quantizes those of an unquantized checkpoint at load."""
+    ("int8", "fp8") quantizes those of an unquantized checkpoint at load. The model runs the
+    plain kernel policy, `KernelPolicy(device)`, until the engine applies its own."""
     folder = Path(folder)
     config = ModelConfig.from_file(folder)
     dtype = dtype or config.dtype or torch.float32
@@ -77,7 +79,7 @@ def load_causal_lm(
         ignored_prefixes=architecture.ignored_prefixes,
         quantization=resolved,
     )
-    return model.eval()
+    return apply_kernel_policy(model.eval(), KernelPolicy(device))
 
 
 def load_model_info(path_or_alias: str | Path) -> ModelInfo:
