@@ -114,8 +114,8 @@ def resolve_device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, to
 def load_engine(args: argparse.Namespace, *, max_batch_size: int = 1):
     """(LoadedModel, Engine) for the model, device, dtype and graph flags in `args`: the same
     engine core as `infer serve`, stepped in this thread."""
+    from infer.engine.build import limit_device_memory
     from infer.engine.engine import Engine
-    from infer.engine.engine_core import limit_device_memory
     from infer.models.load import load_model
 
     device, dtype = resolve_device_and_dtype(args)

@@ -42,6 +42,8 @@ class EngineRequest:
     # time.monotonic() when the frontend took the request (its queue time starts there).
     arrival_s: float
     cache_salt: str | None = None
+    # Computed from scratch and left out of the prefix cache (the shadow check's re-runs).
+    bypass_prefix_cache: bool = False
 
 
 # EngineOutput and EngineOutputs are made on the core's loop every step, one per running
