@@ -13,6 +13,10 @@ from infer.engine.generate import GenerationChunk, GenerationResult, generate, s
 from infer.engine.kv_manager import KVCacheManager
 from infer.engine.output_processor import OutputProcessor, StepOutput
 from infer.engine.protocol import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
     CoreLimits,
     EngineOutput,
     EngineOutputs,
@@ -20,15 +24,16 @@ from infer.engine.protocol import (
     EngineStats,
     FinishReason,
 )
-from infer.engine.request import FINISH_ABORT, QueueFullError, Request, RequestState, RequestTooLongError
+from infer.engine.request import QueueFullError, Request, RequestState, RequestTooLongError
 from infer.engine.runner import ModelRunner
 from infer.engine.sampler import SamplingTensors, make_generator, sample, sample_next_tokens
 from infer.engine.sampling_params import SamplingParams
 from infer.engine.scheduler import Scheduler
-from infer.engine.stop import FINISH_LENGTH, FINISH_STOP, StopChecker, StopStringMatcher
+from infer.engine.stop import StopChecker, StopStringMatcher
 
 __all__ = [
     "FINISH_ABORT",
+    "FINISH_ERROR",
     "FINISH_LENGTH",
     "FINISH_STOP",
     "INTERFACE_VERSION",

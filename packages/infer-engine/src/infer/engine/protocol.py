@@ -29,7 +29,13 @@ class FinishReason(enum.IntEnum):
     ERROR = 3  # refused by the core, or its step's forward raised: `error` says why
 
     def __str__(self) -> str:
+        """The API's finish_reason: "stop", "length", "abort", "error"."""
         return self.name.lower()
+
+
+# The finish_reason strings the frontend and the server speak, each str() of its FinishReason:
+# the one mapping from the core's vocabulary to the API's (the chat API adds "tool_calls").
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = (str(reason) for reason in FinishReason)
 
 
 @dataclass(frozen=True)

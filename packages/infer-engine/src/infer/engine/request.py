@@ -28,8 +28,6 @@ from infer.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from infer.engine.protocol import FinishReason
 
-FINISH_ABORT = "abort"
-
 
 class QueueFullError(RuntimeError):
     """add_request found max_queue_len requests already waiting (the server answers 503)."""
