@@ -6,7 +6,7 @@ from infer.engine._version import INTERFACE_VERSION, __version__
 from infer.engine.client import EngineClient, EngineDeadError, InProcClient
 from infer.engine.config import EngineConfig, EngineConfigError, add_cli_arguments, from_cli_args
 from infer.engine.decision import NewRequest, RunnerOutput, RunningRequest, ScheduleDecision
-from infer.engine.engine import Engine
+from infer.engine.engine import Engine, load_engine
 from infer.engine.engine_core import EngineCore
 from infer.engine.eos import collect_eos_token_ids, eos_token_ids_of
 from infer.engine.generate import GenerationChunk, GenerationResult, generate, stream
@@ -75,6 +75,7 @@ __all__ = [
     "eos_token_ids_of",
     "from_cli_args",
     "generate",
+    "load_engine",
     "make_generator",
     "sample",
     "sample_next_tokens",
