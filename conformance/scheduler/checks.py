@@ -6,8 +6,8 @@ KVCacheManager, with `FakeRunner` in place of the forward: it keeps a row per re
 token count, and samples one token for every row whose count reaches its known tokens. The token
 sampled at position p is p, so a request recomputed after a preemption samples exactly what it
 would have. `scheduler.update` takes the runner's output and ends a request by the engine's token
-rules: at max_tokens, or on its EOS token (the one at eos_after); abort_at_step finishes one
-(`scheduler.finish`).
+rules: at max_tokens, or on its EOS token (the one at eos_after); abort_at_step ends one
+(`scheduler.abort`).
 
 The check functions judge the recorded decisions against the clause, recomputing what they need
 from the decisions themselves (`replay`: tokens computed, known tokens, blocks per request,
@@ -336,11 +336,9 @@ def simulate(case: dict, impl: str, *, scheduler_class=Scheduler) -> Simulation:
                 )
             except RequestTooLongError as error:
                 sim.rejected[arrival.request_id] = str(error)
-        aborted = [
-            a.request_id
-            for a in arrivals
-            if a.abort_at_step == step and scheduler.finish(a.request_id) is not None
-        ]
+        # As the engine core's abort: those still here get a final output.
+        aborting = [a.request_id for a in arrivals if a.abort_at_step == step]
+        aborted = [output.request_id for output in scheduler.abort(aborting)]
         memory_calls = getattr(scheduler.kv_manager, "calls", [])
         memory_calls.clear()
         decision = scheduler.schedule()

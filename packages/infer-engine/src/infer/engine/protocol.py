@@ -95,7 +95,10 @@ class EngineStats:
     # sent beyond this plus num_waiting.
     num_added: int
     num_prompt_tokens_total: int
+    # Tokens in the outputs sent (the shadow check's re-runs send none).
     num_generation_tokens_total: int
+    # Requests that ended by finish reason: STOP or LENGTH, ABORT, and ERROR (refused by the
+    # core, or failed by its forward or its grammar).
     num_finished: int
     num_aborted: int
     num_failed: int
@@ -126,7 +129,7 @@ class EngineStats:
     prefix_cache_shadow_runs: int = 0
     prefix_cache_shadow_divergences: int = 0
     # The tree's runs (most recently used first, at most ENTRIES_SENT of them) and how many there
-    # are; None in the steps that did not walk the tree (see EngineCore._prefix_cache_entries).
+    # are; None in the steps that did not walk the tree (see PrefixCacheObserver.entries).
     prefix_cache_num_entries: int | None = None
     prefix_cache_entries: tuple["PrefixCacheEntry", ...] | None = None
     # Decode against the memory roofline (infer.engine.roofline): what the decode steps that ran
