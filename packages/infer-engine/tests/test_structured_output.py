@@ -137,4 +137,5 @@ def test_shadow_reruns_of_a_grammar_request_served_from_the_cache_count_no_diver
     assert again[again_id][0].cached_tokens > 0  # served from the cache
     stats = engine.stats()
     assert (stats.prefix_cache_shadow_runs, stats.prefix_cache_shadow_divergences) == (1, 0)
+    assert (stats.num_added, stats.num_finished, stats.num_waiting) == (2, 2, 0)  # the re-run is no request
     engine.shutdown()
