@@ -5,8 +5,9 @@ KVCacheManager, with `FakeRunner` in place of the forward: it keeps a row per re
 (built from NewRequest, dropped on finished or preempted ids), advances each scheduled row by its
 token count, and samples one token for every row whose count reaches its known tokens. The token
 sampled at position p is p, so a request recomputed after a preemption samples exactly what it
-would have. `scheduler.update` takes the runner's output; a request finishes (`scheduler.finish`)
-at max_tokens, eos_after or abort_at_step.
+would have. `scheduler.update` takes the runner's output and ends a request by the engine's token
+rules: at max_tokens, or on its EOS token (the one at eos_after); abort_at_step ends one
+(`scheduler.abort`).
 
 The check functions judge the recorded decisions against the clause, recomputing what they need
 from the decisions themselves (`replay`: tokens computed, known tokens, blocks per request,
@@ -280,7 +281,7 @@ def make_scheduler(
     case: dict, policy: str, scheduler_class=Scheduler, *, prefix_caching: bool = False
 ) -> Scheduler:
     allocator = BlockAllocator(case["kv_blocks"])
-    # As the engine builds it (engine_core._build_prefix_tree), with no byte budget: the whole pool.
+    # As the engine builds it (build._build_prefix_tree), with no byte budget: the whole pool.
     prefix_tree = PrefixTree(allocator, case["block_size"]) if prefix_caching else None
     kv_manager = RecordingKVCacheManager(allocator, case["block_size"], prefix_tree)
     return scheduler_class(
@@ -318,17 +319,26 @@ def simulate(case: dict, impl: str, *, scheduler_class=Scheduler) -> Simulation:
     for step in range(case["max_steps"]):
         for arrival in by_step.get(step, []):
             params = SamplingParams(temperature=0.0, max_new_tokens=arrival.max_tokens)
+            # The fake runner samples token p at position p: an EOS after eos_after tokens is the
+            # token at that position, and Scheduler.update ends the request on it.
+            eos = (
+                () if arrival.eos_after is None else (len(arrival.prompt_token_ids) + arrival.eos_after - 1,)
+            )
             try:
                 scheduler.add(
-                    Request(arrival.request_id, list(arrival.prompt_token_ids), params, arrival.index)
+                    Request(
+                        arrival.request_id,
+                        list(arrival.prompt_token_ids),
+                        params,
+                        arrival.index,
+                        stop_token_ids=frozenset(eos),
+                    )
                 )
             except RequestTooLongError as error:
                 sim.rejected[arrival.request_id] = str(error)
-        aborted = [
-            a.request_id
-            for a in arrivals
-            if a.abort_at_step == step and scheduler.finish(a.request_id) is not None
-        ]
+        # As the engine core's abort: those still here get a final output.
+        aborting = [a.request_id for a in arrivals if a.abort_at_step == step]
+        aborted = [output.request_id for output in scheduler.abort(aborting)]
         memory_calls = getattr(scheduler.kv_manager, "calls", [])
         memory_calls.clear()
         decision = scheduler.schedule()
@@ -344,11 +354,10 @@ def simulate(case: dict, impl: str, *, scheduler_class=Scheduler) -> Simulation:
         )
         launched.append((decision, runner.execute(decision)))
         while len(launched) > (1 if async_scheduling and not decision.is_empty else 0):
-            for request, new_token_ids in scheduler.update(*launched.popleft()):
-                sim.outputs[request.request_id] += new_token_ids
-                if len(sim.outputs[request.request_id]) >= sim.arrival(request.request_id).num_output_tokens:
-                    scheduler.finish(request.request_id)
-                    record.finished.append(request.request_id)
+            for output in scheduler.update(*launched.popleft()):
+                sim.outputs[output.request_id] += output.new_token_ids
+                if output.finished:
+                    record.finished.append(output.request_id)
         record.owners_after_step = set(_blocks_by_owner(allocator))
         sim.records.append(record)
         if step >= last_arrival and not scheduler.has_work() and not launched:

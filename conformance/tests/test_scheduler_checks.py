@@ -34,11 +34,11 @@ class NeverForcesDecodes(Scheduler):
 
 
 class LeaksOnFinish(Scheduler):
-    def finish(self, request_id):
+    def finish(self, request_id, *, cache=True):
         request = self.get(request_id)
         if request is not None:
             request.block_ids = []  # forgets its blocks instead of freeing them
-        return super().finish(request_id)
+        return super().finish(request_id, cache=cache)
 
 
 class ReportsFinishedTwice(Scheduler):

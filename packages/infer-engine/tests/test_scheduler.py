@@ -7,6 +7,7 @@ import pytest
 from infer.cache import BlockAllocator
 from infer.engine.decision import RunnerOutput, ScheduleDecision
 from infer.engine.kv_manager import KVCacheManager
+from infer.engine.protocol import FinishReason
 from infer.engine.request import QueueFullError, Request, RequestState, RequestTooLongError
 from infer.engine.sampling_params import SamplingParams
 from infer.engine.scheduler import Scheduler
@@ -28,9 +29,9 @@ def greedy_token(token_ids: list[int]) -> int:
     return sum(i * t for i, t in enumerate(token_ids, start=1)) % 1000
 
 
-def run_step(scheduler: Scheduler, *, finish_at_max_tokens: bool = True) -> ScheduleDecision:
+def run_step(scheduler: Scheduler) -> ScheduleDecision:
     """schedule(), a fake runner that samples `greedy_token` for every row that reaches its last
-    known token, update(), and finish() for the requests that reached max_new_tokens."""
+    known token, and update() (which finishes the requests that reached max_new_tokens)."""
     decision = scheduler.schedule()
     sampled = []
     for request_id in decision.num_scheduled_tokens:
@@ -38,11 +39,7 @@ def run_step(scheduler: Scheduler, *, finish_at_max_tokens: bool = True) -> Sche
         # schedule() counts the step as run: it computed the last known token, or not.
         reaches_the_end = r.num_computed_tokens == len(r.all_token_ids)
         sampled.append((greedy_token(r.all_token_ids),) if reaches_the_end else ())
-    outputs = scheduler.update(decision, RunnerOutput(tuple(decision.num_scheduled_tokens), tuple(sampled)))
-    for r, _ in outputs:
-        if finish_at_max_tokens and len(r.output_ids) == r.max_new_tokens:
-            r.state = RequestState.FINISHED
-            scheduler.finish(r.request_id)
+    scheduler.update(decision, RunnerOutput(tuple(decision.num_scheduled_tokens), tuple(sampled)))
     return decision
 
 
@@ -206,8 +203,31 @@ def test_update_returns_tokens_only_for_rows_that_reached_their_last_known_token
     decision = scheduler.schedule()
     assert decision.num_scheduled_tokens == {"long": 32, "short": 8}
     outputs = scheduler.update(decision, RunnerOutput(("long", "short"), ((), (7,))))
-    assert [(r.request_id, tokens) for r, tokens in outputs] == [("short", [7])]
+    assert [(output.request_id, output.new_token_ids) for output in outputs] == [("short", [7])]
     assert scheduler.get("long").num_computed_tokens == 32
+
+
+def test_update_ends_a_request_on_its_stop_token_once_min_tokens_are_out_and_at_max_tokens():
+    """The token rules (the spec: OpenAI's stop ids count once min_tokens are out; max_tokens
+    ends at length), applied by update itself: the request is finished and its blocks freed."""
+    scheduler = make_scheduler(num_blocks=8)
+    stopper = request("stopper", 4, max_new_tokens=10, min_tokens=1)
+    stopper.stop_token_ids = frozenset({5})
+    scheduler.add(stopper)
+    scheduler.add(request("counter", 4, max_new_tokens=2))
+    steps = []
+    for sampled in [(5, 9), (5, 9)]:  # the first 5 is within min_tokens: it does not stop
+        decision = scheduler.schedule()
+        outputs = scheduler.update(
+            decision, RunnerOutput(tuple(decision.num_scheduled_tokens), ((sampled[0],), (sampled[1],)))
+        )
+        steps.append([(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs])
+    assert steps == [
+        [("stopper", [5], None), ("counter", [9], None)],
+        [("stopper", [5], FinishReason.STOP), ("counter", [9], FinishReason.LENGTH)],
+    ]
+    assert not scheduler.has_work() and scheduler.kv_manager.num_free_blocks == 8
+    assert scheduler.schedule().finished_request_ids == {"stopper", "counter"}
 
 
 def test_update_refuses_a_token_sampled_in_the_middle_of_a_prompt():

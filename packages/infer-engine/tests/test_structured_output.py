@@ -109,3 +109,33 @@ def test_a_request_with_a_grammar_crosses_to_the_engine_process_whole():
         "r", [1, 2], SamplingParams(max_new_tokens=4, grammar=GrammarSpec.json_schema(PERSON)), arrival_s=0.0
     )
     assert ForkingPickler.loads(ForkingPickler.dumps(request)) == request
+
+
+@pytest.mark.parametrize(
+    "grammar", [GrammarSpec.json_schema(PERSON), GrammarSpec.regex(r"\d{3}-\d{4}")], ids=["schema", "regex"]
+)
+def test_shadow_reruns_of_a_grammar_request_served_from_the_cache_count_no_divergence(smollm2, grammar):
+    """The shadow check re-runs a cache hit without the cache, grammar and all: a structured
+    answer recomputed is the same answer."""
+    config = EngineConfig(
+        max_batch_size=2,
+        max_seq_len=512,
+        use_chunked_prefill=True,
+        block_size=16,
+        use_prefix_caching=True,
+        prefix_cache_shadow_rate=1.0,
+    )
+    engine = Engine(config, loaded_model=smollm2.loaded)
+    prompt = smollm2.chat_ids("Describe a person as JSON with name, age, city and pets.")
+    params = SamplingParams(temperature=0, max_new_tokens=60, grammar=grammar)
+    first_id = engine.add_request(prompt, params)
+    first = run_to_completion(engine, max_steps=2000)[first_id]
+    again_id = engine.add_request(prompt, params)
+    again = run_to_completion(engine, max_steps=2000)  # the re-run too, once idle
+    assert list(again) == [again_id]  # the re-run answers nobody
+    assert token_ids(again[again_id]) == token_ids(first)
+    assert again[again_id][0].cached_tokens > 0  # served from the cache
+    stats = engine.stats()
+    assert (stats.prefix_cache_shadow_runs, stats.prefix_cache_shadow_divergences) == (1, 0)
+    assert (stats.num_added, stats.num_finished, stats.num_waiting) == (2, 2, 0)  # the re-run is no request
+    engine.shutdown()

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from infer.engine.cli import load_engine, resolve_device_and_dtype
+from infer.engine import load_engine
+from infer.engine.cli import engine_config_from_args, resolve_device_and_dtype
 from infer.engine.config import AUTO_FLAGS
 from infer.engine.engine import Engine
 from infer.engine.generate import generate, stream
@@ -68,7 +69,7 @@ class GenerationTiming:
 def run_bench_generate(args: argparse.Namespace) -> int:
     device, dtype = resolve_device_and_dtype(args)
     runtime_rss = resident_bytes()
-    loaded, engine = load_engine(args)
+    loaded, engine = load_engine(engine_config_from_args(args))
     prompt_ids = random_prompt(loaded, args.prompt_tokens, seed=args.seed)
     params = SamplingParams(temperature=0, max_new_tokens=args.gen_tokens, ignore_eos=True)
 

@@ -20,7 +20,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from infer.bench.generation import random_prompt
-from infer.engine.cli import load_engine
+from infer.engine import load_engine
+from infer.engine.cli import engine_config_from_args
 from infer.engine.generate import generate, stream
 from infer.engine.sampling_params import SamplingParams
 
@@ -29,7 +30,7 @@ PREFILL = "infer.prefill"
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    loaded, engine = load_engine(args)
+    loaded, engine = load_engine(engine_config_from_args(args))
     on_cuda = engine.core.device.type == "cuda"
     prompt_ids = random_prompt(loaded, args.prompt_tokens, seed=0)
     params = SamplingParams(temperature=0, max_new_tokens=args.gen_tokens, ignore_eos=True)

@@ -3,7 +3,8 @@
 infer generate [--model M] [--chat] [sampling flags] PROMPT...   stream text, tokens/s on stderr
 
 infer-bench's `infer profile` and `infer bench generate` take the same model flags
-(`add_model_arguments`) and load the same way (`load_engine`).
+(`add_model_arguments`) and load the same way (`engine_config_from_args`, then
+`infer.engine.load_engine`).
 """
 
 import argparse
@@ -116,17 +117,14 @@ def resolve_device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, to
     return device, resolve_dtype(args.dtype, device)
 
 
-def load_engine(args: argparse.Namespace, *, max_batch_size: int = 1):
-    """(LoadedModel, Engine) for the model, device, dtype and graph flags in `args`: the same
-    engine core as `infer serve`, stepped in this thread."""
-    from infer.engine.engine import Engine
-    from infer.engine.engine_core import limit_device_memory
-    from infer.models.load import load_model
-
-    device, dtype = resolve_device_and_dtype(args)
-    config = EngineConfig(
+def engine_config_from_args(args: argparse.Namespace, *, max_batch_size: int = 1) -> EngineConfig:
+    """The EngineConfig of the model, device, dtype and graph flags in `args` (`add_model_arguments`),
+    for `infer.engine.load_engine`."""
+    device, _ = resolve_device_and_dtype(args)
+    return EngineConfig(
         model=args.model,
         device=str(device),
+        dtype=args.dtype,
         quantization=args.quantization,
         device_memory_limit_gib=args.device_memory_limit_gib,
         max_seq_len=args.max_seq_len,
@@ -137,9 +135,6 @@ def load_engine(args: argparse.Namespace, *, max_batch_size: int = 1):
         use_triton_gemv=args.use_triton_gemv,
         use_native_cpu_kernels=args.use_native_cpu_kernels,
     )
-    limit_device_memory(config, device)  # before the weights, which count against it
-    loaded = load_model(args.model, dtype=dtype, device=device, quantization=args.quantization)
-    return loaded, Engine(config, loaded_model=loaded)
 
 
 def encode_prompt(loaded, text: str, *, chat: bool) -> list[int]:
@@ -169,10 +164,11 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"infer generate: {err}", file=sys.stderr)
         return 2
+    from infer.engine.engine import load_engine
     from infer.engine.generate import stream
 
     try:
-        loaded, engine = load_engine(args)
+        loaded, engine = load_engine(engine_config_from_args(args))
     except (ValueError, OSError) as err:  # unknown model, missing files, no CUDA: the message says
         print(f"infer generate: {err}", file=sys.stderr)
         return 2

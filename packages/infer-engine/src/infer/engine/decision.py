@@ -68,6 +68,8 @@ class ScheduleDecision:
     # inside (copy-on-write); QUANTIZE a cold prefix-cache block into an int8 slot, whose block
     # a new owner may write in this step; RESTORE an int8 slot into a block a match shares.
     block_ops: tuple[tuple[str, int, int], ...] = ()
+    # Scheduled tokens that are prompt (or recompute) work: all but decodes of a sampled token.
+    num_prompt_tokens: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:

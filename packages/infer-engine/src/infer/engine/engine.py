@@ -15,6 +15,7 @@ and raises before sending anything; the core checks again.
 import contextlib
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 from infer.engine.client import EngineClient, EngineDeadError, InProcClient
 from infer.engine.config import EngineConfig
@@ -23,6 +24,9 @@ from infer.engine.output_processor import OutputProcessor, StepOutput
 from infer.engine.protocol import EngineRequest, EngineStats
 from infer.engine.request import QueueFullError
 from infer.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from infer.models import LoadedModel
 
 
 class Engine:
@@ -147,3 +151,11 @@ class Engine:
 
     def shutdown(self) -> None:
         self.client.shutdown()
+
+
+def load_engine(config: EngineConfig) -> tuple["LoadedModel", Engine]:
+    """(LoadedModel, Engine): config.model loaded on config.device (within
+    device_memory_limit_gib, which the weights count against) and the engine over it in this
+    process, stepped by the caller's thread: the same core as `infer serve`."""
+    engine = Engine(config)
+    return engine.core.loaded, engine

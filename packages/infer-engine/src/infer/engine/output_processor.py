@@ -14,7 +14,7 @@ It lives in infer-engine, not infer-server, because `infer generate` makes text 
 
 from dataclasses import dataclass, field
 
-from infer.engine.protocol import EngineOutput, EngineOutputs, FinishReason, TokenLogprobs
+from infer.engine.protocol import FINISH_ABORT, EngineOutput, EngineOutputs, FinishReason, TokenLogprobs
 from infer.engine.sampling_params import SamplingParams
 from infer.engine.stop import StopChecker
 
@@ -124,7 +124,7 @@ class OutputProcessor:
                     token_id=None,
                     text_delta="",
                     finished=True,
-                    finish_reason=None if error is not None else str(FinishReason.ABORT),
+                    finish_reason=None if error is not None else FINISH_ABORT,
                     error=error,
                     prompt_tokens=output.num_prompt_tokens,
                     completion_tokens=state.num_generated,

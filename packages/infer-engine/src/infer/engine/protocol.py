@@ -30,7 +30,13 @@ class FinishReason(enum.IntEnum):
     ERROR = 3  # refused by the core, or its step's forward raised: `error` says why
 
     def __str__(self) -> str:
+        """The API's finish_reason: "stop", "length", "abort", "error"."""
         return self.name.lower()
+
+
+# The finish_reason strings the frontend and the server speak, each str() of its FinishReason:
+# the one mapping from the core's vocabulary to the API's (the chat API adds "tool_calls").
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = (str(reason) for reason in FinishReason)
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,8 @@ class EngineRequest:
     # time.monotonic() when the frontend took the request (its queue time starts there).
     arrival_s: float
     cache_salt: str | None = None
+    # Computed from scratch and left out of the prefix cache (the shadow check's re-runs).
+    bypass_prefix_cache: bool = False
 
 
 # EngineOutput and EngineOutputs are made on the core's loop every step, one per running
@@ -88,7 +96,10 @@ class EngineStats:
     # sent beyond this plus num_waiting.
     num_added: int
     num_prompt_tokens_total: int
+    # Tokens in the outputs sent (the shadow check's re-runs send none).
     num_generation_tokens_total: int
+    # Requests that ended by finish reason: STOP or LENGTH, ABORT, and ERROR (refused by the
+    # core, or failed by its forward or its grammar).
     num_finished: int
     num_aborted: int
     num_failed: int
@@ -119,7 +130,7 @@ class EngineStats:
     prefix_cache_shadow_runs: int = 0
     prefix_cache_shadow_divergences: int = 0
     # The tree's runs (most recently used first, at most ENTRIES_SENT of them) and how many there
-    # are; None in the steps that did not walk the tree (see EngineCore._prefix_cache_entries).
+    # are; None in the steps that did not walk the tree (see PrefixCacheObserver.entries).
     prefix_cache_num_entries: int | None = None
     prefix_cache_entries: tuple["PrefixCacheEntry", ...] | None = None
     # Decode against the memory roofline (infer.engine.roofline): what the decode steps that ran

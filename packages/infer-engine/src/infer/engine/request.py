@@ -28,8 +28,6 @@ from infer.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from infer.engine.protocol import FinishReason
 
-FINISH_ABORT = "abort"
-
 
 class QueueFullError(RuntimeError):
     """add_request found max_queue_len requests already waiting (the server answers 503)."""
@@ -88,8 +86,8 @@ class Request:
     # model's EOS set unless ignore_eos). The request's torch.Generator lives in the runner's
     # InputBatch, made from NewRequest.generator_seed.
     stop_token_ids: frozenset[int] = frozenset()
-    # time.monotonic() at add_request, and at the first step that scheduled the request: its
-    # queue time (set by the engine; the scheduler keeps no clock).
+    # time.monotonic() at add_request (set by the engine core), and at the first step that
+    # scheduled the request (set by the scheduler's decision): its queue time.
     arrival_s: float = 0.0
     first_scheduled_s: float | None = None
     # Prefix caching: requests share cached blocks only under the same salt (None is a salt too).

@@ -11,17 +11,19 @@ their last known token sample one token each, with the batched sampler; a mid-pr
 samples nothing. The runner keeps each request's tokens in its `InputBatch` and appends what it
 samples, so the next decision only says how many tokens to run.
 
-`execute` is `launch` then `collect`. Async scheduling (`EngineConfig.async_scheduling`) calls
-them apart: `launch(decision)` queues the forward and the sampling on the device and returns at
-once; `collect()` waits for the oldest launched step and returns its RunnerOutput. Between the
-two the host schedules and launches the next step while the device runs this one. A sampled
+`execute` is `launch`, `sample` then `collect`, plain calls in order: `launch(decision)` queues
+the forward and returns at once, so that the caller fills the grammar masks of its sampling rows
+while the device computes; `sample(launch, masks)` queues the sampling and the copy of its
+tokens to the host; `collect()` waits for the oldest sampled step and returns its RunnerOutput.
+Async scheduling (`EngineConfig.async_scheduling`) calls `collect` a step late: between the two
+the host schedules and launches the next step while the device runs this one. A sampled
 token's id is then unknown to the host when the next step feeds it back: the InputBatch holds
 a placeholder, -(1 + j) for the j-th token the previous step sampled, and the forward reads the
 id from `last_sampled`, the device copy of that step's tokens (`resolve_pending_tokens`).
 """
 
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +61,17 @@ class _LaunchedLogprobs:
             request_id: (TokenLogprobs(sampled[i], top_ids[i][:k], top_values[i][:k]),)
             for i, (request_id, k) in enumerate(zip(self.request_ids, self.num_top_logprobs, strict=True))
         }
+
+
+@dataclass
+class StepLaunch:
+    """A step whose forward is queued (`ModelRunner.launch`) and not yet sampled."""
+
+    request_ids: tuple[str, ...]
+    # The rows that sample, in the order of `logits`' rows.
+    sampling_ids: list[str]
+    logits: torch.Tensor
+    tensors: SamplingTensors | None
 
 
 @dataclass
@@ -192,20 +205,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, decision: ScheduleDecision) -> RunnerOutput:
-        """Runs the step and returns what it sampled (`launch`, then `collect`)."""
-        self.launch(decision)
+        """Runs the step and returns what it sampled (`launch`, `sample`, then `collect`)."""
+        self.sample(self.launch(decision))
         return self.collect()
 
     @torch.inference_mode()
-    def launch(
-        self,
-        decision: ScheduleDecision,
-        allowed: Callable[[Sequence[str]], AllowedTokens | None] | None = None,
-    ) -> None:
-        """Queues the step's forward and sampling on the device without waiting for them; its
-        RunnerOutput comes from a later `collect()`, in launch order. `allowed(sampling_ids)`
-        gives the grammar masks of the step's sampling rows (row i: sampling_ids[i]); it is
-        called once the forward is queued, so the host fills them while the device computes."""
+    def launch(self, decision: ScheduleDecision) -> StepLaunch:
+        """Queues the step's forward on the device without waiting for it. The caller then fills
+        the grammar masks of `StepLaunch.sampling_ids` while the device computes, and passes
+        them to `sample`."""
         if self._launched and not self.async_scheduling:
             raise RuntimeError("a step is launched and not collected; only async_scheduling launches ahead")
         self.input_batch.apply(decision)
@@ -215,18 +223,28 @@ class ModelRunner:
         if decision.new_requests or decision.finished_request_ids or decision.preempted_request_ids:
             self._sampling = None
         if decision.is_empty:
-            self._launched.append(_LaunchedStep((), [], self._host_tokens[0, :0], None))
-            return
+            return StepLaunch((), [], torch.empty(0), None)
         step = self.input_batch.prepare(decision)
         logits = self._logits(step)
         sampling_ids = [step.request_ids[row] for row in step.sampling_rows]
+        tensors = self._sampling_tensors(tuple(sampling_ids)) if sampling_ids else None
+        return StepLaunch(tuple(step.request_ids), sampling_ids, logits, tensors)
+
+    @torch.inference_mode()
+    def sample(self, launch: StepLaunch, masks: AllowedTokens | None = None) -> None:
+        """Queues the sampling of a launched step (under `masks`: the grammar masks of its
+        sampling rows, row i being launch.sampling_ids[i]) and the copy of its tokens to the
+        host; its RunnerOutput comes from a later `collect()`, in launch order."""
+        sampling_ids = launch.sampling_ids
+        if not launch.request_ids:
+            self._launched.append(_LaunchedStep((), [], self._host_tokens[0, :0], None))
+            return
         host_tokens = self._host_tokens[self._num_launched % 2, : len(sampling_ids)]
         self._num_launched += 1
         done = None
         logprobs = None
         if sampling_ids:
-            tensors = self._sampling_tensors(tuple(sampling_ids))
-            masks = allowed(sampling_ids) if allowed is not None else None
+            tensors, logits = launch.tensors, launch.logits
             tokens = self._sample(logits, sampling_ids, tensors, masks)
             self.last_sampled[: len(tokens)].copy_(tokens)
             host_tokens.copy_(tokens, non_blocking=True)
@@ -244,7 +262,7 @@ class ModelRunner:
             state = self.input_batch.states[request_id]
             sampled.append((request_id, state, self.input_batch.append_token(request_id, -1 - index)))
         self._launched.append(
-            _LaunchedStep(tuple(step.request_ids), sampled, host_tokens, done, logprobs=logprobs)
+            _LaunchedStep(launch.request_ids, sampled, host_tokens, done, logprobs=logprobs)
         )
 
     def _launch_logprobs(

@@ -9,16 +9,21 @@ decides "run n more tokens of this request". The loop, with the engine or a simu
     decision = scheduler.schedule()           # admits, takes blocks, preempts, plans the step
     runner_output = runner.execute(decision)  # one forward; a token for each row that reached
                                               # its last known token
-    for request, new_token_ids in scheduler.update(decision, runner_output):
-        ...                                   # the engine checks stops; for each that ends:
-    scheduler.finish(request_id)              # finished, aborted or failed: blocks freed at once
+    outputs = scheduler.update(decision, runner_output)
+                                              # the token rules (EOS, stop ids, max tokens) and
+                                              # the grammars: who ends is finished, blocks freed
+
+`update` is vLLM's `update_from_output`: it applies the core's token rules
+(`infer.engine.stop.token_finish_reason`) and moves each constrained request's grammar matcher
+(`StructuredOutput`, which the scheduler holds) past its tokens, finishes whatever ended and
+returns the step's `EngineOutput`s. `abort` and `fail` end requests outside a step's tokens.
 
 schedule() counts the step as run: the scheduled tokens are computed, and a request whose step
 reaches its last known token gains a pending token (Request.num_pending_tokens), which update()
 replaces with the sampled id. So the next schedule() may come before the previous update() (async
 scheduling): a request then decodes its pending token, whose id only the runner's device holds;
 one that may generate no more (max_new_tokens) is not scheduled; one that stops on its pending
-token is finished by the engine after that next step ran, whose token for it is then dropped.
+token is finished by update() after that next step ran, whose token for it is then dropped.
 
 Budgets: at most max_batch_size requests run at once, at most max_num_batched_tokens tokens per
 step (a prefill chunk counts its tokens, a decode counts one), and the KV pool behind
@@ -49,14 +54,25 @@ and admission is strictly first come first served, so a queued request waits onl
 requests ahead of it. The policy (scheduling_policy.py) orders the rest of the step.
 """
 
+import logging
+import time
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from infer.engine.decision import NewRequest, RunnerOutput, RunningRequest, ScheduleDecision
 from infer.engine.kv_manager import KVCacheManager
-from infer.engine.protocol import check_fits
+from infer.engine.protocol import EngineOutput, FinishReason, TokenLogprobs, check_fits
 from infer.engine.request import QueueFullError, Request, RequestState
 from infer.engine.scheduling_policy import ADMIT, policy_named
+from infer.engine.stop import token_finish_reason
+
+if TYPE_CHECKING:
+    from infer.engine.sampler import AllowedTokens
+    from infer.engine.structured_output import StructuredOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,7 +113,10 @@ class Scheduler:
         max_prefill_chunks_per_step: int | None = None,
         max_queue_len: int | None = None,
         engine_seed: int = 0,
+        structured_output: "StructuredOutput | None" = None,
     ):
+        """`structured_output`: the grammar matchers of constrained requests; None refuses a
+        request with a grammar."""
         for name, value in [
             ("max_seq_len", max_seq_len),
             ("max_batch_size", max_batch_size),
@@ -130,6 +149,8 @@ class Scheduler:
         self.max_prefill_chunks_per_step = max_prefill_chunks_per_step
         self.max_queue_len = max_queue_len
         self.engine_seed = engine_seed
+        self.structured_output = structured_output
+        self.num_preempted = 0
         # Preempted requests first (in admission order), then those that never ran (in arrival order).
         self._waiting: deque[Request] = deque()
         # Admission order (a re-admission counts as the latest); preemption picks from the end.
@@ -145,7 +166,14 @@ class Scheduler:
         self._next_step = 0
 
     @classmethod
-    def from_engine_config(cls, config, *, kv_manager: KVCacheManager, max_seq_len: int) -> "Scheduler":
+    def from_engine_config(
+        cls,
+        config,
+        *,
+        kv_manager: KVCacheManager,
+        max_seq_len: int,
+        structured_output: "StructuredOutput | None" = None,
+    ) -> "Scheduler":
         """The engine's scheduler. max_queue_len is left to the engine, which also counts requests
         added but not yet taken in by a step."""
         return cls(
@@ -160,6 +188,7 @@ class Scheduler:
             prefill_chunk_size=config.prefill_chunk_size,
             max_prefill_chunks_per_step=config.max_prefill_chunks_per_step,
             engine_seed=config.seed,
+            structured_output=structured_output,
         )
 
     # -- queries ----------------------------------------------------------------------------
@@ -196,8 +225,9 @@ class Scheduler:
     # -- changes ----------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        """Queues `request` (state WAITING). Raises RequestTooLongError, QueueFullError or
-        ValueError (empty prompt, duplicate id) and then queues nothing."""
+        """Queues `request` (state WAITING), with its grammar's matcher when it has one. Raises
+        RequestTooLongError, QueueFullError or ValueError (empty prompt, duplicate id, a grammar
+        that cannot be enforced) and then queues nothing."""
         if request.num_prompt_tokens < 1:
             raise ValueError(
                 f"request {request.request_id!r} has an empty prompt; it needs at least one token"
@@ -212,6 +242,11 @@ class Scheduler:
                 f"{len(self._waiting)} requests are waiting, the limit max_queue_len is "
                 f"{self.max_queue_len}; retry later"
             )
+        grammar = request.params.grammar
+        if grammar is not None:
+            if self.structured_output is None:
+                raise ValueError(f"request {request.request_id!r} has a grammar; this scheduler has none")
+            self.structured_output.add(request.request_id, self.structured_output.matcher(grammar))
         request.state = RequestState.WAITING
         self._waiting.append(request)
         self._requests[request.request_id] = request
@@ -242,17 +277,16 @@ class Scheduler:
                 request.num_pending_tokens += 1  # this step samples its next token
         return decision
 
-    def update(
-        self, decision: ScheduleDecision, runner_output: RunnerOutput
-    ) -> list[tuple[Request, list[int]]]:
-        """Records what `decision`'s step sampled: each token replaces a pending token of its
-        request and joins its output_ids. Returns (request, new token ids) for each request that
-        got at least one token, in decision order; the caller checks stops and calls finish() for
-        those that end, running or preempted since. Requests finished since are skipped.
+    def update(self, decision: ScheduleDecision, runner_output: RunnerOutput) -> list[EngineOutput]:
+        """Takes what `decision`'s step sampled: each token replaces a pending token of its
+        request and joins its output_ids; the token rules and the request's grammar decide
+        whether it ends on one of them (what follows is dropped), and a request that ends is
+        finished. Returns an EngineOutput for each request that got a token, in decision order.
+        Requests finished since the decision are skipped (their tokens are dropped).
 
-        After a failed forward, call finish() for its requests instead of update()."""
+        After a failed forward, call fail() instead."""
         sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
-        outputs: list[tuple[Request, list[int]]] = []
+        outputs: list[EngineOutput] = []
         for request_id in decision.num_scheduled_tokens:
             new_token_ids = list(sampled.get(request_id, ()))
             request = self._requests.get(request_id)
@@ -266,8 +300,48 @@ class Scheduler:
                 )
             request.num_pending_tokens -= len(new_token_ids)
             request.output_ids.extend(new_token_ids)
-            outputs.append((request, new_token_ids))
+            outputs.append(self._accept(request, new_token_ids, runner_output.logprobs.get(request_id)))
         return outputs
+
+    def abort(self, request_ids: Iterable[str]) -> list[EngineOutput]:
+        """Ends these requests now (blocks freed at once): a final output (FinishReason.ABORT)
+        for each. Ids unknown or finished are ignored."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.finish(request_id)
+            if request is not None:
+                request.state = RequestState.FINISHED
+                request.finish_reason = FinishReason.ABORT
+                outputs.append(request_output(request, [], FinishReason.ABORT))
+        return outputs
+
+    def fail(self, decision: ScheduleDecision, error: Exception) -> list[EngineOutput]:
+        """Fails the decision's requests that are still here: its forward raised `error`. Their
+        K/V may be wrong: none of it goes to the prefix cache."""
+        requests = [
+            request for request_id in decision.scheduled_request_ids if (request := self.get(request_id))
+        ]
+        logger.exception("forward failed for %s", [request.request_id for request in requests])
+        message = f"{type(error).__name__}: {error}"
+        outputs = []
+        for request in requests:
+            request.state = RequestState.FAILED
+            request.error = message
+            self.finish(request.request_id, cache=False)
+            outputs.append(request_output(request, [], FinishReason.ERROR))
+        return outputs
+
+    def constrains_any(self, decision: ScheduleDecision) -> bool:
+        """Whether a request of the decision samples under a grammar."""
+        grammars = self.structured_output
+        return bool(grammars) and grammars.constrains_any(decision.num_scheduled_tokens)
+
+    def grammar_masks(self, sampling_ids: Sequence[str]) -> "AllowedTokens | None":
+        """The allowed tokens of the constrained requests among a step's sampling rows (row i:
+        sampling_ids[i]), from their matchers as they stand; None when none is constrained."""
+        if not self.structured_output:
+            return None
+        return self.structured_output.allowed(sampling_ids)
 
     def finish(self, request_id: str, *, cache: bool = True) -> Request | None:
         """Takes a request out, waiting or running, and frees its blocks (it finished, was aborted
@@ -278,6 +352,8 @@ class Scheduler:
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
+        if self.structured_output is not None:
+            self.structured_output.remove(request_id)
         if request in self._running:
             self._running.remove(request)
         else:
@@ -290,6 +366,39 @@ class Scheduler:
         return request
 
     # -- internals --------------------------------------------------------------------------
+
+    def _accept(
+        self, request: Request, token_ids: list[int], logprobs: Sequence[TokenLogprobs] | None
+    ) -> EngineOutput:
+        """`token_ids` are already in request.output_ids: the token rules decide whether the
+        request ends on one of them, its grammar whether it takes them; one that ends is finished."""
+        first = len(request.output_ids) - len(token_ids)
+        accepted: list[int] = []
+        reason = None
+        for index, token_id in enumerate(token_ids):
+            accepted.append(token_id)
+            reason = token_finish_reason(request.params, request.stop_token_ids, first + index + 1, token_id)
+            if reason is not None:
+                break
+        refused = (
+            self.structured_output.advance(request.request_id, accepted) if self.structured_output else None
+        )
+        if refused is not None:  # the mask allowed it: a bug, never the client's doing
+            token_id = accepted[refused]
+            logger.error("request %s: its grammar refused token %d", request.request_id, token_id)
+            request.state = RequestState.FAILED
+            request.error = f"GrammarError: the grammar refused sampled token {token_id}"
+            reason = FinishReason.ERROR
+            accepted = accepted[:refused]
+        if reason is FinishReason.ERROR:
+            # What a failure computed may be wrong: none of it goes to the prefix cache.
+            self.finish(request.request_id, cache=False)
+        elif reason is not None:
+            request.state = RequestState.FINISHED
+            request.finish_reason = reason
+            self.finish(request.request_id)
+        accepted_logprobs = list(logprobs[: len(accepted)]) if logprobs is not None else None
+        return request_output(request, accepted, reason, first_token=first == 0, logprobs=accepted_logprobs)
 
     def _due_decoders(self, step: int) -> list[Request]:
         """Decoding requests whose last token is decode_service_interval steps old, most overdue first."""
@@ -356,6 +465,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.state = RequestState.PREEMPTED
         request.num_preemptions += 1
+        self.num_preempted += 1
         self._running.remove(request)
         self._in_runner.discard(request.request_id)
         plan.preempted.append(request.request_id)
@@ -416,8 +526,17 @@ class Scheduler:
     def _decision(self, plan: _StepPlan) -> ScheduleDecision:
         new_requests: list[NewRequest] = []
         running_requests: list[RunningRequest] = []
-        for request_id in plan.num_scheduled_tokens:
+        num_prompt_tokens = 0
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self._requests[request_id]
+            # All but decodes of a sampled token: a new or resumed request computes prompt or
+            # recompute work (num_computed_tokens is the count before this step).
+            is_decode = (
+                num_tokens == 1
+                and request_id in self._in_runner
+                and request.num_computed_tokens >= request.num_prompt_tokens
+            )
+            num_prompt_tokens += 0 if is_decode else num_tokens
             if request_id in self._in_runner:
                 running_requests.append(
                     RunningRequest(
@@ -427,6 +546,8 @@ class Scheduler:
                     )
                 )
             else:
+                if request.first_scheduled_s is None:  # its queue time ends (not a resumed request)
+                    request.first_scheduled_s = time.monotonic()
                 new_requests.append(
                     NewRequest(
                         request_id=request_id,
@@ -448,6 +569,7 @@ class Scheduler:
             finished_request_ids=finished,
             preempted_request_ids=frozenset(plan.preempted),
             block_ops=self.kv_manager.take_block_ops(),
+            num_prompt_tokens=num_prompt_tokens,
         )
 
     def _generator_seed(self, request: Request) -> int:
@@ -456,3 +578,29 @@ class Scheduler:
         if request.params.seed is not None:
             return request.params.seed
         return (self.engine_seed * 1_000_003 + request.arrival_index) % 2**63
+
+
+def request_output(
+    request: Request,
+    token_ids: list[int],
+    finish_reason: FinishReason | None,
+    *,
+    first_token: bool = False,
+    logprobs: list[TokenLogprobs] | None = None,
+) -> EngineOutput:
+    """The one EngineOutput builder: tokens, a final word, or both."""
+    return EngineOutput(
+        request_id=request.request_id,
+        new_token_ids=token_ids,
+        finish_reason=finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        error=request.error if finish_reason is FinishReason.ERROR else None,
+        # The first token's step scheduled the request before, so the time is known by then.
+        queue_time_s=(
+            request.first_scheduled_s - request.arrival_s
+            if first_token and token_ids and request.first_scheduled_s is not None
+            else None
+        ),
+        logprobs=logprobs,
+    )

@@ -12,11 +12,8 @@ the core.
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-from infer.engine.protocol import FinishReason
+from infer.engine.protocol import FINISH_LENGTH, FINISH_STOP, FinishReason
 from infer.engine.sampling_params import SamplingParams
-
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
 
 
 class StopStringMatcher:

@@ -1,13 +1,13 @@
-"""The engine core's side of structured output: a grammar matcher per constrained request, the
+"""The scheduler's side of structured output: a grammar matcher per constrained request, the
 bitmask of what each may sample this step, and each matcher moved past the tokens its request
-takes.
+takes (`Scheduler.add`, `grammar_masks`, `update`).
 
 The grammar compiler (the tokenizer's llguidance view: ~0.3 s for SmolLM2, ~3 s for Gemma 3's
 262k tokens) is built when the first constrained request arrives, so an engine that never sees
 one never pays for it; that first request (and the core's loop) waits for it once. Masks are
 filled on the host into one of two pinned buffers (a step's copy to the device may still be
 queued when the next step fills the other) while the device runs the step's forward
-(`ModelRunner.launch` asks for them after queueing it).
+(the core asks for them between `ModelRunner.launch`, which queues it, and `ModelRunner.sample`).
 """
 
 from collections.abc import Collection, Sequence
@@ -57,7 +57,7 @@ class StructuredOutput:
     def allowed(self, sampling_ids: Sequence[str]) -> AllowedTokens | None:
         """The allowed tokens of the constrained requests among a step's sampling rows (row i of
         the step's logits is sampling_ids[i]); None when none is constrained."""
-        # A matcher that died (it refused a token: its request fails in this step's collect)
+        # A matcher that died (it refused a token: update() fails its request)
         # allows nothing: its row samples unconstrained, and the token is dropped. (One that
         # stopped, the output complete, allows EOS: it stays.)
         rows = [

@@ -13,8 +13,12 @@ turns out malformed.
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from infer.engine.protocol import FINISH_ABORT
 from infer.server.reasoning import ThinkSplitter
 from infer.server.tool_parsers import ParsedToolCall, ToolCallFormat, ToolCallParser
+
+# The chat API's own finish_reason, beside the engine's (infer.engine.protocol's FINISH_*).
+FINISH_TOOL_CALLS = "tool_calls"
 
 
 @dataclass(frozen=True)
@@ -135,4 +139,6 @@ class ChatOutputParser:
 def finish_reason(engine_finish_reason: str, num_tool_calls: int) -> str:
     """The answer's finish_reason: "tool_calls" once a call was parsed (as OpenAI), unless the
     request was aborted; otherwise the engine's own ("stop", "length", "abort")."""
-    return "tool_calls" if num_tool_calls and engine_finish_reason != "abort" else engine_finish_reason
+    return (
+        FINISH_TOOL_CALLS if num_tool_calls and engine_finish_reason != FINISH_ABORT else engine_finish_reason
+    )

@@ -22,7 +22,9 @@ import time
 
 from infer.engine.client import EngineDeadError
 from infer.engine.output_processor import StepOutput
+from infer.engine.protocol import FINISH_ABORT, FINISH_ERROR
 from infer.engine.sampling_params import SamplingParams
+from infer.server.chat_output import FINISH_TOOL_CALLS
 from infer.server.metrics import ServerMetrics
 from infer.server.stats import ServerStats, request_record
 
@@ -31,8 +33,6 @@ logger = logging.getLogger(__name__)
 # How long one read waits for a step when the core is idle; new work wakes it at once, so this
 # only bounds how late a stop request is noticed.
 IDLE_WAIT_S = 0.1
-# Reported as the finish reason of a request whose batch failed in the engine.
-FINISH_ERROR = "error"
 
 
 class RequestHandle:
@@ -130,7 +130,7 @@ class EngineLoop:
         return len(handles)
 
     def _answered(self, handle: RequestHandle, finish_reason: str) -> None:
-        if finish_reason == "tool_calls":
+        if finish_reason == FINISH_TOOL_CALLS:
             self.metrics.tool_call_answers_total.inc()
             self.stats.on_answer_finish_reason(handle.request_id, finish_reason)
 
@@ -249,7 +249,7 @@ def _record(handle: RequestHandle, final: StepOutput, finished_at: float):
     server drained), a failure "error"."""
     if final.finish_reason is None:
         reason = FINISH_ERROR
-    elif final.finish_reason == "abort":
+    elif final.finish_reason == FINISH_ABORT:
         reason = "cancelled"
     else:
         reason = final.finish_reason

@@ -24,8 +24,8 @@ from starlette.types import Receive, Scope, Send
 from infer.engine.client import EngineDeadError
 from infer.engine.grammar_spec import GrammarSpec
 from infer.engine.output_processor import StepOutput
-from infer.engine.protocol import TokenLogprobs
-from infer.engine.request import FINISH_ABORT, InvalidParamError, QueueFullError, RequestTooLongError
+from infer.engine.protocol import FINISH_ABORT, TokenLogprobs
+from infer.engine.request import InvalidParamError, QueueFullError, RequestTooLongError
 from infer.engine.sampling_params import SamplingParams
 from infer.server import errors, responses
 from infer.server.chat_output import ChatOutputParser, ChatPiece, ContentPiece, ReasoningPiece, finish_reason

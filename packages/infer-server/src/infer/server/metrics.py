@@ -15,6 +15,8 @@ import re
 import threading
 from collections.abc import Iterable, Sequence
 
+from infer.engine.protocol import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
@@ -257,7 +259,7 @@ QUEUE_TIME_BUCKETS_S = (
 )
 # Request latency, arrival to last token: from one short answer to a long one behind a queue.
 REQUEST_LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
 # infer.cache.MatchKind's values (the server reads them from the engine's stats).
 PREFIX_MATCH_KINDS = ("miss", "prefix", "supersequence", "lcp")
 CACHED_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)

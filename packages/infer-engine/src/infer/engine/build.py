@@ -1,0 +1,243 @@
+"""Building an engine core: the model, the KV pool and prefix tree, the scheduler and the runner.
+
+`build_engine_parts(config, loaded_model)` makes every part `EngineCore` steps, once, at start-up:
+the model loaded (or the one given), the pool sized from the config, the scheduler over the
+pool's blocks (with the prefix tree and the grammar matchers), the runner warmed up and its CUDA
+graphs captured. `EngineCore(config, loaded_model)` builds its parts here.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from infer.cache import (
+    KVCacheShape,
+    PagedKVPool,
+    PrefixTree,
+    QuantizedKVStore,
+    kv_budget_from_free_memory,
+    num_blocks_for_memory,
+)
+from infer.engine.config import EngineConfig, EngineConfigError, resolve_device, resolve_dtype
+from infer.engine.device_defaults import resolve_for_device
+from infer.engine.eos import eos_token_ids_of
+from infer.engine.kv_manager import KVCacheManager
+from infer.engine.protocol import CoreLimits
+from infer.engine.roofline import DecodeTraffic, copy_bandwidth
+from infer.engine.runner import ModelRunner
+from infer.engine.scheduler import Scheduler
+from infer.engine.structured_output import StructuredOutput
+from infer.models.kernel_policy import KernelPolicy
+
+logger = logging.getLogger(__name__)
+
+# The default max_seq_len when the config gives none: the model's context, at most this, so the
+# default pool (room for max_batch_size sequences of max_seq_len) stays small for small models.
+DEFAULT_MAX_SEQ_LEN_CAP = 4096
+
+
+@dataclass
+class EngineParts:
+    """What an engine core steps, built (`build_engine_parts`)."""
+
+    config: EngineConfig
+    # An infer.models.LoadedModel: kept for the frontend that shares this process (its tokenizer
+    # and template); the core itself reads only the model and the folder's EOS declarations.
+    loaded: object
+    device: torch.device
+    max_seq_len: int
+    kv_pool: PagedKVPool
+    prefix_tree: PrefixTree | None
+    scheduler: Scheduler
+    runner: ModelRunner
+    limits: CoreLimits
+    # Measured before the KV pool takes the free memory (bytes/s), and what a decode step reads.
+    copy_bandwidth: float
+    decode_traffic: DecodeTraffic
+
+
+def build_engine_parts(config: EngineConfig, loaded_model=None) -> EngineParts:
+    """`loaded_model`: an infer.models.LoadedModel; None loads config.model (its dtype and
+    device then come from the config; a given model keeps its own). The config's auto settings
+    are decided for the device first (infer.engine.device_defaults): the parts' `config` is that
+    result, and `limits.settings_line` says it in one line."""
+    device = (
+        resolve_device(config.device)
+        if loaded_model is None
+        else next(loaded_model.model.parameters()).device
+    )
+    resolved = resolve_for_device(config, device)
+    config = resolved.config
+    settings_line = resolved.describe()
+    logger.info("engine settings: %s", settings_line)
+    if loaded_model is None:
+        from infer.models.load import load_model
+
+        limit_device_memory(config, device)
+        loaded_model = load_model(
+            config.model,
+            dtype=resolve_dtype(config.dtype, device),
+            device=device,
+            quantization=config.quantization,
+        )
+    else:
+        logger.info(
+            "engine uses the given model from %s; config.model/dtype/device are not used",
+            loaded_model.path,
+        )
+        limit_device_memory(config, next(loaded_model.model.parameters()).device)
+    model = loaded_model.model
+    device = next(model.parameters()).device
+    max_seq_len = _resolve_max_seq_len(config, model.config.max_position_embeddings)
+    # Measured before the KV pool takes the free memory (it borrows two large buffers).
+    bandwidth = copy_bandwidth(device)
+    kv_pool = _build_kv_pool(config, model, max_seq_len, device)
+    logger.info(
+        "KV pool: %d blocks of %d tokens (%.1f MiB)",
+        kv_pool.num_blocks,
+        kv_pool.block_size,
+        kv_pool.kv_bytes / 2**20,
+    )
+    prefix_tree = _build_prefix_tree(config, kv_pool)
+    for name in ("use_cuda_graphs", "use_pdl", "use_triton_gemv"):
+        if getattr(config, name) and device.type != "cuda":
+            raise EngineConfigError(f"{name}=True needs a CUDA device, the model is on {device}")
+    eos_token_ids = eos_token_ids_of(loaded_model)
+    limits = CoreLimits(
+        max_seq_len=max_seq_len,
+        block_size=kv_pool.block_size,
+        num_blocks=kv_pool.num_blocks,
+        max_queue_len=config.max_queue_len,
+        vocab_size=model.config.vocab_size,
+        eos_token_ids=eos_token_ids,
+        config=config,
+        settings_line=settings_line,
+    )
+    scheduler = Scheduler.from_engine_config(
+        config,
+        kv_manager=KVCacheManager(kv_pool.allocator, kv_pool.block_size, prefix_tree),
+        max_seq_len=max_seq_len,
+        # Structured output: a matcher per constrained request.
+        structured_output=StructuredOutput(
+            loaded_model.tokenizer.hf_tokenizer,
+            model.config.vocab_size,
+            eos_token_ids,
+            device,
+            config.max_batch_size,
+        ),
+    )
+    runner = ModelRunner(
+        model,
+        kv_pool,
+        max_batch_size=config.max_batch_size,
+        max_seq_len=max_seq_len,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        use_cuda_graphs=config.use_cuda_graphs,
+        cuda_graph_mixed_steps=config.cuda_graph_mixed_steps,
+        async_scheduling=config.async_scheduling,
+        kernel_policy=KernelPolicy(
+            device, config.use_triton_gemv, config.use_pdl, config.use_native_cpu_kernels
+        ),
+        eos_token_ids=eos_token_ids,
+    )
+    # At start-up, not on first use: a kernel compile or a graph capture would land on the
+    # latency of whichever request first needs it, and of every request in its step.
+    started = time.perf_counter()
+    runner.warm_up()
+    logger.info("warmed up the kernels in %.1f s", time.perf_counter() - started)
+    if runner.graphs is not None:
+        started = time.perf_counter()
+        logger.info("capturing CUDA graphs (use_cuda_graphs=false skips this)")
+        runner.graphs.capture_all()
+        elapsed_s = time.perf_counter() - started
+        logger.info("captured %d CUDA graphs in %.1f s", runner.graphs.num_captured, elapsed_s)
+    return EngineParts(
+        config=config,
+        loaded=loaded_model,
+        device=device,
+        max_seq_len=max_seq_len,
+        kv_pool=kv_pool,
+        prefix_tree=prefix_tree,
+        scheduler=scheduler,
+        runner=runner,
+        limits=limits,
+        copy_bandwidth=bandwidth,
+        decode_traffic=DecodeTraffic.of(model, kv_pool.shape.dtype),
+    )
+
+
+def _build_prefix_tree(config: EngineConfig, kv_pool: PagedKVPool) -> PrefixTree | None:
+    if not config.use_prefix_caching:
+        return None
+    max_blocks = None
+    if config.prefix_cache_max_bytes is not None:
+        max_blocks = config.prefix_cache_max_bytes // kv_pool.shape.bytes_per_block()
+    return PrefixTree(
+        kv_pool.allocator,
+        kv_pool.block_size,
+        max_blocks=max_blocks,
+        slots=kv_pool.quantized.allocator if kv_pool.quantized is not None else None,
+        quantize_min_tokens=config.prefix_cache_quantize_min_tokens,
+    )
+
+
+def _resolve_max_seq_len(config: EngineConfig, model_max_positions: int) -> int:
+    if config.max_seq_len is None:
+        return min(model_max_positions, DEFAULT_MAX_SEQ_LEN_CAP)
+    if config.max_seq_len > model_max_positions:
+        raise EngineConfigError(
+            f"max_seq_len ({config.max_seq_len}) exceeds the model's max_position_embeddings "
+            f"({model_max_positions}); lower max_seq_len"
+        )
+    return config.max_seq_len
+
+
+def _memory_limit_bytes(config: EngineConfig) -> int | None:
+    gib = config.device_memory_limit_gib
+    return None if gib is None else int(gib * 2**30)
+
+
+def limit_device_memory(config: EngineConfig, device: torch.device) -> None:
+    """Holds this process's CUDA allocator to device_memory_limit_gib (it raises out-of-memory
+    past it), so that everything the engine allocates counts: weights, KV pool, graphs."""
+    limit = _memory_limit_bytes(config)
+    if limit is None:
+        return
+    if device.type != "cuda":
+        raise EngineConfigError(f"device_memory_limit_gib limits CUDA memory; the device is {device}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), index)
+
+
+def _build_kv_pool(config: EngineConfig, model, max_seq_len: int, device: torch.device) -> PagedKVPool:
+    """The pool the config asks for: blocks of block_size (paged) or of max_seq_len (contiguous)."""
+    block_size = config.block_size if config.kv_cache_backend == "paged" else max_seq_len
+    shape = KVCacheShape(
+        num_layers=model.config.num_layers,
+        num_kv_heads=model.config.num_kv_heads,
+        head_dim=model.config.head_dim,
+        dtype=model.dtype,
+        block_size=block_size,
+    )
+    if config.num_gpu_blocks is not None:
+        num_blocks = config.num_gpu_blocks
+    elif config.kv_cache_memory_fraction is not None:
+        budget = kv_budget_from_free_memory(
+            device, config.kv_cache_memory_fraction, memory_limit_bytes=_memory_limit_bytes(config)
+        )
+        num_blocks = num_blocks_for_memory(shape, budget)
+    else:
+        # The memory of max_batch_size whole sequences, as the slotted pool had.
+        num_blocks = config.max_batch_size * shape.blocks_for_tokens(max_seq_len)
+    num_slots = 0
+    if config.prefix_cache_kv_bits is not None:
+        # The int8 store's share of the same memory: fewer blocks, and slots in their bytes.
+        num_store_blocks = round(num_blocks * config.prefix_cache_quantized_fraction)
+        num_slots = num_store_blocks * shape.bytes_per_block() // QuantizedKVStore.bytes_per_slot(shape)
+        num_blocks -= num_store_blocks
+    if num_blocks < 1:
+        raise EngineConfigError(f"the KV pool would hold {num_blocks} blocks; give it more memory")
+    return PagedKVPool(shape, num_blocks=num_blocks, device=device, num_quantized_slots=num_slots)
