@@ -14,7 +14,9 @@ import torch
 
 from conformance.oracles import RecomputeOracle
 from infer.engine import Engine, EngineConfig, SamplingParams
+from infer.engine.config import AUTO_FLAGS
 from infer.models.forward_batch import ForwardBatch
+from infer.models.kernel_policy import KernelPolicy, apply_kernel_policy
 from infer.models.load import load_model
 from infer.models.random_checkpoint import make_random_checkpoint
 
@@ -38,7 +40,8 @@ def dequantized_copy(model):
         weight = module.weight.float() * scale[: module.out_features, : module.in_features]
         module.weight = torch.nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
         module.weight_scale = module.block_size = None
-    return dense
+    # Methods are chosen when a model is built: the twin's Linears are dense now.
+    return apply_kernel_policy(dense, KernelPolicy(next(dense.parameters()).device))
 
 
 @pytest.fixture(scope="module", params=["fp8", "int8", "int8-at-load"])
@@ -112,9 +115,12 @@ def test_the_memory_limit_holds_the_engine_and_sizes_its_kv_pool(quantized):
     torch.cuda.empty_cache()
     start_bytes = torch.cuda.memory_reserved()
     limit_bytes = start_bytes + 2**30
+    # Eager steps, as every switch was before the device's defaults: what is under test is the
+    # pool's share of the limit, not the graphs' memory.
     config = EngineConfig(
         device="cuda", dtype="bfloat16", max_batch_size=2, max_seq_len=512,
         kv_cache_memory_fraction=0.5, device_memory_limit_gib=limit_bytes / 2**30,
+        **dict.fromkeys(AUTO_FLAGS, False),
     )  # fmt: skip
     try:
         engine = Engine(config, loaded_model=loaded)

@@ -2,6 +2,7 @@
 checkpoint's own tensors (a tied embedding and LM head once), and the memory in use against what
 the OS reports of this process and machine (/proc)."""
 
+import mmap
 import time
 
 import pytest
@@ -59,12 +60,17 @@ def test_cpu_memory_is_the_process_resident_set_read_at_most_once_a_second():
     assert before["memory_device"] == "cpu" and before["memory_reserved_bytes"] == 0
     assert before["memory_total_bytes"] == pytest.approx(proc_figure("/proc/meminfo", "MemTotal"), rel=0.01)
     assert before["memory_used_bytes"] == pytest.approx(proc_figure("/proc/self/status", "VmRSS"), rel=0.05)
-    held = torch.ones(64 * 2**20 // 4)  # 64 MiB, every page touched
+    # 64 MiB of new pages, every one touched: an anonymous mapping of its own, so that no memory
+    # an earlier test freed in this process serves it (the resident set must grow).
+    size = 64 * 2**20
+    held = mmap.mmap(-1, size)
+    held.write(b"\1" * size)
     now[0] = READ_PERIOD_S / 2
     assert memory.stats() == before  # not read again yet
     now[0] = READ_PERIOD_S
     grown = memory.stats()["memory_used_bytes"] - before["memory_used_bytes"]
-    assert grown >= 0.9 * held.numel() * 4
+    held.close()
+    assert grown >= 0.9 * size
 
 
 def test_the_engines_statistics_carry_its_weights_and_memory(tiny_models, tiny_checkpoints):

@@ -83,10 +83,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
             nargs="?",
             const=True,
             default=None,
-            help=f"{what} (default: auto)",
-        )
-        parser.add_argument(
-            "--no-" + flag[2:], dest=name, action="store_const", const=False, help=argparse.SUPPRESS
+            help=f"{what} (default: auto; false turns it off)",
         )
     parser.add_argument(
         "--use-native-cpu-kernels",

@@ -358,17 +358,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
             default=None,
             choices=config_field.metadata.get("choices"),
             help=f"{config_field.metadata['help']} (default: {shown}"
-            + (f"; {'--no-' + flag[2:]} is false)" if is_bool else ")"),
+            + ("; false turns it off)" if is_bool else ")"),
             **({"nargs": "?", "const": True} if is_bool else {}),
         )
-        if is_bool:  # the escape hatch from a default that is on: --no-use-cuda-graphs
-            group.add_argument(
-                "--no-" + flag[2:],
-                dest=config_field.name,
-                action="store_const",
-                const=False,
-                help=argparse.SUPPRESS,
-            )
 
 
 def from_cli_args(namespace: argparse.Namespace) -> EngineConfig:

@@ -11,7 +11,7 @@ runs up to 256 sequences at once (vLLM's `max_num_seqs`). Figures:
 On a CPU the defaults stay as they were measured there: eager steps, whole prompts, no prefix
 cache, 8 sequences over a pool of 8 whole sequences, infer-kernels' C kernels for decode.
 
-Every switch is an escape hatch: an explicit true or false is kept as given (`--no-use-pdl`),
+Every switch is an escape hatch: an explicit true or false is kept as given (`--use-pdl false`),
 and `describe` says, in one line, what is on and why anything is off.
 """
 
