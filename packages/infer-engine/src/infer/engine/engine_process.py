@@ -218,3 +218,8 @@ def run_engine_core(config: EngineConfig, inbox, outbox, log_level: int = loggin
                 last_sent_s = time.monotonic()
     except (EOFError, BrokenPipeError):
         return  # the frontend is gone
+    finally:
+        # Frozen objects are never collected, not even at exit: Triton's MLIR objects among them
+        # then outlive the interpreter, and nanobind prints "leaked N instances" with a line for
+        # each, which reads like a crash. Unfrozen, the exit frees them as it frees the rest.
+        gc.unfreeze()
