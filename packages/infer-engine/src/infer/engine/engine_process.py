@@ -177,9 +177,11 @@ def run_engine_core(config: EngineConfig, inbox, outbox, log_level: int = loggin
         level=log_level, format=f"%(asctime)s %(levelname)s %(name)s[core {os.getpid()}]: %(message)s"
     )
     from infer.engine.engine_core import EngineCore
+    from infer.engine.startup_progress import startup_phase
 
     try:
-        core = EngineCore(config)
+        with startup_phase(f"building the engine core for {config.model}", logger):
+            core = EngineCore(config)
     except BaseException as error:  # noqa: BLE001 - the reason goes to the frontend, which reports it
         if not isinstance(error, ValueError | OSError):
             logger.exception("building the engine core failed")
