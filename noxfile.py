@@ -15,7 +15,7 @@ import sys
 
 import nox
 
-# tools/ holds what a session shares with the tests; nox puts neither it nor this folder on sys.path.
+# tools/ holds code this file shares with the tests; nox puts neither it nor this folder on sys.path.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
 from exec_command import exec_command  # noqa: E402
 

@@ -55,8 +55,8 @@ def test_sigterm_to_the_serve_launcher_drains_the_server_and_frees_its_port(tmp_
     env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
     stderr_path = tmp_path / "stderr.txt"
     with stderr_path.open("w") as stderr:
-        # A session of its own: whatever is left at the end (a server whose launcher died without
-        # it) goes with the group.
+        # A process group of its own: whatever is left at the end (a server whose launcher died
+        # without it) goes with the group.
         command = [sys.executable, "-c", LAUNCHER, *serve]
         launcher = subprocess.Popen(command, env=env, stderr=stderr, start_new_session=True)
     try:
