@@ -15,6 +15,10 @@ import sys
 
 import nox
 
+# tools/ holds code this file shares with the tests; nox puts neither it nor this folder on sys.path.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
+from exec_command import exec_command  # noqa: E402
+
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "tests"]
@@ -151,5 +155,16 @@ def gpu(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def serve(session: nox.Session) -> None:
     """The OpenAI-compatible server on the default model; `nox -s serve -- --port 9000` passes flags."""
+    session.log(
+        f"installing {TORCH} and infer's packages into {session.virtualenv.location} "
+        "(the first time takes minutes: torch is large; later runs reuse it)"
+    )
     install_infer(session, test_requirements=False)
-    session.run("infer", "serve", "--model", DEFAULT_MODEL, *session.posargs, env=test_env(session))
+    command = ["infer", "serve", "--model", DEFAULT_MODEL, *session.posargs]
+    session.log(" ".join(command))
+    # In nox's place, not as its child, so that a SIGTERM reaches the server and drains it
+    # (tools/exec_command.py says why). nox reports nothing after this: the server's exit is the exit.
+    env = {**os.environ, **session.env, **test_env(session)}
+    env = {name: value for name, value in env.items() if value is not None}  # None: unset, as nox does
+    env["PATH"] = os.pathsep.join([session.bin, os.environ.get("PATH", "")])
+    exec_command(command, env)

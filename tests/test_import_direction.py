@@ -1,4 +1,5 @@
-"""Imports flow only down the package table, and the six packages move as one version train.
+"""Imports flow only down the package table, no two modules import each other (directly or
+round a longer circle), and the six packages move as one version train.
 
     kernels <- models <- engine <- server <- bench;  cache <- engine
 
@@ -70,6 +71,63 @@ def test_imports_flow_down(name):
                     f"{where} imports {module}; infer.kernels may use only torch, triton, stdlib"
                 )
     assert not violations, "imports against the package table:\n" + "\n".join(violations)
+
+
+def module_name(path: Path) -> str:
+    src = next(parent for parent in path.parents if parent.name == "src")
+    parts = path.relative_to(src).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of `modules` that the file imports when it runs, at module level or in a
+    function; not those under `if TYPE_CHECKING:`, which never run."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    type_checking_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for statement in block.body
+        for node in ast.walk(statement)
+    }
+    package = module_name(path).split(".")[: -1 if path.name != "__init__.py" else None]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in type_checking_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            source = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                # `from infer.models import llama` imports the module infer.models.llama.
+                submodule = f"{source}.{alias.name}"
+                found.add(submodule if submodule in modules else source)
+    return found & modules
+
+
+def test_no_import_circles():
+    """A circle (config imports registry, which imports the models, which import config) works
+    only while a function-level import hides it, and breaks when someone moves that import up."""
+    paths = {module_name(path): path for name in MAY_IMPORT for path in source_files(name)}
+    graph = {module: runtime_imports(path, set(paths)) - {module} for module, path in paths.items()}
+
+    def circle_through(start: str) -> list[str] | None:
+        stack = [(start, [start])]
+        seen = set()
+        while stack:
+            module, trail = stack.pop()
+            for imported in sorted(graph[module]):
+                if imported == start:
+                    return trail + [start]
+                if imported not in seen:
+                    seen.add(imported)
+                    stack.append((imported, trail + [imported]))
+        return None
+
+    circles = {" -> ".join(circle) for module in sorted(graph) if (circle := circle_through(module))}
+    assert not circles, "modules that import each other:\n" + "\n".join(sorted(circles))
 
 
 @pytest.mark.parametrize("name", sorted(set(MAY_IMPORT) - {"bench"}))

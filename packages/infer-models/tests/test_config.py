@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
 
-from infer.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
+from infer.models.config import FULL_ATTENTION, MODEL_TYPES, SLIDING_ATTENTION, ModelConfig, RopeConfig
 from infer.models.random_checkpoint import PRESETS
 
 HF_CONFIG_CLASSES = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gemma3": Gemma3TextConfig}
@@ -97,6 +97,12 @@ def test_unknown_model_type_lists_the_registered_ones():
         ValueError, match=r"'mistral' is not supported; registered: gemma3, gemma3_text, llama, qwen3"
     ):
         ModelConfig.from_dict(_minimal("mistral"))
+
+
+def test_every_model_type_the_config_reads_has_an_architecture():
+    from infer.models.registry import registered_model_types
+
+    assert registered_model_types() == sorted(MODEL_TYPES)
 
 
 def test_missing_key_is_named():

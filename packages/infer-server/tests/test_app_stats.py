@@ -160,3 +160,38 @@ def test_stats_and_metrics_give_the_same_numbers(server):
         assert count == metric("infer_prefix_cache_matches_total", kind=kind)
     assert snapshot["history"]["kv_total_bytes"][-1][1] == metric("infer_kv_cache_total_bytes")
     assert snapshot["history"]["prefix_cache_bytes"][-1][1] == metric("infer_prefix_cache_used_bytes")
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["prefix_cache_off", "prefix_cache_on"])
+def test_stats_and_metrics_count_every_prompt_token_the_tokenizer_counts(
+    start_server, smollm2_loaded, prefix_caching
+):
+    """Prefilled plus cached prompt tokens are the prompts' tokens as transformers' tokenizer
+    counts them, on /v1/stats and on /metrics alike, with the prefix cache off (all prefilled)
+    and on (the second prompt's shared prefix cached)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_loaded.path)
+    server = start_server(max_batch_size=2, use_chunked_prefill=True, use_prefix_caching=prefix_caching)
+    prompts = [PREFIX + "Its people", PREFIX + "Its bridges"]
+    with httpx.Client(base_url=server.base_url, timeout=120.0) as client:
+        for prompt in prompts:  # one after the other: the second may reuse the first's blocks
+            body = {"model": server.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+            assert client.post("/v1/completions", json=body).status_code == 200
+        totals = wait_for_records(server, len(prompts))["totals"]
+        metrics = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(client.get("/metrics").text)
+            for sample in family.samples
+        }
+    num_prompt_tokens = sum(len(tokenizer(prompt)["input_ids"]) for prompt in prompts)
+    cached, prefilled = totals["prompt_tokens_cached"], totals["prompt_tokens_prefilled"]
+    assert cached + prefilled == num_prompt_tokens
+    assert metrics["infer_prompt_tokens_prefilled_total"] == prefilled
+    assert metrics["infer_prompt_tokens_cached_total"] == cached
+    assert metrics["infer_prompt_tokens_total"] == num_prompt_tokens
+    if prefix_caching:
+        assert cached > 0
+    else:
+        assert cached == 0

@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    # A model's first fetch converts it for about a minute: say so even without -v.
+    logging.getLogger("infer.models.loader.fetch").setLevel(logging.INFO)
     return args.run(args)
 
 

@@ -28,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -89,6 +90,8 @@ def _build(source: Path) -> Path:
     key = hashlib.sha256("\0".join([source.name, *texts, *FLAGS, *LIBRARIES, version]).encode()).hexdigest()
     target = cache_dir() / f"{source.stem}-{key[:16]}.so"
     if not target.exists():
+        logger.info("building %s with %s (once per machine and compiler) ...", source.name, compiler)
+        started_s = time.perf_counter()
         target.parent.mkdir(parents=True, exist_ok=True)
         # Built beside the target and renamed into place, so that processes building at once
         # (pytest workers) never load a half-written file.
@@ -97,4 +100,5 @@ def _build(source: Path) -> Path:
             command = [compiler, *FLAGS, str(source), "-o", str(built), *LIBRARIES]
             subprocess.run(command, capture_output=True, text=True, check=True)
             os.replace(built, target)
+        logger.info("building %s: %.1f s", source.name, time.perf_counter() - started_s)
     return target

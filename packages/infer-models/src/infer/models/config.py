@@ -14,6 +14,10 @@ import torch
 
 from infer.models.quantization import Quantization, parse_quantization_config
 
+# The config.json model_types read here. infer.models.registry gives each its architecture; it
+# imports this module, so the list lives here and the import arrow points one way.
+MODEL_TYPES = ("gemma3", "gemma3_text", "llama", "qwen3")
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -91,12 +95,10 @@ class ModelConfig:
 
     @staticmethod
     def from_dict(raw: dict) -> "ModelConfig":
-        """Parses a `config.json` mapping; raises for an unregistered model_type."""
-        from infer.models.registry import registered_model_types
-
+        """Parses a `config.json` mapping; raises for a model_type not in MODEL_TYPES."""
         model_type = raw.get("model_type")
-        if model_type not in registered_model_types():
-            registered = ", ".join(registered_model_types())
+        if model_type not in MODEL_TYPES:
+            registered = ", ".join(sorted(MODEL_TYPES))
             raise ValueError(f"model_type {model_type!r} is not supported; registered: {registered}")
         dtype = _parse_dtype(raw.get("dtype", raw.get("torch_dtype")))
         if model_type == "gemma3":

@@ -1,5 +1,7 @@
 """One call from an alias or a checkpoint folder to a ready model, tokenizer and chat template."""
 
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +17,8 @@ from infer.models.loader.tokenizer import Tokenizer
 from infer.models.loader.weights import load_weights
 from infer.models.quantization import resolve_quantization
 from infer.models.registry import architecture_for
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,7 +102,16 @@ def load_model(
 ) -> LoadedModel:
     """Resolves an alias (or takes a folder), loads the weights, the tokenizer and the chat template."""
     folder = fetch_model(path_or_alias)
+    started_s = time.perf_counter()
     model = load_causal_lm(folder, dtype=dtype, device=device, quantization=quantization)
+    weights = next(model.parameters())
+    logger.info(
+        "loaded the weights of %s (%s on %s): %.1f s",
+        folder.name,
+        weights.dtype,
+        weights.device,
+        time.perf_counter() - started_s,
+    )
     info = _model_info(folder, model.config)
     return LoadedModel(
         model=model,

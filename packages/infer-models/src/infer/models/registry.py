@@ -1,4 +1,5 @@
-"""model_type (from config.json) -> our model class and its default chat-template family."""
+"""model_type (from config.json) -> our model class and its default chat-template family: one
+architecture for each of infer.models.config.MODEL_TYPES."""
 
 from dataclasses import dataclass
 

@@ -222,6 +222,10 @@ class EngineLoop:
                 metrics.requests_total.inc(finish_reason=output.finish_reason or FINISH_ERROR)
                 metrics.prompt_tokens_total.inc(output.prompt_tokens)
                 metrics.generation_tokens_total.inc(output.completion_tokens)
+                # Counted with the prefix cache off too (then nothing is cached and every prompt
+                # token is prefilled), as /v1/stats counts them.
+                metrics.prompt_tokens_cached_total.inc(output.cached_tokens)
+                metrics.prompt_tokens_prefilled_total.inc(output.prompt_tokens - output.cached_tokens)
                 if self.engine.config.use_prefix_caching:
                     self._observe_cached(output)
         metrics.queue_depth.set(len(self._handles))
@@ -230,8 +234,6 @@ class EngineLoop:
 
     def _observe_cached(self, final: StepOutput) -> None:
         metrics, cached = self.metrics, final.cached_tokens
-        metrics.prompt_tokens_cached_total.inc(cached)
-        metrics.prompt_tokens_prefilled_total.inc(final.prompt_tokens - cached)
         metrics.prefix_cache_cached_tokens.observe(cached)
         if final.prompt_tokens:
             metrics.prefix_cache_cached_ratio.observe(cached / final.prompt_tokens)

@@ -13,7 +13,7 @@ Statuses for a request body that fails validation (see `from_validation_error`):
 Beyond validation: 404 for a model this server does not serve, 400 when the prompt and the token
 limit do not fit the context, 413 for a body or a prompt over the server's size limits
 (`infer.server.limits`), 503 when the waiting queue is full or the server drains (clients retry
-503s), 500 for a bug.
+503s), 500 for a bug; 499 (`CLIENT_CLOSED_REQUEST`) for a body whose client hung up first.
 """
 
 from dataclasses import dataclass
@@ -25,6 +25,8 @@ from infer.server.schemas import EMPTY_INPUT, INVALID_VALUE, UNSUPPORTED_VALUE
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+# Status of a response nobody receives (nginx's "client closed request"); only the logs see it.
+CLIENT_CLOSED_REQUEST = 499
 
 # pydantic error type -> (HTTP status, OpenAI error code). Any other type: 400 "invalid_value".
 _STATUS_AND_CODE = {

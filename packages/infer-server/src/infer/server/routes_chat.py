@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from infer.models.chat_template import ChatTemplateError, ChatTemplateKwargsError
 from infer.server import chat_tools, errors, responses
 from infer.server.chat_output import ChatAnswer, ChatOutputParser, finish_reason
-from infer.server.errors import ApiError, parse_request
+from infer.server.errors import CLIENT_CLOSED_REQUEST, ApiError, parse_request
 from infer.server.generation import (
     EventStreamResponse,
     answer_events,
@@ -33,7 +33,6 @@ from infer.server.generation import (
 from infer.server.limits import check_prompt_chars, read_body
 from infer.server.logprobs import ChoiceLogprobs
 from infer.server.reasoning import prompt_opens_reasoning
-from infer.server.routes_completions import CLIENT_CLOSED_REQUEST
 from infer.server.schemas import ChatCompletionRequest
 from infer.server.server_state import ServerState
 from infer.server.sse import ChatStream

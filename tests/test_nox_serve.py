@@ -1,0 +1,80 @@
+"""`nox -s serve` runs `infer serve` in nox's place (tools/exec_command.py), so that a SIGTERM to
+the process it started as reaches the server: it drains, exits 0 and frees its port for the next
+start. Run here through the function the noxfile calls, on the default model, at the default log
+level, whose output a user reads: a progress line with seconds for loading the weights, where it
+listens once it answers, and no nanobind "leaked" lines at exit."""
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+# What the noxfile does, as a program: exec_command(the server's command, the environment).
+LAUNCHER = (
+    f"import os, sys; sys.path.insert(0, {str(TOOLS)!r}); from exec_command import exec_command; "
+    "exec_command(sys.argv[1:], os.environ)"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_healthy(process: subprocess.Popen, base_url: str, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"exited with {process.returncode} before it was healthy"
+        try:
+            if httpx.get(base_url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"not healthy in {timeout_s} s")
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_serve_launcher_drains_the_server_and_frees_its_port(tmp_path):
+    from infer.server.serve import bind_socket
+
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    serve = ["infer", "serve", "--port", str(port), "--max-seq-len", "256", "--max-batch-size", "2"]
+    # `infer` from this Python's environment, as nox's session finds it in its own.
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
+    stderr_path = tmp_path / "stderr.txt"
+    with stderr_path.open("w") as stderr:
+        # A process group of its own: whatever is left at the end (a server whose launcher died
+        # without it) goes with the group.
+        command = [sys.executable, "-c", LAUNCHER, *serve]
+        launcher = subprocess.Popen(command, env=env, stderr=stderr, start_new_session=True)
+    try:
+        wait_healthy(launcher, base_url)
+        body = {"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 2}
+        assert httpx.post(base_url + "/v1/completions", json=body, timeout=60).status_code == 200
+        launcher.send_signal(signal.SIGTERM)
+        exit_code = launcher.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+    logged = stderr_path.read_text()
+    assert exit_code == 0, f"exit {exit_code}, not the server's drained exit 0:\n{logged}"
+    assert "stopping: draining" in logged, logged
+    bind_socket("127.0.0.1", port).close()  # what the next `infer serve` does first
+    assert f"listening on {base_url}\n" in logged, logged
+    for phase in ("loaded the weights of smollm2-135m-instruct", "building the engine core for smollm2"):
+        timed = re.compile(rf" INFO .*{phase}.*: \d+\.\d s$", re.M)
+        assert len(timed.findall(logged)) == 1, f"no line with the seconds of {phase!r}:\n{logged}"
+    assert "leaked" not in logged, logged
