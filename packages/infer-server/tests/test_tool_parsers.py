@@ -312,3 +312,15 @@ def test_each_family_has_its_templates_format():
 )
 def test_partial_marker_length_is_the_longest_proper_start_of_the_marker(text, expected):
     assert partial_marker_length(text, "<tool_call>") == expected
+
+
+@pytest.mark.parametrize("tool_format", [HERMES, LLAMA3_JSON], ids=lambda f: f.name)
+def test_a_lone_surrogate_in_the_arguments_stays_escaped_so_the_answer_can_be_sent(tool_format):
+    """JSON lets a model write "\\ud800", a code point no UTF-8 body can carry: the arguments keep
+    it escaped (json.loads gives the model's value back), and the text encodes as UTF-8."""
+    body = '{"name": "get_weather", "arguments": {"city": "\\ud800 Paris \u00e9"}}'
+    text = f"<tool_call>\n{body}\n</tool_call>" if tool_format is HERMES else body
+    answer = ChatOutputParser(tool_format=tool_format, tool_names=TOOLS).parse(text)
+    (parsed,) = answer.tool_calls
+    assert json.loads(parsed.arguments) == {"city": "\ud800 Paris \u00e9"}
+    json.dumps({"arguments": parsed.arguments}, ensure_ascii=False).encode("utf-8")  # raises if not

@@ -186,6 +186,18 @@ def _parse_hermes_body(body: str, tool_names: Collection[str]) -> list[ParsedToo
     return None
 
 
+def arguments_json(arguments: dict) -> str:
+    """A call's arguments as JSON text, non-ASCII characters as themselves; a lone surrogate
+    (JSON lets a model write `"\\ud800"`, which no UTF-8 response body can carry) stays escaped,
+    so that the text still decodes to the same value and the response can always be sent."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(arguments)
+    return text
+
+
 def _call_from_json(
     value, tool_names: Collection[str], argument_keys: tuple[str, ...]
 ) -> ParsedToolCall | None:
@@ -201,7 +213,7 @@ def _call_from_json(
             return None
     if not isinstance(arguments, dict):
         return None
-    return ParsedToolCall(name, json.dumps(arguments, ensure_ascii=False))
+    return ParsedToolCall(name, arguments_json(arguments))
 
 
 # -- tool_code: Python calls ----------------------------------------------------------------------
@@ -239,7 +251,7 @@ def _python_call(node: ast.expr, tool_names: Collection[str]) -> ParsedToolCall 
             arguments[keyword.arg] = _literal(keyword.value)
         except ValueError:
             return None
-    return ParsedToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False))
+    return ParsedToolCall(node.func.id, arguments_json(arguments))
 
 
 def _literal(node: ast.expr):
