@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from infer.models import DEFAULT_MODEL
+from infer.models.config import TORCH_DTYPES
 from infer.models.quantization import QUANTIZATION_METHODS
 
-# The one dtype table; "auto" is float32 on the CPU (half precision is slow there and gains
-# nothing) and bfloat16 on CUDA, whatever the checkpoint stores.
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# infer.models' dtype table, and "auto": float32 on the CPU (half precision is slow there and
+# gains nothing) and bfloat16 on CUDA, whatever the checkpoint stores.
 DTYPES = ("auto", *TORCH_DTYPES)
 # contiguous: one block of max_seq_len per sequence (the paged pool with block_size = max_seq_len).
 KV_CACHE_BACKENDS = ("contiguous", "paged")

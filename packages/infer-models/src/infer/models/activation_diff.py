@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.models.common import CausalLM
+from infer.models.config import TORCH_DTYPES
 from infer.models.forward_batch import ForwardBatch
 
 # Relative tolerance per dtype: fp32 runs agree to rounding; half precision rounds every matmul.
@@ -100,7 +101,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("diff", help="per-layer activation differences against transformers")
     parser.add_argument("model", help="an alias or a checkpoint folder")
     parser.add_argument("prompt", help="text, encoded with the model's tokenizer (special tokens added)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--dtype", choices=list(TORCH_DTYPES), default="float32")
     parser.add_argument(
         "--rel-tol", type=float, default=None, help="default: by dtype (fp32 1e-4, bf16 1e-1)"
     )
@@ -112,7 +113,7 @@ def _run_cli(args: argparse.Namespace) -> int:
 
     from infer.models.load import load_model
 
-    dtype = getattr(torch, args.dtype)
+    dtype = TORCH_DTYPES[args.dtype]
     loaded = load_model(args.model, dtype=dtype)
     reference = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype, attn_implementation="eager")
     input_ids = torch.tensor([loaded.tokenizer.encode(args.prompt, add_special_tokens=True)])

@@ -21,7 +21,8 @@ MODEL_TYPES = ("gemma3", "gemma3_text", "llama", "qwen3")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The one table of the dtypes a model runs in, by the name configs and flags use.
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -196,9 +197,9 @@ def _default_layer_types(raw: dict, num_layers: int, is_gemma: bool) -> list[str
 def _parse_dtype(name) -> torch.dtype | None:
     if name is None:
         return None
-    if isinstance(name, str) and name in _DTYPES:
-        return _DTYPES[name]
-    raise ValueError(f"config dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    if isinstance(name, str) and name in TORCH_DTYPES:
+        return TORCH_DTYPES[name]
+    raise ValueError(f"config dtype must be one of {sorted(TORCH_DTYPES)}, got {name!r}")
 
 
 def _required(raw: dict, key: str):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from infer.models.config import TORCH_DTYPES
 from infer.models.quantization import (
     DEFAULT_BLOCKS,
     FP8_BLOCK,
@@ -179,8 +180,8 @@ def make_random_checkpoint(
         raise ValueError(f"unknown preset {arch_preset!r}; presets: {', '.join(PRESETS)}")
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    if dtype not in TORCH_DTYPES.values():
+        raise ValueError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype}")
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}"
@@ -479,7 +480,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--dtype", choices=list(TORCH_DTYPES), default="bfloat16")
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATION_METHODS,
@@ -502,7 +503,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         args.out,
         shards=args.shards,
         seed=args.seed,
-        dtype=getattr(torch, args.dtype),
+        dtype=TORCH_DTYPES[args.dtype],
         quantization=args.quantization,
     )
     quantized = f", {args.quantization} projections" if args.quantization else ""
