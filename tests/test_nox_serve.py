@@ -77,4 +77,7 @@ def test_sigterm_to_the_serve_launcher_drains_the_server_and_frees_its_port(tmp_
     for phase in ("loaded the weights of smollm2-135m-instruct", "building the engine core for smollm2"):
         timed = re.compile(rf" INFO .*{phase}.*: \d+\.\d s$", re.M)
         assert len(timed.findall(logged)) == 1, f"no line with the seconds of {phase!r}:\n{logged}"
+    # The one line naming what the engine turned on and why the rest is off (a CPU here).
+    settings = re.findall(r"engine settings: (.*)$", logged, re.M)
+    assert len(settings) == 1 and "off: chunked prefill (CPU default)" in settings[0], logged
     assert "leaked" not in logged, logged

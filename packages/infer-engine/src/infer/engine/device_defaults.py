@@ -5,8 +5,8 @@ CUDA the engine replays CUDA graphs, schedules asynchronously, chunks prefills, 
 cache, runs batch-1 decode on the Triton GEMV with programmatic dependent launch (Hopper and
 newer, where they were measured), gives the KV pool 0.9 of the memory free after the weights
 (vLLM's `gpu_memory_utilization` 0.9 convention: a tenth stays for activations and graphs) and
-runs up to 256 sequences at once (vLLM's `max_num_seqs`). Figures:
-[docs/benchmarks/generation.md#defaults](../../../../../docs/benchmarks/generation.md#defaults).
+runs up to 256 sequences at once (vLLM's `max_num_seqs`). Figures against the fastest flags:
+docs/benchmarks/generation.md#defaults (W1) and docs/benchmarks/serving.md#defaults (W2).
 
 On a CPU the defaults stay as they were measured there: eager steps, whole prompts, no prefix
 cache, 8 sequences over a pool of 8 whole sequences, infer-kernels' C kernels for decode.
