@@ -12,11 +12,8 @@ loaded model, once, before its first forward:
 replaces every choice. load_causal_lm applies `KernelPolicy(device)`, the plain ATen paths.
 
 PDL for one-row inputs: a batch-1 decode step's kernels are one short wave each, whose launch
-and start-up PDL hides; longer inputs' kernels are multi-wave. From kernels-bench/pdl_decode_chain.py
-on an H100 (12 layers of Qwen3-8B's int8 projections with their norms and activation, in a
-graph), PDL over plain: 0.978x the time at one row, but 1.02-1.09x from 4 to 32 rows (the
-tensor-core kernel) and 1.37x at 256 (a prompt chunk). With bf16 (cuBLAS) projections,
-0.99-1.00x at 1-256 rows.
+and start-up PDL hides; longer inputs' kernels are multi-wave, where PDL cost up to 1.37x on an
+H100 (docs/benchmarks/generation.md#pdl, from experiments/pdl_decode_chain.py).
 """
 
 from dataclasses import dataclass
