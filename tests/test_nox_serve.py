@@ -8,10 +8,8 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -25,27 +23,9 @@ LAUNCHER = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_healthy(process: subprocess.Popen, base_url: str, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"exited with {process.returncode} before it was healthy"
-        try:
-            if httpx.get(base_url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"not healthy in {timeout_s} s")
-
-
 @pytest.mark.slow
 def test_sigterm_to_the_serve_launcher_drains_the_server_and_frees_its_port(tmp_path):
+    from infer.bench.serving.matrix import free_port, wait_for_health
     from infer.server.serve import bind_socket
 
     port = free_port()
@@ -60,7 +40,7 @@ def test_sigterm_to_the_serve_launcher_drains_the_server_and_frees_its_port(tmp_
         command = [sys.executable, "-c", LAUNCHER, *serve]
         launcher = subprocess.Popen(command, env=env, stderr=stderr, start_new_session=True)
     try:
-        wait_healthy(launcher, base_url)
+        wait_for_health(launcher, base_url, timeout_s=180.0, log_path=stderr_path)
         body = {"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 2}
         assert httpx.post(base_url + "/v1/completions", json=body, timeout=60).status_code == 200
         launcher.send_signal(signal.SIGTERM)

@@ -7,7 +7,6 @@ graphs captured. `EngineCore(config, loaded_model)` builds its parts here.
 """
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ from infer.engine.protocol import CoreLimits
 from infer.engine.roofline import DecodeTraffic, copy_bandwidth
 from infer.engine.runner import ModelRunner
 from infer.engine.scheduler import Scheduler
+from infer.engine.startup_progress import startup_phase
 from infer.engine.structured_output import StructuredOutput
 from infer.models.kernel_policy import KernelPolicy
 
@@ -144,15 +144,12 @@ def build_engine_parts(config: EngineConfig, loaded_model=None) -> EngineParts:
     )
     # At start-up, not on first use: a kernel compile or a graph capture would land on the
     # latency of whichever request first needs it, and of every request in its step.
-    started = time.perf_counter()
-    runner.warm_up()
-    logger.info("warmed up the kernels in %.1f s", time.perf_counter() - started)
+    with startup_phase("warming the kernels up", logger):
+        runner.warm_up()
     if runner.graphs is not None:
-        started = time.perf_counter()
-        logger.info("capturing CUDA graphs (use_cuda_graphs=false skips this)")
-        runner.graphs.capture_all()
-        elapsed_s = time.perf_counter() - started
-        logger.info("captured %d CUDA graphs in %.1f s", runner.graphs.num_captured, elapsed_s)
+        with startup_phase("capturing CUDA graphs (use_cuda_graphs=false skips this)", logger):
+            runner.graphs.capture_all()
+        logger.info("captured %d CUDA graphs", runner.graphs.num_captured)
     return EngineParts(
         config=config,
         loaded=loaded_model,

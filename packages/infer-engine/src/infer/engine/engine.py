@@ -35,7 +35,7 @@ class Engine:
         config.model (its dtype and device then come from the config; a given model keeps its
         own)."""
         core = EngineCore(config, loaded_model)
-        self._connect(config, InProcClient(core), core.loaded.info, core.stats())
+        self._connect(InProcClient(core), core.loaded.info, core.stats())
         self.core: EngineCore | None = core
 
     @classmethod
@@ -49,13 +49,13 @@ class Engine:
         model_info = load_model_info(config.model)
         client = ProcClient(config, **client_options)
         engine = cls.__new__(cls)
-        engine._connect(config, client, model_info, client.initial_stats)
+        engine._connect(client, model_info, client.initial_stats)
         engine.core = None
         return engine
 
-    def _connect(self, config: EngineConfig, client: EngineClient, model_info, stats: EngineStats) -> None:
+    def _connect(self, client: EngineClient, model_info, stats: EngineStats) -> None:
         # The core's config: its auto settings decided for the device it runs on.
-        self.config = client.limits.config or config
+        self.config = client.limits.config
         self.settings_line = client.limits.settings_line
         self.client = client
         self.model_info = model_info

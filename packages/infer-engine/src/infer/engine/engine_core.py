@@ -60,7 +60,6 @@ class EngineCore:
         self.limits = parts.limits
         self.copy_bandwidth = parts.copy_bandwidth
         self.decode_traffic = parts.decode_traffic
-        self.settings_line = parts.limits.settings_line
         # The weights do not change once the engine is built: counted once (EngineStats.weights_bytes).
         self.weights_bytes = weights_bytes(self.loaded.model)
         self.device_memory = DeviceMemory(self.device)

@@ -222,8 +222,8 @@ class CoreLimits:
     eos_token_ids: frozenset[int]
     # The config the core runs, its auto settings decided for the device
     # (infer.engine.device_defaults), and that decision in one line for the operator.
-    config: EngineConfig | None = None
-    settings_line: str = ""
+    config: EngineConfig
+    settings_line: str
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises what makes a request impossible: ValueError for an empty prompt or an id

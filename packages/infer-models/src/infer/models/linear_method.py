@@ -121,7 +121,7 @@ class TritonGemvMethod(DenseMethod):
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if _one_row(layer, x):
             return gemv(x, layer.weight, layer.bias, pdl=self.pdl)
-        return dense_linear(x, layer.weight, layer.bias)
+        return super().apply(layer, x)
 
     def apply_gated(self, layer, x: torch.Tensor, activation: str) -> torch.Tensor:
         if _one_row(layer, x):
