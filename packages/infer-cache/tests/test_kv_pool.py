@@ -99,6 +99,12 @@ def test_free_memory_budget_takes_a_fraction_of_free_memory(monkeypatch):
         kv_budget_from_free_memory("cuda:0", 1.5)
 
 
+def test_free_memory_budget_is_its_fraction_less_what_serving_needs_besides(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1000, 4000))
+    assert kv_budget_from_free_memory("cuda:0", 0.5, held_back_bytes=200) == 300
+    assert kv_budget_from_free_memory("cuda:0", 0.5, held_back_bytes=2000) == 0
+
+
 def test_copy_blocks_copies_every_layer_and_touches_nothing_else():
     import torch
 

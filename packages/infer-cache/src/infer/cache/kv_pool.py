@@ -135,11 +135,16 @@ def num_blocks_for_memory(shape: KVCacheShape, kv_bytes_budget: int) -> int:
 
 
 def kv_budget_from_free_memory(
-    device: torch.device | str, fraction: float, *, memory_limit_bytes: int | None = None
+    device: torch.device | str,
+    fraction: float,
+    *,
+    memory_limit_bytes: int | None = None,
+    held_back_bytes: int = 0,
 ) -> int:
-    """`fraction` of the device memory free now, in bytes: a budget for num_blocks_for_memory().
-    With `memory_limit_bytes`, free memory is at most that limit less what this process's
-    allocator holds already.
+    """`fraction` of the device memory free now, less `held_back_bytes` (what serving needs
+    besides the pool), in bytes: a budget for num_blocks_for_memory(). The rest of the free memory
+    is slack for the allocator. With `memory_limit_bytes`, free memory is at most that limit less
+    what this process's allocator holds already.
 
     CUDA only; call it after the weights are loaded, so what they take is not counted as free.
     """
@@ -154,4 +159,4 @@ def kv_budget_from_free_memory(
     free_bytes, _total_bytes = torch.cuda.mem_get_info(device)
     if memory_limit_bytes is not None:
         free_bytes = min(free_bytes, max(0, memory_limit_bytes - torch.cuda.memory_reserved(device)))
-    return int(free_bytes * fraction)
+    return max(0, int(free_bytes * fraction) - held_back_bytes)

@@ -28,6 +28,7 @@ from infer.engine.roofline import DecodeTraffic, copy_bandwidth
 from infer.engine.runner import ModelRunner
 from infer.engine.scheduler import Scheduler
 from infer.engine.startup_progress import startup_phase
+from infer.engine.step_memory import measure_step_memory
 from infer.engine.structured_output import StructuredOutput
 from infer.models.kernel_policy import KernelPolicy
 
@@ -93,7 +94,17 @@ def build_engine_parts(config: EngineConfig, loaded_model=None) -> EngineParts:
     max_seq_len = _resolve_max_seq_len(config, model.config.max_position_embeddings)
     # Measured before the KV pool takes the free memory (it borrows two large buffers).
     bandwidth = copy_bandwidth(device)
-    kv_pool = _build_kv_pool(config, model, max_seq_len, device)
+    kernel_policy = KernelPolicy(
+        device, config.use_triton_gemv, config.use_pdl, config.use_native_cpu_kernels
+    )
+    shape = _kv_cache_shape(config, model, max_seq_len)
+    kv_pool = _build_kv_pool(
+        config,
+        shape,
+        max_seq_len,
+        device,
+        held_back_bytes=_step_memory(config, model, shape, max_seq_len, kernel_policy),
+    )
     logger.info(
         "KV pool: %d blocks of %d tokens (%.1f MiB)",
         kv_pool.num_blocks,
@@ -137,9 +148,7 @@ def build_engine_parts(config: EngineConfig, loaded_model=None) -> EngineParts:
         use_cuda_graphs=config.use_cuda_graphs,
         cuda_graph_mixed_steps=config.cuda_graph_mixed_steps,
         async_scheduling=config.async_scheduling,
-        kernel_policy=KernelPolicy(
-            device, config.use_triton_gemv, config.use_pdl, config.use_native_cpu_kernels
-        ),
+        kernel_policy=kernel_policy,
         eos_token_ids=eos_token_ids,
     )
     # At start-up, not on first use: a kernel compile or a graph capture would land on the
@@ -209,21 +218,69 @@ def limit_device_memory(config: EngineConfig, device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), index)
 
 
-def _build_kv_pool(config: EngineConfig, model, max_seq_len: int, device: torch.device) -> PagedKVPool:
-    """The pool the config asks for: blocks of block_size (paged) or of max_seq_len (contiguous)."""
-    block_size = config.block_size if config.kv_cache_backend == "paged" else max_seq_len
-    shape = KVCacheShape(
+def _kv_cache_shape(config: EngineConfig, model, max_seq_len: int) -> KVCacheShape:
+    """Blocks of block_size tokens (paged) or of max_seq_len (contiguous)."""
+    return KVCacheShape(
         num_layers=model.config.num_layers,
         num_kv_heads=model.config.num_kv_heads,
         head_dim=model.config.head_dim,
         dtype=model.dtype,
-        block_size=block_size,
+        block_size=config.block_size if config.kv_cache_backend == "paged" else max_seq_len,
     )
+
+
+def _step_memory(config: EngineConfig, model, shape: KVCacheShape, max_seq_len: int, kernel_policy) -> int:
+    """What the pool's share of free memory must leave to serving (infer.engine.step_memory): the
+    runner's buffers and its largest step, measured, and as much again for the CUDA graphs. 0
+    where the pool is not sized from free memory."""
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    if not on_cuda or config.num_gpu_blocks is not None or config.kv_cache_memory_fraction is None:
+        return 0
+    with startup_phase("measuring the largest step's memory", logger):
+        try:
+            measured = measure_step_memory(
+                model,
+                shape,
+                max_batch_size=config.max_batch_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_seq_len=max_seq_len,
+                kernel_policy=kernel_policy,
+                use_cuda_graphs=config.use_cuda_graphs,
+            )
+        except torch.OutOfMemoryError as error:
+            raise EngineConfigError(
+                f"a step of {config.max_batch_size} rows and {config.max_num_batched_tokens} tokens "
+                "does not fit in the device memory left after the weights; "
+                "lower max_batch_size or max_num_batched_tokens, or give the engine more memory"
+            ) from error
+    logger.info(
+        "kept from the KV pool: %.1f MiB (runner buffers %.1f, largest step %.1f%s)",
+        measured.total_bytes / 2**20,
+        measured.runner_bytes / 2**20,
+        measured.largest_step_bytes / 2**20,
+        ", as much again for the CUDA graphs" if measured.cuda_graphs else "",
+    )
+    return measured.total_bytes
+
+
+def _build_kv_pool(
+    config: EngineConfig,
+    shape: KVCacheShape,
+    max_seq_len: int,
+    device: torch.device,
+    *,
+    held_back_bytes: int = 0,
+) -> PagedKVPool:
+    """The pool the config asks for: num_gpu_blocks, or its fraction of the free memory less
+    `held_back_bytes`, or room for max_batch_size whole sequences."""
     if config.num_gpu_blocks is not None:
         num_blocks = config.num_gpu_blocks
     elif config.kv_cache_memory_fraction is not None:
         budget = kv_budget_from_free_memory(
-            device, config.kv_cache_memory_fraction, memory_limit_bytes=_memory_limit_bytes(config)
+            device,
+            config.kv_cache_memory_fraction,
+            memory_limit_bytes=_memory_limit_bytes(config),
+            held_back_bytes=held_back_bytes,
         )
         num_blocks = num_blocks_for_memory(shape, budget)
     else:

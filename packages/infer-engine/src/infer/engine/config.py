@@ -97,7 +97,8 @@ class EngineConfig:
     )
     kv_cache_memory_fraction: float | None = _flag(
         None,
-        "fraction of the device memory free after loading the weights to give the KV pool (CUDA); "
+        "fraction of the device memory free after loading the weights that the engine takes (CUDA): "
+        "the KV pool gets it less what the largest step and the CUDA graphs were measured to need; "
         "None: 0.9 on CUDA unless num_gpu_blocks is set",
     )
     device_memory_limit_gib: float | None = _flag(

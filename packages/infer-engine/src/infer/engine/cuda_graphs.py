@@ -156,9 +156,9 @@ class StepGraphs:
         self._decode_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # By (decode rows, chunk tokens).
         self._mixed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        # Mixed-step graphs write their logits here (one buffer for all of them, not one each:
-        # with Gemma's 262k vocabulary each would hold 80 MiB).
-        self._mixed_logits: torch.Tensor | None = None
+        # Every graph writes its logits here: one buffer for all of them, not one each (a graph's
+        # own would be [rows, vocab] float32, 125 MiB at 256 rows of a 128k vocabulary).
+        self._logits: torch.Tensor | None = None
         # Recorded after the latest copies out of the pinned input buffers.
         self._inputs_sent: torch.cuda.Event | None = None
         # One memory pool for every graph: only one runs at a time and its logits are consumed
@@ -236,10 +236,11 @@ class StepGraphs:
     def _capture_decode(self, batch_size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The graph of a decode-only step of batch_size rows, and the logits tensor it fills."""
         batch = self._decode_batch(batch_size)
+        logits = self._logits_buffer()[:batch_size]
 
         def forward() -> torch.Tensor:
             self._resolve_pending(batch)
-            return self.model.compute_logits(self.model(batch))
+            return self.model.compute_logits(self.model(batch), out=logits)
 
         return self._capture(forward)
 
@@ -317,7 +318,7 @@ class StepGraphs:
         self._mixed_graphs[rows, bucket].replay()
         self.num_replays["mixed"] += 1
         self.mixed_replays_by_decode_rows[rows] += 1
-        return self._mixed_logits[:num_sampled]
+        return self._logits[:num_sampled]
 
     def _num_tile_slots(self, num_chunk_tokens: int) -> int:
         # Each chunk row adds at most one partly filled tile to the bucket's full ones.
@@ -348,22 +349,24 @@ class StepGraphs:
 
     def _capture_mixed(self, rows: int, num_chunk_tokens: int) -> torch.cuda.CUDAGraph:
         batch = self._mixed_batch(rows, num_chunk_tokens)
-        if self._mixed_logits is None:
-            vocab_size = self.model.config.vocab_size
-            self._mixed_logits = torch.empty(
-                (self.max_rows, vocab_size), dtype=torch.float32, device=self.device
-            )
-        logits = self._mixed_logits
+        logits = self._logits_buffer()
 
         def forward() -> None:
             self._resolve_pending(batch)
-            rows_logits = self.model.compute_logits(self.model(batch))
-            logits[: rows_logits.shape[0]].copy_(rows_logits)
+            hidden = self.model(batch)
+            self.model.compute_logits(hidden, out=logits[: hidden.shape[0]])
 
         graph, _ = self._capture(forward, decode_rows=rows)
         return graph
 
     # -- shared --------------------------------------------------------------------------------
+
+    def _logits_buffer(self) -> torch.Tensor:
+        """[max_rows, vocab] float32: every graph's logits, valid until the next replay."""
+        if self._logits is None:
+            vocab_size = self.model.config.vocab_size
+            self._logits = torch.empty((self.max_rows, vocab_size), dtype=torch.float32, device=self.device)
+        return self._logits
 
     def _set_pad_tokens(self, start: int, stop: int) -> None:
         """Tokens start..stop-1 become pad tokens: id 0 at position 0, written to the null block."""

@@ -330,10 +330,12 @@ class CausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits `[..., vocab_size]`, soft-capped where the config says so."""
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits `[..., vocab_size]`, soft-capped where the config says so; written into
+        `out` where given (a CUDA graph's output buffer, which every graph shares)."""
+        logits = self.lm_head(hidden)
+        logits = logits.float() if out is None else out.copy_(logits)
         cap = self.config.final_logit_softcapping
         if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+            logits.div_(cap).tanh_().mul_(cap)
         return logits
