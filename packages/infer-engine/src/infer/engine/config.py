@@ -21,6 +21,8 @@ from infer.models import DEFAULT_MODEL
 from infer.models.config import TORCH_DTYPES
 from infer.models.quantization import QUANTIZATION_METHODS
 
+from infer.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+
 # infer.models' dtype table, and "auto": float32 on the CPU (half precision is slow there and
 # gains nothing) and bfloat16 on CUDA, whatever the checkpoint stores.
 DTYPES = ("auto", *TORCH_DTYPES)
@@ -181,6 +183,12 @@ class EngineConfig:
         "checkpoint the weights are quantized at load, the LM head included",
         choices=QUANTIZATION_METHODS,
     )
+    speculative_config: dict | None = _flag(
+        None,
+        "speculative decoding, as vLLM's --speculative-config: a JSON mapping, e.g. "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '
+        "None: off",
+    )
     prefix_cache_shadow_rate: float = _flag(
         0.0,
         "share of greedy requests served from the prefix cache that are run again without it when the "
@@ -266,6 +274,8 @@ class EngineConfig:
                 f"prefix_cache_shadow_rate={rate} checks the prefix cache; set use_prefix_caching=True "
                 "or the rate to 0"
             )
+        if self.speculative_config is not None:
+            self._check_speculative_config()
         # The seed's compatibility rules.
         if self.use_chunked_prefill and self.batching_mode != "continuous":
             raise EngineConfigError(
@@ -295,6 +305,30 @@ class EngineConfig:
             raise EngineConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_batch_size "
                 f"({self.max_batch_size}) so that every running request can decode in one step"
+            )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config, validated and with its defaults filled in; None: off."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
+
+    def _check_speculative_config(self) -> None:
+        try:
+            speculative = self.speculative
+        except SpeculativeConfigError as error:
+            raise EngineConfigError(str(error)) from None
+        if speculative.method == "draft_model":
+            raise EngineConfigError(
+                'speculative_config.method "draft_model" is not implemented yet; "ngram" is'
+            )
+        if self.async_scheduling:
+            # A step's drafts come from the tokens the previous step sampled, which async
+            # scheduling has not read yet when it plans the step.
+            raise EngineConfigError(
+                "speculative_config needs async_scheduling=False: a step's drafts are proposed from "
+                "the tokens the previous step sampled"
             )
 
     @classmethod
@@ -345,6 +379,7 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         kind = parse_bool if is_bool else int
         kind = str if config_field.name in _STRING_FIELDS else kind
         kind = float if config_field.name in _FLOAT_FIELDS else kind
+        kind = parse_json_mapping if config_field.name in _MAPPING_FIELDS else kind
         default = config_field.default
         # A boolean flag alone means true, as `infer generate --use-cuda-graphs` has it; a value
         # (true/false) still works, for scripts that pass one either way.
@@ -378,6 +413,19 @@ def from_cli_args(namespace: argparse.Namespace) -> EngineConfig:
 
 _STRING_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.type in (str, "str", str | None)}
 _FLOAT_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.type in (float, float | None)}
+
+
+_MAPPING_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.type in (dict, dict | None)}
+
+
+def parse_json_mapping(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON mapping, got {text!r}: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON mapping, got {text!r}")
+    return value
 
 
 def parse_bool(text: str) -> bool:

@@ -70,6 +70,9 @@ class ScheduleDecision:
     block_ops: tuple[tuple[str, int, int], ...] = ()
     # Scheduled tokens that are prompt (or recompute) work: all but decodes of a sampled token.
     num_prompt_tokens: int = 0
+    # Speculative decoding: the draft tokens a decoding request runs after its last token (its
+    # num_scheduled_tokens is 1 + K). The runner verifies them and samples 1..K + 1 tokens.
+    spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

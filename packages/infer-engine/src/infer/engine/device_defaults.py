@@ -107,7 +107,11 @@ def resolve(config: EngineConfig, *, cuda_capability: tuple[int, int] | None) ->
             (not on_cuda, "CPU"), (not continuous, "static batching"), (not paged, "contiguous KV")
         ),
     )
-    automatic["async_scheduling"] = (on_cuda, "CPU")
+    speculating = config.speculative_config is not None
+    automatic["async_scheduling"] = (
+        on_cuda and not speculating,
+        _first_reason((not on_cuda, "CPU"), (speculating, "speculative decoding")),
+    )
     measured = capability is not None and capability >= MEASURED_CAPABILITY
     unmeasured = (
         "CPU" if capability is None else f"not measured on compute capability {capability[0]}.{capability[1]}"

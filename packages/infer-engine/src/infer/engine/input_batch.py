@@ -53,8 +53,15 @@ class StepInputs:
     num_decode_rows: int
     # Rows whose last scheduled token is their last known token: they sample this step.
     sampling_rows: list[int]
-    # Flat index of each sampling row's last token (the logits to compute).
-    logits_indices: np.ndarray  # [R] int64
+    # Flat index of each sampling row's last token (the logits to compute); a row verifying K
+    # draft tokens has K + 1 of them: its last known token's and each draft's.
+    logits_indices: np.ndarray  # [sum over sampling rows of 1 + K] int64
+    # Per sampling row, the draft tokens it verifies (speculative decoding); () for none.
+    drafts: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def verifies_drafts(self) -> bool:
+        return any(self.drafts)
 
 
 class InputBatch:
@@ -133,6 +140,17 @@ class InputBatch:
             self.add(request)
         for request in decision.running_requests:
             self.update(request)
+        # Draft tokens join their rows for the step that verifies them; the runner then keeps
+        # the accepted ones (`truncate`, then `append_token`).
+        for request_id, drafts in decision.spec_token_ids.items():
+            row = self.states[request_id].row
+            start = int(self.num_tokens[row])
+            self.token_ids[row, start : start + len(drafts)] = drafts
+            self.num_tokens[row] = start + len(drafts)
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Drops the row's tokens from position num_tokens on (rejected drafts)."""
+        self.num_tokens[self.states[request_id].row] = num_tokens
 
     def prepare(self, decision: ScheduleDecision) -> StepInputs:
         scheduled = decision.num_scheduled_tokens
@@ -156,6 +174,18 @@ class InputBatch:
         positions = np.repeat(starts, counts) + (np.arange(cu[-1]) - np.repeat(cu[:-1], counts))
         blocks = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
         sampling_rows = np.nonzero(ends == self.num_tokens[rows])[0]
+        spec = decision.spec_token_ids
+        drafts = tuple(spec.get(request_ids[row], ()) for row in sampling_rows) if spec else ()
+        last = cu[1:][sampling_rows] - 1
+        if drafts:
+            num_drafts = np.array([len(row_drafts) for row_drafts in drafts], dtype=np.int64)
+            # Each row's last K + 1 tokens: its last known token and its K drafts.
+            per_row = num_drafts + 1
+            starts_out = np.cumsum(per_row) - per_row
+            offsets = np.arange(int(per_row.sum())) - np.repeat(starts_out, per_row)
+            logits_indices = np.repeat(last - num_drafts, per_row) + offsets
+        else:
+            logits_indices = last
         width = int(self.num_blocks[rows].max())
         return StepInputs(
             request_ids=request_ids,
@@ -167,7 +197,8 @@ class InputBatch:
             block_tables=self.block_table[rows, :width],
             num_decode_rows=len(decode_ids),
             sampling_rows=sampling_rows.tolist(),
-            logits_indices=cu[1:][sampling_rows] - 1,
+            logits_indices=logits_indices,
+            drafts=drafts,
         )
 
     def _append_blocks(self, row: int, block_ids) -> None:

@@ -70,8 +70,11 @@ class Request:
     # Tokens a scheduled step samples whose ids have not come back yet (0 or 1; see the module
     # docstring).
     num_pending_tokens: int = 0
-    # Tokens whose K and V are in the request's blocks (0 again after a preemption).
+    # Tokens whose K and V are in the request's blocks (0 again after a preemption). While a
+    # step verifies draft tokens, they count too, until update() rolls the rejected ones back.
     num_computed_tokens: int = 0
+    # Draft tokens a scheduled step verifies, whose verdict has not come back yet.
+    num_draft_tokens: int = 0
     # The request's KV blocks in order: token i lives in block_ids[i // block_size]. Grows as
     # tokens are scheduled; empty while waiting, after a preemption and once finished.
     block_ids: list[int] = field(default_factory=list)

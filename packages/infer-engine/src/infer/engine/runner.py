@@ -33,6 +33,7 @@ from infer.engine.cuda_graphs import StepGraphs
 from infer.engine.decision import RunnerOutput, ScheduleDecision, TokenLogprobs
 from infer.engine.input_batch import InputBatch, RowState, StepInputs, resolve_pending_tokens
 from infer.engine.sampler import AllowedTokens, SamplingTensors, compute_logprobs, sample
+from infer.engine.spec_decode.verify import VerifyRow, verify_drafts
 from infer.kernels import native_cpu_kernels_available
 from infer.models.cpu_stack import CpuDecodeStack
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
@@ -72,6 +73,8 @@ class StepLaunch:
     sampling_ids: list[str]
     logits: torch.Tensor
     tensors: SamplingTensors | None
+    # Per sampling row, the draft tokens it verifies (speculative decoding); () for none.
+    drafts: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -227,6 +230,9 @@ class ModelRunner:
         step = self.input_batch.prepare(decision)
         logits = self._logits(step)
         sampling_ids = [step.request_ids[row] for row in step.sampling_rows]
+        if step.verifies_drafts:
+            # verify_drafts builds the settings of every verified position itself.
+            return StepLaunch(tuple(step.request_ids), sampling_ids, logits, None, step.drafts)
         tensors = self._sampling_tensors(tuple(sampling_ids)) if sampling_ids else None
         return StepLaunch(tuple(step.request_ids), sampling_ids, logits, tensors)
 
@@ -238,6 +244,9 @@ class ModelRunner:
         sampling_ids = launch.sampling_ids
         if not launch.request_ids:
             self._launched.append(_LaunchedStep((), [], self._host_tokens[0, :0], None))
+            return
+        if launch.drafts:
+            self._sample_verified(launch, masks)
             return
         host_tokens = self._host_tokens[self._num_launched % 2, : len(sampling_ids)]
         self._num_launched += 1
@@ -265,6 +274,51 @@ class ModelRunner:
             _LaunchedStep(launch.request_ids, sampled, host_tokens, done, logprobs=logprobs)
         )
 
+    def _sample_verified(self, launch: StepLaunch, masks: AllowedTokens | None) -> None:
+        """`sample` for a step whose rows verify draft tokens (infer.engine.spec_decode.verify):
+        each row keeps its accepted drafts and gains the target's token. Speculation runs without
+        async scheduling (EngineConfig), so the tokens are read here and the step is collected
+        with them."""
+        if self._launched:
+            raise RuntimeError("a step that verifies drafts is sampled with no other step in flight")
+        batch = self.input_batch
+        rows = []
+        for request_id, drafts in zip(launch.sampling_ids, launch.drafts, strict=True):
+            state = batch.states[request_id]
+            rows.append(
+                VerifyRow(
+                    request_id,
+                    state.sampling,
+                    state.generator,
+                    batch.history(request_id),
+                    state.num_prompt_tokens,
+                    drafts,
+                )
+            )
+        verified = verify_drafts(launch.logits, rows, masks, eos_token_ids=self.eos_token_ids)
+        logprobs = None
+        if verified.tensors.logprobs_rows:
+            logprobs = self._launch_logprobs(
+                launch.logits, verified.position_tokens, verified.tensors, verified.position_request_ids
+            )
+        sampled, token_ids = [], []
+        for row, tokens in zip(rows, verified.tokens, strict=True):
+            state = batch.states[row.request_id]
+            batch.truncate(row.request_id, row.num_known_tokens)  # the drafts go; kept ones return
+            for token in tokens:
+                sampled.append((row.request_id, state, batch.append_token(row.request_id, token)))
+                token_ids.append(token)
+        self._launched.append(
+            _LaunchedStep(
+                launch.request_ids,
+                sampled,
+                torch.tensor(token_ids),
+                None,
+                token_ids=token_ids,
+                logprobs=logprobs,
+            )
+        )
+
     def _launch_logprobs(
         self, logits: torch.Tensor, tokens: torch.Tensor, tensors: SamplingTensors, sampling_ids: list[str]
     ) -> _LaunchedLogprobs:
@@ -286,11 +340,15 @@ class ModelRunner:
         """The output of the oldest launched step not collected yet; waits for its tokens."""
         launched = self._launched.popleft()
         token_ids = self._read(launched)
-        request_ids = [request_id for request_id, _, _ in launched.sampled]
-        sampled = {request_id: (token,) for request_id, token in zip(request_ids, token_ids, strict=True)}
+        # One token per sampling row; a row that verified drafts may have several.
+        sampled: dict[str, list[int]] = {}
+        for (request_id, _, _), token in zip(launched.sampled, token_ids, strict=True):
+            sampled.setdefault(request_id, []).append(token)
         return RunnerOutput(
             request_ids=launched.request_ids,
-            sampled_token_ids=tuple(sampled.get(request_id, ()) for request_id in launched.request_ids),
+            sampled_token_ids=tuple(
+                tuple(sampled.get(request_id, ())) for request_id in launched.request_ids
+            ),
             logprobs=launched.logprobs.entries() if launched.logprobs is not None else {},
         )
 
@@ -310,8 +368,9 @@ class ModelRunner:
         return launched.token_ids
 
     def _logits(self, step: StepInputs) -> torch.Tensor:
-        """Logits of the sampling rows, in order."""
-        if self.graphs is not None:
+        """Logits of the sampling rows, in order (K + 1 for a row verifying K drafts)."""
+        # The graphs compute one logits row per sampling row.
+        if self.graphs is not None and not step.verifies_drafts:
             logits = self.graphs.logits(step)
             if logits is not None:
                 return logits

@@ -177,6 +177,32 @@ def sample(
     when `tensors.reads_token_ids`) and its generated ids (read only when
     `tensors.reads_output_ids`); the grammar-constrained rows' allowed tokens, if any. Returns
     [B] int64."""
+    greedy_tokens, drawn_logits = target_logits(logits, tensors, token_ids, output_ids, allowed)
+    if drawn_logits is None:
+        return greedy_tokens
+    probs = drawn_logits.softmax(dim=-1)
+    # One draw per row from that row's own generator, so a seeded request gets the same tokens
+    # whatever else shares its batch.
+    drawn = torch.cat(
+        [
+            torch.multinomial(probs[i], 1, generator=generator)
+            for i, generator in enumerate(tensors.generators)
+        ]
+    )
+    return greedy_tokens.index_copy(0, tensors.sampled_rows_index, drawn)
+
+
+def target_logits(
+    logits: torch.Tensor,
+    tensors: SamplingTensors,
+    token_ids: Sequence[Tokens] = (),
+    output_ids: Sequence[Tokens] = (),
+    allowed: AllowedTokens | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The distribution each row draws from, as `sample`'s arguments: every row's argmax after
+    the transforms that come before it ([B] int64, the token of the greedy rows), and the
+    drawing rows' logits after every transform ([S, V], `tensors.sampled_rows` order; None when
+    no row draws). Speculative decoding verifies draft tokens against these."""
     if logits.shape[0] != tensors.num_rows:
         raise ValueError(f"sampling settings for {tensors.num_rows} rows, logits have {logits.shape[0]}")
     raw = logits
@@ -213,7 +239,7 @@ def sample(
         logits = apply_allowed_tokens(logits, raw, allowed, grammar_wins=can_ban)
     greedy_tokens = argmax(logits)
     if not tensors.sampled_rows:
-        return greedy_tokens
+        return greedy_tokens, None
 
     rows = tensors.sampled_rows_index
     logits = apply_temperature(logits[rows], tensors.temperatures)
@@ -227,16 +253,7 @@ def sample(
         logits = apply_top_p(logits, tensors.top_ps)
     if tensors.min_ps is not None:
         logits = apply_min_p(logits, tensors.min_ps)
-    probs = logits.softmax(dim=-1)
-    # One draw per row from that row's own generator, so a seeded request gets the same tokens
-    # whatever else shares its batch.
-    drawn = torch.cat(
-        [
-            torch.multinomial(probs[i], 1, generator=generator)
-            for i, generator in enumerate(tensors.generators)
-        ]
-    )
-    return greedy_tokens.index_copy(0, rows, drawn)
+    return greedy_tokens, logits
 
 
 def compute_logprobs(

@@ -61,11 +61,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from infer.engine.decision import NewRequest, RunnerOutput, RunningRequest, ScheduleDecision
 from infer.engine.kv_manager import KVCacheManager
 from infer.engine.protocol import EngineOutput, FinishReason, TokenLogprobs, check_fits
 from infer.engine.request import QueueFullError, Request, RequestState
 from infer.engine.scheduling_policy import ADMIT, policy_named
+from infer.engine.spec_decode import NgramProposer, SpecDecodeCounts, proposer_for
 from infer.engine.stop import token_finish_reason
 
 if TYPE_CHECKING:
@@ -85,15 +88,20 @@ class _StepPlan:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
     num_prefill_rows: int = 0
+    spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
-    def add(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
+    def add(
+        self, request: Request, num_tokens: int, new_block_ids: list[int], drafts: tuple[int, ...] = ()
+    ) -> None:
         if request.is_prefilling:
             self.num_prefill_rows += 1
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.new_block_ids[request.request_id] = new_block_ids
+        if drafts:
+            self.spec_token_ids[request.request_id] = drafts
         # Below 0 only after a whole prompt longer than the budget (see the module docstring).
         self.budget = max(0, self.budget - num_tokens)
-        if request.num_computed_tokens + num_tokens == request.num_tokens:
+        if request.num_computed_tokens + num_tokens - len(drafts) == request.num_tokens:
             request.last_served_step = self.step
 
 
@@ -114,9 +122,13 @@ class Scheduler:
         max_queue_len: int | None = None,
         engine_seed: int = 0,
         structured_output: "StructuredOutput | None" = None,
+        proposer: "NgramProposer | None" = None,
+        disable_speculation_above: int | None = None,
     ):
         """`structured_output`: the grammar matchers of constrained requests; None refuses a
-        request with a grammar."""
+        request with a grammar. `proposer`: drafts for decoding requests (speculative decoding;
+        None: none), in steps that start with at most `disable_speculation_above` running
+        requests (None: any)."""
         for name, value in [
             ("max_seq_len", max_seq_len),
             ("max_batch_size", max_batch_size),
@@ -150,6 +162,9 @@ class Scheduler:
         self.max_queue_len = max_queue_len
         self.engine_seed = engine_seed
         self.structured_output = structured_output
+        self.proposer = proposer
+        self.disable_speculation_above = disable_speculation_above
+        self.spec_decode_counts = SpecDecodeCounts()
         self.num_preempted = 0
         # Preempted requests first (in admission order), then those that never ran (in arrival order).
         self._waiting: deque[Request] = deque()
@@ -189,6 +204,10 @@ class Scheduler:
             max_prefill_chunks_per_step=config.max_prefill_chunks_per_step,
             engine_seed=config.seed,
             structured_output=structured_output,
+            proposer=proposer_for(config.speculative),
+            disable_speculation_above=(
+                config.speculative.disable_by_batch_size if config.speculative is not None else None
+            ),
         )
 
     # -- queries ----------------------------------------------------------------------------
@@ -273,7 +292,9 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens - num_tokens < request.num_prompt_tokens:
                 self.kv_manager.cache_computed(request)  # a prompt chunk: share it at once
-            if request.num_computed_tokens == request.num_tokens:
+            # Draft tokens count as computed until update() rolls the rejected ones back.
+            request.num_draft_tokens = len(plan.spec_token_ids.get(request_id, ()))
+            if request.num_computed_tokens - request.num_draft_tokens == request.num_tokens:
                 request.num_pending_tokens += 1  # this step samples its next token
         return decision
 
@@ -292,13 +313,24 @@ class Scheduler:
             request = self._requests.get(request_id)
             if not new_token_ids or request is None:
                 continue  # nothing sampled, or finished since
-            if len(new_token_ids) > request.num_pending_tokens:
+            num_drafts = request.num_draft_tokens
+            if len(new_token_ids) > request.num_pending_tokens + num_drafts:
                 raise ValueError(
                     f"the runner sampled {new_token_ids} for {request_id!r}, which has "
-                    f"{request.num_pending_tokens} pending tokens; a row samples only once its last "
-                    "known token is computed"
+                    f"{request.num_pending_tokens} pending tokens and {num_drafts} draft tokens; a "
+                    "row samples only once its last known token is computed"
                 )
-            request.num_pending_tokens -= len(new_token_ids)
+            if num_drafts:
+                # The accepted drafts and the target's token: the rejected drafts' K/V is no
+                # longer computed. Their blocks stay the request's (the runner's block table holds
+                # them, and the request grows into them next), so none is lost or lent twice.
+                num_accepted = len(new_token_ids) - 1
+                request.num_computed_tokens -= num_drafts - num_accepted
+                request.num_draft_tokens = 0
+                request.num_pending_tokens -= 1
+                self.spec_decode_counts.record(num_drafts, num_accepted)
+            else:
+                request.num_pending_tokens -= len(new_token_ids)
             request.output_ids.extend(new_token_ids)
             outputs.append(self._accept(request, new_token_ids, runner_output.logprobs.get(request_id)))
         return outputs
@@ -440,6 +472,11 @@ class Scheduler:
         num_tokens = self._num_tokens_to_schedule(request, plan)
         if num_tokens == 0:
             return
+        drafts = self._drafts(request, plan) if num_tokens == 1 else ()
+        # Drafts only where their blocks are free: speculation never preempts anyone.
+        if drafts and (new_block_ids := self.kv_manager.allocate(request, 1 + len(drafts))) is not None:
+            plan.add(request, 1 + len(drafts), new_block_ids, drafts)
+            return
         while (new_block_ids := self.kv_manager.allocate(request, num_tokens)) is None:
             victim = self._preemption_victim(request, plan)
             if victim is None:
@@ -448,6 +485,25 @@ class Scheduler:
             if victim is request:
                 return
         plan.add(request, num_tokens, new_block_ids)
+
+    def _drafts(self, request: Request, plan: _StepPlan) -> tuple[int, ...]:
+        """The proposer's draft tokens for a request about to decode its last token: as many as
+        the step's budget, the request's max_new_tokens and its kind allow (a request with a
+        grammar or logprobs does not speculate: its verification is not built yet)."""
+        if self.proposer is None or request.num_pending_tokens:
+            return ()
+        above = self.disable_speculation_above
+        if above is not None and len(self._running) > above:
+            return ()
+        params = request.params
+        if params.grammar is not None or params.logprobs is not None:
+            return ()
+        # The step emits up to K + 1 tokens, all within max_new_tokens.
+        room = min(plan.budget - 1, request.max_new_tokens - request.num_output_tokens - 1)
+        if room < 1:
+            return ()
+        drafts = self.proposer.propose(np.asarray(request.all_token_ids, dtype=np.int64))
+        return tuple(int(token) for token in drafts[:room])
 
     def _preemption_victim(self, request: Request, plan: _StepPlan) -> Request | None:
         """The most recently admitted running request that holds blocks and is not scheduled in
@@ -532,7 +588,7 @@ class Scheduler:
             # All but decodes of a sampled token: a new or resumed request computes prompt or
             # recompute work (num_computed_tokens is the count before this step).
             is_decode = (
-                num_tokens == 1
+                num_tokens - len(plan.spec_token_ids.get(request_id, ())) == 1
                 and request_id in self._in_runner
                 and request.num_computed_tokens >= request.num_prompt_tokens
             )
@@ -570,6 +626,7 @@ class Scheduler:
             preempted_request_ids=frozenset(plan.preempted),
             block_ops=self.kv_manager.take_block_ops(),
             num_prompt_tokens=num_prompt_tokens,
+            spec_token_ids=dict(plan.spec_token_ids),
         )
 
     def _generator_seed(self, request: Request) -> int:

@@ -1,0 +1,9 @@
+"""Speculative decoding: a proposer drafts K tokens per request, the target verifies them in the
+step's one forward, and the verification keeps the output distribution the target's own."""
+
+from infer.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+from infer.engine.spec_decode.counts import SpecDecodeCounts
+from infer.engine.spec_decode.ngram import NgramProposer
+from infer.engine.spec_decode.proposer import proposer_for
+
+__all__ = ["NgramProposer", "SpecDecodeCounts", "SpeculativeConfig", "SpeculativeConfigError", "proposer_for"]

@@ -1,0 +1,137 @@
+"""Speculative decoding through the Engine on CPU. The oracle is the recompute oracle (no cache, no
+batching, no speculation): greedy tokens must be identical with speculation on, in every mode;
+the KV blocks of rejected drafts must come back; a step never runs more than its token budget."""
+
+import pytest
+
+from conformance.engine_runs import run_to_completion, token_ids
+from infer.cache.prefix_tree import TREE_OWNER
+from infer.engine.config import EngineConfig
+from infer.engine.engine import Engine
+from infer.engine.sampling_params import SamplingParams
+
+from .test_engine import random_prompts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+MODES = {
+    "paged": dict(block_size=4),
+    "chunked-prefix-cache": dict(
+        block_size=4, use_chunked_prefill=True, prefill_chunk_size=16, use_prefix_caching=True
+    ),
+    # A pool too small for every request at once: the youngest is preempted and recomputed.
+    "preempted": dict(block_size=4, num_gpu_blocks=40, use_chunked_prefill=True, prefill_chunk_size=16),
+}
+NUM_TOKENS = 40
+
+
+def make_engine(model, **settings) -> Engine:
+    base = dict(max_batch_size=3, max_num_batched_tokens=32, max_seq_len=160, speculative_config=NGRAM)
+    return Engine(EngineConfig(**{**base, **settings}), loaded_model=model.loaded)
+
+
+def looping_prompts(tiny, count: int) -> list[list[int]]:
+    """Prompts that end with the model's own greedy continuation of a random start: a tiny random
+    model soon repeats itself, so its next tokens recur in its context and n-gram drafts are
+    often right (and sometimes wrong)."""
+    starts = random_prompts([5 + 7 * i for i in range(count)], tiny.loaded.config.vocab_size, seed=3)
+    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    return [start + tiny.oracle.generate(start, params).token_ids for start in starts]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny", "gemma3-tiny"])
+def test_ngram_speculation_keeps_every_greedy_token_of_the_recompute_oracle(tiny_models, preset, mode):
+    tiny = tiny_models[preset]
+    # Random prompts too, whose drafts the target mostly rejects.
+    prompts = looping_prompts(tiny, 3) + random_prompts([30, 60], tiny.loaded.config.vocab_size, seed=4)
+    params = SamplingParams(temperature=0, max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    engine = make_engine(tiny, **MODES[mode])
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    outputs = run_to_completion(engine)
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        assert token_ids(outputs[request_id]) == tiny.oracle.generate(prompt, params).token_ids, request_id
+    counts = engine.core.scheduler.spec_decode_counts
+    # Both verdicts happened: drafts were kept, and drafts were rolled back.
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens, counts
+    if mode == "preempted":
+        assert engine.stats().num_preempted > 0
+    allocator = engine.core.kv_pool.allocator
+    # No finished request holds a block; only the prefix tree keeps what they computed.
+    assert allocator.audit([TREE_OWNER]) == []
+    if engine.core.prefix_tree is None:
+        assert allocator.num_used == 0
+
+
+def test_speculation_emits_several_tokens_in_one_step_within_max_tokens_and_stops(tiny_models):
+    tiny = tiny_models["llama-tiny"]
+    (prompt,) = looping_prompts(tiny, 1)
+    plain = SamplingParams(temperature=0, max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    expected = tiny.oracle.generate(prompt, plain).token_ids
+    # A stop token the model emits late in its answer: it ends inside an accepted run or at a
+    # verified position, and nothing after it is emitted.
+    stop = expected[-5]
+    for params in (
+        SamplingParams(temperature=0, max_new_tokens=NUM_TOKENS - 3, ignore_eos=True),
+        SamplingParams(temperature=0, max_new_tokens=NUM_TOKENS, ignore_eos=True, stop_token_ids=[stop]),
+    ):
+        engine = make_engine(tiny)
+        request_id = engine.add_request(prompt, params)
+        outputs = run_to_completion(engine)[request_id]
+        assert token_ids(outputs) == tiny.oracle.generate(prompt, params).token_ids
+        assert max(len(output.new_token_ids) for output in outputs) > 1  # several tokens in a step
+
+
+def test_the_step_budget_holds_drafts_and_a_step_over_the_batch_limit_does_not_speculate(tiny_models):
+    tiny = tiny_models["qwen3-tiny"]
+    prompts = looping_prompts(tiny, 4)
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    speculative = {**NGRAM, "disable_by_batch_size": 2}
+    engine = make_engine(
+        tiny,
+        max_num_batched_tokens=8,
+        max_batch_size=3,
+        use_chunked_prefill=True,
+        prefill_chunk_size=8,
+        speculative_config=speculative,
+    )
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    scheduler = engine.core.scheduler
+    schedule = scheduler.schedule
+    decisions = []
+
+    def recording_schedule():
+        decision = schedule()
+        decisions.append((decision, scheduler.num_running))
+        return decision
+
+    scheduler.schedule = recording_schedule
+    outputs = run_to_completion(engine)
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        assert token_ids(outputs[request_id]) == tiny.oracle.generate(prompt, params).token_ids
+    assert any(decision.spec_token_ids for decision, _ in decisions)
+    for decision, num_running in decisions:
+        assert decision.total_num_scheduled_tokens <= 8
+        if num_running > 2:
+            assert not decision.spec_token_ids
+
+
+def test_seeded_sampling_with_speculation_gives_the_same_tokens_again(tiny_models):
+    """Run to run, the same seeded batch gives the same tokens (how many drafts a row verifies
+    depends on the step's budget, so not whatever else shares its batch)."""
+    tiny = tiny_models["gemma3-tiny"]
+    prompts = looping_prompts(tiny, 3)
+    seeded = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=11 + i, max_new_tokens=NUM_TOKENS, ignore_eos=True)
+        for i in range(3)
+    ]
+
+    def run() -> list[list[int]]:
+        engine = make_engine(tiny)
+        ids = [engine.add_request(prompt, params) for prompt, params in zip(prompts, seeded, strict=True)]
+        outputs = run_to_completion(engine)
+        assert engine.core.scheduler.spec_decode_counts.num_accepted_tokens > 0
+        return [token_ids(outputs[request_id]) for request_id in ids]
+
+    first = run()
+    assert run() == first
+    assert len({tuple(tokens) for tokens in first}) == 3
