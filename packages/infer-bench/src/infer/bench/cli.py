@@ -2,7 +2,7 @@
 command); the `infer` command of infer-server hands them here.
 
 infer profile [--model M] [--out DIR]                            torch.profiler trace + top ops
-infer bench generate [--model M] [--compare-hf] [--json OUT]     W1: one request, 256 + 256 tokens
+infer bench generate [--model M] [--workload copy] [--json OUT]  one request: W1 (256 + 256) or copy
 infer bench serve | matrix | hf-baseline | engine-only ...       the serving benchmark (serving/cli.py)
 """
 
@@ -47,11 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     bench_generate = bench_commands.add_parser(
-        "generate", help="W1: one request, prefill and decode tokens/s"
+        "generate", help="one request (W1 or copy), prefill and decode tokens/s"
     )
     add_model_arguments(bench_generate)
-    bench_generate.add_argument("--prompt-tokens", type=int, default=256)
-    bench_generate.add_argument("--gen-tokens", type=int, default=256)
+    bench_generate.add_argument(
+        "--workload",
+        choices=("random", "copy"),
+        default="random",
+        help="random: W1, a random prompt, EOS ignored; copy: a chat asking to repeat a ~300-token "
+        "passage with one change, ending at EOS (default %(default)s)",
+    )
+    bench_generate.add_argument("--prompt-tokens", type=int, default=256, help="random workload only")
+    bench_generate.add_argument(
+        "--gen-tokens", type=int, default=None, help="most new tokens (default: 256 random, 400 copy)"
+    )
     bench_generate.add_argument("--repeats", type=int, default=1, help="timed runs; the median is reported")
     bench_generate.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     bench_generate.add_argument("--compare-hf", action="store_true", help="also time transformers' generate")

@@ -1,6 +1,10 @@
-"""`infer bench generate`: workload W1, one request of a seeded random 256-token prompt and 256
-greedy tokens with EOS ignored. Reports prefill and decode tokens/s and the peak memory split,
-with `--compare-hf` also transformers' eager `generate` on the same prompt in the same run.
+"""`infer bench generate`: one request, timed. Reports prefill and decode tokens/s and the peak
+memory split, with `--compare-hf` also transformers' eager `generate` on the same prompt and the
+same number of new tokens in the same run. Two workloads (`--workload`):
+- random (W1): a seeded random 256-token prompt and 256 greedy tokens with EOS ignored;
+- copy: one chat turn, rendered by the model's template, asking to repeat a ~300-token passage
+  with one change (infer.bench.copy_workload); greedy, up to 400 tokens, ending at EOS. Most of
+  the answer already occurs in the prompt: the workload of prompt-lookup speculation.
 
 Timing: prefill is the wall time to the first token (one forward over the prompt plus one
 sample); decode is the time for the remaining tokens. Each step reads its token back to the
@@ -28,8 +32,10 @@ from pathlib import Path
 
 import torch
 
+from infer.bench.copy_workload import MAX_TOKENS as COPY_MAX_TOKENS
+from infer.bench.copy_workload import copy_request_text, expected_copy
 from infer.engine import load_engine
-from infer.engine.cli import engine_config_from_args, resolve_device_and_dtype
+from infer.engine.cli import encode_prompt, engine_config_from_args, resolve_device_and_dtype
 from infer.engine.config import AUTO_FLAGS
 from infer.engine.engine import Engine
 from infer.engine.generate import generate, stream
@@ -70,8 +76,7 @@ def run_bench_generate(args: argparse.Namespace) -> int:
     device, dtype = resolve_device_and_dtype(args)
     runtime_rss = resident_bytes()
     loaded, engine = load_engine(engine_config_from_args(args))
-    prompt_ids = random_prompt(loaded, args.prompt_tokens, seed=args.seed)
-    params = SamplingParams(temperature=0, max_new_tokens=args.gen_tokens, ignore_eos=True)
+    workload, prompt_ids, params = workload_request(args, loaded)
 
     # Warm-up: first-call costs (allocator, kernel compilation); graphs were captured at start-up.
     generate(engine, prompt_ids, params, cache_salt="warm-up")
@@ -84,10 +89,10 @@ def run_bench_generate(args: argparse.Namespace) -> int:
         runs.append(timing)
     memory = memory_split(loaded.model, engine, probe.finish(), device)
     ours = median_timing(runs)
-    roofline = decode_roofline(engine, len(prompt_ids), args.gen_tokens)
+    roofline = decode_roofline(engine, len(prompt_ids), ours.num_generated)
 
     report = {
-        "workload": "W1: one request, seeded random prompt, greedy, ignore_eos",
+        "workload": workload,
         "environment": environment(device),
         "model": {"path": str(loaded.path), "revision": model_revision(loaded.path), "dtype": str(dtype)},
         "flags": {key: value for key, value in vars(args).items() if key != "run"},
@@ -108,10 +113,13 @@ def run_bench_generate(args: argparse.Namespace) -> int:
             "infer_percent": 100 * ours.decode_tokens_per_s / roofline["decode_tokens_per_s"],
         },
     }
+    if args.workload == "copy":
+        output_text = loaded.tokenizer.decode(token_ids, skip_special_tokens=True)
+        report["copy"] = {"output_text": output_text, "exact_copy": output_text.strip() == expected_copy()}
     if args.compare_hf:
         del engine
         hf_timing, hf_token_ids = time_hf_generate(
-            loaded.path, prompt_ids, args.gen_tokens, device, dtype, args.repeats
+            loaded.path, prompt_ids, len(token_ids), device, dtype, args.repeats
         )
         report["transformers"] = {**hf_timing.as_dict(), "attn_implementation": "eager"}
         report["ratio_infer_over_transformers"] = {
@@ -128,6 +136,17 @@ def run_bench_generate(args: argparse.Namespace) -> int:
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nwrote {args.json_path}", file=sys.stderr)
     return 0
+
+
+def workload_request(args: argparse.Namespace, loaded) -> tuple[str, list[int], SamplingParams]:
+    """The workload's description, prompt ids and sampling parameters."""
+    if args.workload == "copy":
+        prompt_ids = encode_prompt(loaded, copy_request_text(), chat=True)
+        params = SamplingParams(temperature=0, max_new_tokens=args.gen_tokens or COPY_MAX_TOKENS)
+        return "copy: a chat turn repeating a ~300-token passage with one change, greedy", prompt_ids, params
+    prompt_ids = random_prompt(loaded, args.prompt_tokens, seed=args.seed)
+    params = SamplingParams(temperature=0, max_new_tokens=args.gen_tokens or 256, ignore_eos=True)
+    return "W1: one request, seeded random prompt, greedy, ignore_eos", prompt_ids, params
 
 
 def decode_roofline(engine: Engine, num_prompt_tokens: int, num_generated: int) -> dict:
@@ -302,8 +321,9 @@ def model_revision(folder: Path) -> str | None:
 def markdown_report(report: dict) -> str:
     env, model, mem = report["environment"], report["model"], report["memory"]
     flags = " ".join(f"{key}={value}" for key, value in report["flags"].items())
+    workload_name = report["workload"].split(":")[0]
     lines = [
-        f"W1 on {env['device']} ({env['torch_threads']} threads), torch {env['torch']}, "
+        f"{workload_name} on {env['device']} ({env['torch_threads']} threads), torch {env['torch']}, "
         f"transformers {env['transformers']}",
         f"model {model['path']} (revision {model['revision']}), {model['dtype']}",
         f"flags: {flags}",
@@ -333,6 +353,8 @@ def markdown_report(report: dict) -> str:
             f"{ratio['decode_tokens_per_s']:.2f}x, end to end {ratio['total_speedup']:.2f}x faster; "
             f"greedy tokens identical: {match['match']} (first mismatch at {match['first_mismatch_index']})",
         ]
+    if "copy" in report:
+        lines += ["", f"the answer is the passage with the change exactly: {report['copy']['exact_copy']}"]
     roofline = report["roofline"]
     lines += [
         "",
