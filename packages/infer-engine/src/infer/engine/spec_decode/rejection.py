@@ -93,7 +93,7 @@ def rejection_sample(
             rejected_token = rows.draft_tokens.gather(1, at_rejection[:, None])
             residual = final_probs.scatter(1, rejected_token, 0.0)
         else:
-            draft_index = (rows.draft_starts + at_rejection).clamp(max=max(rows.num_draft_tokens - 1, 0))
+            draft_index = (rows.draft_starts + at_rejection).clamp(max=rows.num_draft_tokens - 1)
             residual = (final_probs - draft_probs[draft_index]).clamp_(min=0.0)
         has_mass = residual.sum(dim=1, keepdim=True) > 0
         # torch.multinomial normalises its weights, so the residual is not divided by its mass.
