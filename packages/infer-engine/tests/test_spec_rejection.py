@@ -128,7 +128,7 @@ def run_sampler(
     """Runs rejection_sample on num_trials rows, most with K drafts and a quarter with 0..K, drawn
     from the draft (or fixed, for one-hot drafts), in calls of at most ~2e7 target entries.
     Returns the outputs, each row's K_i and the theoretical acceptance per position."""
-    max_drafts, vocab_size = draft.shape[0] if draft is not None else target.shape[0] - 1, target.shape[1]
+    max_drafts, vocab_size = target.shape[0] - 1, target.shape[1]
     num_drafts = torch.where(
         torch.rand(num_trials) < 0.25, torch.randint(0, max_drafts + 1, (num_trials,)), max_drafts
     ).tolist()
