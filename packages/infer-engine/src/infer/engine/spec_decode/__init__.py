@@ -5,5 +5,14 @@ from infer.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfig
 from infer.engine.spec_decode.counts import SpecDecodeCounts
 from infer.engine.spec_decode.ngram import NgramProposer
 from infer.engine.spec_decode.proposer import proposer_for
+from infer.engine.spec_decode.rejection import accept_greedy, rejection_sample
 
-__all__ = ["NgramProposer", "SpecDecodeCounts", "SpeculativeConfig", "SpeculativeConfigError", "proposer_for"]
+__all__ = [
+    "NgramProposer",
+    "SpecDecodeCounts",
+    "SpeculativeConfig",
+    "SpeculativeConfigError",
+    "accept_greedy",
+    "proposer_for",
+    "rejection_sample",
+]
