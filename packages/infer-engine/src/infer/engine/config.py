@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 
+from infer.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from infer.models import DEFAULT_MODEL
 from infer.models.config import TORCH_DTYPES
 from infer.models.quantization import QUANTIZATION_METHODS
-
-from infer.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 
 # infer.models' dtype table, and "auto": float32 on the CPU (half precision is slow there and
 # gains nothing) and bfloat16 on CUDA, whatever the checkpoint stores.

@@ -78,7 +78,8 @@ class SpeculativeConfig:
         else:
             if not isinstance(self.model, str) or not self.model:
                 raise SpeculativeConfigError(
-                    'speculative_config.model (an alias or checkpoint folder) is required by method "draft_model"'
+                    "speculative_config.model (an alias or checkpoint folder) is required by "
+                    'method "draft_model"'
                 )
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 if getattr(self, name) is not None:
