@@ -96,3 +96,60 @@ def test_a_flag_set_to_false_turns_a_default_off():
     assert from_cli_args(parser.parse_args([])).use_cuda_graphs is None
     assert from_cli_args(parser.parse_args(["--use-cuda-graphs", "false"])).use_cuda_graphs is False
     assert from_cli_args(parser.parse_args(["--use-cuda-graphs"])).use_cuda_graphs is True
+
+
+def test_speculation_turns_async_scheduling_off_and_the_line_says_so():
+    """A step's drafts come from the tokens the step before sampled, which async scheduling has
+    not read when it plans: on CUDA the auto setting is off, and an explicit true is refused."""
+    speculative = {"method": "ngram", "num_speculative_tokens": 4}
+    resolved = resolve(EngineConfig(speculative_config=speculative), cuda_capability=HOPPER)
+    assert resolved.config.async_scheduling is False and resolved.config.use_cuda_graphs is True
+    assert resolved.off_reasons == {"async_scheduling": "speculative decoding"}
+    line = resolved.describe()
+    assert "off: async scheduling (speculative decoding)" in line
+    assert "speculative decoding: ngram, 4 draft tokens" in line
+    with pytest.raises(EngineConfigError, match="speculative_config needs async_scheduling=False"):
+        EngineConfig(speculative_config=speculative, async_scheduling=True)
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"method": "medusa", "num_speculative_tokens": 2}, r"speculative_config.method must be one of"),
+        ({"method": "ngram"}, r"speculative_config.num_speculative_tokens is required"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be >= 1, got 0"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "eagle": 1}, r"unknown keys \['eagle'\]"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, r"speculative_config.model .* is required"),
+        (
+            {"method": "draft_model", "num_speculative_tokens": 2, "model": "x"},
+            r'"draft_model" is not implemented yet',
+        ),
+        ("ngram", r"speculative_config must be a mapping"),
+    ],
+)
+def test_a_speculative_config_is_checked_at_construction_naming_its_key(given, message):
+    with pytest.raises(EngineConfigError, match=message):
+        EngineConfig(speculative_config=given)
+
+
+def test_speculative_config_comes_from_the_command_line_as_json_with_vllms_defaults():
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    speculative = from_cli_args(args).speculative
+    # vLLM's rule: neither lookup bound given, both are 5.
+    assert (
+        speculative.num_speculative_tokens,
+        speculative.prompt_lookup_min,
+        speculative.prompt_lookup_max,
+    ) == (
+        3,
+        5,
+        5,
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "{not json"])

@@ -14,7 +14,14 @@ import time
 
 import torch
 
-from infer.engine.config import DTYPES, EngineConfig, parse_bool, resolve_device, resolve_dtype
+from infer.engine.config import (
+    DTYPES,
+    EngineConfig,
+    parse_bool,
+    parse_json_mapping,
+    resolve_device,
+    resolve_dtype,
+)
 from infer.engine.sampling_params import SamplingParams
 from infer.models import DEFAULT_MODEL
 from infer.models.quantization import QUANTIZATION_METHODS
@@ -96,6 +103,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="on a CPU, decode attention and int8 Linears through infer-kernels' C kernels (true, the "
         "default) or ATen's (false)",
     )
+    parser.add_argument(
+        "--speculative-config",
+        type=parse_json_mapping,
+        default=None,
+        help='speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (default: off)',
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO (EOS ids, loading)")
 
 
@@ -133,6 +147,7 @@ def engine_config_from_args(args: argparse.Namespace, *, max_batch_size: int = 1
         use_pdl=args.use_pdl,
         use_triton_gemv=args.use_triton_gemv,
         use_native_cpu_kernels=args.use_native_cpu_kernels,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -62,6 +62,10 @@ class ResolvedConfig:
             f"on: {', '.join(on) if on else 'none'}",
             f"{pool}, max_batch_size {config.max_batch_size}",
         ]
+        speculative = config.speculative
+        if speculative is not None:
+            drafts = speculative.num_speculative_tokens
+            parts.append(f"speculative decoding: {speculative.method}, {drafts} draft tokens")
         if off:
             parts.append(f"off: {'; '.join(off)}")
         return " | ".join(parts)

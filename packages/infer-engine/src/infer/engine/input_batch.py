@@ -53,10 +53,11 @@ class StepInputs:
     num_decode_rows: int
     # Rows whose last scheduled token is their last known token: they sample this step.
     sampling_rows: list[int]
-    # Flat index of each sampling row's last token (the logits to compute); a row verifying K
-    # draft tokens has K + 1 of them: its last known token's and each draft's.
-    logits_indices: np.ndarray  # [sum over sampling rows of 1 + K] int64
-    # Per sampling row, the draft tokens it verifies (speculative decoding); () for none.
+    # Flat index of each sampling row's last token (the logits to compute).
+    logits_indices: np.ndarray  # [R] int64
+    # Speculative decoding: per sampling request (in the order of its first sampling row), the
+    # draft tokens it verifies, () for none; empty when no request verifies drafts. A request
+    # verifying K drafts has K + 1 rows here (see `InputBatch.prepare`).
     drafts: tuple[tuple[int, ...], ...] = ()
 
     @property
@@ -153,39 +154,54 @@ class InputBatch:
         self.num_tokens[self.states[request_id].row] = num_tokens
 
     def prepare(self, decision: ScheduleDecision) -> StepInputs:
+        """The step's flat inputs. A request verifying K draft tokens becomes K + 1 decode rows,
+        one per position, each attending to the keys before it: every decode row's K/V is
+        stored before any attends (the attention kernels store the step's keys first), so row
+        j sees drafts 0..j-1, as a causal forward of the K + 1 tokens would. The step then runs
+        the decode paths (the CPU's C stack, the decode CUDA graphs) and gives each position's
+        logits, rows of one request consecutive."""
         scheduled = decision.num_scheduled_tokens
-        decode_ids = [rid for rid, n in scheduled.items() if n == 1]
-        other_ids = [rid for rid, n in scheduled.items() if n != 1]
-        request_ids = decode_ids + other_ids
+        spec = decision.spec_token_ids
+        decode_ids = [rid for rid, n in scheduled.items() if n == 1 or rid in spec]
+        other_ids = [rid for rid, n in scheduled.items() if n != 1 and rid not in spec]
+        # One entry per row of the step: its request, and its first and last token + 1.
+        request_ids: list[str] = []
+        row_starts: list[int] = []
+        row_ends: list[int] = []
+        for rid in decode_ids + other_ids:
+            start = int(self.num_computed[self.states[rid].row])
+            if rid in spec:
+                request_ids.extend([rid] * scheduled[rid])
+                row_starts.extend(range(start, start + scheduled[rid]))
+                row_ends.extend(range(start + 1, start + scheduled[rid] + 1))
+            else:
+                request_ids.append(rid)
+                row_starts.append(start)
+                row_ends.append(start + scheduled[rid])
         rows = np.array([self.states[rid].row for rid in request_ids], dtype=np.int64)
-        counts = np.array([scheduled[rid] for rid in request_ids], dtype=np.int64)
-        starts = self.num_computed[rows]
-        ends = starts + counts
+        starts = np.array(row_starts, dtype=np.int64)
+        ends = np.array(row_ends, dtype=np.int64)
+        counts = ends - starts
         if np.any(ends > self.num_tokens[rows]):
-            bad = [
-                rid
-                for rid, end, row in zip(request_ids, ends, rows, strict=True)
-                if end > self.num_tokens[row]
-            ]
+            bad = sorted(
+                {
+                    rid
+                    for rid, end, row in zip(request_ids, ends, rows, strict=True)
+                    if end > self.num_tokens[row]
+                }
+            )
             raise ValueError(f"requests {bad} are scheduled past their known tokens")
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=cu[1:])
         token_rows = np.repeat(rows, counts)
         positions = np.repeat(starts, counts) + (np.arange(cu[-1]) - np.repeat(cu[:-1], counts))
         blocks = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
-        sampling_rows = np.nonzero(ends == self.num_tokens[rows])[0]
-        spec = decision.spec_token_ids
-        drafts = tuple(spec.get(request_ids[row], ()) for row in sampling_rows) if spec else ()
-        last = cu[1:][sampling_rows] - 1
-        if drafts:
-            num_drafts = np.array([len(row_drafts) for row_drafts in drafts], dtype=np.int64)
-            # Each row's last K + 1 tokens: its last known token and its K drafts.
-            per_row = num_drafts + 1
-            starts_out = np.cumsum(per_row) - per_row
-            offsets = np.arange(int(per_row.sum())) - np.repeat(starts_out, per_row)
-            logits_indices = np.repeat(last - num_drafts, per_row) + offsets
-        else:
-            logits_indices = last
+        samples = ends == self.num_tokens[rows]
+        if spec:
+            samples |= np.array([rid in spec for rid in request_ids])
+        sampling_rows = np.nonzero(samples)[0]
+        sampling_ids = list(dict.fromkeys(request_ids[row] for row in sampling_rows))
+        drafts = tuple(spec.get(rid, ()) for rid in sampling_ids) if spec else ()
         width = int(self.num_blocks[rows].max())
         return StepInputs(
             request_ids=request_ids,
@@ -195,9 +211,9 @@ class InputBatch:
             query_start_loc=cu.astype(np.int32),
             seq_lens=ends.astype(np.int32),
             block_tables=self.block_table[rows, :width],
-            num_decode_rows=len(decode_ids),
+            num_decode_rows=len(request_ids) - len(other_ids),
             sampling_rows=sampling_rows.tolist(),
-            logits_indices=logits_indices,
+            logits_indices=cu[1:][sampling_rows] - 1,
             drafts=drafts,
         )
 

@@ -231,8 +231,10 @@ class ModelRunner:
         logits = self._logits(step)
         sampling_ids = [step.request_ids[row] for row in step.sampling_rows]
         if step.verifies_drafts:
-            # verify_drafts builds the settings of every verified position itself.
-            return StepLaunch(tuple(step.request_ids), sampling_ids, logits, None, step.drafts)
+            # One entry per request (its K + 1 rows are consecutive); verify_drafts builds the
+            # settings of every verified position itself.
+            sampling_ids = list(dict.fromkeys(sampling_ids))
+            return StepLaunch(tuple(dict.fromkeys(step.request_ids)), sampling_ids, logits, None, step.drafts)
         tensors = self._sampling_tensors(tuple(sampling_ids)) if sampling_ids else None
         return StepLaunch(tuple(step.request_ids), sampling_ids, logits, tensors)
 
@@ -368,9 +370,8 @@ class ModelRunner:
         return launched.token_ids
 
     def _logits(self, step: StepInputs) -> torch.Tensor:
-        """Logits of the sampling rows, in order (K + 1 for a row verifying K drafts)."""
-        # The graphs compute one logits row per sampling row.
-        if self.graphs is not None and not step.verifies_drafts:
+        """Logits of the sampling rows, in order."""
+        if self.graphs is not None:
             logits = self.graphs.logits(step)
             if logits is not None:
                 return logits
