@@ -1,0 +1,32 @@
+"""On CUDA in bf16 with real shapes: n-gram speculation keeps the recompute oracle's greedy tokens
+(up to a bf16 near tie, as test_gpu.py), with the device's defaults (CUDA graphs: a verified
+request's K + 1 decode rows replay the decode graphs)."""
+
+import pytest
+
+from conformance.oracles import RecomputeOracle
+from infer.engine import Engine, EngineConfig, SamplingParams
+
+from .test_gpu import NUM_TOKENS, assert_equal_up_to_a_near_tie, real_shape, run_together  # noqa: F401
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.mark.gpu
+def test_ngram_speculation_equals_recompute_in_bf16_up_to_a_near_tie(real_shape):  # noqa: F811
+    preset, loaded, prompts, params, expected = real_shape
+    # Each prompt followed by its own greedy answer, then the prompt again: the n-gram lookup
+    # drafts what followed before, so verification runs on every kind of verdict.
+    looping = [prompt + answer + prompt[:8] for prompt, answer in zip(prompts, expected, strict=True)]
+    oracle_params = SamplingParams(temperature=0, max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    config = EngineConfig(
+        device="cuda", dtype="bfloat16", max_batch_size=8, max_seq_len=1024, speculative_config=NGRAM
+    )
+    engine = Engine(config, loaded_model=loaded)
+    tokens = run_together(engine, looping, oracle_params)
+    assert engine.core.scheduler.spec_decode_counts.num_draft_tokens > 0
+    assert engine.core.runner.graphs.num_replays["decode"] > 0
+    oracle = RecomputeOracle(loaded)
+    for prompt, ours in zip(looping, tokens, strict=True):
+        oracle_tokens = oracle.generate(prompt, oracle_params).token_ids
+        assert_equal_up_to_a_near_tie(loaded.model, prompt, ours, oracle_tokens, f"{preset}/ngram")
