@@ -140,3 +140,31 @@ def test_seeded_sampling_with_speculation_gives_the_same_tokens_again(tiny_model
     first = run()
     assert run() == first
     assert len({tuple(tokens) for tokens in first}) == 3
+
+
+def test_logprobs_with_speculation_are_those_of_the_tokens_without_it(tiny_models):
+    """Each emitted token's logprob and top alternatives, whether it came from an accepted draft
+    or the target: the same as a run without speculation (the model's raw distribution at the
+    token's position)."""
+    tiny = tiny_models["qwen3-tiny"]
+    prompts = looping_prompts(tiny, 2)
+    params = SamplingParams(temperature=0, max_new_tokens=NUM_TOKENS, ignore_eos=True, logprobs=3)
+
+    def run(**settings) -> tuple[list, Engine]:
+        engine = make_engine(tiny, **settings)
+        ids = [engine.add_request(prompt, params) for prompt in prompts]
+        outputs = run_to_completion(engine)
+        return [
+            [output.logprobs for output in outputs[request_id] if output.token_id is not None]
+            for request_id in ids
+        ], engine
+
+    plain, _ = run(speculative_config=None)
+    speculated, engine = run()
+    assert engine.core.scheduler.spec_decode_counts.num_accepted_tokens > 0
+    for ours, theirs in zip(speculated, plain, strict=True):
+        assert len(ours) == len(theirs) == NUM_TOKENS
+        for mine, reference in zip(ours, theirs, strict=True):
+            assert mine.top_token_ids == reference.top_token_ids
+            assert mine.logprob == pytest.approx(reference.logprob, abs=1e-4)
+            assert mine.top_logprobs == pytest.approx(reference.top_logprobs, abs=1e-4)

@@ -52,16 +52,20 @@ class _LaunchedLogprobs:
     top_logprobs: torch.Tensor  # [R, K] float32
 
     def entries(self) -> dict[str, tuple[TokenLogprobs, ...]]:
-        """Per request, its token's TokenLogprobs; read only once the step's copies are done."""
+        """Per request, its tokens' TokenLogprobs in order (one, or one per verified position of
+        a request verifying drafts: the scheduler keeps those of the tokens it emitted); read
+        only once the step's copies are done."""
         sampled, top_ids, top_values = (
             self.sampled_logprobs.tolist(),
             self.top_token_ids.tolist(),
             self.top_logprobs.tolist(),
         )
-        return {
-            request_id: (TokenLogprobs(sampled[i], top_ids[i][:k], top_values[i][:k]),)
-            for i, (request_id, k) in enumerate(zip(self.request_ids, self.num_top_logprobs, strict=True))
-        }
+        entries: dict[str, list[TokenLogprobs]] = {}
+        for i, (request_id, k) in enumerate(zip(self.request_ids, self.num_top_logprobs, strict=True)):
+            entries.setdefault(request_id, []).append(
+                TokenLogprobs(sampled[i], top_ids[i][:k], top_values[i][:k])
+            )
+        return {request_id: tuple(tokens) for request_id, tokens in entries.items()}
 
 
 @dataclass

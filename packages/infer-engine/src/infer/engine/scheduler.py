@@ -488,15 +488,15 @@ class Scheduler:
 
     def _drafts(self, request: Request, plan: _StepPlan) -> tuple[int, ...]:
         """The proposer's draft tokens for a request about to decode its last token: as many as
-        the step's budget, the request's max_new_tokens and its kind allow (a request with a
-        grammar or logprobs does not speculate: its verification is not built yet)."""
+        the step's budget and the request's max_new_tokens allow (a request with a grammar does
+        not speculate: checking drafts against its matcher is not built yet)."""
         if self.proposer is None or request.num_pending_tokens:
             return ()
         above = self.disable_speculation_above
         if above is not None and len(self._running) > above:
             return ()
         params = request.params
-        if params.grammar is not None or params.logprobs is not None:
+        if params.grammar is not None:
             return ()
         # The step emits up to K + 1 tokens, all within max_new_tokens.
         room = min(plan.budget - 1, request.max_new_tokens - request.num_output_tokens - 1)
