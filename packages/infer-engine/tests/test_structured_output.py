@@ -139,3 +139,35 @@ def test_shadow_reruns_of_a_grammar_request_served_from_the_cache_count_no_diver
     assert (stats.prefix_cache_shadow_runs, stats.prefix_cache_shadow_divergences) == (1, 0)
     assert (stats.num_added, stats.num_finished, stats.num_waiting) == (2, 2, 0)  # the re-run is no request
     engine.shutdown()
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def test_with_speculation_a_constrained_answer_is_the_one_without_and_matches(smollm2):
+    """Drafts pass the matcher before they run, and every verified position samples under its
+    grammar's mask there: the greedy answer is the one without speculation, token for token, and
+    the sampled one still matches. The pattern makes the model repeat itself, so drafts are
+    proposed, kept and rejected."""
+    pattern = r'\["(red|green|blue)"(, "(red|green|blue)"){7,11}\]'
+    prompt = smollm2.chat_ids("List colours as a JSON array of strings.")
+    greedy = SamplingParams(temperature=0, max_new_tokens=120, grammar=GrammarSpec.regex(pattern))
+    sampled = SamplingParams(temperature=0.8, seed=7, max_new_tokens=120, grammar=GrammarSpec.regex(pattern))
+
+    def run(speculative_config):
+        engine = Engine(
+            EngineConfig(max_batch_size=2, max_seq_len=512, speculative_config=speculative_config),
+            loaded_model=smollm2.loaded,
+        )
+        ids = [engine.add_request(prompt, greedy), engine.add_request(prompt, sampled)]
+        outputs = run_to_completion(engine, max_steps=2000)
+        return [outputs[request_id] for request_id in ids], engine
+
+    (plain_greedy, _), _ = run(None)
+    (spec_greedy, spec_sampled), engine = run(NGRAM)
+    counts = engine.core.scheduler.spec_decode_counts
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens, counts
+    assert token_ids(spec_greedy) == token_ids(plain_greedy)
+    for outputs in (spec_greedy, spec_sampled):
+        text, finish = answer(smollm2, outputs)
+        assert finish == "stop" and re.fullmatch(pattern, text), text

@@ -114,7 +114,7 @@ class EngineCore:
             launch = self.runner.launch(decision)  # the forward is queued on the device
             if self.scheduler.constrains_any(decision):
                 outputs += self._collect(keep=0)  # the masks need the running step's tokens
-            self.runner.sample(launch, self.scheduler.grammar_masks(launch.sampling_ids))
+            self.runner.sample(launch, self.scheduler.grammar_masks(launch.sampling_ids, launch.drafts))
             self._launched.append(decision)
         except Exception as error:  # noqa: BLE001 - a failed forward fails its step's requests, not the engine
             outputs += self.scheduler.fail(decision, error)

@@ -368,12 +368,15 @@ class Scheduler:
         grammars = self.structured_output
         return bool(grammars) and grammars.constrains_any(decision.num_scheduled_tokens)
 
-    def grammar_masks(self, sampling_ids: Sequence[str]) -> "AllowedTokens | None":
+    def grammar_masks(
+        self, sampling_ids: Sequence[str], drafts: Sequence[Sequence[int]] = ()
+    ) -> "AllowedTokens | None":
         """The allowed tokens of the constrained requests among a step's sampling rows (row i:
-        sampling_ids[i]), from their matchers as they stand; None when none is constrained."""
+        sampling_ids[i]; with `drafts`, request i's len(drafts[i]) + 1 verified positions), from
+        their matchers as they stand; None when none is constrained."""
         if not self.structured_output:
             return None
-        return self.structured_output.allowed(sampling_ids)
+        return self.structured_output.allowed(sampling_ids, drafts)
 
     def finish(self, request_id: str, *, cache: bool = True) -> Request | None:
         """Takes a request out, waiting or running, and frees its blocks (it finished, was aborted
@@ -488,22 +491,22 @@ class Scheduler:
 
     def _drafts(self, request: Request, plan: _StepPlan) -> tuple[int, ...]:
         """The proposer's draft tokens for a request about to decode its last token: as many as
-        the step's budget and the request's max_new_tokens allow (a request with a grammar does
-        not speculate: checking drafts against its matcher is not built yet)."""
+        the step's budget and the request's max_new_tokens allow, and, for a request with a
+        grammar, as its matcher allows (the target's mask still applies at every position)."""
         if self.proposer is None or request.num_pending_tokens:
             return ()
         above = self.disable_speculation_above
         if above is not None and len(self._running) > above:
-            return ()
-        params = request.params
-        if params.grammar is not None:
             return ()
         # The step emits up to K + 1 tokens, all within max_new_tokens.
         room = min(plan.budget - 1, request.max_new_tokens - request.num_output_tokens - 1)
         if room < 1:
             return ()
         drafts = self.proposer.propose(np.asarray(request.all_token_ids, dtype=np.int64))
-        return tuple(int(token) for token in drafts[:room])
+        drafts = tuple(int(token) for token in drafts[:room])
+        if drafts and request.params.grammar is not None:
+            drafts = self.structured_output.valid_drafts(request.request_id, drafts)
+        return drafts
 
     def _preemption_victim(self, request: Request, plan: _StepPlan) -> Request | None:
         """The most recently admitted running request that holds blocks and is not scheduled in

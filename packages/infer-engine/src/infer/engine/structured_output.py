@@ -54,29 +54,69 @@ class StructuredOutput:
     def constrains_any(self, request_ids: Collection[str]) -> bool:
         return bool(self._matchers) and any(request_id in self._matchers for request_id in request_ids)
 
-    def allowed(self, sampling_ids: Sequence[str]) -> AllowedTokens | None:
+    def allowed(
+        self, sampling_ids: Sequence[str], drafts: Sequence[Sequence[int]] = ()
+    ) -> AllowedTokens | None:
         """The allowed tokens of the constrained requests among a step's sampling rows (row i of
-        the step's logits is sampling_ids[i]); None when none is constrained."""
+        the step's logits is sampling_ids[i]); None when none is constrained. With `drafts` (per
+        sampling id, the draft tokens it verifies), request i has len(drafts[i]) + 1 logits rows,
+        back to back, and its mask at row j is its grammar's state after drafts[i][:j]."""
         # A matcher that died (it refused a token: update() fails its request)
         # allows nothing: its row samples unconstrained, and the token is dropped. (One that
         # stopped, the output complete, allows EOS: it stays.)
-        rows = [
-            row
-            for row, request_id in enumerate(sampling_ids)
-            if (matcher := self._matchers.get(request_id)) is not None and not matcher.is_dead
-        ]
+        drafts = drafts or [()] * len(sampling_ids)
+        first_row = 0
+        rows: list[tuple[int, str, tuple[int, ...]]] = []  # (first logits row, request, drafts)
+        for request_id, request_drafts in zip(sampling_ids, drafts, strict=True):
+            matcher = self._matchers.get(request_id)
+            if matcher is not None and not matcher.is_dead:
+                rows.append((first_row, request_id, tuple(request_drafts)))
+            first_row += len(request_drafts) + 1
         if not rows:
             return None
-        if not self._bitmasks:
-            self._bitmasks = [self.compiler.allocate_bitmask(self.max_rows) for _ in range(2)]
-        bitmask = self._bitmasks[self._num_filled % 2][: len(rows)]
+        num_masks = sum(len(request_drafts) + 1 for _, _, request_drafts in rows)
+        if not self._bitmasks or self._bitmasks[0].shape[0] < num_masks:
+            size = max(self.max_rows, num_masks)
+            self._bitmasks = [self.compiler.allocate_bitmask(size) for _ in range(2)]
+        bitmask = self._bitmasks[self._num_filled % 2][:num_masks]
         self._num_filled += 1
-        for i, row in enumerate(rows):
-            self._matchers[sampling_ids[row]].fill_bitmask(bitmask, i)
+        logits_rows = []
+        for first, request_id, request_drafts in rows:
+            matcher = self._matchers[request_id]
+            for j in range(len(request_drafts) + 1):
+                matcher.fill_bitmask(bitmask, len(logits_rows))
+                logits_rows.append(first + j)
+                if j < len(request_drafts):
+                    matcher.advance(request_drafts[j])  # valid_drafts let only allowed ones through
+            if request_drafts:
+                matcher.rollback(len(request_drafts))
+        rows = logits_rows
         return AllowedTokens(
             bitmask.to(self.device, non_blocking=True),
             torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True),
         )
+
+    def valid_drafts(self, request_id: str, drafts: Sequence[int]) -> tuple[int, ...]:
+        """The longest prefix of `drafts` the request's grammar allows (all of them for a request
+        without one); the matcher is left where it was."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or matcher.is_dead:
+            return tuple(drafts)
+        if not self._bitmasks:
+            self._bitmasks = [self.compiler.allocate_bitmask(self.max_rows) for _ in range(2)]
+        # A row of the buffer the next allowed() fills: the last one handed out stays intact.
+        scratch = self._bitmasks[self._num_filled % 2]
+        kept: list[int] = []
+        for token_id in drafts:
+            matcher.fill_bitmask(scratch, 0)
+            word = int(scratch[0, token_id // 32]) & 0xFFFFFFFF
+            if not (word >> (token_id % 32)) & 1:
+                break
+            matcher.advance(token_id)
+            kept.append(token_id)
+        if kept:
+            matcher.rollback(len(kept))
+        return tuple(kept)
 
     def advance(self, request_id: str, token_ids: Sequence[int]) -> int | None:
         """Moves the request's matcher past its new tokens; the index of the first one it

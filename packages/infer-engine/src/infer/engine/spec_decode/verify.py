@@ -58,8 +58,8 @@ def verify_drafts(
     eos_token_ids: Collection[int] = (),
 ) -> VerifiedRows:
     """`logits` [P, V]: each row's K + 1 positions back to back, rows in order. `masks`: the
-    grammar masks of constrained rows (their row indices are sampling rows; such a row verifies
-    no drafts, so it is one position)."""
+    grammar masks of the constrained rows' positions (their row indices are positions:
+    StructuredOutput.allowed with the rows' drafts)."""
     first_position = np.cumsum([0] + [len(row.drafts) + 1 for row in rows])
     params, histories, outputs, position_ids = [], [], [], []
     for row in rows:
@@ -71,9 +71,6 @@ def verify_drafts(
             position_ids.append(row.request_id)
     # The positions draw with their rows' generators below, not in the sampler.
     tensors = SamplingTensors.build(params, [None] * len(params), logits.device, eos_token_ids=eos_token_ids)
-    if masks is not None:
-        rows_index = torch.as_tensor(first_position[:-1], device=masks.rows.device)[masks.rows]
-        masks = AllowedTokens(masks.bitmask, rows_index)
     greedy_tokens, drawn_logits = target_logits(
         logits,
         tensors,
