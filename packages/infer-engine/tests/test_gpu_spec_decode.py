@@ -30,3 +30,21 @@ def test_ngram_speculation_equals_recompute_in_bf16_up_to_a_near_tie(real_shape)
     for prompt, ours in zip(looping, tokens, strict=True):
         oracle_tokens = oracle.generate(prompt, oracle_params).token_ids
         assert_equal_up_to_a_near_tie(loaded.model, prompt, ours, oracle_tokens, f"{preset}/ngram")
+
+
+@pytest.mark.gpu
+def test_a_draft_model_equals_recompute_in_bf16_and_itself_as_draft_is_accepted(real_shape):  # noqa: F811
+    """The target as its own draft: the greedy tokens are recompute's (up to a near tie) and
+    nearly every draft is kept (a bf16 near tie may tell the draft's decode rows from the
+    verification's)."""
+    preset, loaded, prompts, params, expected = real_shape
+    speculative = {"method": "draft_model", "model": str(loaded.path), "num_speculative_tokens": 4}
+    config = EngineConfig(
+        device="cuda", dtype="bfloat16", max_batch_size=8, max_seq_len=1024, speculative_config=speculative
+    )
+    engine = Engine(config, loaded_model=loaded)
+    tokens = run_together(engine, prompts, params)
+    counts = engine.core.scheduler.spec_decode_counts
+    assert counts.num_draft_tokens > 0 and counts.acceptance_rate > 0.9, counts
+    for prompt, ours, oracle_tokens in zip(prompts, tokens, expected, strict=True):
+        assert_equal_up_to_a_near_tie(loaded.model, prompt, ours, oracle_tokens, f"{preset}/draft-model")

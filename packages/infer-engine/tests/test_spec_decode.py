@@ -2,13 +2,19 @@
 batching, no speculation): greedy tokens must be identical with speculation on, in every mode;
 the KV blocks of rejected drafts must come back; a step never runs more than its token budget."""
 
+import shutil
+
 import pytest
+import safetensors.torch
+import torch
 
 from conformance.engine_runs import run_to_completion, token_ids
+from conformance.oracles import RecomputeOracle
 from infer.cache.prefix_tree import TREE_OWNER
-from infer.engine.config import EngineConfig
+from infer.engine.config import EngineConfig, EngineConfigError
 from infer.engine.engine import Engine
 from infer.engine.sampling_params import SamplingParams
+from infer.models.load import load_model
 
 from .test_engine import random_prompts
 
@@ -168,3 +174,93 @@ def test_logprobs_with_speculation_are_those_of_the_tokens_without_it(tiny_model
             assert mine.top_token_ids == reference.top_token_ids
             assert mine.logprob == pytest.approx(reference.logprob, abs=1e-4)
             assert mine.top_logprobs == pytest.approx(reference.top_logprobs, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def drafts_of_llama_tiny(tiny_checkpoints, tmp_path_factory) -> dict[str, str]:
+    """Draft models for llama-tiny: itself (every greedy draft right), and a copy whose weights
+    carry noise (its drafts are right where the target's choice is clear, wrong elsewhere)."""
+    target = tiny_checkpoints["llama-tiny"]
+    noisy = tmp_path_factory.mktemp("noisy-draft")
+    for path in target.iterdir():
+        shutil.copy(path, noisy / path.name)
+    weights = safetensors.torch.load_file(target / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name, weight in weights.items():
+        weights[name] = weight + 0.3 * weight.std() * torch.randn(weight.shape, generator=generator)
+    safetensors.torch.save_file(weights, noisy / "model.safetensors", metadata={"format": "pt"})
+    return {"itself": str(target), "noisy": str(noisy)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("draft", ["itself", "noisy"])
+def test_a_draft_model_keeps_every_greedy_token_of_the_recompute_oracle(
+    tiny_models, drafts_of_llama_tiny, draft, mode
+):
+    tiny = tiny_models["llama-tiny"]
+    prompts = looping_prompts(tiny, 3) + random_prompts([30, 45], tiny.loaded.config.vocab_size, seed=4)
+    params = SamplingParams(temperature=0, max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    speculative = {"method": "draft_model", "model": drafts_of_llama_tiny[draft], "num_speculative_tokens": 3}
+    engine = make_engine(tiny, speculative_config=speculative, **MODES[mode])
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    outputs = run_to_completion(engine)
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        assert token_ids(outputs[request_id]) == tiny.oracle.generate(prompt, params).token_ids, request_id
+    counts = engine.core.scheduler.spec_decode_counts
+    if draft == "itself":
+        # The target's own greedy choices: every draft is kept.
+        assert counts.num_draft_tokens > 0 and counts.num_accepted_tokens == counts.num_draft_tokens, counts
+    else:
+        assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens, counts
+    allocator = engine.core.kv_pool.allocator
+    assert allocator.audit([TREE_OWNER]) == []
+    if engine.core.prefix_tree is None:
+        assert allocator.num_used == 0
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_naming_the_key(tiny_models, tiny_checkpoints):
+    speculative = {
+        "method": "draft_model",
+        "model": str(tiny_checkpoints["qwen3-tiny"]),
+        "num_speculative_tokens": 2,
+    }
+    with pytest.raises(
+        EngineConfigError, match="speculative_config.model .* does not share the target's vocabulary"
+    ):
+        make_engine(tiny_models["llama-tiny"], speculative_config=speculative)
+
+
+def test_each_draft_is_the_draft_models_own_greedy_continuation(tiny_models, drafts_of_llama_tiny):
+    """The proposer's oracle: the draft model alone, recomputing from scratch, continues the
+    request's known tokens greedily with exactly the drafts proposed. So the draft's K/V stays
+    right as the target keeps some drafts and rejects others (and after preemptions)."""
+    tiny = tiny_models["llama-tiny"]
+    draft_oracle = RecomputeOracle(load_model(drafts_of_llama_tiny["noisy"], dtype=torch.float32))
+    prompts = looping_prompts(tiny, 3) + random_prompts([30, 45], tiny.loaded.config.vocab_size, seed=4)
+    params = SamplingParams(temperature=0, max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    speculative = {
+        "method": "draft_model",
+        "model": drafts_of_llama_tiny["noisy"],
+        "num_speculative_tokens": 3,
+    }
+    engine = make_engine(tiny, speculative_config=speculative, **MODES["preempted"])
+    proposer = engine.core.runner.draft
+    propose = proposer.propose
+    proposals = []
+
+    def recording_propose(batch, request_ids):
+        drafts = propose(batch, request_ids)
+        for request_id, tokens in drafts.items():
+            proposals.append((batch.history(request_id).tolist(), tokens))
+        return drafts
+
+    proposer.propose = recording_propose
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    run_to_completion(engine)
+    assert engine.stats().num_preempted > 0
+    counts = engine.core.scheduler.spec_decode_counts
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens, counts
+    greedy = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    for known, drafts in proposals:
+        assert list(drafts) == draft_oracle.generate(known, greedy).token_ids

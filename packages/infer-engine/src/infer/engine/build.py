@@ -98,12 +98,15 @@ def build_engine_parts(config: EngineConfig, loaded_model=None) -> EngineParts:
         device, config.use_triton_gemv, config.use_pdl, config.use_native_cpu_kernels
     )
     shape = _kv_cache_shape(config, model, max_seq_len)
+    draft = _load_draft_model(config, loaded_model, device)
+    draft_shape = _kv_cache_shape(config, draft.model, max_seq_len) if draft is not None else None
     kv_pool = _build_kv_pool(
         config,
         shape,
         max_seq_len,
         device,
         held_back_bytes=_step_memory(config, model, shape, max_seq_len, kernel_policy),
+        draft_shape=draft_shape,
     )
     logger.info(
         "KV pool: %d blocks of %d tokens (%.1f MiB)",
@@ -150,15 +153,21 @@ def build_engine_parts(config: EngineConfig, loaded_model=None) -> EngineParts:
         async_scheduling=config.async_scheduling,
         kernel_policy=kernel_policy,
         eos_token_ids=eos_token_ids,
+        draft=_draft_proposer(
+            config, draft, draft_shape, kv_pool.num_blocks, device, max_seq_len, kernel_policy
+        ),
     )
     # At start-up, not on first use: a kernel compile or a graph capture would land on the
     # latency of whichever request first needs it, and of every request in its step.
+    runners = [runner] if runner.draft is None else [runner, runner.draft.runner]
     with startup_phase("warming the kernels up", logger):
-        runner.warm_up()
+        for each in runners:
+            each.warm_up()
     if runner.graphs is not None:
         with startup_phase("capturing CUDA graphs (use_cuda_graphs=false skips this)", logger):
-            runner.graphs.capture_all()
-        logger.info("captured %d CUDA graphs", runner.graphs.num_captured)
+            for each in runners:
+                each.graphs.capture_all()
+        logger.info("captured %d CUDA graphs", sum(each.graphs.num_captured for each in runners))
     return EngineParts(
         config=config,
         loaded=loaded_model,
@@ -218,6 +227,51 @@ def limit_device_memory(config: EngineConfig, device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), index)
 
 
+def _load_draft_model(config: EngineConfig, loaded_model, device: torch.device):
+    """The draft model of speculative_config (method draft_model), loaded as the target is; None
+    for another method. Refused unless it shares the target's vocabulary."""
+    speculative = config.speculative
+    if speculative is None or speculative.method != "draft_model":
+        return None
+    from infer.models.load import load_model
+
+    draft = load_model(speculative.model, dtype=loaded_model.model.dtype, device=device)
+    target_vocab = loaded_model.tokenizer.hf_tokenizer.get_vocab()
+    if (
+        draft.model.config.vocab_size != loaded_model.model.config.vocab_size
+        or draft.tokenizer.hf_tokenizer.get_vocab() != target_vocab
+    ):
+        raise EngineConfigError(
+            f"speculative_config.model {speculative.model!r} does not share the target's vocabulary "
+            f"({draft.model.config.vocab_size} ids, the target {loaded_model.model.config.vocab_size}); "
+            "a draft model must use the target's tokenizer"
+        )
+    logger.info("draft model: %s", draft.path)
+    return draft
+
+
+def _draft_proposer(config, draft, draft_shape, num_blocks: int, device, max_seq_len: int, kernel_policy):
+    """The draft model's proposer over a pool of as many blocks as the target's (the target's
+    block ids address both), or None."""
+    if draft is None:
+        return None
+    from infer.engine.spec_decode.draft_model import DraftModelProposer
+
+    pool = PagedKVPool(draft_shape, num_blocks=num_blocks, device=device)
+    runner = ModelRunner(
+        draft.model,
+        pool,
+        max_batch_size=config.max_batch_size,
+        max_seq_len=max_seq_len,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        use_cuda_graphs=config.use_cuda_graphs,
+        # Its catch-up forwards run eagerly; its K - 1 decode steps replay the decode graphs.
+        cuda_graph_mixed_steps=False,
+        kernel_policy=kernel_policy,
+    )
+    return DraftModelProposer(runner, config.speculative.num_speculative_tokens)
+
+
 def _kv_cache_shape(config: EngineConfig, model, max_seq_len: int) -> KVCacheShape:
     """Blocks of block_size tokens (paged) or of max_seq_len (contiguous)."""
     return KVCacheShape(
@@ -270,9 +324,11 @@ def _build_kv_pool(
     device: torch.device,
     *,
     held_back_bytes: int = 0,
+    draft_shape: KVCacheShape | None = None,
 ) -> PagedKVPool:
     """The pool the config asks for: num_gpu_blocks, or its fraction of the free memory less
-    `held_back_bytes`, or room for max_batch_size whole sequences."""
+    `held_back_bytes`, or room for max_batch_size whole sequences. With `draft_shape`, the memory
+    is shared with a draft model's pool of as many blocks."""
     if config.num_gpu_blocks is not None:
         num_blocks = config.num_gpu_blocks
     elif config.kv_cache_memory_fraction is not None:
@@ -282,6 +338,9 @@ def _build_kv_pool(
             memory_limit_bytes=_memory_limit_bytes(config),
             held_back_bytes=held_back_bytes,
         )
+        if draft_shape is not None:  # the target's share of each block's bytes
+            target, other = shape.bytes_per_block(), draft_shape.bytes_per_block()
+            budget = budget * target // (target + other)
         num_blocks = num_blocks_for_memory(shape, budget)
     else:
         # The memory of max_batch_size whole sequences, as the slotted pool had.

@@ -315,13 +315,9 @@ class EngineConfig:
 
     def _check_speculative_config(self) -> None:
         try:
-            speculative = self.speculative
+            SpeculativeConfig.from_dict(self.speculative_config)
         except SpeculativeConfigError as error:
             raise EngineConfigError(str(error)) from None
-        if speculative.method == "draft_model":
-            raise EngineConfigError(
-                'speculative_config.method "draft_model" is not implemented yet; "ngram" is'
-            )
         if self.async_scheduling:
             # A step's drafts come from the tokens the previous step sampled, which async
             # scheduling has not read yet when it plans the step.

@@ -97,3 +97,6 @@ class RunnerOutput:
     # Per request that asked for logprobs (SamplingParams.logprobs) and sampled this step: one
     # entry per sampled token.
     logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
+    # Speculative decoding with a draft model: per request that sampled, the draft's tokens for
+    # its next step (the scheduler verifies what its budget allows).
+    spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)

@@ -75,6 +75,8 @@ class Request:
     num_computed_tokens: int = 0
     # Draft tokens a scheduled step verifies, whose verdict has not come back yet.
     num_draft_tokens: int = 0
+    # Draft tokens the runner's draft model proposed for the request's next step.
+    spec_token_ids: tuple[int, ...] = ()
     # The request's KV blocks in order: token i lives in block_ids[i // block_size]. Grows as
     # tokens are scheduled; empty while waiting, after a preemption and once finished.
     block_ids: list[int] = field(default_factory=list)

@@ -25,6 +25,7 @@ id from `last_sampled`, the device copy of that step's tokens (`resolve_pending_
 from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +39,9 @@ from infer.kernels import native_cpu_kernels_available
 from infer.models.cpu_stack import CpuDecodeStack
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
 from infer.models.kernel_policy import KernelPolicy, apply_kernel_policy
+
+if TYPE_CHECKING:
+    from infer.engine.spec_decode.draft_model import DraftModelProposer
 
 
 @dataclass
@@ -111,6 +115,7 @@ class ModelRunner:
         async_scheduling: bool = False,
         kernel_policy: KernelPolicy | None = None,
         eos_token_ids: Collection[int] = (),
+        draft: "DraftModelProposer | None" = None,
     ):
         """`kv_pool`: an infer.cache.KVPool (its kv_layers, block_size and null_block are used).
         `max_num_batched_tokens`: the most tokens a step holds (sizes the mixed-step graphs;
@@ -121,6 +126,9 @@ class ModelRunner:
         request's min_tokens keeps out."""
         self.async_scheduling = async_scheduling
         self.eos_token_ids = tuple(eos_token_ids)
+        # Speculative decoding with a draft model: it drafts for each request that sampled, as
+        # its step is collected (infer.engine.spec_decode.draft_model).
+        self.draft = draft
         self.model = model
         self.kv_pool = kv_pool
         self.kv_layers = kv_pool.kv_layers
@@ -224,6 +232,8 @@ class ModelRunner:
         if self._launched and not self.async_scheduling:
             raise RuntimeError("a step is launched and not collected; only async_scheduling launches ahead")
         self.input_batch.apply(decision)
+        if self.draft is not None:
+            self.draft.forget(decision.finished_request_ids | decision.preempted_request_ids)
         # Prefix-cache block copies, int8 stores and restores, queued before the forward that
         # reads or overwrites those blocks.
         self.kv_pool.run_block_ops(decision.block_ops)
@@ -350,7 +360,9 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         for (request_id, _, _), token in zip(launched.sampled, token_ids, strict=True):
             sampled.setdefault(request_id, []).append(token)
+        spec_token_ids = self.draft.propose(self.input_batch, list(sampled)) if self.draft is not None else {}
         return RunnerOutput(
+            spec_token_ids=spec_token_ids,
             request_ids=launched.request_ids,
             sampled_token_ids=tuple(
                 tuple(sampled.get(request_id, ())) for request_id in launched.request_ids
@@ -372,6 +384,12 @@ class ModelRunner:
                 if states.get(request_id) is state:
                     self.input_batch.token_ids[state.row, position] = token
         return launched.token_ids
+
+    @torch.inference_mode()
+    def draft_logits(self, step: StepInputs) -> torch.Tensor:
+        """The logits of `step`'s sampling rows, on this runner's model and pool, for a draft
+        model's proposer: the forward alone, nothing sampled and no row kept."""
+        return self._logits(step)
 
     def _logits(self, step: StepInputs) -> torch.Tensor:
         """Logits of the sampling rows, in order."""

@@ -124,11 +124,14 @@ class Scheduler:
         structured_output: "StructuredOutput | None" = None,
         proposer: "NgramProposer | None" = None,
         disable_speculation_above: int | None = None,
+        num_lookahead_tokens: int = 0,
     ):
         """`structured_output`: the grammar matchers of constrained requests; None refuses a
         request with a grammar. `proposer`: drafts for decoding requests (speculative decoding;
         None: none), in steps that start with at most `disable_speculation_above` running
-        requests (None: any)."""
+        requests (None: any). `num_lookahead_tokens`: blocks for this many positions past a
+        request's step wherever the step samples (a draft model writes its drafts' K/V there);
+        drafts then come from the runner (RunnerOutput.spec_token_ids) when `proposer` is None."""
         for name, value in [
             ("max_seq_len", max_seq_len),
             ("max_batch_size", max_batch_size),
@@ -164,6 +167,7 @@ class Scheduler:
         self.structured_output = structured_output
         self.proposer = proposer
         self.disable_speculation_above = disable_speculation_above
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decode_counts = SpecDecodeCounts()
         self.num_preempted = 0
         # Preempted requests first (in admission order), then those that never ran (in arrival order).
@@ -207,6 +211,11 @@ class Scheduler:
             proposer=proposer_for(config.speculative),
             disable_speculation_above=(
                 config.speculative.disable_by_batch_size if config.speculative is not None else None
+            ),
+            num_lookahead_tokens=(
+                config.speculative.num_speculative_tokens
+                if config.speculative is not None and config.speculative.method == "draft_model"
+                else 0
             ),
         )
 
@@ -307,6 +316,9 @@ class Scheduler:
 
         After a failed forward, call fail() instead."""
         sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
+        for request_id, drafts in runner_output.spec_token_ids.items():
+            if (request := self._requests.get(request_id)) is not None:
+                request.spec_token_ids = drafts
         outputs: list[EngineOutput] = []
         for request_id in decision.num_scheduled_tokens:
             new_token_ids = list(sampled.get(request_id, ()))
@@ -476,11 +488,15 @@ class Scheduler:
         if num_tokens == 0:
             return
         drafts = self._drafts(request, plan) if num_tokens == 1 else ()
+        lookahead = self._lookahead(request, num_tokens)
         # Drafts only where their blocks are free: speculation never preempts anyone.
-        if drafts and (new_block_ids := self.kv_manager.allocate(request, 1 + len(drafts))) is not None:
+        if (
+            drafts
+            and (new_block_ids := self.kv_manager.allocate(request, 1 + len(drafts), lookahead)) is not None
+        ):
             plan.add(request, 1 + len(drafts), new_block_ids, drafts)
             return
-        while (new_block_ids := self.kv_manager.allocate(request, num_tokens)) is None:
+        while (new_block_ids := self.kv_manager.allocate(request, num_tokens, lookahead)) is None:
             victim = self._preemption_victim(request, plan)
             if victim is None:
                 return
@@ -489,11 +505,16 @@ class Scheduler:
                 return
         plan.add(request, num_tokens, new_block_ids)
 
+    def _lookahead(self, request: Request, num_tokens: int) -> int:
+        """Positions past the step to hold blocks for: the draft model's, where the step samples."""
+        samples = request.num_computed_tokens + num_tokens == request.num_tokens
+        return self.num_lookahead_tokens if samples else 0
+
     def _drafts(self, request: Request, plan: _StepPlan) -> tuple[int, ...]:
         """The proposer's draft tokens for a request about to decode its last token: as many as
         the step's budget and the request's max_new_tokens allow, and, for a request with a
         grammar, as its matcher allows (the target's mask still applies at every position)."""
-        if self.proposer is None or request.num_pending_tokens:
+        if (self.proposer is None and not request.spec_token_ids) or request.num_pending_tokens:
             return ()
         above = self.disable_speculation_above
         if above is not None and len(self._running) > above:
@@ -502,7 +523,10 @@ class Scheduler:
         room = min(plan.budget - 1, request.max_new_tokens - request.num_output_tokens - 1)
         if room < 1:
             return ()
-        drafts = self.proposer.propose(np.asarray(request.all_token_ids, dtype=np.int64))
+        if self.proposer is not None:
+            drafts = self.proposer.propose(np.asarray(request.all_token_ids, dtype=np.int64))
+        else:  # the runner's draft model proposed them after the request's last step
+            drafts, request.spec_token_ids = request.spec_token_ids, ()
         drafts = tuple(int(token) for token in drafts[:room])
         if drafts and request.params.grammar is not None:
             drafts = self.structured_output.valid_drafts(request.request_id, drafts)
@@ -560,12 +584,13 @@ class Scheduler:
             if num_tokens > 0:
                 # Leave the blocks that running requests still to be served this step need for
                 # their next token: admission should not cause a preemption.
-                num_blocks = self.kv_manager.num_new_blocks(request, num_tokens)
+                lookahead = self._lookahead(request, num_tokens)
+                num_blocks = self.kv_manager.num_new_blocks(request, num_tokens, lookahead)
                 if num_blocks + self._blocks_for_unserved_decoders(plan) > self.kv_manager.num_free_blocks:
                     if acquired:
                         self.kv_manager.release(request)
                     return
-                new_block_ids = self.kv_manager.allocate(request, num_tokens)
+                new_block_ids = self.kv_manager.allocate(request, num_tokens, lookahead)
             self._waiting.popleft()
             request.state = RequestState.RUNNING
             request.admitted_step = plan.step

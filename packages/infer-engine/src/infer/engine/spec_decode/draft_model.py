@@ -1,0 +1,140 @@
+"""The draft-model proposer: a small model sharing the target's vocabulary drafts K tokens per
+request, greedily, after each step that sampled for it.
+
+It runs in the target's runner, through a `ModelRunner` of its own (its model, its KV pool, its
+decode graphs on CUDA, the C stack on a CPU), over the target's rows: the same token ids and the
+same block ids, into a pool with as many blocks as the target's, so it takes no allocator of its
+own. For each request that sampled, `propose`:
+
+    1. catches the draft's KV up: one forward over the request's tokens the draft has not
+       computed (its whole prompt the first time; then the target's token, and the last draft
+       if the target kept them all), whose last logits give draft 1;
+    2. runs K - 1 decode steps, each feeding the previous draft.
+
+After a proposal the draft's K/V holds the known tokens and drafts 1..K-1. The target keeps
+drafts 1..a and puts its own token at the next position, the request's last known token now,
+which the catch-up feeds again; so the draft's K/V is right up to the request's last known token,
+whatever the verdict (or when the drafts were not verified at all). The scheduler allocates K
+positions of lookahead for every request that samples (`Scheduler(num_lookahead_tokens=K)`), so
+the drafts' positions have blocks.
+
+Greedy drafts (the draft's argmax), for every request: a deterministic proposal is verified
+losslessly with one-hot draft probabilities (`rejection_sample(..., draft_probs=None)`), so
+sampled requests keep the target's distribution; their acceptance is what the draft's argmax
+earns.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from infer.engine.input_batch import InputBatch, StepInputs
+
+
+class DraftModelProposer:
+    def __init__(self, runner, num_speculative_tokens: int):
+        """`runner`: a ModelRunner over the draft model and its pool (the pool's blocks mirror
+        the target's), without mixed-step graphs."""
+        self.runner = runner
+        self.num_speculative_tokens = num_speculative_tokens
+        # Per request: positions whose draft K/V is computed.
+        self._computed: dict[str, int] = {}
+
+    def forget(self, request_ids) -> None:
+        """Requests whose rows went (finished, preempted): a resumed one starts over."""
+        for request_id in request_ids:
+            self._computed.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, batch: InputBatch, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:
+        """K greedy drafts for each of `request_ids` (rows of the target's `batch`, whose last
+        token was just sampled)."""
+        request_ids = [request_id for request_id in request_ids if request_id in batch]
+        if not request_ids:
+            return {}
+        rows = [batch.states[request_id].row for request_id in request_ids]
+        known = [int(batch.num_tokens[row]) for row in rows]
+        # The last known token is always fed: its logits give the first draft.
+        starts = [
+            min(self._computed.get(request_id, 0), length - 1)
+            for request_id, length in zip(request_ids, known, strict=True)
+        ]
+        drafts = self._catch_up(batch, request_ids, rows, starts, known)
+        proposals = [[token] for token in drafts]
+        for step in range(1, self.num_speculative_tokens):
+            # Draft `step` sits at position known - 1 + step.
+            positions = [length - 1 + step for length in known]
+            tokens = self._decode(batch, rows, [proposal[-1] for proposal in proposals], positions)
+            for proposal, token in zip(proposals, tokens, strict=True):
+                proposal.append(token)
+        for request_id, length in zip(request_ids, known, strict=True):
+            # Computed now: every known token and drafts 1..K-1 (fed back, at known .. known+K-2).
+            self._computed[request_id] = length + self.num_speculative_tokens - 1
+        return {
+            request_id: tuple(proposal) for request_id, proposal in zip(request_ids, proposals, strict=True)
+        }
+
+    def _catch_up(self, batch, request_ids, rows, starts, known) -> list[int]:
+        """One forward over each request's uncomputed tokens; the argmax at its last token."""
+        # Decode rows (one token) first, as every step's rows are ordered.
+        order = sorted(range(len(rows)), key=lambda i: known[i] - starts[i] != 1)
+        row_ids = [rows[i] for i in order]
+        counts = np.array([known[i] - starts[i] for i in order], dtype=np.int64)
+        starts_in_order = np.array([starts[i] for i in order], dtype=np.int64)
+        ends = starts_in_order + counts
+        cu = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        token_rows = np.repeat(np.array(row_ids, dtype=np.int64), counts)
+        positions = np.repeat(starts_in_order, counts) + (np.arange(cu[-1]) - np.repeat(cu[:-1], counts))
+        step = self._step(
+            batch,
+            [request_ids[i] for i in order],
+            row_ids,
+            batch.token_ids[token_rows, positions],
+            positions,
+            cu,
+            ends,
+            num_decode_rows=int((counts == 1).sum()),
+        )
+        tokens = self._argmax(step)
+        drafts = [0] * len(rows)
+        for index, token in zip(order, tokens, strict=True):
+            drafts[index] = token
+        return drafts
+
+    def _decode(self, batch, rows, tokens, positions) -> list[int]:
+        positions = np.array(positions, dtype=np.int64)
+        step = self._step(
+            batch,
+            [f"draft-{row}" for row in rows],
+            rows,
+            np.array(tokens, dtype=np.int64),
+            positions,
+            np.arange(len(rows) + 1, dtype=np.int64),
+            positions + 1,
+            num_decode_rows=len(rows),
+        )
+        return self._argmax(step)
+
+    def _step(self, batch: InputBatch, request_ids, rows, input_ids, positions, cu, ends, *, num_decode_rows):
+        rows = np.array(rows, dtype=np.int64)
+        token_rows = np.repeat(rows, np.diff(cu))
+        block_size = batch.block_size
+        blocks = batch.block_table[token_rows, positions // block_size].astype(np.int64)
+        width = int(batch.num_blocks[rows].max())
+        return StepInputs(
+            request_ids=list(request_ids),
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=blocks * block_size + positions % block_size,
+            query_start_loc=cu.astype(np.int32),
+            seq_lens=ends.astype(np.int32),
+            block_tables=batch.block_table[rows, :width],
+            num_decode_rows=num_decode_rows,
+            sampling_rows=list(range(len(rows))),
+            logits_indices=cu[1:] - 1,
+        )
+
+    def _argmax(self, step: StepInputs) -> list[int]:
+        return self.runner.draft_logits(step).argmax(dim=-1).tolist()
