@@ -48,6 +48,15 @@ Admitted again, it goes out as a NewRequest with every token it knows (prompt + 
 recomputes them; the runner samples its next token once its last known token is computed, so
 greedy output is the same as if it had never been preempted. A step that preempts admits no one.
 
+Speculative decoding (infer.engine.spec_decode): a request about to decode its last token may
+run 1 + K tokens, its last token and K drafts (decision.spec_token_ids), from the n-gram
+proposer here or from the draft model the runner ran after the request's last step
+(RunnerOutput.spec_token_ids), as many as the step's budget and max_new_tokens allow, and only
+where their blocks are free (speculation never preempts). Drafts count as computed; update()
+takes the 1..K + 1 tokens the runner kept and rolls num_computed_tokens back over the rejected
+drafts, whose blocks stay the request's. With a draft model, every step that samples holds
+blocks for K positions of lookahead, where the draft writes its drafts' K/V.
+
 Fairness: a decoding request not served for decode_service_interval steps is served before
 anything else in the step (max_num_batched_tokens >= max_batch_size makes room for all of them),
 and admission is strictly first come first served, so a queued request waits only for the
