@@ -81,7 +81,8 @@ class StepLaunch:
     sampling_ids: list[str]
     logits: torch.Tensor
     tensors: SamplingTensors | None
-    # Per sampling row, the draft tokens it verifies (speculative decoding); () for none.
+    # Speculative decoding: per sampling request, the draft tokens it verifies (() for none);
+    # empty when no request verifies drafts (then sampling_ids are sampling rows).
     drafts: tuple[tuple[int, ...], ...] = ()
 
 
