@@ -7,7 +7,11 @@ from infer.engine.protocol import EngineOutput, EngineOutputs, EngineStats, Fini
 
 
 def test_engine_outputs_cross_a_pickle_unchanged():
-    stats = EngineStats(*range(16))
+    stats = EngineStats(
+        *range(16), spec_decode_num_speculative_tokens=3, spec_decode_num_verified_rows=4,
+        spec_decode_num_draft_tokens=9, spec_decode_num_accepted_tokens=5,
+        spec_decode_accepted_by_position=(3, 2), spec_decode_drafted_by_position=(4, 3, 2),
+    )  # fmt: skip
     outputs = EngineOutputs(
         [
             EngineOutput("a", [5, 6], FinishReason.STOP, 3, num_cached_tokens=2, queue_time_s=0.25),
@@ -21,3 +25,4 @@ def test_engine_outputs_cross_a_pickle_unchanged():
     finish_types = [type(output.finish_reason) for output in crossed.outputs]
     assert finish_types == [FinishReason, type(None), FinishReason]
     assert crossed.stats == stats
+    assert type(crossed.stats.spec_decode_accepted_by_position) is tuple

@@ -63,6 +63,8 @@ class EngineCore:
         # The weights do not change once the engine is built: counted once (EngineStats.weights_bytes).
         self.weights_bytes = weights_bytes(self.loaded.model)
         self.device_memory = DeviceMemory(self.device)
+        speculative = self.config.speculative
+        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative is not None else 0
         # Final outputs decided outside a step (aborts, refusals), sent with the next step's.
         self._early_outputs: list[EngineOutput] = []
         # Decisions sampled on the runner whose outputs are not collected yet (async scheduling
@@ -139,6 +141,8 @@ class EngineCore:
             weights_bytes=self.weights_bytes,
             **self.device_memory.stats(),
         )
+        if self.num_speculative_tokens:
+            fields.update(scheduler.spec_decode_counts.engine_stats(self.num_speculative_tokens))
         for observer in self.observers:
             fields.update(observer.stats())
         return EngineStats(**fields)

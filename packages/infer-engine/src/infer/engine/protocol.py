@@ -150,6 +150,17 @@ class EngineStats:
     memory_used_bytes: int = 0
     memory_reserved_bytes: int = 0
     memory_total_bytes: int = 0
+    # Speculative decoding (infer.engine.spec_decode.SpecDecodeCounts; all 0 and empty while it is
+    # off): K, the draft tokens a row may verify per step (0: speculation off); rows that verified
+    # drafts (vLLM's num_drafts), the draft tokens verified and those the target accepted; and by
+    # draft position j (0-based, j < K), the rows whose draft j was accepted and those that had a
+    # draft j. Mean accepted length: 1 + accepted / verified rows (the target's own token counts).
+    spec_decode_num_speculative_tokens: int = 0
+    spec_decode_num_verified_rows: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_by_position: tuple[int, ...] = ()
+    spec_decode_drafted_by_position: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,17 @@ class SpecDecodeCounts:
             for position in range(upto):
                 counts[position] += 1
 
+    def engine_stats(self, num_speculative_tokens: int) -> dict:
+        """These counts as EngineStats' spec_decode_* fields (tuples: plain data that pickles)."""
+        return dict(
+            spec_decode_num_speculative_tokens=num_speculative_tokens,
+            spec_decode_num_verified_rows=self.num_verified_rows,
+            spec_decode_num_draft_tokens=self.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.num_accepted_tokens,
+            spec_decode_accepted_by_position=tuple(self.accepted_by_position),
+            spec_decode_drafted_by_position=tuple(self.drafted_by_position),
+        )
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
