@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from infer.engine.protocol import EngineStats
 from infer.server.metrics import Counter, Gauge, Histogram, MetricRegistry, ServerMetrics
 
 # --- the text format 0.0.4, from https://prometheus.io/docs/instrumenting/exposition_formats/
@@ -128,6 +129,48 @@ def test_updates_read_back_through_prometheus_client():
     ]
     assert samples["infer_generation_tokens_total"] == [({}, 1234.0)]
     assert samples["infer_prompt_tokens_cached_total"] == [({}, 0.0)]
+
+
+SPEC_DECODE_METRICS = {
+    "infer_spec_decode_drafts_total": "counter",
+    "infer_spec_decode_draft_tokens_total": "counter",
+    "infer_spec_decode_accepted_tokens_total": "counter",
+    "infer_spec_decode_accepted_tokens_per_pos_total": "counter",
+    "infer_spec_decode_draft_tokens_per_pos_total": "counter",
+}
+
+
+def test_spec_decode_metrics_exist_only_once_enabled_with_a_sample_per_position():
+    """As vLLM's: registered only when the engine speculates, each position 0 to K - 1 shown from
+    the start; the core's totals (EngineStats) read back through prometheus_client."""
+    metrics = ServerMetrics()
+    assert not set(SPEC_DECODE_METRICS) & set(check_exposition(metrics.render()))
+    metrics.enable_spec_decode(num_speculative_tokens=3)
+    kinds = check_exposition(metrics.render())
+    assert {name: kinds[name] for name in SPEC_DECODE_METRICS} == SPEC_DECODE_METRICS
+    per_pos = parse(metrics.render())["infer_spec_decode_accepted_tokens_per_pos_total"]
+    assert per_pos == [({"position": "0"}, 0.0), ({"position": "1"}, 0.0), ({"position": "2"}, 0.0)]
+    stats = EngineStats(
+        *[0] * 16, spec_decode_num_speculative_tokens=3, spec_decode_num_verified_rows=10,
+        spec_decode_num_draft_tokens=24, spec_decode_num_accepted_tokens=13,
+        spec_decode_accepted_by_position=(7, 4, 2), spec_decode_drafted_by_position=(10, 8, 6),
+    )  # fmt: skip
+    metrics.update_spec_decode(stats)
+    samples = parse(metrics.render())
+    assert samples["infer_spec_decode_drafts_total"] == [({}, 10.0)]
+    assert samples["infer_spec_decode_draft_tokens_total"] == [({}, 24.0)]
+    assert samples["infer_spec_decode_accepted_tokens_total"] == [({}, 13.0)]
+    by_position = {
+        name: {labels["position"]: value for labels, value in samples[name]}
+        for name in (
+            "infer_spec_decode_accepted_tokens_per_pos_total",
+            "infer_spec_decode_draft_tokens_per_pos_total",
+        )
+    }
+    assert by_position == {
+        "infer_spec_decode_accepted_tokens_per_pos_total": {"0": 7.0, "1": 4.0, "2": 2.0},
+        "infer_spec_decode_draft_tokens_per_pos_total": {"0": 10.0, "1": 8.0, "2": 6.0},
+    }
 
 
 def test_a_mirrored_total_may_only_go_up():

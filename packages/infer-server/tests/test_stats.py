@@ -169,3 +169,51 @@ def test_the_memory_is_the_latest_steps_and_other_is_what_is_in_use_beyond_weigh
     }  # fmt: skip
     stats.on_engine_stats(engine_stats(weights_bytes=500, kv_bytes_total=300))  # nothing measured
     assert stats.snapshot()["memory"]["other_bytes"] is None
+
+
+def test_spec_decode_is_null_without_speculation_and_the_cores_counts_with_it():
+    stats = ServerStats(clock=lambda: 10.0)
+    stats.on_engine_stats(engine_stats())
+    snapshot = stats.snapshot()
+    assert snapshot["spec_decode"] is None
+    assert snapshot["history"]["spec_decode_acceptance_percent"] == []
+    now = [20.3]
+    stats = ServerStats(clock=lambda: now[0])
+    # K = 3; the core's running totals after three steps, the third in the next second.
+    for now[0], rows, drafted, accepted, accepted_by_position, drafted_by_position in [
+        (20.3, 0, 0, 0, (), ()),  # no row verified drafts yet: no point
+        (20.6, 2, 6, 3, (2, 1), (2, 2, 2)),  # rows accepted 2 and 1 of 3 drafts
+        (21.1, 4, 10, 6, (3, 2, 1), (4, 3, 3)),  # then 3 of 3 and 0 of 1
+    ]:
+        stats.on_engine_stats(
+            engine_stats(
+                spec_decode_num_speculative_tokens=3, spec_decode_num_verified_rows=rows,
+                spec_decode_num_draft_tokens=drafted, spec_decode_num_accepted_tokens=accepted,
+                spec_decode_accepted_by_position=accepted_by_position,
+                spec_decode_drafted_by_position=drafted_by_position,
+            )
+        )  # fmt: skip
+    snapshot = stats.snapshot()
+    assert snapshot["spec_decode"] == {
+        "num_speculative_tokens": 3, "verified_rows": 4, "draft_tokens": 10, "accepted_tokens": 6,
+        "acceptance_rate": 0.6, "mean_accepted_length": 2.5, "accepted_by_position": [3, 2, 1],
+        "drafted_by_position": [4, 3, 3], "acceptance_rate_by_position": [0.75, 0.5, 0.25],
+    }  # fmt: skip
+    # Per second: 3 of 6 drafts over 2 rows in second 20, 3 of 4 over 2 rows in second 21.
+    assert snapshot["history"]["spec_decode_acceptance_percent"] == [[20, 50.0], [21, 75.0]]
+    assert snapshot["history"]["spec_decode_mean_accepted_length"] == [[20, 2.5], [21, 2.5]]
+
+
+def test_spec_decode_positions_are_padded_to_k_before_any_draft_reaches_them():
+    stats = ServerStats(clock=lambda: 5.0)
+    stats.on_engine_stats(
+        engine_stats(
+            spec_decode_num_speculative_tokens=4, spec_decode_num_verified_rows=1,
+            spec_decode_num_draft_tokens=2, spec_decode_accepted_by_position=(),
+            spec_decode_drafted_by_position=(1, 1),
+        )
+    )  # fmt: skip
+    summary = stats.snapshot()["spec_decode"]
+    assert summary["accepted_by_position"] == [0, 0, 0, 0]
+    assert summary["drafted_by_position"] == [1, 1, 0, 0]
+    assert (summary["acceptance_rate"], summary["mean_accepted_length"]) == (0.0, 1.0)

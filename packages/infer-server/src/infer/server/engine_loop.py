@@ -84,8 +84,13 @@ class EngineLoop:
         # Set (on the event loop) when step() itself raised: the engine's state is unknown, so
         # the server stops serving and /health reports it.
         self.failure: str | None = None
+        self._speculates = False  # True once the speculative-decoding metrics exist (start)
 
     def start(self) -> None:
+        speculative = self.engine.config.speculative
+        if speculative is not None:  # the counters exist only then, as vLLM's
+            self.metrics.enable_spec_decode(speculative.num_speculative_tokens)
+            self._speculates = True
         self._update_gauges()
         self._thread.start()
 
@@ -175,6 +180,8 @@ class EngineLoop:
         metrics.copy_bandwidth_bytes_per_second.set(stats.copy_bandwidth_bytes_per_s)
         if self.engine.config.use_prefix_caching:  # otherwise they stay 0: skip them every step
             self._update_prefix_cache_gauges(stats)
+        if self._speculates:
+            metrics.update_spec_decode(stats)
 
     def _update_prefix_cache_gauges(self, stats) -> None:
         metrics = self.metrics

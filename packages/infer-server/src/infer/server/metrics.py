@@ -411,5 +411,52 @@ class ServerMetrics:
             REQUEST_LATENCY_BUCKETS_S,
         )
 
+    def enable_spec_decode(self, num_speculative_tokens: int) -> None:
+        """Registers the speculative-decoding counters, positions 0 to K - 1 at 0. As vLLM's
+        (vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens,
+        _num_accepted_tokens_per_pos), they exist only on a server whose engine speculates."""
+        registry, positions = self.registry, [str(j) for j in range(num_speculative_tokens)]
+        self.spec_decode_drafts_total = registry.counter(
+            "infer_spec_decode_drafts_total",
+            "Rows that verified draft tokens (each also emits one token of the target's). Mean "
+            "accepted length: 1 + rate(infer_spec_decode_accepted_tokens_total) / "
+            "rate(infer_spec_decode_drafts_total).",
+        )
+        self.spec_decode_draft_tokens_total = registry.counter(
+            "infer_spec_decode_draft_tokens_total", "Draft tokens the target verified."
+        )
+        self.spec_decode_accepted_tokens_total = registry.counter(
+            "infer_spec_decode_accepted_tokens_total",
+            "Draft tokens the target accepted. Acceptance rate: "
+            "rate(infer_spec_decode_accepted_tokens_total) / rate(infer_spec_decode_draft_tokens_total).",
+        )
+        self.spec_decode_accepted_tokens_per_pos_total = registry.counter(
+            "infer_spec_decode_accepted_tokens_per_pos_total",
+            "Verified rows whose draft at this position (0-based) was accepted (with every draft "
+            "before it); over infer_spec_decode_drafts_total, the acceptance rate by position.",
+            ["position"],
+        )
+        self.spec_decode_draft_tokens_per_pos_total = registry.counter(
+            "infer_spec_decode_draft_tokens_per_pos_total",
+            "Verified rows that had a draft at this position (0-based): a proposer may draft fewer "
+            "than num_speculative_tokens.",
+            ["position"],
+        )
+        for position in positions:
+            self.spec_decode_accepted_tokens_per_pos_total.touch(position=position)
+            self.spec_decode_draft_tokens_per_pos_total.touch(position=position)
+
+    def update_spec_decode(self, stats) -> None:
+        """Mirrors the core's speculative-decoding totals (EngineStats.spec_decode_*)."""
+        self.spec_decode_drafts_total.set_total(stats.spec_decode_num_verified_rows)
+        self.spec_decode_draft_tokens_total.set_total(stats.spec_decode_num_draft_tokens)
+        self.spec_decode_accepted_tokens_total.set_total(stats.spec_decode_num_accepted_tokens)
+        for counter, by_position in (
+            (self.spec_decode_accepted_tokens_per_pos_total, stats.spec_decode_accepted_by_position),
+            (self.spec_decode_draft_tokens_per_pos_total, stats.spec_decode_drafted_by_position),
+        ):
+            for position, count in enumerate(by_position):
+                counter.set_total(count, position=str(position))
+
     def render(self) -> str:
         return self.registry.render()

@@ -17,6 +17,10 @@ chart needs, per request and per second:
   bandwidth the engine measured at start-up: infer.engine.roofline).
 - The prefix cache's entries (runs of tokens between branches of its tree), as the engine last
   walked them (once a second while it works, and once when it falls idle).
+- Speculative decoding, while the engine speculates (null otherwise): the core's totals (rows
+  that verified drafts, draft tokens, accepted tokens, and by draft position), the acceptance rate
+  and mean accepted length they give (infer.engine.spec_decode.SpecDecodeCounts), and both per
+  second in the history (seconds in which drafts were verified).
 - Memory, as the engine last read it (infer.engine.memory): the weights, the KV pool (used and
   total) and the device memory in use, whose rest beyond weights and KV pool is `other_bytes`
   (activations, CUDA graphs, the allocator's; on a CPU everything else the process holds).
@@ -32,6 +36,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+
+from infer.engine.spec_decode import SpecDecodeCounts
 
 WINDOW_S = 600  # ten minutes of 1 Hz points
 MAX_RECORDS = 500  # the most recent finished requests kept
@@ -132,6 +138,8 @@ CACHE_RATE_SERIES = (
 RATE_SERIES = ("generated_tokens_per_s", "disconnects_per_s", *CACHE_RATE_SERIES)
 # Derived in snapshot() from what the decode steps read and took in each second.
 ROOFLINE_SERIES = "memory_roofline_percent"
+# Derived in snapshot() from the drafts verified in each second.
+SPEC_DECODE_SERIES = ("spec_decode_acceptance_percent", "spec_decode_mean_accepted_length")
 
 
 class ServerStats:
@@ -164,6 +172,11 @@ class ServerStats:
         self.copy_bandwidth_bytes_per_s = 0.0
         self._cache_totals = dict.fromkeys(CACHE_RATE_SERIES, 0)  # the core's, at its last step
         self.memory: dict | None = None  # memory_of the core's latest statistics
+        # Speculative decoding: the core's latest counts (None while it does not speculate), and
+        # the rows, draft tokens and accepted tokens verified in each second.
+        self.spec_decode: SpecDecodeCounts | None = None
+        self.spec_decode_num_speculative_tokens = 0
+        self._spec_decode_seconds = {name: History(window_s) for name in ("rows", "drafted", "accepted")}
 
     def on_engine_stats(self, stats) -> None:
         """The core's state after a step (infer.engine.protocol.EngineStats)."""
@@ -200,8 +213,29 @@ class ServerStats:
             for name, total in cache_totals.items():
                 self.history[name].add(now, total - self._cache_totals[name])
             self._cache_totals = cache_totals
+            if stats.spec_decode_num_speculative_tokens:
+                self._on_spec_decode(now, stats)
             for name in ("generated_tokens_per_s", "disconnects_per_s"):  # a point for every second the
                 self.history[name].add(now, 0)  # engine ran, 0 if nothing happened
+
+    def _on_spec_decode(self, now: float, stats) -> None:
+        counts = SpecDecodeCounts(
+            num_draft_tokens=stats.spec_decode_num_draft_tokens,
+            num_accepted_tokens=stats.spec_decode_num_accepted_tokens,
+            num_verified_rows=stats.spec_decode_num_verified_rows,
+            accepted_by_position=list(stats.spec_decode_accepted_by_position),
+            drafted_by_position=list(stats.spec_decode_drafted_by_position),
+        )
+        before = self.spec_decode or SpecDecodeCounts()
+        if counts.num_verified_rows > before.num_verified_rows:
+            for name, total, earlier in (
+                ("rows", counts.num_verified_rows, before.num_verified_rows),
+                ("drafted", counts.num_draft_tokens, before.num_draft_tokens),
+                ("accepted", counts.num_accepted_tokens, before.num_accepted_tokens),
+            ):
+                self._spec_decode_seconds[name].add(now, total - earlier)
+        self.spec_decode = counts
+        self.spec_decode_num_speculative_tokens = stats.spec_decode_num_speculative_tokens
 
     def on_tokens(self, count: int) -> None:
         now = self.clock()
@@ -246,12 +280,13 @@ class ServerStats:
         """GET /v1/stats: {"time", "totals", "finish_reasons", "prefix_cache_matches",
         "prefix_cache_num_entries", "prefix_cache_entries" (most recently used first, with their
         age and idle time now), "copy_bandwidth_bytes_per_s", "memory" (memory_of; null before
-        the first step), "requests" (oldest first), "history": {series: [[unix_second, value],
-        ...]}}."""
+        the first step), "spec_decode" (null while the engine does not speculate), "requests"
+        (oldest first), "history": {series: [[unix_second, value], ...]}}."""
         with self._lock:
             now = self.clock()
             history = {name: history.as_list() for name, history in self.history.items()}
             history[ROOFLINE_SERIES] = self._roofline_percent()
+            history.update(self._spec_decode_history())
             return {
                 "time": now,
                 "totals": dict(self.totals),
@@ -264,9 +299,50 @@ class ServerStats:
                 ],
                 "copy_bandwidth_bytes_per_s": self.copy_bandwidth_bytes_per_s,
                 "memory": self.memory,
+                "spec_decode": self._spec_decode_summary(),
                 "requests": [asdict(record) for record in self.records],
                 "history": history,
             }
+
+    def _spec_decode_summary(self) -> dict | None:
+        """The core's speculative-decoding counts, and the rates they give; by position j (0-based,
+        padded to K): rows whose draft j was accepted, rows that had a draft j, and the accepted
+        over all verified rows (vLLM's per-position acceptance rate: the rates sum to the mean accepted
+        length minus one)."""
+        counts, k = self.spec_decode, self.spec_decode_num_speculative_tokens
+        if counts is None:
+            return None
+
+        def padded(values: list[int]) -> list[int]:
+            return [*values, *[0] * (k - len(values))]
+
+        accepted = padded(counts.accepted_by_position)
+        rows = counts.num_verified_rows
+        return {
+            "num_speculative_tokens": k,
+            "verified_rows": rows,
+            "draft_tokens": counts.num_draft_tokens,
+            "accepted_tokens": counts.num_accepted_tokens,
+            "acceptance_rate": counts.acceptance_rate,
+            "mean_accepted_length": counts.mean_accepted_length,
+            "accepted_by_position": accepted,
+            "drafted_by_position": padded(counts.drafted_by_position),
+            "acceptance_rate_by_position": [count / rows if rows else 0.0 for count in accepted],
+        }
+
+    def _spec_decode_history(self) -> dict[str, list[list[float]]]:
+        """Each second's acceptance (% of the draft tokens verified in it) and mean accepted
+        length; only seconds in which drafts were verified have a point."""
+        rows, drafted, accepted = (
+            self._spec_decode_seconds[n].points for n in ("rows", "drafted", "accepted")
+        )
+        percent, length = [], []
+        for (second, num_rows), (_, num_drafted), (_, num_accepted) in zip(
+            rows, drafted, accepted, strict=True
+        ):
+            percent.append([second, 100 * num_accepted / num_drafted])
+            length.append([second, 1 + num_accepted / num_rows])
+        return dict(zip(SPEC_DECODE_SERIES, (percent, length), strict=True))
 
     def _roofline_percent(self) -> list[list[float]]:
         """Each second's decode bandwidth (bytes read over the time taken) as a % of the copy
