@@ -56,8 +56,8 @@ PREFIX = "The history of the city begins with a small harbour, a market and a br
 class Dom(HTMLParser):
     """The rendered page's charts (data-chart -> attributes, the shapes inside, and each axis's
     texts: "x"/"y" -> {"attrs", "texts"}), legends (data-legend -> {series: (data-value, the
-    text after the swatch)}), tiles, and tables (data-table -> the text of each body row's
-    cells)."""
+    text after the swatch)}), tiles, tables (data-table -> the text of each body row's cells),
+    and the tiles and panels (data-panel) that are hidden."""
 
     def __init__(self):
         super().__init__()
@@ -103,6 +103,8 @@ class Dom(HTMLParser):
             self.charts[self._chart] = {"points": attrs.get("data-points"), "shapes": [], "axes": {}}
         elif self._chart is not None and tag in ("circle", "rect", "polyline"):
             self.charts[self._chart]["shapes"].append((tag, attrs))
+        if "data-panel" in attrs and "hidden" in attrs:
+            self.hidden.add(attrs["data-panel"])
         if "data-tile" in attrs:
             self._tile = attrs["data-tile"]
             self.tiles[self._tile] = ""
@@ -366,6 +368,7 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server, 
         assert shown in (count, sum(value for _, value in history[f"prefix_cache_{kind}_per_s"][:-1])), kind
     assert dom.tiles["evicted"].strip() == "0.0 MB"  # nothing evicted: the pool is far from full
     assert "pressure" in dom.hidden  # the cache is far below its budget (here the KV pool)
+    assert "spec_decode" in dom.hidden and stats["spec_decode"] is None  # the engine does not speculate
     used, pool = history["prefix_cache_bytes"][-1][1], history["kv_total_bytes"][-1][1]
     assert dom.tiles["cache_usage"].strip() == f"{100 * used / pool:.1f}%"
 
@@ -374,3 +377,61 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server, 
     screenshot.unlink(missing_ok=True)
     browse(f"{server.base_url}/dashboard", f"--screenshot={screenshot}", window="1400,1400")
     assert screenshot.stat().st_size > 10_000
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+COPY_PROMPT = (
+    "The old lighthouse on the northern cape was built from grey granite quarried a few miles inland. "
+    "Its walls are thick at the base and narrow toward the lantern room.\n\nThe same text again, word "
+    "for word:\n\nThe old lighthouse"
+)
+
+
+def test_the_speculative_decoding_panel_shows_the_servers_figures(start_server):
+    """A server that speculates (n-gram drafts) after a request that copies a passage: the panel is
+    shown, its tiles hold /v1/stats' acceptance rate and mean accepted length, its bars the share
+    of verifying rows that had and had accepted a draft at each position, and its charts one point
+    per second in which drafts were verified."""
+    server = start_server(max_batch_size=2, speculative_config=NGRAM)
+    with httpx.Client(base_url=server.base_url, timeout=120.0) as client:
+        body = {"model": server.model, "prompt": COPY_PROMPT, "max_tokens": 48, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        assert client.post("/v1/completions", json=body).status_code == 200
+        deadline = time.monotonic() + 60
+        while not client.get("/v1/stats").json()["requests"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+    dom = Dom()
+    dom.feed(browse(f"{server.base_url}/dashboard", "--dump-dom"))
+    stats = httpx.get(f"{server.base_url}/v1/stats").json()  # idle now: what the page showed
+    spec, history = stats["spec_decode"], stats["history"]
+    assert "spec_decode" not in dom.hidden
+    assert spec["num_speculative_tokens"] == 3 and 0 < spec["accepted_tokens"] < spec["draft_tokens"]
+    assert dom.tiles["spec_acceptance_rate"] == f"{100 * spec['accepted_tokens'] / spec['draft_tokens']:.1f}%"
+    assert (
+        dom.tiles["spec_mean_accepted_length"] == f"{1 + spec['accepted_tokens'] / spec['verified_rows']:.2f}"
+    )
+    rows, accepted, drafted = spec["verified_rows"], spec["accepted_tokens"], spec["draft_tokens"]
+    assert dom.tiles["spec_counts"] == f"{rows} rows, {accepted} of {drafted} draft tokens accepted"
+    bars = [attrs for tag, attrs in dom.charts["spec_by_position"]["shapes"] if tag == "rect"]
+    for kind in ("drafted", "accepted"):
+        shown = {int(a["data-x"]): float(a["data-value"]) for a in bars if a["data-kind"] == kind}
+        counts = spec[f"{kind}_by_position"]
+        assert shown == pytest.approx(
+            {j: 100 * count / spec["verified_rows"] for j, count in enumerate(counts)}
+        )
+        _, text = dom.legends["spec_by_position"][kind]
+        assert_reading(text, kind, shown[0], "%")
+    assert_axes(dom.charts["spec_by_position"], "% of rows", "draft position (0: the first draft)",
+                ["0", "1", "2"], [100])  # fmt: skip
+    for name, series, unit in (
+        ("spec_acceptance", "spec_decode_acceptance_percent", "%"),
+        ("spec_accepted_length", "spec_decode_mean_accepted_length", "tokens"),
+    ):
+        drawn = [
+            (int(a["data-x"]), float(a["data-value"]))
+            for tag, a in dom.charts[name]["shapes"]
+            if tag == "circle"
+        ]
+        assert drawn and drawn == [tuple(point) for point in history[series]], name  # idle: nothing since
+        assert_axes(dom.charts[name], unit, "time (one point a second)",
+                    dom.charts[name]["axes"]["x"]["texts"][:-1], [v for _, v in drawn])  # fmt: skip
