@@ -50,3 +50,46 @@ def test_profile_writes_a_chrome_trace_and_a_table(tiny_checkpoints, tmp_path, c
     names = {event.get("name") for event in trace["traceEvents"]}
     assert {"infer.prefill", "infer.decode_step"} <= names
     assert "Self CPU" in capsys.readouterr().out
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def test_bench_generate_with_speculation_reports_what_the_replayed_drafts_predict(
+    tiny_checkpoints, tmp_path, capsys
+):
+    """`--speculative-config`: the report's acceptance figures are those of a replay of the timed
+    run (conformance.spec_decode_replay: the n-gram proposer over W1's prompt and the greedy tokens
+    of the recompute oracle); the warm-up run is not counted."""
+    from conformance.oracles import RecomputeOracle
+    from conformance.spec_decode_replay import replay_ngram
+    from infer.bench.generation import random_prompt
+    from infer.engine.sampling_params import SamplingParams
+    from infer.models.load import load_model
+
+    folder = tiny_checkpoints["llama-tiny"]
+    json_path = tmp_path / "w1-spec.json"
+    argv = ["bench", "generate", "--model", str(folder), "--prompt-tokens", "16", "--gen-tokens", "48",
+            "--speculative-config", json.dumps(NGRAM), "--json", str(json_path)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(json_path.read_text())
+    loaded = load_model(str(folder), dtype=torch.float32, device="cpu")
+    prompt = random_prompt(loaded, 16, seed=0)
+    params = SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True)
+    output = RecomputeOracle(loaded).generate(prompt, params).token_ids
+    replayed = replay_ngram(NGRAM, prompt, output, 48)
+    assert replayed.num_accepted_tokens > 0  # the tiny model repeats itself: drafts were accepted
+    figures = report["infer"]["spec_decode"]
+    rows, accepted = replayed.num_verified_rows, replayed.num_accepted_tokens
+    by_position = [*replayed.accepted_by_position, *[0] * (3 - len(replayed.accepted_by_position))]
+    assert figures == {
+        "verified_rows": rows,
+        "draft_tokens": replayed.num_draft_tokens,
+        "accepted_tokens": accepted,
+        "acceptance_rate": pytest.approx(accepted / replayed.num_draft_tokens),
+        "mean_accepted_length": pytest.approx(1 + accepted / rows),
+        "accepted_by_position": by_position,
+        "acceptance_rate_by_position": pytest.approx([count / rows for count in by_position]),
+    }
+    assert report["infer"]["num_generated"] == 48
+    assert f"acceptance {100 * accepted / replayed.num_draft_tokens:.1f}%" in capsys.readouterr().out

@@ -10,6 +10,10 @@ Timing: prefill is the wall time to the first token (one forward over the prompt
 sample); decode is the time for the remaining tokens. Each step reads its token back to the
 host, which synchronises the device, so wall time is device time.
 
+Speculative decoding (`--speculative-config`, as `infer serve` takes it): beside tok/s, each
+run's acceptance rate and mean accepted length, from the engine's counters before and after it
+(infer.bench.spec_decode); a verifying step emits several tokens, and decode tok/s counts each.
+
 Roofline: a decode step must read every weight once and the sequence's K/V
 (infer.engine.roofline); over the copy bandwidth the engine measured in this process, the mean
 bytes of the run's decode steps give the fastest decode the device's memory allows, and decode
@@ -34,6 +38,7 @@ import torch
 
 from infer.bench.copy_workload import MAX_TOKENS as COPY_MAX_TOKENS
 from infer.bench.copy_workload import copy_request_text, expected_copy
+from infer.bench.spec_decode import spec_decode_from_engine_stats, spec_decode_line
 from infer.engine import load_engine
 from infer.engine.cli import encode_prompt, engine_config_from_args, resolve_device_and_dtype
 from infer.engine.config import AUTO_FLAGS
@@ -49,6 +54,8 @@ class GenerationTiming:
     decode_s: float
     num_prompt_tokens: int
     num_generated: int
+    # What speculative decoding did in the run (infer.bench.spec_decode); None: it was off.
+    spec_decode: dict | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -173,14 +180,16 @@ def time_generation(
     engine: Engine, prompt_ids: list[int], params: SamplingParams, *, cache_salt: str | None = None
 ) -> tuple[GenerationTiming, list[int]]:
     _synchronize(engine.core.device)
+    before = engine.stats()
     start = time.perf_counter()
     chunks = stream(engine, prompt_ids, params, cache_salt=cache_salt)
     token_ids = [next(chunks).token_id]
     first_token_at = time.perf_counter()
     token_ids += [chunk.token_id for chunk in chunks]
     end = time.perf_counter()
+    spec_decode = spec_decode_from_engine_stats(before, engine.stats())
     return GenerationTiming(
-        first_token_at - start, end - first_token_at, len(prompt_ids), len(token_ids)
+        first_token_at - start, end - first_token_at, len(prompt_ids), len(token_ids), spec_decode
     ), token_ids
 
 
@@ -353,6 +362,8 @@ def markdown_report(report: dict) -> str:
             f"{ratio['decode_tokens_per_s']:.2f}x, end to end {ratio['total_speedup']:.2f}x faster; "
             f"greedy tokens identical: {match['match']} (first mismatch at {match['first_mismatch_index']})",
         ]
+    if report["infer"].get("spec_decode"):
+        lines += ["", spec_decode_line(report["infer"]["spec_decode"])]
     if "copy" in report:
         lines += ["", f"the answer is the passage with the change exactly: {report['copy']['exact_copy']}"]
     roofline = report["roofline"]
