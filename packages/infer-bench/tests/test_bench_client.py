@@ -16,6 +16,7 @@ import uvicorn
 
 from infer.bench.serving.cli import main as bench_main
 from infer.bench.serving.client import run_workload
+from infer.bench.serving.report import serve_markdown
 from infer.bench.serving.runner import benchmark_server
 from infer.bench.serving.workloads import WorkloadShape, make_workload
 
@@ -206,6 +207,84 @@ def test_against_our_server_token_counts_agree_with_its_metrics(tmp_path):
         assert record.num_output_tokens == request.max_tokens  # ignore_eos: always the full length
     # The server's own count of generated tokens over the run equals what the client counted.
     assert after - before == sum(record.num_output_tokens for record in run.records)
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def test_against_our_server_that_speculates_chunks_carry_runs_and_acceptance_is_reported(tmp_path):
+    """A server with n-gram speculation streams a verified run of tokens in one chunk: the client
+    counts a chunk's tokens from its token_ids (they add up to the usage), ITL is per token, and
+    the report's acceptance figures are those of a replay of each timed request
+    (conformance.spec_decode_replay over the recompute oracle's greedy tokens; concurrency 1, so
+    each request is alone in the engine as the replay assumes)."""
+    import torch
+
+    from conformance.oracles import RecomputeOracle
+    from conformance.spec_decode_replay import ReplayedCounts, replay_ngram
+    from infer.bench.serving.workloads import BenchRequest, Workload
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+    from infer.engine.sampling_params import SamplingParams
+    from infer.models.load import load_model
+    from infer.models.random_checkpoint import make_random_checkpoint
+    from infer.server.app import create_app
+
+    checkpoint = make_random_checkpoint("llama-tiny", tmp_path / "llama-tiny", dtype=torch.float32)
+    loaded = load_model(str(checkpoint), dtype=torch.float32, device="cpu")
+    oracle = RecomputeOracle(loaded)
+    greedy = lambda n: SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)  # noqa: E731
+    # Prompts that end with the model's own greedy continuation of a random start: a tiny random
+    # model soon repeats itself, so n-gram drafts are often right (and sometimes wrong).
+    generator = torch.Generator().manual_seed(3)
+    starts = [
+        torch.randint(0, loaded.config.vocab_size, (n,), generator=generator).tolist() for n in (5, 12, 19)
+    ]
+    prompts = [start + oracle.generate(start, greedy(20)).token_ids for start in starts]
+    max_tokens = 40
+    requests = [BenchRequest(i, max_tokens, prompt) for i, prompt in enumerate(prompts)]
+    workload = Workload("looping", 1, 0, requests, WorkloadShape("completion"))
+    config = EngineConfig(
+        model=str(checkpoint), device="cpu", max_batch_size=2, max_seq_len=160, speculative_config=NGRAM
+    )
+    with ThreadedServer(create_app(lambda: Engine(config, loaded_model=loaded))) as server:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{server.base_url}/health").status_code != 200:
+            assert time.monotonic() < deadline, "our server did not become healthy in 60 s"
+            time.sleep(0.1)
+        report = asyncio.run(benchmark_server(workload, base_url=server.base_url, model=str(checkpoint)))
+    verdicts = []
+    for prompt in prompts:
+        verdicts += replay_ngram(
+            NGRAM, prompt, oracle.generate(prompt, greedy(max_tokens)).token_ids, max_tokens
+        ).verdicts
+    expected = ReplayedCounts(tuple(verdicts))
+    rows, accepted = expected.num_verified_rows, expected.num_accepted_tokens
+    assert 0 < accepted < expected.num_draft_tokens
+    by_position = [*expected.accepted_by_position, *[0] * (3 - len(expected.accepted_by_position))]
+    stats = report["stats"]
+    assert stats["spec_decode"] == {
+        "verified_rows": rows,
+        "draft_tokens": expected.num_draft_tokens,
+        "accepted_tokens": accepted,
+        "acceptance_rate": pytest.approx(accepted / expected.num_draft_tokens),
+        "mean_accepted_length": pytest.approx(1 + accepted / rows),
+        "accepted_by_position": by_position,
+        "acceptance_rate_by_position": pytest.approx([count / rows for count in by_position]),
+    }
+    records = report["records"]
+    for record in records:
+        assert record["output_tokens_from"] == "usage" and record["num_output_tokens"] == max_tokens
+        assert record["chunk_tokens_from"] == "token_ids"
+        assert sum(record["chunk_num_tokens"]) == max_tokens
+    # Verified runs came in one chunk: fewer chunks than tokens, and ITL counts every token.
+    assert stats["tokens_per_chunk"] > 1 and stats["chunk_tokens_from"] == "token_ids"
+    assert stats["itl_s"]["count"] == len(records) * (max_tokens - 1)
+    assert stats["inter_chunk_s"]["count"] == sum(len(r["chunk_times"]) - 1 for r in records)
+    assert stats["inter_chunk_s"]["count"] < stats["itl_s"]["count"]
+    markdown = serve_markdown(report)
+    assert f"acceptance {100 * accepted / expected.num_draft_tokens:.1f}%" in markdown
+    assert "ITL is per token" in markdown
 
 
 def test_engine_only_runs_the_closed_loop_through_the_engine(tmp_path, monkeypatch):

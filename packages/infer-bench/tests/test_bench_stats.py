@@ -45,10 +45,12 @@ def test_no_values_give_no_summary_and_percentile_refuses():
         percentile([1.0], 101)
 
 
-def _record(index, send, chunk_times, *, prompt_tokens, usage_tokens=None, error=None):
+def _record(index, send, chunk_times, *, prompt_tokens, usage_tokens=None, error=None, chunk_tokens=None):
+    """`chunk_tokens`: the tokens each chunk carried (default one each)."""
     record = RequestRecord(index=index, endpoint="/v1/completions", max_tokens=8, send_time=send)
     record.num_prompt_tokens = prompt_tokens
     record.chunk_times = list(chunk_times)
+    record.chunk_num_tokens = list(chunk_tokens) if chunk_tokens is not None else [1] * len(chunk_times)
     record.first_token_time = chunk_times[0] if chunk_times else None
     record.end_time = (chunk_times[-1] if chunk_times else send) + 0.001
     record.num_output_tokens = usage_tokens if usage_tokens is not None else len(chunk_times)
@@ -83,6 +85,36 @@ def test_run_stats_from_records_match_numpy_on_the_raw_times():
     expected_wait = np.maximum(0, ttft - 0.05 * prompt / 200)
     assert stats["queue_wait_s"]["mean"] == pytest.approx(expected_wait.mean())
     assert stats["queue_wait_s"]["source"].startswith("estimate")
+
+
+def test_itl_is_per_token_when_a_chunk_carries_several():
+    """A chunk of n tokens g seconds after the previous one gives n inter-token latencies of g / n
+    (numpy: each gap repeated over its chunk's tokens); the gaps between chunks are kept apart."""
+    chunks = [[0.10, 0.16, 0.17, 0.25], [0.40, 0.44, 0.50]]
+    tokens = [[2, 3, 1, 4], [1, 1, 2]]
+    records = [
+        _record(i, 0.0, times, prompt_tokens=8, chunk_tokens=n, usage_tokens=sum(n))
+        for i, (times, n) in enumerate(zip(chunks, tokens, strict=True))
+    ]
+    run = RunResult(make_workload("W2"), 0.0, 1.0, records, ignore_eos_sent=True)
+    stats = run_stats(run)
+    per_token = np.concatenate(
+        [
+            np.concatenate([np.zeros(n[0] - 1), np.repeat(np.diff(t) / n[1:], n[1:])])
+            for t, n in zip(chunks, tokens, strict=True)
+        ]
+    )
+    per_chunk = np.concatenate([np.diff(t) for t in chunks])
+    assert stats["itl_s"]["count"] == len(per_token) == sum(map(sum, tokens)) - len(chunks)
+    assert stats["itl_s"]["mean"] == pytest.approx(per_token.mean())
+    assert stats["itl_s"]["p50"] == pytest.approx(np.median(per_token))
+    assert stats["inter_chunk_s"]["count"] == len(per_chunk)
+    assert stats["inter_chunk_s"]["p99"] == pytest.approx(np.percentile(per_chunk, 99))
+    assert stats["tokens_per_chunk"] == pytest.approx(np.mean(np.concatenate(tokens)))
+    assert stats["chunk_tokens_from"] == "token_ids"
+    # Per token, the latencies add up to the time from the first chunk to the last (TPOT's span).
+    for record in records:
+        assert sum(record.itl_s) == pytest.approx(record.chunk_times[-1] - record.chunk_times[0])
 
 
 def test_server_queue_time_replaces_the_estimate():

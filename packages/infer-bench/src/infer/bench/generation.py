@@ -377,6 +377,11 @@ def markdown_report(report: dict) -> str:
             f", transformers at {roofline['transformers_percent']:.1f}%"
             if "transformers_percent" in roofline
             else ""
+        )
+        + (
+            " (a speculating step emits several tokens for one read of the weights, so this may pass 100%)"
+            if report["infer"].get("spec_decode")
+            else ""
         ),
     ]
     mib = 1024 * 1024

@@ -2,9 +2,14 @@
 
 Each request is a streamed POST (`stream: true`, `stream_options.include_usage: true`,
 `temperature: 0`, `ignore_eos: true`). Per request the client records, on one monotonic clock
-(`time.perf_counter`, seconds): when it was sent, when each chunk carrying output text arrived,
-when the stream ended, the output token count (the final usage chunk's `completion_tokens`, else
-the number of text chunks) and any error.
+(`time.perf_counter`, seconds): when it was sent, when each chunk carrying output text arrived
+and how many tokens it carried, when the stream ended, the output token count (the final usage
+chunk's `completion_tokens`, else the tokens of the text chunks) and any error.
+
+A chunk may carry several tokens: a server that speculates emits a verified run of tokens in one
+step, and a busy server catches up in one chunk. Its tokens are the length of the choice's
+`token_ids` (our server sends them); a server that sends none is taken to stream one token a
+chunk, and the record says so (`chunk_tokens_from`).
 
 Before the timed run, two untimed requests go out alone:
   warm-up  a short request, so first-call costs (allocator, kernel selection) stay out of the
@@ -55,6 +60,9 @@ class RequestRecord:
     num_prompt_tokens: int | None = None  # the request's own count, else the server's usage
     first_token_time: float | None = None
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk with output text
+    chunk_num_tokens: list[int] = field(default_factory=list)  # the tokens each of those chunks carried
+    # "token_ids": counted from each chunk's token_ids; "assumed 1": a chunk came without them.
+    chunk_tokens_from: str = "token_ids"
     end_time: float | None = None
     num_output_tokens: int = 0
     output_tokens_from: str = "chunks"  # "usage" when the final chunk reported completion_tokens
@@ -78,11 +86,24 @@ class RequestRecord:
         return None if self.end_time is None else self.end_time - self.send_time
 
     @property
-    def itl_s(self) -> list[float]:
-        """Gaps between consecutive text chunks (one per token on a server that streams per token)."""
+    def inter_chunk_s(self) -> list[float]:
+        """Gaps between consecutive text chunks: one per event, whatever number of tokens it carried."""
         return [
             later - earlier for earlier, later in zip(self.chunk_times, self.chunk_times[1:], strict=False)
         ]
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Inter-token latency, one value per token after the first: a chunk of n tokens that came
+        g seconds after the previous one gives n values of g / n; the tokens after the first in the
+        first chunk came with it (0 s each). They sum to the last chunk's time minus the first's."""
+        timed = [(at, n) for at, n in zip(self.chunk_times, self.chunk_num_tokens, strict=True) if n]
+        if not timed:
+            return []
+        gaps = [0.0] * (timed[0][1] - 1)
+        for (earlier, _), (later, num_tokens) in zip(timed, timed[1:], strict=False):
+            gaps += [(later - earlier) / num_tokens] * num_tokens
+        return gaps
 
     @property
     def tpot_s(self) -> float | None:
@@ -167,7 +188,7 @@ async def stream_request(
         record.error = f"{type(error).__name__}: {error}"
     record.end_time = time.perf_counter()
     if record.output_tokens_from == "chunks":
-        record.num_output_tokens = len(record.chunk_times)
+        record.num_output_tokens = sum(record.chunk_num_tokens)
     return record, status
 
 
@@ -193,6 +214,12 @@ def _read_chunk(record: RequestRecord, chunk: dict, now: float, text_parts: list
             if record.first_token_time is None:
                 record.first_token_time = now
             record.chunk_times.append(now)
+            token_ids = choice.get("token_ids")
+            if isinstance(token_ids, list):
+                record.chunk_num_tokens.append(len(token_ids))
+            else:
+                record.chunk_num_tokens.append(1)
+                record.chunk_tokens_from = "assumed 1"
             if text_parts is not None:
                 text_parts.append(text)
         if choice.get("finish_reason"):

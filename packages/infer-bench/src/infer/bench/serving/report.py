@@ -15,6 +15,8 @@ JSON layout of one `infer bench serve` run (runner.benchmark_server):
 import json
 from pathlib import Path
 
+from infer.bench.spec_decode import spec_decode_line
+
 LATENCY_COLUMNS = (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
 
 
@@ -63,6 +65,15 @@ def serve_markdown(report: dict) -> str:
             [[workload["name"], str(workload["concurrency"]), *stats_cells(report["stats"])]],
         ),
     ]
+    stats = report["stats"]
+    if stats.get("tokens_per_chunk") is not None:
+        lines += [
+            "",
+            f"ITL is per token: each chunk's gap spread over its tokens; {stats['tokens_per_chunk']:.2f} "
+            f"tokens per chunk on average ({stats['chunk_tokens_from']})",
+        ]
+    if stats.get("spec_decode"):
+        lines += ["", f"Server {spec_decode_line(stats['spec_decode'])}"]
     cache = report["stats"].get("prefix_cache")
     if cache:
         lines += [

@@ -12,6 +12,7 @@ from infer.bench.serving import server_info
 from infer.bench.serving.client import run_workload
 from infer.bench.serving.stats import run_stats
 from infer.bench.serving.workloads import Workload
+from infer.bench.spec_decode import spec_decode_from_metrics
 
 
 async def benchmark_server(
@@ -68,7 +69,11 @@ async def benchmark_server(
         },
         "ignore_eos_sent": run.ignore_eos_sent,
         "notes": run.notes,
-        "stats": run_stats(run, server_queue_time=queue_time),
+        "stats": run_stats(
+            run,
+            server_queue_time=queue_time,
+            spec_decode=spec_decode_from_metrics(samples_before, samples_after),
+        ),
         "probe": run.probe.as_dict() if run.probe else None,
     }
     if include_records:

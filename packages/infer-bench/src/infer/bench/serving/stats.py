@@ -8,9 +8,17 @@ Definitions (all from the client's clock):
   output_tokens_per_s  sum of output tokens of successful requests / wall time of the run
                        (first request sent to last stream ended)
   ttft_s               first text chunk - send
-  itl_s                gaps between consecutive text chunks, pooled over all requests
+  itl_s                inter-token latency, per token: each text chunk's gap from the previous
+                       one spread evenly over the tokens it carried (a chunk may carry several:
+                       a speculating server's verified run, a busy server catching up), pooled
+                       over all requests; equal to the gaps between chunks when each carries one
+  inter_chunk_s        gaps between consecutive text chunks (per event), pooled over all requests
+  tokens_per_chunk     tokens in text chunks / text chunks; `chunk_tokens_from` says whether the
+                       server's token_ids counted them or one a chunk was assumed
   tpot_s               per request (end - first token) / (output tokens - 1)
   e2e_s                stream end - send
+  spec_decode          what the server's speculative decoding did over the timed run, from its
+                       /metrics (infer.bench.spec_decode); None when it does not speculate
   queue_wait_s         from the server's queue-time histogram when /metrics has one (mean only);
                        else estimated per request as max(0, TTFT - unloaded prefill), where the
                        unloaded prefill time is the idle-server probe's TTFT scaled linearly by
@@ -70,8 +78,11 @@ def estimated_queue_waits(records: list[RequestRecord], probe: RequestRecord | N
     ]
 
 
-def run_stats(run: RunResult, *, server_queue_time: tuple[float, int] | None = None) -> dict:
-    """Every statistic of one run as plain data (Summary fields inline), for the JSON report."""
+def run_stats(
+    run: RunResult, *, server_queue_time: tuple[float, int] | None = None, spec_decode: dict | None = None
+) -> dict:
+    """Every statistic of one run as plain data (Summary fields inline), for the JSON report.
+    `spec_decode`: the server's speculative-decoding figures over the run (infer.bench.spec_decode)."""
     ok = [record for record in run.records if record.ok]
     output_tokens = sum(record.num_output_tokens for record in ok)
     prompt_tokens = sum(record.num_prompt_tokens or 0 for record in ok)
@@ -86,6 +97,9 @@ def run_stats(run: RunResult, *, server_queue_time: tuple[float, int] | None = N
         }
     ttft = summarize([record.ttft_s for record in ok])
     itl = summarize([gap for record in ok for gap in record.itl_s])
+    inter_chunk = summarize([gap for record in ok for gap in record.inter_chunk_s])
+    num_chunks = sum(len(record.chunk_num_tokens) for record in ok)
+    chunk_tokens = sum(sum(record.chunk_num_tokens) for record in ok)
     tpot = summarize([record.tpot_s for record in ok if record.tpot_s is not None])
     e2e = summarize([record.e2e_s for record in ok])
     return {
@@ -100,6 +114,12 @@ def run_stats(run: RunResult, *, server_queue_time: tuple[float, int] | None = N
         "output_tokens_short_of_max_tokens": sum(max(0, r.max_tokens - r.num_output_tokens) for r in ok),
         "ttft_s": ttft.as_dict() if ttft else None,
         "itl_s": itl.as_dict() if itl else None,
+        "inter_chunk_s": inter_chunk.as_dict() if inter_chunk else None,
+        "tokens_per_chunk": chunk_tokens / num_chunks if num_chunks else math.nan,
+        "chunk_tokens_from": (
+            "token_ids" if all(r.chunk_tokens_from == "token_ids" for r in ok) else "assumed 1 per chunk"
+        ),
+        "spec_decode": spec_decode,
         "tpot_s": tpot.as_dict() if tpot else None,
         "e2e_s": e2e.as_dict() if e2e else None,
         "queue_wait_s": queue_wait,
