@@ -4,6 +4,7 @@ GET /v1/stats hold the counts that a replay of the request gives (conformance.sp
 the n-gram proposer over the prompt and the greedy tokens of the recompute oracle), and the
 scheduler's own. A server that does not speculate shows none of them, as vLLM's."""
 
+import json
 import time
 
 import httpx
@@ -108,3 +109,35 @@ def test_a_server_that_does_not_speculate_shows_no_spec_decode_figures(server):
         names = {name for name, _ in samples_of(client.get("/metrics").text)}
     assert snapshot["spec_decode"] is None and snapshot["history"]["spec_decode_acceptance_percent"] == []
     assert not {name for name in names if name.startswith("infer_spec_decode")}
+
+
+def test_a_streamed_run_of_accepted_tokens_is_one_event_and_itl_stays_per_token(spec_server):
+    """A verified run reaches the client as one chunk whose token_ids hold it all; the server's
+    inter-token latency histogram observes each token, a run's gap shared among its tokens (so
+    none is ~0: a CPU step of SmolLM2 takes milliseconds), and its observations add up to the time
+    between the first token's chunk and the last's, as the client saw them."""
+    body = {"model": spec_server.model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.Client(base_url=spec_server.base_url, timeout=120.0) as client:
+        before = samples_of(client.get("/metrics").text)
+        chunks = []  # (arrival, tokens in the chunk)
+        with client.stream("POST", "/v1/completions", json=body) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    choice = json.loads(line[len("data:") :])["choices"][0]
+                    if choice["text"]:
+                        chunks.append((time.perf_counter(), len(choice["token_ids"])))
+        after = samples_of(client.get("/metrics").text)
+
+    def gained(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    tokens = [num_tokens for _, num_tokens in chunks]
+    assert sum(tokens) == MAX_TOKENS and max(tokens) > 1  # some chunk carried a verified run
+    assert gained("infer_inter_token_latency_seconds_count") == MAX_TOKENS - 1
+    assert gained("infer_inter_token_latency_seconds_bucket", le="0.001") == 0
+    client_span = chunks[-1][0] - chunks[0][0]
+    assert gained("infer_inter_token_latency_seconds_sum") == pytest.approx(
+        client_span, abs=0.05 + 0.1 * client_span
+    )

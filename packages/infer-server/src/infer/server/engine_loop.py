@@ -19,6 +19,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import Counter
 
 from infer.engine.client import EngineDeadError
 from infer.engine.output_processor import StepOutput
@@ -205,6 +206,10 @@ class EngineLoop:
     def _dispatch(self, outputs: list[StepOutput], step_done_s: float) -> None:
         metrics = self.metrics
         num_tokens = 0
+        # A step may give a request several tokens (a verified speculative run): each counts as
+        # an inter-token latency of the gap since the request's previous step over their number.
+        tokens_in_step = Counter(output.request_id for output in outputs if output.token_id is not None)
+        latency_per_token: dict[str, float] = {}
         for output in outputs:
             handle = self._handles.get(output.request_id)
             if handle is None:
@@ -218,7 +223,11 @@ class EngineLoop:
                         metrics.request_queue_time_seconds.observe(output.queue_time_s)
                         handle.queue_s = output.queue_time_s
                 else:
-                    metrics.inter_token_latency_seconds.observe(step_done_s - handle.last_token_s)
+                    latency = latency_per_token.setdefault(
+                        output.request_id,
+                        (step_done_s - handle.last_token_s) / tokens_in_step[output.request_id],
+                    )
+                    metrics.inter_token_latency_seconds.observe(latency)
                 handle.last_token_s = step_done_s
             handle.outputs.put_nowait(output)
             if output.finished:

@@ -397,7 +397,8 @@ class ServerMetrics:
         )
         self.inter_token_latency_seconds = registry.histogram(
             "infer_inter_token_latency_seconds",
-            "Seconds between consecutive tokens of a request.",
+            "Seconds between consecutive tokens of a request: a step that gives a request n tokens "
+            "(a verified speculative run) counts n latencies of the gap since its previous step over n.",
             ITL_BUCKETS_S,
         )
         self.request_queue_time_seconds = registry.histogram(
