@@ -331,6 +331,47 @@ def test_engine_only_runs_the_closed_loop_through_the_engine(tmp_path, monkeypat
     assert second_run["output_tokens"] == sum(request.max_tokens for request in repeat.requests)
 
 
+def test_engine_only_with_speculation_reports_the_engines_acceptance(tmp_path):
+    """`infer bench engine-only` on an engine that speculates: each run reports what the
+    engine's counters gained over it, which the table shows beside tok/s."""
+    import torch
+
+    from infer.bench.serving import engine_only
+    from infer.bench.serving.workloads import BenchRequest, Workload
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+    from infer.models.random_checkpoint import make_random_checkpoint
+
+    checkpoint = make_random_checkpoint("llama-tiny", tmp_path / "llama-tiny", dtype=torch.float32)
+    config = EngineConfig(
+        model=str(checkpoint), device="cpu", max_batch_size=2, max_seq_len=160, speculative_config=NGRAM
+    )
+    engine = Engine(config)
+    # A prompt that repeats itself: its n-grams recur, so there are drafts to verify.
+    requests = [BenchRequest(i, 24, [5, 6, 7, 8, 9, 10] * (3 + i)) for i in range(3)]
+    workload = Workload("repeating", 2, 0, requests, WorkloadShape("completion"))
+    engine_only.run_engine_only(engine, workload)  # counted in the engine, not in the next run
+    before = engine.stats()
+    run = engine_only.run_engine_only(engine, workload)
+    after = engine.stats()
+    engine.shutdown()
+    spec = run["spec_decode"]
+    assert (
+        spec["verified_rows"]
+        == after.spec_decode_num_verified_rows - before.spec_decode_num_verified_rows
+        > 0
+    )
+    assert spec["draft_tokens"] == after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    assert (
+        spec["accepted_tokens"]
+        == after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    )
+    assert spec["mean_accepted_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["verified_rows"])
+    table = engine_only.engine_only_markdown(workload, {}, [run]).splitlines()
+    assert table[-3].endswith("| accept % | accepted len |")
+    assert table[-1].endswith(f"| {100 * spec['acceptance_rate']:.1f} | {spec['mean_accepted_length']:.2f} |")
+
+
 TINY_CONVERSATION = WorkloadShape(
     "conversation",
     output_tokens=(2, 4),

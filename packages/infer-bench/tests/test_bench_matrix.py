@@ -163,6 +163,40 @@ def test_matrix_table_puts_each_row_beside_the_first_rows_run_of_its_workload():
     assert lines[-1] == "- static failed: W3 failed: the server died"
 
 
+def test_matrix_table_gains_acceptance_columns_when_a_row_speculated():
+    """Expected lines written out by hand: acceptance 60/80 = 75.0%, mean accepted length
+    1 + 60/25 = 3.40; "-" for the row that did not speculate."""
+    spec = {"acceptance_rate": 0.75, "mean_accepted_length": 3.4}
+    summary = {
+        "model": "m",
+        "settings": {"seed": 0},
+        "rows": ["plain", "ngram"],
+        "runs": [
+            {
+                "row": "plain",
+                "workload": "W1",
+                "concurrency": 1,
+                "stats": _stats(50.0, 0.1, 0.1, 0.02, 0.02, 5.0),
+            },
+            {
+                "row": "ngram",
+                "workload": "W1",
+                "concurrency": 1,
+                "stats": {**_stats(100.0, 0.1, 0.1, 0.01, 0.01, 2.5), "spec_decode": spec},
+            },
+        ],
+    }
+    lines = serving_matrix.matrix_markdown(summary).splitlines()
+    assert any(line.endswith("| errors | accept % | accepted len |") for line in lines)
+    assert (
+        "| W1 | 1 | plain | 50.0 | 1.00 | 100.0 | 100.0 | 1.00 | 20.0 | 20.0 | 5000.0 | 0 | - | - |" in lines
+    )
+    assert (
+        "| W1 | 1 | ngram | 100.0 | 2.00 | 100.0 | 100.0 | 1.00 | 10.0 | 10.0 | 2500.0 | 0 | 75.0 | 3.40 |"
+        in lines
+    )
+
+
 def test_each_run_of_a_matrix_draws_prompts_of_its_own():
     # A row's server keeps its prefix cache across runs: a run must not find another's prompts.
     from infer.bench.serving.matrix import run_seed

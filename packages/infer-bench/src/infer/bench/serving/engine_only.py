@@ -9,7 +9,8 @@ the same engine config could reach if HTTP, SSE and the bench client cost nothin
 with the model's chat template, as the server renders them.
 
 Times are `time.perf_counter()`; TTFT here is from `add_request` to the step that returned the
-request's first token.
+request's first token. An engine that speculates also reports what speculation did in the run
+(infer.bench.spec_decode, from the engine's counters before and after it).
 """
 
 import statistics
@@ -17,6 +18,7 @@ import time
 from collections import deque
 
 from infer.bench.serving.workloads import BenchRequest, Workload
+from infer.bench.spec_decode import spec_decode_from_engine_stats
 from infer.engine.engine import Engine
 from infer.engine.sampling_params import SamplingParams
 
@@ -35,6 +37,7 @@ def run_engine_only(engine: Engine, workload: Workload) -> dict:
     added_s: dict[str, float] = {}
     ttft_s: list[float] = []
     num_tokens = num_steps = 0
+    stats_before = engine.stats()
     start = time.perf_counter()
     while waiting or added_s:
         while waiting and len(added_s) < workload.concurrency:
@@ -55,6 +58,7 @@ def run_engine_only(engine: Engine, workload: Workload) -> dict:
             if output.finished:
                 del added_s[output.request_id]
     wall_s = time.perf_counter() - start
+    spec_decode = spec_decode_from_engine_stats(stats_before, engine.stats())
     return {
         "wall_s": wall_s,
         "output_tokens": num_tokens,
@@ -62,22 +66,32 @@ def run_engine_only(engine: Engine, workload: Workload) -> dict:
         "steps": num_steps,
         "ttft_p50_ms": 1e3 * statistics.median(ttft_s),
         "ttft_max_ms": 1e3 * max(ttft_s),
+        **({"spec_decode": spec_decode} if spec_decode is not None else {}),
     }
 
 
 def engine_only_markdown(workload: Workload, config: dict, runs: list[dict]) -> str:
+    speculates = any("spec_decode" in run for run in runs)
+    spec_header = " accept % | accepted len |" if speculates else ""
     lines = [
         f"## engine only: {workload.name}, {workload.num_requests} requests, "
         f"concurrency {workload.concurrency}",
         "",
         f"engine config: {config}",
         "",
-        "| run | out tok/s | wall (s) | output tokens | steps | TTFT p50 (ms) | TTFT max (ms) |",
-        "|---|---|---|---|---|---|---|",
+        "| run | out tok/s | wall (s) | output tokens | steps | TTFT p50 (ms) | TTFT max (ms) |"
+        + spec_header,
+        "|---|---|---|---|---|---|---|" + "---|" * (2 * speculates),
     ]
     for i, run in enumerate(runs):
+        spec = run.get("spec_decode")
+        spec_cells = (
+            f" {100 * spec['acceptance_rate']:.1f} | {spec['mean_accepted_length']:.2f} |"
+            if speculates
+            else ""
+        )
         lines.append(
             f"| {i} | {run['output_tokens_per_s']:.1f} | {run['wall_s']:.3f} | {run['output_tokens']} | "
-            f"{run['steps']} | {run['ttft_p50_ms']:.1f} | {run['ttft_max_ms']:.1f} |"
+            f"{run['steps']} | {run['ttft_p50_ms']:.1f} | {run['ttft_max_ms']:.1f} |" + spec_cells
         )
     return "\n".join(lines) + "\n"

@@ -276,6 +276,10 @@ def matrix_markdown(summary: dict) -> str:
         "workload", "conc", "config", "out tok/s", f"x {baseline_name}", "TTFT p50 (ms)", "TTFT p99 (ms)",
         f"TTFT p50 x {baseline_name}", "ITL p50 (ms)", "ITL p99 (ms)", "E2E p50 (ms)", "errors",
     ]  # fmt: skip
+    # Speculative decoding's columns, when some row's server speculated.
+    speculates = any(run["stats"].get("spec_decode") for run in summary["runs"])
+    if speculates:
+        header += ["accept %", "accepted len"]
     rows = []
     for workload, concurrency in dict.fromkeys(
         (run["workload"], run["concurrency"]) for run in summary["runs"]
@@ -292,7 +296,7 @@ def matrix_markdown(summary: dict) -> str:
                 _ratio(_get(stats["ttft_s"], "p50"), baseline and _get(baseline["ttft_s"], "p50")),
                 _ms(stats["itl_s"], "p50"), _ms(stats["itl_s"], "p99"), _ms(stats["e2e_s"], "p50"),
                 str(stats["num_errors"]),
-            ])  # fmt: skip
+            ] + (_spec_decode_cells(stats.get("spec_decode")) if speculates else []))  # fmt: skip
     settings = ", ".join(f"{key}={value}" for key, value in summary["settings"].items())
     failed = [f"- {f['row']} failed: {f['error'].splitlines()[0]}" for f in summary.get("failed_rows", [])]
     return (
@@ -308,6 +312,13 @@ def matrix_markdown(summary: dict) -> str:
         )
         + "\n"
     )
+
+
+def _spec_decode_cells(spec_decode: dict | None) -> list[str]:
+    """Acceptance (%) and mean accepted length; "-" for a row that did not speculate."""
+    if not spec_decode:
+        return ["-", "-"]
+    return [f"{100 * spec_decode['acceptance_rate']:.1f}", f"{spec_decode['mean_accepted_length']:.2f}"]
 
 
 def _get(summary: dict | None, key: str) -> float | None:
