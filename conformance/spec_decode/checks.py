@@ -90,7 +90,11 @@ class EngineRun:
 
 
 def greedy_identity(case: dict, impl: str | None) -> None:
-    run = engine_run(case)
+    assert_greedy_identity(engine_run(case))
+
+
+def assert_greedy_identity(run: EngineRun) -> None:
+    case = run.case
     for index, (got, plain, oracle) in enumerate(
         zip(run.tokens, run.plain_tokens, run.oracle_tokens, strict=True)
     ):
@@ -113,7 +117,10 @@ def greedy_identity(case: dict, impl: str | None) -> None:
 
 
 def no_kv_leak(case: dict, impl: str | None) -> None:
-    run = engine_run(case)
+    assert_no_kv_leak(engine_run(case))
+
+
+def assert_no_kv_leak(run: EngineRun) -> None:
     block_size, spare = run.block_size, math.ceil(run.num_speculative_tokens / run.block_size)
     assert run.leaked == [], f"blocks still lent once every request finished: {run.leaked}"
     if run.tree_blocks is None:
@@ -137,7 +144,7 @@ def no_kv_leak(case: dict, impl: str | None) -> None:
             assert running.num_computed_tokens == computed.get(running.request_id), (
                 f"step {step}: {running.request_id} runs from num_computed_tokens "
                 f"{running.num_computed_tokens}, but the previous verdicts left it "
-                f"{computed.get(running.request_id)} (rejected drafts not rolled back?)"
+                f"{computed.get(running.request_id)} (the rejected drafts rolled back wrong)"
             )
         for request_id, num_tokens in decision.num_scheduled_tokens.items():
             computed[request_id] += num_tokens
@@ -171,9 +178,19 @@ def no_kv_leak(case: dict, impl: str | None) -> None:
     assert kept_blocks_seen, "no request ever kept a rolled-back draft's block: the case does not test it"
 
 
+def engine_run(case: dict) -> EngineRun:
+    # Keyed without the id: SPEC-001 and SPEC-003 judge one run of the same case.
+    return _engine_run(json.dumps({k: v for k, v in case.items() if k != "id"}, sort_keys=True))
+
+
 @functools.cache
 def _engine_run(case_json: str) -> EngineRun:
-    case = json.loads(case_json)
+    return run_engine(json.loads(case_json))
+
+
+def run_engine(case: dict, scheduler_class: type[Scheduler] | None = None) -> EngineRun:
+    """The case with and without speculation, recorded; `scheduler_class` (a Scheduler subclass,
+    for the checks' own tests) replaces the speculating engine's scheduler's class."""
     model, oracle = _tiny_model(case["preset"])
     settings = {**ENGINE_BASE, **case["engine"]}
     prompts = _prompts(case, model, oracle)
@@ -183,6 +200,8 @@ def _engine_run(case_json: str) -> EngineRun:
     engine = Engine(
         EngineConfig(**settings, speculative_config=case["speculative_config"]), loaded_model=model
     )
+    if scheduler_class is not None:
+        engine.core.scheduler.__class__ = scheduler_class
     steps, num_cached = _spy(engine)
     tokens, all_prompts = _generate(engine, prompts, params, case.get("follow_up", False))
     scheduler, allocator = engine.core.scheduler, engine.core.kv_pool.allocator
@@ -206,11 +225,6 @@ def _engine_run(case_json: str) -> EngineRun:
         tree_blocks=None if tree is None else len(allocator.owned_by(TREE_OWNER)),
         tree_locked=0 if tree is None else tree.num_locked_blocks,
     )
-
-
-def engine_run(case: dict) -> EngineRun:
-    # Keyed without the id: SPEC-001 and SPEC-003 judge one run of the same case.
-    return _engine_run(json.dumps({k: v for k, v in case.items() if k != "id"}, sort_keys=True))
 
 
 def _generate(engine: Engine, prompts, params, follow_up: bool):
@@ -323,7 +337,8 @@ def lossless(case: dict, impl: str | None) -> None:
         torch.manual_seed(case["vocab_size"] * 10 + case["max_drafts"])
         target, draft = make_case(case["kind"], case["vocab_size"], case["max_drafts"])
         outputs, num_drafts, acceptance = run_sampler(target, draft, case["num_trials"], "cpu")
-    assert lossless_failures(outputs, num_drafts, target, acceptance) == []
+    failures = lossless_failures(outputs, num_drafts, target, acceptance)
+    assert not failures, "the emitted tokens are not the target's:\n" + "\n".join(failures)
 
 
 # -- the scheduler with drafts (SPEC-004) ---------------------------------------------------
@@ -367,7 +382,7 @@ class SpeculatingRunner:
             assert running.num_computed_tokens == row[1], (
                 f"step {step}: {running.request_id} runs from num_computed_tokens "
                 f"{running.num_computed_tokens}, the runner's row has {row[1]} tokens' K/V "
-                "(the rejected drafts were not rolled back)"
+                "(the rejected drafts rolled back wrong)"
             )
         sampled = []
         for request_id, num_tokens in decision.num_scheduled_tokens.items():
@@ -405,13 +420,28 @@ class SimStep:
     outputs_before: dict[str, int]
 
 
+@dataclass
+class DraftSimulation:
+    case: dict
+    speculative: SpeculativeConfig
+    scheduler: Scheduler
+    steps: list[SimStep]
+    max_tokens: dict[str, int]  # per request
+    outputs: dict[str, int]  # tokens each request got
+
+
 def draft_budget(case: dict, impl: str | None) -> None:
+    assert_draft_budget(simulate_drafts(case))
+
+
+def simulate_drafts(case: dict, scheduler_class: type[Scheduler] = Scheduler) -> DraftSimulation:
+    """Runs the case to the end with SpeculatingRunner; fails if requests remain after max_steps."""
     case = {**SIM_DEFAULTS, **case}
     speculative = SpeculativeConfig.from_dict(case["speculative_config"])
     allocator = BlockAllocator(case["kv_blocks"])
     tree = PrefixTree(allocator, case["block_size"]) if case.get("prefix_cache") else None
     limit = case.get("disable_by_batch_size")
-    scheduler = Scheduler(
+    scheduler = scheduler_class(
         kv_manager=KVCacheManager(allocator, case["block_size"], tree),
         max_seq_len=case["kv_blocks"] * case["block_size"],
         max_batch_size=case["max_batch_size"],
@@ -444,10 +474,16 @@ def draft_budget(case: dict, impl: str | None) -> None:
             break
     else:
         raise AssertionError(f"requests still run after max_steps={case['max_steps']} steps")
-
     max_tokens = {a.request_id: a.max_tokens for a in arrivals}
+    return DraftSimulation(case, speculative, scheduler, steps, max_tokens, dict(outputs))
+
+
+def assert_draft_budget(sim: DraftSimulation) -> None:
+    case, speculative, scheduler, max_tokens = sim.case, sim.speculative, sim.scheduler, sim.max_tokens
+    outputs, limit = sim.outputs, sim.case.get("disable_by_batch_size")
+    allocator = scheduler.kv_manager.allocator
     over_limit_seen = False
-    for sim_step in steps:
+    for sim_step in sim.steps:
         decision = sim_step.decision
         step = decision.step
         total = decision.total_num_scheduled_tokens
@@ -477,8 +513,8 @@ def draft_budget(case: dict, impl: str | None) -> None:
             )
             over_limit_seen |= len(decision.num_scheduled_tokens) > 0
     for request_id, expected in max_tokens.items():
-        assert outputs[request_id] == expected, (
-            f"{request_id} got {outputs[request_id]} tokens, max_new_tokens {expected}"
+        assert outputs.get(request_id, 0) == expected, (
+            f"{request_id} got {outputs.get(request_id, 0)} tokens, max_new_tokens {expected}"
         )
     counts = scheduler.spec_decode_counts
     assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens, (
@@ -492,5 +528,5 @@ def draft_budget(case: dict, impl: str | None) -> None:
     assert allocator.audit([TREE_OWNER]) == [], (
         f"blocks still lent at the end: {allocator.audit([TREE_OWNER])}"
     )
-    if tree is None:
+    if scheduler.kv_manager.prefix_tree is None:
         assert allocator.num_used == 0, f"{allocator.num_used} blocks used at the end"
