@@ -57,8 +57,7 @@ class StepLog:
     """One engine step as the spy saw it."""
 
     decision: ScheduleDecision
-    # Running requests when schedule() was called, and once it returned.
-    running_before: list[str]
+    # Running requests once schedule() returned.
     running_after: list[str]
     # Blocks each owner holds once schedule() returned, and once update() returned.
     owned_after_schedule: dict[str, list[int]]
@@ -107,7 +106,7 @@ def assert_greedy_identity(run: EngineRun) -> None:
     assert 0 < run.num_accepted < run.num_drafted, (
         f"{run.num_accepted} of {run.num_drafted} drafts accepted: the case must accept some and reject some"
     )
-    assert any(len(set(_accepted_per_row(step, run).values())) > 1 for step in run.steps), (
+    assert any(len(set(_accepted_per_row(step).values())) > 1 for step in run.steps), (
         "no step verified rows that accepted different numbers of drafts"
     )
     if case.get("expect_preemption"):
@@ -256,14 +255,8 @@ def _spy(engine: Engine) -> tuple[list[StepLog], dict[str, int]]:
     num_cached: dict[str, int] = {}
 
     def spied_schedule():
-        running_before = [r.request_id for r in scheduler.running]
         decision = schedule()
-        log = StepLog(
-            decision,
-            running_before,
-            [r.request_id for r in scheduler.running],
-            _blocks_by_owner(allocator),
-        )
+        log = StepLog(decision, [r.request_id for r in scheduler.running], _blocks_by_owner(allocator))
         steps.append(log)
         by_step[decision.step] = log
         return decision
@@ -284,7 +277,7 @@ def _spy(engine: Engine) -> tuple[list[StepLog], dict[str, int]]:
     return steps, num_cached
 
 
-def _accepted_per_row(log: StepLog, run: EngineRun) -> dict[str, int]:
+def _accepted_per_row(log: StepLog) -> dict[str, int]:
     """Drafts each verified row of the step accepted (its sampled tokens but the target's one)."""
     return {
         request_id: len(log.sampled.get(request_id, ())) - 1
