@@ -98,6 +98,7 @@ class _StepPlan:
     preempted: list[str] = field(default_factory=list)
     num_prefill_rows: int = 0
     spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    num_running_at_start: int = 0  # for disable_speculation_above
 
     def add(
         self, request: Request, num_tokens: int, new_block_ids: list[int], drafts: tuple[int, ...] = ()
@@ -291,7 +292,9 @@ class Scheduler:
     def schedule(self) -> ScheduleDecision:
         """Plans the next step: serves due decoders, then the policy's order (running requests and
         admission from the queue), taking blocks as it goes and preempting when they run out."""
-        plan = _StepPlan(step=self._next_step, budget=self.max_num_batched_tokens)
+        plan = _StepPlan(
+            step=self._next_step, budget=self.max_num_batched_tokens, num_running_at_start=len(self._running)
+        )
         self._next_step += 1
         # Static batching opens the door only to a whole new batch.
         may_admit = not (self.static_batches and self._running)
@@ -526,7 +529,7 @@ class Scheduler:
         if (self.proposer is None and not request.spec_token_ids) or request.num_pending_tokens:
             return ()
         above = self.disable_speculation_above
-        if above is not None and len(self._running) > above:
+        if above is not None and plan.num_running_at_start > above:
             return ()
         # The step emits up to K + 1 tokens, all within max_new_tokens.
         room = min(plan.budget - 1, request.max_new_tokens - request.num_output_tokens - 1)
