@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
 from conformance.engine_runs import run_to_completion, token_ids
@@ -115,12 +116,58 @@ def assert_greedy_identity(run: EngineRun) -> None:
         assert run.num_cached_tokens > 0, "the second wave reused nothing from the prefix cache"
 
 
+def greedy_identity_draft_model(case: dict, impl: str | None) -> None:
+    """SPEC-001's case with a draft model: a copy of the case's checkpoint whose weights carry
+    noise (its drafts are right where the target's choice is clear, wrong elsewhere)."""
+    model, _ = _tiny_model(case["preset"])
+    speculative = {
+        "method": "draft_model",
+        "model": str(_noisy_copy(model.path)),
+        "num_speculative_tokens": 3,
+    }
+    run = run_engine({**case, "speculative_config": speculative})
+    for index, (got, plain, oracle) in enumerate(
+        zip(run.tokens, run.plain_tokens, run.oracle_tokens, strict=True)
+    ):
+        first = _first_difference(got, oracle)
+        assert got == oracle == plain, (
+            f"request {index}: with the draft model, first difference from the recompute oracle at "
+            f"output {first}: {got[first : first + 5]} vs {oracle[first : first + 5]}"
+        )
+    # Verdicts of both kinds are the llama and qwen3 cases' (gemma3-tiny's greedy answers do not
+    # move with the noise: its draft is always right there).
+    assert 0 < run.num_accepted <= run.num_drafted, f"{run.num_accepted} of {run.num_drafted} drafts accepted"
+    if case["preset"] != "gemma3-tiny":
+        assert run.num_accepted < run.num_drafted, "the noisy draft's drafts were never rejected"
+    assert_no_kv_leak(run)
+
+
+@functools.cache
+def _noisy_copy(folder: Path) -> Path:
+    """The checkpoint in `folder` with Gaussian noise of 0.3 of each tensor's spread added."""
+    noisy = Path(tempfile.mkdtemp(prefix="spec-decode-draft-"))
+    atexit.register(shutil.rmtree, noisy, ignore_errors=True)
+    for path in Path(folder).iterdir():
+        shutil.copy(path, noisy / path.name)
+    weights = safetensors.torch.load_file(Path(folder) / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name, weight in weights.items():
+        weights[name] = weight + 0.3 * weight.std() * torch.randn(weight.shape, generator=generator)
+    safetensors.torch.save_file(weights, noisy / "model.safetensors", metadata={"format": "pt"})
+    return noisy
+
+
 def no_kv_leak(case: dict, impl: str | None) -> None:
     assert_no_kv_leak(engine_run(case))
 
 
 def assert_no_kv_leak(run: EngineRun) -> None:
-    block_size, spare = run.block_size, math.ceil(run.num_speculative_tokens / run.block_size)
+    # Rolled-back drafts' blocks stay the request's; a draft model also holds K positions of
+    # lookahead wherever a step samples.
+    speculative = SpeculativeConfig.from_dict(run.case["speculative_config"])
+    lookahead = speculative.num_speculative_tokens if speculative.method == "draft_model" else 0
+    block_size = run.block_size
+    spare = math.ceil((run.num_speculative_tokens + lookahead) / block_size)
     assert run.leaked == [], f"blocks still lent once every request finished: {run.leaked}"
     if run.tree_blocks is None:
         assert run.num_used == 0, f"no prefix cache, yet {run.num_used} blocks are used at the end"
@@ -153,7 +200,7 @@ def assert_no_kv_leak(run: EngineRun) -> None:
             assert needed <= held <= needed + spare, (
                 f"step {step}, after schedule(): {request_id} holds {held} blocks for "
                 f"{computed[request_id]} computed and scheduled tokens ({needed} blocks of "
-                f"{block_size}, at most {spare} more for rolled-back drafts)"
+                f"{block_size}, at most {spare} more for rolled-back drafts and lookahead)"
             )
         for request_id, sampled in log.sampled.items():
             drafts = decision.spec_token_ids.get(request_id, ())
@@ -171,7 +218,7 @@ def assert_no_kv_leak(run: EngineRun) -> None:
             assert needed <= held <= needed + spare, (
                 f"step {step}, after update(): {request_id} holds {held} blocks for {num_computed} "
                 f"computed tokens ({needed} blocks of {block_size}, at most {spare} more for "
-                "rolled-back drafts)"
+                "rolled-back drafts and lookahead)"
             )
             kept_blocks_seen |= held > needed
     assert kept_blocks_seen, "no request ever kept a rolled-back draft's block: the case does not test it"
