@@ -264,3 +264,23 @@ def test_each_draft_is_the_draft_models_own_greedy_continuation(tiny_models, dra
     greedy = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
     for known, drafts in proposals:
         assert list(drafts) == draft_oracle.generate(known, greedy).token_ids
+
+
+def test_a_draft_model_drafts_no_position_past_max_seq_len(tiny_models, drafts_of_llama_tiny):
+    """Requests that end at max_seq_len exactly: the draft's lookahead and its decode steps stop
+    at the last position a sequence may have."""
+    tiny = tiny_models["llama-tiny"]
+    prompts = looping_prompts(tiny, 2)
+    speculative = {
+        "method": "draft_model",
+        "model": drafts_of_llama_tiny["itself"],
+        "num_speculative_tokens": 4,
+    }
+    max_seq_len = max(len(prompt) for prompt in prompts) + 9
+    engine = make_engine(tiny, max_seq_len=max_seq_len, block_size=1, speculative_config=speculative)
+    for prompt in prompts:
+        params = SamplingParams(temperature=0, max_new_tokens=max_seq_len - len(prompt), ignore_eos=True)
+        request_id = engine.add_request(prompt, params)
+        outputs = run_to_completion(engine)[request_id]
+        assert token_ids(outputs) == tiny.oracle.generate(prompt, params).token_ids
+    assert engine.core.scheduler.spec_decode_counts.num_accepted_tokens > 0

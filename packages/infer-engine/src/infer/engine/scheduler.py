@@ -500,14 +500,14 @@ class Scheduler:
         if num_tokens == 0:
             return
         drafts = self._drafts(request, plan) if num_tokens == 1 else ()
-        lookahead = self._lookahead(request, num_tokens)
         # Drafts only where their blocks are free: speculation never preempts anyone.
-        if (
-            drafts
-            and (new_block_ids := self.kv_manager.allocate(request, 1 + len(drafts), lookahead)) is not None
-        ):
-            plan.add(request, 1 + len(drafts), new_block_ids, drafts)
-            return
+        if drafts:
+            with_drafts = 1 + len(drafts)
+            lookahead = self._lookahead(request, with_drafts, len(drafts))
+            if (new_block_ids := self.kv_manager.allocate(request, with_drafts, lookahead)) is not None:
+                plan.add(request, with_drafts, new_block_ids, drafts)
+                return
+        lookahead = self._lookahead(request, num_tokens)
         while (new_block_ids := self.kv_manager.allocate(request, num_tokens, lookahead)) is None:
             victim = self._preemption_victim(request, plan)
             if victim is None:
@@ -517,10 +517,14 @@ class Scheduler:
                 return
         plan.add(request, num_tokens, new_block_ids)
 
-    def _lookahead(self, request: Request, num_tokens: int) -> int:
-        """Positions past the step to hold blocks for: the draft model's, where the step samples."""
-        samples = request.num_computed_tokens + num_tokens == request.num_tokens
-        return self.num_lookahead_tokens if samples else 0
+    def _lookahead(self, request: Request, num_tokens: int, num_drafts: int = 0) -> int:
+        """Positions past the step (its `num_tokens`, `num_drafts` of them drafts) to hold blocks
+        for: the draft model's, where the step samples, up to the last position a sequence may
+        have."""
+        end = request.num_computed_tokens + num_tokens
+        if end - num_drafts != request.num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.max_seq_len - end))
 
     def _drafts(self, request: Request, plan: _StepPlan) -> tuple[int, ...]:
         """The proposer's draft tokens for a request about to decode its last token: as many as

@@ -62,17 +62,24 @@ class DraftModelProposer:
         ]
         drafts = self._catch_up(batch, request_ids, rows, starts, known)
         proposals = [[token] for token in drafts]
+        # Draft j sits at position known - 1 + j: none past the last position a sequence may have.
+        wanted = [min(self.num_speculative_tokens, self.runner.max_seq_len - length) for length in known]
         for step in range(1, self.num_speculative_tokens):
-            # Draft `step` sits at position known - 1 + step.
-            positions = [length - 1 + step for length in known]
-            tokens = self._decode(batch, rows, [proposal[-1] for proposal in proposals], positions)
-            for proposal, token in zip(proposals, tokens, strict=True):
-                proposal.append(token)
-        for request_id, length in zip(request_ids, known, strict=True):
-            # Computed now: every known token and drafts 1..K-1 (fed back, at known .. known+K-2).
-            self._computed[request_id] = length + self.num_speculative_tokens - 1
+            active = [i for i, count in enumerate(wanted) if step < count]
+            if not active:
+                break
+            positions = [known[i] - 1 + step for i in active]
+            tokens = self._decode(
+                batch, [rows[i] for i in active], [proposals[i][-1] for i in active], positions
+            )
+            for i, token in zip(active, tokens, strict=True):
+                proposals[i].append(token)
+        for request_id, length, proposal in zip(request_ids, known, proposals, strict=True):
+            # Computed now: every known token and the drafts fed back (at known .. known + k - 2).
+            self._computed[request_id] = length + len(proposal) - 1
         return {
-            request_id: tuple(proposal) for request_id, proposal in zip(request_ids, proposals, strict=True)
+            request_id: tuple(proposal[: max(0, count)])
+            for request_id, proposal, count in zip(request_ids, proposals, wanted, strict=True)
         }
 
     def _catch_up(self, batch, request_ids, rows, starts, known) -> list[int]:
