@@ -124,10 +124,6 @@ def test_speculation_turns_async_scheduling_off_and_the_line_says_so():
         ),
         ({"method": "ngram", "num_speculative_tokens": 2, "eagle": 1}, r"unknown keys \['eagle'\]"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, r"speculative_config.model .* is required"),
-        (
-            {"method": "draft_model", "num_speculative_tokens": 2, "model": "x"},
-            r'"draft_model" is not implemented yet',
-        ),
         ("ngram", r"speculative_config must be a mapping"),
     ],
 )
