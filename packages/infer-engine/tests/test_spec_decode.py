@@ -2,6 +2,7 @@
 batching, no speculation): greedy tokens must be identical with speculation on, in every mode;
 the KV blocks of rejected drafts must come back; a step never runs more than its token budget."""
 
+import json
 import shutil
 
 import pytest
@@ -284,3 +285,16 @@ def test_a_draft_model_drafts_no_position_past_max_seq_len(tiny_models, drafts_o
         outputs = run_to_completion(engine)[request_id]
         assert token_ids(outputs) == tiny.oracle.generate(prompt, params).token_ids
     assert engine.core.scheduler.spec_decode_counts.num_accepted_tokens > 0
+
+
+def test_a_draft_model_with_fewer_positions_than_max_seq_len_is_refused(tiny_models, tmp_path):
+    """A draft that could not place the drafts of a long request (its RoPE tables end sooner)."""
+    target = tiny_models["llama-tiny"]
+    short = tmp_path / "short-draft"
+    shutil.copytree(target.loaded.path, short)
+    config = json.loads((short / "config.json").read_text())
+    config["max_position_embeddings"] = 64
+    (short / "config.json").write_text(json.dumps(config))
+    speculative = {"method": "draft_model", "model": str(short), "num_speculative_tokens": 2}
+    with pytest.raises(EngineConfigError, match=r"holds 64 positions, fewer than max_seq_len \(160\)"):
+        make_engine(target, speculative_config=speculative)

@@ -98,7 +98,7 @@ def build_engine_parts(config: EngineConfig, loaded_model=None) -> EngineParts:
         device, config.use_triton_gemv, config.use_pdl, config.use_native_cpu_kernels
     )
     shape = _kv_cache_shape(config, model, max_seq_len)
-    draft = _load_draft_model(config, loaded_model, device)
+    draft = _load_draft_model(config, loaded_model, device, max_seq_len)
     draft_shape = _kv_cache_shape(config, draft.model, max_seq_len) if draft is not None else None
     kv_pool = _build_kv_pool(
         config,
@@ -227,9 +227,10 @@ def limit_device_memory(config: EngineConfig, device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), index)
 
 
-def _load_draft_model(config: EngineConfig, loaded_model, device: torch.device):
+def _load_draft_model(config: EngineConfig, loaded_model, device: torch.device, max_seq_len: int):
     """The draft model of speculative_config (method draft_model), loaded as the target is; None
-    for another method. Refused unless it shares the target's vocabulary."""
+    for another method. Refused unless it shares the target's vocabulary and holds max_seq_len
+    positions."""
     speculative = config.speculative
     if speculative is None or speculative.method != "draft_model":
         return None
@@ -245,6 +246,12 @@ def _load_draft_model(config: EngineConfig, loaded_model, device: torch.device):
             f"speculative_config.model {speculative.model!r} does not share the target's vocabulary "
             f"({draft.model.config.vocab_size} ids, the target {loaded_model.model.config.vocab_size}); "
             "a draft model must use the target's tokenizer"
+        )
+    if draft.model.config.max_position_embeddings < max_seq_len:
+        raise EngineConfigError(
+            f"speculative_config.model {speculative.model!r} holds "
+            f"{draft.model.config.max_position_embeddings} positions, fewer than max_seq_len "
+            f"({max_seq_len}); lower max_seq_len"
         )
     logger.info("draft model: %s", draft.path)
     return draft
