@@ -181,7 +181,6 @@ class InputBatch:
         rows = np.array([self.states[rid].row for rid in request_ids], dtype=np.int64)
         starts = np.array(row_starts, dtype=np.int64)
         ends = np.array(row_ends, dtype=np.int64)
-        counts = ends - starts
         if np.any(ends > self.num_tokens[rows]):
             bad = sorted(
                 {
@@ -191,27 +190,52 @@ class InputBatch:
                 }
             )
             raise ValueError(f"requests {bad} are scheduled past their known tokens")
-        cu = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu[1:])
-        token_rows = np.repeat(rows, counts)
-        positions = np.repeat(starts, counts) + (np.arange(cu[-1]) - np.repeat(cu[:-1], counts))
-        blocks = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
         samples = ends == self.num_tokens[rows]
         if spec:
             samples |= np.array([rid in spec for rid in request_ids])
         sampling_rows = np.nonzero(samples)[0]
         sampling_ids = list(dict.fromkeys(request_ids[row] for row in sampling_rows))
-        drafts = tuple(spec.get(rid, ()) for rid in sampling_ids) if spec else ()
+        return self.step_inputs(
+            request_ids,
+            starts,
+            ends,
+            num_decode_rows=len(request_ids) - len(other_ids),
+            sampling_rows=sampling_rows,
+            drafts=tuple(spec.get(rid, ()) for rid in sampling_ids) if spec else (),
+        )
+
+    def step_inputs(
+        self,
+        request_ids: list[str],
+        starts: np.ndarray,
+        ends: np.ndarray,
+        *,
+        num_decode_rows: int,
+        sampling_rows: np.ndarray,
+        input_ids: np.ndarray | None = None,
+        drafts: tuple[tuple[int, ...], ...] = (),
+    ) -> StepInputs:
+        """A step's flat arrays for rows of these requests (a request may have several), row i
+        running positions starts[i]..ends[i] - 1 with the request's own block table, decode rows
+        first. `input_ids`: the tokens to run (None: the rows' own tokens at those positions; a
+        draft model's proposer feeds its drafts)."""
+        rows = np.array([self.states[rid].row for rid in request_ids], dtype=np.int64)
+        counts = ends - starts
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        token_rows = np.repeat(rows, counts)
+        positions = np.repeat(starts, counts) + (np.arange(cu[-1]) - np.repeat(cu[:-1], counts))
+        blocks = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
         width = int(self.num_blocks[rows].max())
         return StepInputs(
             request_ids=request_ids,
-            input_ids=self.token_ids[token_rows, positions],
+            input_ids=self.token_ids[token_rows, positions] if input_ids is None else input_ids,
             positions=positions,
             slot_mapping=blocks * self.block_size + positions % self.block_size,
             query_start_loc=cu.astype(np.int32),
             seq_lens=ends.astype(np.int32),
             block_tables=self.block_table[rows, :width],
-            num_decode_rows=len(request_ids) - len(other_ids),
+            num_decode_rows=num_decode_rows,
             sampling_rows=sampling_rows.tolist(),
             logits_indices=cu[1:][sampling_rows] - 1,
             drafts=drafts,

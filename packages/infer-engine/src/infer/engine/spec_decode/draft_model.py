@@ -53,14 +53,13 @@ class DraftModelProposer:
         request_ids = [request_id for request_id in request_ids if request_id in batch]
         if not request_ids:
             return {}
-        rows = [batch.states[request_id].row for request_id in request_ids]
-        known = [int(batch.num_tokens[row]) for row in rows]
+        known = [int(batch.num_tokens[batch.states[request_id].row]) for request_id in request_ids]
         # The last known token is always fed: its logits give the first draft.
         starts = [
             min(self._computed.get(request_id, 0), length - 1)
             for request_id, length in zip(request_ids, known, strict=True)
         ]
-        drafts = self._catch_up(batch, request_ids, rows, starts, known)
+        drafts = self._catch_up(batch, request_ids, starts, known)
         proposals = [[token] for token in drafts]
         # Draft j sits at position known - 1 + j: none past the last position a sequence may have.
         wanted = [min(self.num_speculative_tokens, self.runner.max_seq_len - length) for length in known]
@@ -70,7 +69,7 @@ class DraftModelProposer:
                 break
             positions = [known[i] - 1 + step for i in active]
             tokens = self._decode(
-                batch, [rows[i] for i in active], [proposals[i][-1] for i in active], positions
+                batch, [request_ids[i] for i in active], [proposals[i][-1] for i in active], positions
             )
             for i, token in zip(active, tokens, strict=True):
                 proposals[i].append(token)
@@ -82,66 +81,36 @@ class DraftModelProposer:
             for request_id, proposal, count in zip(request_ids, proposals, wanted, strict=True)
         }
 
-    def _catch_up(self, batch, request_ids, rows, starts, known) -> list[int]:
+    def _catch_up(self, batch: InputBatch, request_ids, starts, known) -> list[int]:
         """One forward over each request's uncomputed tokens; the argmax at its last token."""
         # Decode rows (one token) first, as every step's rows are ordered.
-        order = sorted(range(len(rows)), key=lambda i: known[i] - starts[i] != 1)
-        row_ids = [rows[i] for i in order]
-        counts = np.array([known[i] - starts[i] for i in order], dtype=np.int64)
-        starts_in_order = np.array([starts[i] for i in order], dtype=np.int64)
-        ends = starts_in_order + counts
-        cu = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu[1:])
-        token_rows = np.repeat(np.array(row_ids, dtype=np.int64), counts)
-        positions = np.repeat(starts_in_order, counts) + (np.arange(cu[-1]) - np.repeat(cu[:-1], counts))
-        step = self._step(
-            batch,
+        order = sorted(range(len(request_ids)), key=lambda i: known[i] - starts[i] != 1)
+        step_starts = np.array([starts[i] for i in order], dtype=np.int64)
+        step_ends = np.array([known[i] for i in order], dtype=np.int64)
+        step = batch.step_inputs(
             [request_ids[i] for i in order],
-            row_ids,
-            batch.token_ids[token_rows, positions],
-            positions,
-            cu,
-            ends,
-            num_decode_rows=int((counts == 1).sum()),
+            step_starts,
+            step_ends,
+            num_decode_rows=int((step_ends - step_starts == 1).sum()),
+            sampling_rows=np.arange(len(order)),
         )
-        tokens = self._argmax(step)
-        drafts = [0] * len(rows)
-        for index, token in zip(order, tokens, strict=True):
+        drafts = [0] * len(request_ids)
+        for index, token in zip(order, self._argmax(step), strict=True):
             drafts[index] = token
         return drafts
 
-    def _decode(self, batch, rows, tokens, positions) -> list[int]:
+    def _decode(self, batch: InputBatch, request_ids, tokens, positions) -> list[int]:
+        """One decode step: each request's `tokens` fed at its `positions`."""
         positions = np.array(positions, dtype=np.int64)
-        step = self._step(
-            batch,
-            [f"draft-{row}" for row in rows],
-            rows,
-            np.array(tokens, dtype=np.int64),
+        step = batch.step_inputs(
+            list(request_ids),
             positions,
-            np.arange(len(rows) + 1, dtype=np.int64),
             positions + 1,
-            num_decode_rows=len(rows),
+            num_decode_rows=len(request_ids),
+            sampling_rows=np.arange(len(request_ids)),
+            input_ids=np.array(tokens, dtype=np.int64),
         )
         return self._argmax(step)
-
-    def _step(self, batch: InputBatch, request_ids, rows, input_ids, positions, cu, ends, *, num_decode_rows):
-        rows = np.array(rows, dtype=np.int64)
-        token_rows = np.repeat(rows, np.diff(cu))
-        block_size = batch.block_size
-        blocks = batch.block_table[token_rows, positions // block_size].astype(np.int64)
-        width = int(batch.num_blocks[rows].max())
-        return StepInputs(
-            request_ids=list(request_ids),
-            input_ids=input_ids,
-            positions=positions,
-            slot_mapping=blocks * block_size + positions % block_size,
-            query_start_loc=cu.astype(np.int32),
-            seq_lens=ends.astype(np.int32),
-            block_tables=batch.block_table[rows, :width],
-            num_decode_rows=num_decode_rows,
-            sampling_rows=list(range(len(rows))),
-            logits_indices=cu[1:] - 1,
-        )
 
     def _argmax(self, step: StepInputs) -> list[int]:
         return self.runner.draft_logits(step).argmax(dim=-1).tolist()
