@@ -122,7 +122,7 @@ def greedy_identity_draft_model(case: dict, impl: str | None) -> None:
     model, _ = _tiny_model(case["preset"])
     speculative = {
         "method": "draft_model",
-        "model": str(_noisy_copy(model.path)),
+        "model": str(noisy_copy(model.path)),
         "num_speculative_tokens": 3,
     }
     run = run_engine({**case, "speculative_config": speculative})
@@ -143,8 +143,9 @@ def greedy_identity_draft_model(case: dict, impl: str | None) -> None:
 
 
 @functools.cache
-def _noisy_copy(folder: Path) -> Path:
-    """The checkpoint in `folder` with Gaussian noise of 0.3 of each tensor's spread added."""
+def noisy_copy(folder: Path) -> Path:
+    """The checkpoint in `folder` with Gaussian noise of 0.3 of each tensor's spread added: a
+    draft model whose drafts are right where the target's choice is clear, wrong elsewhere."""
     noisy = Path(tempfile.mkdtemp(prefix="spec-decode-draft-"))
     atexit.register(shutil.rmtree, noisy, ignore_errors=True)
     for path in Path(folder).iterdir():

@@ -6,11 +6,11 @@ import json
 import shutil
 
 import pytest
-import safetensors.torch
 import torch
 
 from conformance.engine_runs import run_to_completion, token_ids
 from conformance.oracles import RecomputeOracle
+from conformance.spec_decode.checks import noisy_copy
 from infer.cache.prefix_tree import TREE_OWNER
 from infer.engine.config import EngineConfig, EngineConfigError
 from infer.engine.engine import Engine
@@ -178,19 +178,11 @@ def test_logprobs_with_speculation_are_those_of_the_tokens_without_it(tiny_model
 
 
 @pytest.fixture(scope="module")
-def drafts_of_llama_tiny(tiny_checkpoints, tmp_path_factory) -> dict[str, str]:
+def drafts_of_llama_tiny(tiny_checkpoints) -> dict[str, str]:
     """Draft models for llama-tiny: itself (every greedy draft right), and a copy whose weights
-    carry noise (its drafts are right where the target's choice is clear, wrong elsewhere)."""
+    carry noise (conformance.spec_decode's)."""
     target = tiny_checkpoints["llama-tiny"]
-    noisy = tmp_path_factory.mktemp("noisy-draft")
-    for path in target.iterdir():
-        shutil.copy(path, noisy / path.name)
-    weights = safetensors.torch.load_file(target / "model.safetensors")
-    generator = torch.Generator().manual_seed(0)
-    for name, weight in weights.items():
-        weights[name] = weight + 0.3 * weight.std() * torch.randn(weight.shape, generator=generator)
-    safetensors.torch.save_file(weights, noisy / "model.safetensors", metadata={"format": "pt"})
-    return {"itself": str(target), "noisy": str(noisy)}
+    return {"itself": str(target), "noisy": str(noisy_copy(target))}
 
 
 @pytest.mark.parametrize("mode", MODES)
