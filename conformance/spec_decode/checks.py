@@ -124,6 +124,8 @@ def greedy_identity_draft_model(case: dict, impl: str | None) -> None:
         "method": "draft_model",
         "model": str(noisy_copy(model.path)),
         "num_speculative_tokens": 3,
+        # Every step speculates: the back-off would sit out a case's rejections.
+        "min_acceptance_rate": 0,
     }
     run = run_engine({**case, "speculative_config": speculative})
     for index, (got, plain, oracle) in enumerate(

@@ -98,18 +98,18 @@ def test_a_flag_set_to_false_turns_a_default_off():
     assert from_cli_args(parser.parse_args(["--use-cuda-graphs"])).use_cuda_graphs is True
 
 
-def test_speculation_turns_async_scheduling_off_and_the_line_says_so():
-    """A step's drafts come from the tokens the step before sampled, which async scheduling has
-    not read when it plans: on CUDA the auto setting is off, and an explicit true is refused."""
-    speculative = {"method": "ngram", "num_speculative_tokens": 4}
+def test_speculation_keeps_async_scheduling_and_the_line_names_it_and_its_back_off():
+    """The engine overlaps every step but those before a step that may verify drafts
+    (EngineCore.step), so async scheduling stays on with speculation."""
+    speculative = {"method": "draft_model", "model": "smollm2-135m-instruct", "num_speculative_tokens": 4}
     resolved = resolve(EngineConfig(speculative_config=speculative), cuda_capability=HOPPER)
-    assert resolved.config.async_scheduling is False and resolved.config.use_cuda_graphs is True
-    assert resolved.off_reasons == {"async_scheduling": "speculative decoding"}
+    assert resolved.config.async_scheduling is True and resolved.config.use_cuda_graphs is True
+    assert "async_scheduling" not in resolved.off_reasons
     line = resolved.describe()
-    assert "off: async scheduling (speculative decoding)" in line
-    assert "speculative decoding: ngram, 4 draft tokens" in line
-    with pytest.raises(EngineConfigError, match="speculative_config needs async_scheduling=False"):
-        EngineConfig(speculative_config=speculative, async_scheduling=True)
+    assert "speculative decoding: draft_model, 4 draft tokens, backing off below 0.3 kept" in line
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    line = resolve(EngineConfig(speculative_config=ngram), cuda_capability=HOPPER).describe()
+    assert "speculative decoding: ngram, 3 draft tokens" in line and "backing off" not in line
 
 
 @pytest.mark.parametrize(
@@ -125,6 +125,10 @@ def test_speculation_turns_async_scheduling_off_and_the_line_says_so():
         ({"method": "ngram", "num_speculative_tokens": 2, "eagle": 1}, r"unknown keys \['eagle'\]"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, r"speculative_config.model .* is required"),
         ("ngram", r"speculative_config must be a mapping"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 1.5},
+            r"speculative_config.min_acceptance_rate must be a number in \[0, 1\), got 1.5",
+        ),
     ],
 )
 def test_a_speculative_config_is_checked_at_construction_naming_its_key(given, message):

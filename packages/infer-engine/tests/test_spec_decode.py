@@ -15,7 +15,9 @@ from infer.cache.prefix_tree import TREE_OWNER
 from infer.engine.config import EngineConfig, EngineConfigError
 from infer.engine.engine import Engine
 from infer.engine.sampling_params import SamplingParams
+from infer.engine.spec_decode import SpecDecodeCounts
 from infer.models.load import load_model
+from infer.models.random_checkpoint import make_random_checkpoint
 
 from .test_engine import random_prompts
 
@@ -193,7 +195,13 @@ def test_a_draft_model_keeps_every_greedy_token_of_the_recompute_oracle(
     tiny = tiny_models["llama-tiny"]
     prompts = looping_prompts(tiny, 3) + random_prompts([30, 45], tiny.loaded.config.vocab_size, seed=4)
     params = SamplingParams(temperature=0, max_new_tokens=NUM_TOKENS, ignore_eos=True)
-    speculative = {"method": "draft_model", "model": drafts_of_llama_tiny[draft], "num_speculative_tokens": 3}
+    # Every step speculates (no back-off): verdicts of every kind in every mode.
+    speculative = {
+        "method": "draft_model",
+        "model": drafts_of_llama_tiny[draft],
+        "num_speculative_tokens": 3,
+        "min_acceptance_rate": 0,
+    }
     engine = make_engine(tiny, speculative_config=speculative, **MODES[mode])
     ids = [engine.add_request(prompt, params) for prompt in prompts]
     outputs = run_to_completion(engine)
@@ -257,6 +265,83 @@ def test_each_draft_is_the_draft_models_own_greedy_continuation(tiny_models, dra
     greedy = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
     for known, drafts in proposals:
         assert list(drafts) == draft_oracle.generate(known, greedy).token_ids
+
+
+def test_a_draft_model_that_is_never_right_backs_off_and_keeps_the_oracles_tokens(tiny_models, tmp_path):
+    """The automatic back-off: a draft model unlike its target (another random checkpoint, whose
+    greedy drafts the target almost never keeps) runs and is verified on a few steps, then on
+    ever fewer; with min_acceptance_rate 0, before every step. Its K/V stays right across the
+    steps it sits out (each probe catches up): the tokens are the oracle's either way."""
+    tiny = tiny_models["llama-tiny"]
+    stranger = make_random_checkpoint("llama-tiny", tmp_path / "stranger", seed=1, dtype=torch.float32)
+    prompts = random_prompts([20, 30], tiny.loaded.config.vocab_size, seed=5)
+    params = SamplingParams(temperature=0, max_new_tokens=120, ignore_eos=True)
+
+    def run(**settings) -> tuple[int, SpecDecodeCounts]:
+        speculative = {"method": "draft_model", "model": str(stranger), "num_speculative_tokens": 3}
+        engine = make_engine(tiny, speculative_config={**speculative, **settings})
+        proposer = engine.core.runner.draft
+        propose = proposer.propose
+        num_proposals = 0
+
+        def counting_propose(batch, request_ids):
+            nonlocal num_proposals
+            num_proposals += len(request_ids)
+            return propose(batch, request_ids)
+
+        proposer.propose = counting_propose
+        ids = [engine.add_request(prompt, params) for prompt in prompts]
+        outputs = run_to_completion(engine)
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            assert token_ids(outputs[request_id]) == tiny.oracle.generate(prompt, params).token_ids
+        return num_proposals, engine.core.scheduler.spec_decode_counts
+
+    every_step_proposals, every_step = run(min_acceptance_rate=0)
+    backed_off_proposals, backed_off = run()
+    # The premise: the stranger's drafts are almost all rejected, and without the back-off
+    # nearly every one of the ~120 steps verifies both rows.
+    assert every_step.acceptance_rate < 0.1 and every_step.num_verified_rows > 200, every_step
+    # With it, the draft runs for a few rows only, and some of them after the back-off began (its
+    # probes): after the first failing step, every 2nd, 4th, ... up to 64th step.
+    assert backed_off_proposals < every_step_proposals / 8
+    assert 4 < backed_off.num_verified_rows < every_step.num_verified_rows / 8, backed_off
+
+
+@pytest.mark.parametrize("draft", ["itself", "noisy", "stranger"])
+def test_with_async_scheduling_steps_overlap_except_before_a_step_that_verifies_drafts(
+    tiny_models, drafts_of_llama_tiny, draft, tmp_path
+):
+    """Async scheduling with a draft model: a step launches while the one before it runs, but
+    never while a step whose drafts it would verify (or draft from) is unread; the tokens are the
+    oracle's. A stranger (another random checkpoint) backs off, and then most steps overlap."""
+    tiny = tiny_models["llama-tiny"]
+    drafts = {**drafts_of_llama_tiny}
+    drafts["stranger"] = str(
+        make_random_checkpoint("llama-tiny", tmp_path / "s", seed=1, dtype=torch.float32)
+    )
+    prompts = looping_prompts(tiny, 3) + random_prompts([30, 45], tiny.loaded.config.vocab_size, seed=4)
+    params = SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True)
+    speculative = {"method": "draft_model", "model": drafts[draft], "num_speculative_tokens": 3}
+    engine = make_engine(tiny, speculative_config=speculative, async_scheduling=True, max_seq_len=256)
+    runner = engine.core.runner
+    launch = runner.launch
+    overlapped = []
+
+    def recording_launch(decision):
+        overlapped.append(bool(runner._launched))
+        return launch(decision)
+
+    runner.launch = recording_launch
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    outputs = run_to_completion(engine)
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        assert token_ids(outputs[request_id]) == tiny.oracle.generate(prompt, params).token_ids, request_id
+    counts = engine.core.scheduler.spec_decode_counts
+    assert counts.num_verified_rows > 0
+    if draft == "stranger":
+        assert sum(overlapped) > len(overlapped) / 2, (sum(overlapped), len(overlapped))
+    else:  # drafts good enough to keep speculating: every step verifies or drafts
+        assert counts.num_accepted_tokens > 0
 
 
 def test_a_draft_model_drafts_no_position_past_max_seq_len(tiny_models, drafts_of_llama_tiny):

@@ -318,13 +318,6 @@ class EngineConfig:
             SpeculativeConfig.from_dict(self.speculative_config)
         except SpeculativeConfigError as error:
             raise EngineConfigError(str(error)) from None
-        if self.async_scheduling:
-            # A step's drafts come from the tokens the previous step sampled, which async
-            # scheduling has not read yet when it plans the step.
-            raise EngineConfigError(
-                "speculative_config needs async_scheduling=False: a step's drafts are proposed from "
-                "the tokens the previous step sampled"
-            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], *, source: str = "the config") -> "EngineConfig":

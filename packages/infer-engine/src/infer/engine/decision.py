@@ -73,6 +73,10 @@ class ScheduleDecision:
     # Speculative decoding: the draft tokens a decoding request runs after its last token (its
     # num_scheduled_tokens is 1 + K). The runner verifies them and samples 1..K + 1 tokens.
     spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # With a draft model: the requests it drafts for after this step, of those the step samples
+    # (None: all of them); only those the next step may verify (the scheduler's back-off, and
+    # disable_by_batch_size), so that its forwards run only for drafts that will be verified.
+    draft_request_ids: frozenset[str] | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -65,7 +65,11 @@ class ResolvedConfig:
         speculative = config.speculative
         if speculative is not None:
             drafts = speculative.num_speculative_tokens
-            parts.append(f"speculative decoding: {speculative.method}, {drafts} draft tokens")
+            backoff = speculative.min_acceptance_rate
+            parts.append(
+                f"speculative decoding: {speculative.method}, {drafts} draft tokens"
+                + (f", backing off below {backoff:g} kept" if backoff > 0 else "")
+            )
         if off:
             parts.append(f"off: {'; '.join(off)}")
         return " | ".join(parts)
@@ -111,11 +115,7 @@ def resolve(config: EngineConfig, *, cuda_capability: tuple[int, int] | None) ->
             (not on_cuda, "CPU"), (not continuous, "static batching"), (not paged, "contiguous KV")
         ),
     )
-    speculating = config.speculative_config is not None
-    automatic["async_scheduling"] = (
-        on_cuda and not speculating,
-        _first_reason((not on_cuda, "CPU"), (speculating, "speculative decoding")),
-    )
+    automatic["async_scheduling"] = (on_cuda, "CPU")
     measured = capability is not None and capability >= MEASURED_CAPABILITY
     unmeasured = (
         "CPU" if capability is None else f"not measured on compute capability {capability[0]}.{capability[1]}"

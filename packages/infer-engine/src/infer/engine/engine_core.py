@@ -120,9 +120,11 @@ class EngineCore:
             self._launched.append(decision)
         except Exception as error:  # noqa: BLE001 - a failed forward fails its step's requests, not the engine
             outputs += self.scheduler.fail(decision, error)
-        # Async scheduling leaves the latest step running while it has work; otherwise, and to
-        # drain, every launched step is collected.
-        outputs += self._collect(keep=1 if self.config.async_scheduling and not decision.is_empty else 0)
+        # Async scheduling leaves the latest step running while it has work; otherwise, to drain,
+        # and around speculation (the next step's drafts continue this step's tokens; a verdict
+        # decides how many tokens a request has), every launched step is collected.
+        overlap = not decision.is_empty and not self.scheduler.speculates_after(decision)
+        outputs += self._collect(keep=1 if self.config.async_scheduling and overlap else 0)
         for observer in self.observers:
             outputs = observer.on_step(decision, outputs, started)
         return EngineOutputs(outputs, self.stats())

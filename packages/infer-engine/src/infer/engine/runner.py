@@ -84,6 +84,8 @@ class StepLaunch:
     # Speculative decoding: per sampling request, the draft tokens it verifies (() for none);
     # empty when no request verifies drafts (then sampling_ids are sampling rows).
     drafts: tuple[tuple[int, ...], ...] = ()
+    # ScheduleDecision.draft_request_ids: whom a draft model drafts for once the step is collected.
+    draft_request_ids: frozenset[str] | None = None
 
 
 @dataclass
@@ -100,6 +102,7 @@ class _LaunchedStep:
     token_ids: list[int] | None = None
     # Set when a sampling row asked for logprobs.
     logprobs: _LaunchedLogprobs | None = None
+    draft_request_ids: frozenset[str] | None = None  # StepLaunch's
 
 
 class ModelRunner:
@@ -241,7 +244,7 @@ class ModelRunner:
         if decision.new_requests or decision.finished_request_ids or decision.preempted_request_ids:
             self._sampling = None
         if decision.is_empty:
-            return StepLaunch((), [], torch.empty(0), None)
+            return StepLaunch((), [], torch.empty(0), None, draft_request_ids=decision.draft_request_ids)
         step = self.input_batch.prepare(decision)
         logits = self._logits(step)
         sampling_ids = [step.request_ids[row] for row in step.sampling_rows]
@@ -249,9 +252,17 @@ class ModelRunner:
             # One entry per request (its K + 1 rows are consecutive); verify_drafts builds the
             # settings of every verified position itself.
             sampling_ids = list(dict.fromkeys(sampling_ids))
-            return StepLaunch(tuple(dict.fromkeys(step.request_ids)), sampling_ids, logits, None, step.drafts)
+            return StepLaunch(
+                tuple(dict.fromkeys(step.request_ids)),
+                sampling_ids,
+                logits,
+                None,
+                step.drafts,
+                draft_request_ids=decision.draft_request_ids,
+            )
         tensors = self._sampling_tensors(tuple(sampling_ids)) if sampling_ids else None
-        return StepLaunch(tuple(step.request_ids), sampling_ids, logits, tensors)
+        drafting = decision.draft_request_ids
+        return StepLaunch(tuple(step.request_ids), sampling_ids, logits, tensors, draft_request_ids=drafting)
 
     @torch.inference_mode()
     def sample(self, launch: StepLaunch, masks: AllowedTokens | None = None) -> None:
@@ -260,7 +271,9 @@ class ModelRunner:
         host; its RunnerOutput comes from a later `collect()`, in launch order."""
         sampling_ids = launch.sampling_ids
         if not launch.request_ids:
-            self._launched.append(_LaunchedStep((), [], self._host_tokens[0, :0], None))
+            empty = self._host_tokens[0, :0]
+            drafting = launch.draft_request_ids
+            self._launched.append(_LaunchedStep((), [], empty, None, draft_request_ids=drafting))
             return
         if launch.drafts:
             self._sample_verified(launch, masks)
@@ -288,14 +301,21 @@ class ModelRunner:
             state = self.input_batch.states[request_id]
             sampled.append((request_id, state, self.input_batch.append_token(request_id, -1 - index)))
         self._launched.append(
-            _LaunchedStep(launch.request_ids, sampled, host_tokens, done, logprobs=logprobs)
+            _LaunchedStep(
+                launch.request_ids,
+                sampled,
+                host_tokens,
+                done,
+                logprobs=logprobs,
+                draft_request_ids=launch.draft_request_ids,
+            )
         )
 
     def _sample_verified(self, launch: StepLaunch, masks: AllowedTokens | None) -> None:
         """`sample` for a step whose rows verify draft tokens (infer.engine.spec_decode.verify):
-        each row keeps its accepted drafts and gains the target's token. Speculation runs without
-        async scheduling (EngineConfig), so the tokens are read here and the step is collected
-        with them."""
+        each row keeps its accepted drafts and gains the target's token. The engine overlaps no
+        step with one that verifies drafts (Scheduler.speculates_after), so the tokens are read
+        here and the step is collected with them."""
         if self._launched:
             raise RuntimeError("a step that verifies drafts is sampled with no other step in flight")
         batch = self.input_batch
@@ -333,6 +353,7 @@ class ModelRunner:
                 None,
                 token_ids=token_ids,
                 logprobs=logprobs,
+                draft_request_ids=launch.draft_request_ids,
             )
         )
 
@@ -361,7 +382,14 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         for (request_id, _, _), token in zip(launched.sampled, token_ids, strict=True):
             sampled.setdefault(request_id, []).append(token)
-        spec_token_ids = self.draft.propose(self.input_batch, list(sampled)) if self.draft is not None else {}
+        spec_token_ids = {}
+        wanted = launched.draft_request_ids
+        if self.draft is not None and wanted != frozenset():
+            if self._launched:
+                # The drafts continue each row's tokens: none may be a later step's placeholder.
+                raise RuntimeError("the draft model drafts after a step with no later step in flight")
+            drafting = [request_id for request_id in sampled if wanted is None or request_id in wanted]
+            spec_token_ids = self.draft.propose(self.input_batch, drafting)
         return RunnerOutput(
             spec_token_ids=spec_token_ids,
             request_ids=launched.request_ids,

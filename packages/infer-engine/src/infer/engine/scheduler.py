@@ -55,7 +55,9 @@ proposer here or from the draft model the runner ran after the request's last st
 where their blocks are free (speculation never preempts). Drafts count as computed; update()
 takes the 1..K + 1 tokens the runner kept and rolls num_computed_tokens back over the rejected
 drafts, whose blocks stay the request's. With a draft model, every step that samples holds
-blocks for K positions of lookahead, where the draft writes its drafts' K/V.
+blocks for K positions of lookahead, where the draft writes its drafts' K/V. Steps speculate
+only while the share of drafts kept holds up (spec_decode.backoff) and, with
+disable_by_batch_size, while few enough requests run.
 
 Fairness: a decoding request not served for decode_service_interval steps is served before
 anything else in the step (max_num_batched_tokens >= max_batch_size makes room for all of them),
@@ -77,7 +79,7 @@ from infer.engine.kv_manager import KVCacheManager
 from infer.engine.protocol import EngineOutput, FinishReason, TokenLogprobs, check_fits
 from infer.engine.request import QueueFullError, Request, RequestState
 from infer.engine.scheduling_policy import ADMIT, policy_named
-from infer.engine.spec_decode import NgramProposer, SpecDecodeCounts, proposer_for
+from infer.engine.spec_decode import NgramProposer, SpecDecodeCounts, SpeculationBackoff, proposer_for
 from infer.engine.stop import token_finish_reason
 
 if TYPE_CHECKING:
@@ -134,12 +136,14 @@ class Scheduler:
         structured_output: "StructuredOutput | None" = None,
         proposer: "NgramProposer | None" = None,
         disable_speculation_above: int | None = None,
+        speculation_backoff: SpeculationBackoff | None = None,
         num_lookahead_tokens: int = 0,
     ):
         """`structured_output`: the grammar matchers of constrained requests; None refuses a
         request with a grammar. `proposer`: drafts for decoding requests (speculative decoding;
         None: none), in steps that start with at most `disable_speculation_above` running
-        requests (None: any). `num_lookahead_tokens`: blocks for this many positions past a
+        requests (None: any) and that `speculation_backoff` lets speculate (None: every such
+        step). `num_lookahead_tokens`: blocks for this many positions past a
         request's step wherever the step samples (a draft model writes its drafts' K/V there);
         drafts then come from the runner (RunnerOutput.spec_token_ids) when `proposer` is None."""
         for name, value in [
@@ -177,6 +181,7 @@ class Scheduler:
         self.structured_output = structured_output
         self.proposer = proposer
         self.disable_speculation_above = disable_speculation_above
+        self.speculation_backoff = speculation_backoff
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decode_counts = SpecDecodeCounts()
         self.num_preempted = 0
@@ -221,6 +226,11 @@ class Scheduler:
             proposer=proposer_for(config.speculative),
             disable_speculation_above=(
                 config.speculative.disable_by_batch_size if config.speculative is not None else None
+            ),
+            speculation_backoff=(
+                SpeculationBackoff(config.speculative.min_acceptance_rate)
+                if config.speculative is not None
+                else None
             ),
             num_lookahead_tokens=(
                 config.speculative.num_speculative_tokens
@@ -328,10 +338,12 @@ class Scheduler:
 
         After a failed forward, call fail() instead."""
         sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
-        for request_id, drafts in runner_output.spec_token_ids.items():
+        for request_id in decision.num_scheduled_tokens:
             if (request := self._requests.get(request_id)) is not None:
-                request.spec_token_ids = drafts
+                # Drafts for this request's next step, or none: older ones are for other positions.
+                request.spec_token_ids = runner_output.spec_token_ids.get(request_id, ())
         outputs: list[EngineOutput] = []
+        step_drafts = step_accepted = 0
         for request_id in decision.num_scheduled_tokens:
             new_token_ids = list(sampled.get(request_id, ()))
             request = self._requests.get(request_id)
@@ -353,10 +365,13 @@ class Scheduler:
                 request.num_draft_tokens = 0
                 request.num_pending_tokens -= 1
                 self.spec_decode_counts.record(num_drafts, num_accepted)
+                step_drafts, step_accepted = step_drafts + num_drafts, step_accepted + num_accepted
             else:
                 request.num_pending_tokens -= len(new_token_ids)
             request.output_ids.extend(new_token_ids)
             outputs.append(self._accept(request, new_token_ids, runner_output.logprobs.get(request_id)))
+        if self.speculation_backoff is not None:
+            self.speculation_backoff.record(step_drafts, step_accepted)
         return outputs
 
     def abort(self, request_ids: Iterable[str]) -> list[EngineOutput]:
@@ -532,8 +547,8 @@ class Scheduler:
         grammar, as its matcher allows (the target's mask still applies at every position)."""
         if (self.proposer is None and not request.spec_token_ids) or request.num_pending_tokens:
             return ()
-        above = self.disable_speculation_above
-        if above is not None and plan.num_running_at_start > above:
+        limit = self._speculating_rows(plan.step, plan.num_running_at_start)
+        if limit is not None and len(plan.spec_token_ids) >= limit:
             return ()
         # The step emits up to K + 1 tokens, all within max_new_tokens.
         room = min(plan.budget - 1, request.max_new_tokens - request.num_output_tokens - 1)
@@ -547,6 +562,14 @@ class Scheduler:
         if drafts and request.params.grammar is not None:
             drafts = self.structured_output.valid_drafts(request.request_id, drafts)
         return drafts
+
+    def _speculating_rows(self, step: int, num_running: int) -> int | None:
+        """How many requests may verify drafts in step number `step`, which starts with
+        `num_running` running requests: None for every one."""
+        above = self.disable_speculation_above
+        if above is not None and num_running > above:
+            return 0
+        return None if self.speculation_backoff is None else self.speculation_backoff.rows(step)
 
     def _preemption_victim(self, request: Request, plan: _StepPlan) -> Request | None:
         """The most recently admitted running request that holds blocks and is not scheduled in
@@ -671,7 +694,24 @@ class Scheduler:
             block_ops=self.kv_manager.take_block_ops(),
             num_prompt_tokens=num_prompt_tokens,
             spec_token_ids=dict(plan.spec_token_ids),
+            draft_request_ids=self._draft_request_ids(plan.step + 1),
         )
+
+    def speculates_after(self, decision: ScheduleDecision) -> bool:
+        """Whether `decision` verifies drafts or the step after it may: then the engine reads
+        its tokens before it plans the next step (no async overlap), since a verdict decides how
+        many tokens each request has and the next step's drafts continue them."""
+        if self.speculation_backoff is None:
+            return False
+        return bool(decision.spec_token_ids) or decision.draft_request_ids != frozenset()
+
+    def _draft_request_ids(self, step: int) -> frozenset[str] | None:
+        """The requests a draft model drafts for ahead of step number `step`: as many as may
+        verify drafts then, the longest running first (None: every one)."""
+        limit = self._speculating_rows(step, len(self._running))
+        if limit is None:
+            return None
+        return frozenset(request.request_id for request in self._running[:limit])
 
     def _generator_seed(self, request: Request) -> int:
         # A request without its own seed draws from one derived from the engine seed and its

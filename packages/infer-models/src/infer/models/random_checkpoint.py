@@ -87,6 +87,11 @@ PRESETS: dict[str, Preset] = {
         vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
         num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
     ),
+    "llama-3.1-8b": _llama(
+        rope_parameters={**_LLAMA3_ROPE, "factor": 8.0}, vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, tie_word_embeddings=False,
+    ),
     "qwen3-1.7b": _qwen3(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,

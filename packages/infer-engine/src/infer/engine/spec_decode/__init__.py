@@ -1,6 +1,7 @@
 """Speculative decoding: a proposer drafts K tokens per request, the target verifies them in the
 step's one forward, and the verification keeps the output distribution the target's own."""
 
+from infer.engine.spec_decode.backoff import SpeculationBackoff
 from infer.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from infer.engine.spec_decode.counts import SpecDecodeCounts
 from infer.engine.spec_decode.ngram import NgramProposer
@@ -11,6 +12,7 @@ __all__ = [
     "NgramProposer",
     "SpecDecodeCounts",
     "SpeculativeConfig",
+    "SpeculationBackoff",
     "SpeculativeConfigError",
     "accept_greedy",
     "proposer_for",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
+DEFAULT_MIN_ACCEPTANCE_RATE = {"ngram": 0.0, "draft_model": 0.3}
 
 
 class SpeculativeConfigError(ValueError):
@@ -31,6 +32,12 @@ class SpeculativeConfig:
     # No request speculates in a step with more running requests than this (vLLM's key): at
     # large batches a step is compute-bound and verifying K tokens costs more than it saves.
     disable_by_batch_size: int | None = None
+    # Our key: the share of draft tokens kept below which the scheduler speculates on ever fewer
+    # steps (infer.engine.spec_decode.backoff); 0 turns the back-off off. Not given: 0.3 for a
+    # draft model, each of whose drafts costs a forward of the draft; 0 for ngram, whose
+    # proposals cost no forward and come only where the text repeats itself (a back-off there
+    # sat out the copying that followed a few failed lookups).
+    min_acceptance_rate: float | None = None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SpeculativeConfig":
@@ -61,6 +68,13 @@ class SpeculativeConfig:
                 f"speculative_config.method must be one of {list(METHODS)}, got {self.method!r}"
             )
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        if self.min_acceptance_rate is None:
+            object.__setattr__(self, "min_acceptance_rate", DEFAULT_MIN_ACCEPTANCE_RATE[self.method])
+        rate = self.min_acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < 1:
+            raise SpeculativeConfigError(
+                f"speculative_config.min_acceptance_rate must be a number in [0, 1), got {rate!r}"
+            )
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, minimum=1)
         if self.method == "ngram":

@@ -6,15 +6,15 @@ decode graphs on CUDA, the C stack on a CPU), over the target's rows: the same t
 same block ids, into a pool with as many blocks as the target's, so it takes no allocator of its
 own. For each request that sampled, `propose`:
 
-    1. catches the draft's KV up: one forward over the request's tokens the draft has not
+    1. catches the draft's KV up: a forward over the request's tokens the draft has not
        computed (its whole prompt the first time; then the target's token, and the last draft
-       if the target kept them all), whose last logits give draft 1;
+       if the target kept them all, as decode rows), whose last logits give draft 1;
     2. runs K - 1 decode steps, each feeding the previous draft.
 
-After a proposal the draft's K/V holds the known tokens and drafts 1..K-1. The target keeps
-drafts 1..a and puts its own token at the next position, the request's last known token now,
-which the catch-up feeds again; so the draft's K/V is right up to the request's last known token,
-whatever the verdict (or when the drafts were not verified at all). The scheduler allocates K
+After a proposal the draft's K/V holds the known tokens and drafts 1..K-1. Whatever happens
+next (the target keeps drafts 1..a and puts its own token after them; or the drafts are not
+verified, and later steps decode without drafting), the draft's K/V is right as far as those
+drafts match the request's tokens, and the next catch-up starts there. The scheduler allocates K
 positions of lookahead for every request that samples (`Scheduler(num_lookahead_tokens=K)`), so
 the drafts' positions have blocks.
 
@@ -38,13 +38,14 @@ class DraftModelProposer:
         the target's), without mixed-step graphs."""
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
-        # Per request: positions whose draft K/V is computed.
-        self._computed: dict[str, int] = {}
+        # Per request, from its last proposal: the known tokens then, and the drafts fed back
+        # (their K/V written at those positions).
+        self._proposed: dict[str, tuple[int, tuple[int, ...]]] = {}
 
     def forget(self, request_ids) -> None:
         """Requests whose rows went (finished, preempted): a resumed one starts over."""
         for request_id in request_ids:
-            self._computed.pop(request_id, None)
+            self._proposed.pop(request_id, None)
 
     @torch.inference_mode()
     def propose(self, batch: InputBatch, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:
@@ -56,7 +57,7 @@ class DraftModelProposer:
         known = [int(batch.num_tokens[batch.states[request_id].row]) for request_id in request_ids]
         # The last known token is always fed: its logits give the first draft.
         starts = [
-            min(self._computed.get(request_id, 0), length - 1)
+            min(self._num_computed(batch, request_id), length - 1)
             for request_id, length in zip(request_ids, known, strict=True)
         ]
         drafts = self._catch_up(batch, request_ids, starts, known)
@@ -75,28 +76,68 @@ class DraftModelProposer:
                 proposals[i].append(token)
         for request_id, length, proposal in zip(request_ids, known, proposals, strict=True):
             # Computed now: every known token and the drafts fed back (at known .. known + k - 2).
-            self._computed[request_id] = length + len(proposal) - 1
+            self._proposed[request_id] = (length, tuple(proposal[:-1]))
         return {
             request_id: tuple(proposal[: max(0, count)])
             for request_id, proposal, count in zip(request_ids, proposals, wanted, strict=True)
         }
 
+    def _num_computed(self, batch: InputBatch, request_id: str) -> int:
+        """Positions of the request whose draft K/V is right: the tokens known at its last
+        proposal, and the drafts fed back then as far as the request's tokens still match them."""
+        if request_id not in self._proposed:
+            return 0
+        length, fed = self._proposed[request_id]
+        tokens = batch.history(request_id)[length : length + len(fed)]
+        matching = 0
+        while matching < len(tokens) and tokens[matching] == fed[matching]:
+            matching += 1
+        return length + matching
+
     def _catch_up(self, batch: InputBatch, request_ids, starts, known) -> list[int]:
-        """One forward over each request's uncomputed tokens; the argmax at its last token."""
-        # Decode rows (one token) first, as every step's rows are ordered.
-        order = sorted(range(len(request_ids)), key=lambda i: known[i] - starts[i] != 1)
-        step_starts = np.array([starts[i] for i in order], dtype=np.int64)
-        step_ends = np.array([known[i] for i in order], dtype=np.int64)
-        step = batch.step_inputs(
-            [request_ids[i] for i in order],
-            step_starts,
-            step_ends,
-            num_decode_rows=int((step_ends - step_starts == 1).sum()),
-            sampling_rows=np.arange(len(order)),
-        )
+        """A forward over each request's uncomputed tokens; the argmax at its last token.
+
+        Requests little behind (the steady state: the last token, and the last draft when the
+        target kept them all; or the tokens of the steps the back-off sat out) run them as
+        one-token decode rows, each attending to the keys before it as a verified request's rows
+        do, so that the step replays a decode graph: as many as the largest graph holds, the
+        least behind first (without graphs, those at most K + 1 behind). The others (a prompt
+        the draft has not seen) run as one row each of a forward of its own."""
         drafts = [0] * len(request_ids)
-        for index, token in zip(order, self._argmax(step), strict=True):
-            drafts[index] = token
+        behind = [end - start for start, end in zip(starts, known, strict=True)]
+        graphs = self.runner.graphs
+        near, num_rows = [], 0
+        for i in sorted(range(len(request_ids)), key=behind.__getitem__):
+            if graphs is None and behind[i] > self.num_speculative_tokens + 1:
+                break
+            if graphs is not None and num_rows + behind[i] > graphs.max_batch_size:
+                break
+            near.append(i)
+            num_rows += behind[i]
+        far = sorted(set(range(len(request_ids))) - set(near))
+        if near:
+            rows = [(i, position) for i in near for position in range(starts[i], known[i])]
+            positions = np.array([position for _, position in rows], dtype=np.int64)
+            step = batch.step_inputs(
+                [request_ids[i] for i, _ in rows],
+                positions,
+                positions + 1,
+                num_decode_rows=len(rows),
+                # Each request's last row: its rows are consecutive.
+                sampling_rows=np.cumsum([behind[i] for i in near]) - 1,
+            )
+            for i, token in zip(near, self._argmax(step), strict=True):
+                drafts[i] = token
+        if far:
+            step = batch.step_inputs(
+                [request_ids[i] for i in far],
+                np.array([starts[i] for i in far], dtype=np.int64),
+                np.array([known[i] for i in far], dtype=np.int64),
+                num_decode_rows=0,
+                sampling_rows=np.arange(len(far)),
+            )
+            for i, token in zip(far, self._argmax(step), strict=True):
+                drafts[i] = token
         return drafts
 
     def _decode(self, batch: InputBatch, request_ids, tokens, positions) -> list[int]:

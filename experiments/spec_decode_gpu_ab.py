@@ -1,0 +1,126 @@
+"""Speculative decoding on a GPU: what a draft model costs and earns against no speculation.
+
+A target (llama-3.1-8b shapes in docs/benchmarks/speculative.md) decodes W1 (batch 1) and W2 at
+16 and 64 through the engine alone (`infer bench engine-only`'s loop), greedy, with each engine
+configuration in turn over the one loaded target:
+
+    off           no speculation
+    draft         a draft model (llama-3.2-1b shapes), K drafts, the automatic back-off on
+    draft-always  the same, min_acceptance_rate 0: it speculates on every step
+    ngram         n-gram drafts (vLLM's defaults: lookup of 5 tokens), K drafts
+    self          the target as its own draft (acceptance near 1), batch 1 only
+
+Random weights give a draft whose drafts the target ~never keeps: what speculation costs when it
+fails. `self` is set against the cost model: a round is K forwards of the draft (its catch-up
+and K - 1 decode steps) and the target's one verifying forward, each about a decode step at
+batch 1, and emits the mean accepted length; so it predicts
+off tok/s x mean_accepted_length / (K + 1).
+
+    python experiments/spec_decode_gpu_ab.py TARGET DRAFT [K] [CONFIGS] [MAX_BATCH_SIZE]
+"""
+
+import gc
+import json
+import sys
+import time
+
+import torch
+
+from infer.bench.serving.engine_only import run_engine_only
+from infer.bench.serving.workloads import make_workload
+from infer.engine import Engine, EngineConfig
+from infer.engine.spec_decode import SpeculationBackoff
+from infer.models.load import load_model
+
+target_path, draft_path = sys.argv[1], sys.argv[2]
+k = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+ALL = ["off", "draft", "draft-always", "ngram", "self", "off"]
+names = sys.argv[4].split(",") if len(sys.argv) > 4 else ALL
+max_batch_size = int(sys.argv[5]) if len(sys.argv) > 5 else 64
+device = "cuda" if torch.cuda.is_available() else "cpu"
+
+SPECULATIVE = {
+    "off": None,
+    "draft": {"method": "draft_model", "model": draft_path, "num_speculative_tokens": k},
+    "draft-always": {
+        "method": "draft_model",
+        "model": draft_path,
+        "num_speculative_tokens": k,
+        "min_acceptance_rate": 0,
+    },
+    "ngram": {"method": "ngram", "num_speculative_tokens": k},
+    "self": {"method": "draft_model", "model": target_path, "num_speculative_tokens": k},
+}
+WORKLOADS = {
+    "off": ["W1", "W2@16", "W2@64"],
+    "draft": ["W1", "W2@16", "W2@64"],
+    "draft-always": ["W1", "W2@64"],
+    "ngram": ["W1", "W2@64"],
+    "self": ["W1"],
+}
+
+loaded = load_model(target_path, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
+vocab_size = loaded.config.vocab_size
+print(
+    f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+    f"K {k}, max_batch_size {max_batch_size}",
+    flush=True,
+)
+
+
+def workload(label: str):
+    if label == "W1":
+        return make_workload("W1", num_requests=2, vocab_size=vocab_size)
+    name, concurrency = label.split("@")
+    return make_workload(name, concurrency=int(concurrency), vocab_size=vocab_size)
+
+
+results = []
+for name in names:
+    started = time.perf_counter()
+    config = EngineConfig(
+        device=device,
+        dtype="bfloat16" if device == "cuda" else "float32",
+        max_batch_size=max_batch_size,
+        max_seq_len=min(2048, loaded.config.max_position_embeddings),
+        speculative_config=SPECULATIVE[name],
+    )
+    engine = Engine(config, loaded_model=loaded)
+    print(f"== {name}: built in {time.perf_counter() - started:.1f} s", flush=True)
+    for label in WORKLOADS[name]:
+        scheduler = engine.core.scheduler
+        if (backoff := scheduler.speculation_backoff) is not None:  # each workload starts afresh
+            scheduler.speculation_backoff = SpeculationBackoff(backoff.min_acceptance_rate)
+        run = run_engine_only(engine, workload(label))
+        spec = run.get("spec_decode")
+        line = {
+            "config": name,
+            "workload": label,
+            "tok_s": round(run["output_tokens_per_s"], 1),
+            "tokens": run["output_tokens"],
+            "steps": run["steps"],
+            "ttft_p50_ms": round(run["ttft_p50_ms"], 1),
+        }
+        if spec is not None:
+            line |= {
+                "acceptance": round(spec["acceptance_rate"], 3),
+                "mean_accepted_length": round(spec["mean_accepted_length"], 2),
+                "verified_rows": spec["verified_rows"],
+            }
+        print(json.dumps(line), flush=True)
+        results.append(line)
+    engine.shutdown()
+    del engine, scheduler
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+by_key = {(line["config"], line["workload"]): line for line in results}
+print("== against off (the first off run)")
+for line in results:
+    base = next(r for r in results if r["config"] == "off" and r["workload"] == line["workload"])
+    print(f"{line['config']:>12} {line['workload']:>6} {line['tok_s'] / base['tok_s']:.3f}x")
+if ("self", "W1") in by_key:
+    self_run, off_run = by_key[("self", "W1")], by_key[("off", "W1")]
+    predicted = off_run["tok_s"] * self_run["mean_accepted_length"] / (k + 1)
+    print(f"self W1: measured {self_run['tok_s']} tok/s, cost model {predicted:.1f} tok/s")
