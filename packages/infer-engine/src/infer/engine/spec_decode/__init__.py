@@ -11,8 +11,8 @@ from infer.engine.spec_decode.rejection import accept_greedy, rejection_sample
 __all__ = [
     "NgramProposer",
     "SpecDecodeCounts",
-    "SpeculativeConfig",
     "SpeculationBackoff",
+    "SpeculativeConfig",
     "SpeculativeConfigError",
     "accept_greedy",
     "proposer_for",

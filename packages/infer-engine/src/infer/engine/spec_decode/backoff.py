@@ -17,7 +17,7 @@ them would, without the catch-up forwards and K + 1 verified tokens of every row
 """
 
 # Longest run of steps without speculation, and its growth after each failing probe: a failing
-# draft model costs a few percent (docs/benchmarks/speculative.md#automatic-back-off), and a
+# draft model cost 5-8% on the H200 (docs/benchmarks/speculative.md#automatic-back-off), and a
 # draft that turns useful is found within 128 steps.
 MAX_INTERVAL = 128
 GROWTH = 4
