@@ -65,7 +65,7 @@ def scrambled_pool(model, block_size: int | str, num_tokens: int, num_sequences:
     if block_size == "contiguous":
         block_size = num_tokens
     shape = KVCacheShape(
-        config.num_layers, config.num_kv_heads, config.head_dim, model.embed_tokens.weight.dtype, block_size
+        config.num_layers, model.num_kv_heads, config.head_dim, model.embed_tokens.weight.dtype, block_size
     )
     num_free = num_sequences * shape.blocks_for_tokens(num_tokens)
     pool = PagedKVPool(shape, num_blocks=2 * num_free, device=model.embed_tokens.weight.device)

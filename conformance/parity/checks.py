@@ -28,7 +28,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 
 def tolerance_table(case: dict, impl: str | None) -> None:
-    table = _tolerance_table()
+    table = tolerances_by_dtype()
     for dtype in DTYPES:
         assert set(table.get(dtype, {})) == set(BOUND_KEYS), f"{dtype} must set exactly {BOUND_KEYS}"
     for dtype in ("float16", "bfloat16"):
@@ -45,7 +45,7 @@ def full_logits(case: dict, impl: str | None) -> None:
     """Every prompt's logits at every position: max/mean |difference| and top-1 agreement."""
     bounds = _bounds(case)
     ours, reference, tokenizer = _pair(_checkpoint(case), case["dtype"], _device(case))
-    stats = _LogitGaps()
+    stats = LogitGaps()
     with torch.no_grad():
         for prompt in case["prompts"]:
             ids = tokenizer(prompt, return_tensors="pt").input_ids.to(_device(case))
@@ -135,7 +135,7 @@ def _one_step_against_alone(case: dict, num_cached_of) -> None:
     assert min(len(s) - c for s, c in zip(sequences, num_cached, strict=True)) >= 1 and len(sequences) == 3, (
         f"a step needs 3 prompts of 2+ tokens, got lengths {[len(s) for s in sequences]}"
     )
-    stats = _LogitGaps()
+    stats = LogitGaps()
     with torch.no_grad():
         step = cached_step_logits(ours, sequences, num_cached, case["block_size"])
         for sequence, cached, got in zip(sequences, num_cached, step, strict=True):
@@ -150,7 +150,7 @@ def _one_step_against_alone(case: dict, num_cached_of) -> None:
     stats.assert_within(bounds, "against transformers: ")
 
 
-class _LogitGaps:
+class LogitGaps:
     """Our logits against transformers' over many positions: max and mean |difference| and
     top-1 agreement, judged against a tolerance row of specs/parity/tolerances.yaml."""
 
@@ -178,12 +178,12 @@ class _LogitGaps:
         )
 
 
-def _tolerance_table() -> dict:
+def tolerances_by_dtype() -> dict:
     return yaml.safe_load(TOLERANCES_FILE.read_text())["defaults"]["tolerances"]
 
 
 def _bounds(case: dict) -> dict:
-    return {**_tolerance_table()[case["dtype"]], **{k: case[k] for k in BOUND_KEYS if k in case}}
+    return {**tolerances_by_dtype()[case["dtype"]], **{k: case[k] for k in BOUND_KEYS if k in case}}
 
 
 def _device(case: dict) -> str:

@@ -38,12 +38,23 @@ from infer.models.quantization import Quantization
 
 
 class Embedding(nn.Module):
+    # Vocab-parallel (infer.models.tensor_parallel): this rank's rows of the table, and the ranks.
+    tp_shard = None
+    tp = None
+
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp is None:
+            return F.embedding(ids, self.weight)
+        # This rank's rows for the ids in its slice, zeros for the others: summed over ranks.
+        ((start, length),) = self.tp_shard.ranges
+        local = ids - start
+        outside = (local < 0) | (local >= length)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 class RMSNorm(nn.Module):
@@ -290,6 +301,8 @@ class CausalLM(nn.Module):
 
     norm_offset = 0.0
     scale_embeddings = False
+    # Tensor parallelism: the ranks this model is a shard of (infer.models.tensor_parallel).
+    tp = None
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -306,6 +319,11 @@ class CausalLM(nn.Module):
 
     def make_layer(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module:
         raise NotImplementedError
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads per layer in this model's cache: the config's, or a tensor-parallel rank's."""
+        return self.layers[0].self_attn.num_kv_heads
 
     @property
     def dtype(self) -> torch.dtype:
@@ -334,6 +352,8 @@ class CausalLM(nn.Module):
         """float32 logits `[..., vocab_size]`, soft-capped where the config says so; written into
         `out` where given (a CUDA graph's output buffer, which every graph shares)."""
         logits = self.lm_head(hidden)
+        if self.tp is not None:  # each rank's vocab slice, the last one padded
+            logits = self.tp.all_gather_last(logits)[..., : self.config.vocab_size]
         logits = logits.float() if out is None else out.copy_(logits)
         cap = self.config.final_logit_softcapping
         if cap is not None:

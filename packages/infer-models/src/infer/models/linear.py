@@ -19,6 +19,11 @@ class Linear(nn.Module):
     """`x @ weight.T + bias` with uninitialised parameters: every weight comes from a checkpoint,
     and skipping nn.Linear's random init keeps building a model on the meta device instant."""
 
+    # Tensor parallelism (infer.models.tensor_parallel): which part of the checkpoint's weight
+    # this rank holds, and for a row-parallel Linear the ranks whose partial sums add up.
+    tp_shard = None
+    tp_reduce = None
+
     def __init__(
         self, in_features: int, out_features: int, *, bias: bool = False, output_sizes: tuple[int, ...] = ()
     ):
@@ -56,7 +61,8 @@ class Linear(nn.Module):
         self.method = QuantizedMethod()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        out = self.method.apply(self, x)
+        return out if self.tp_reduce is None else self.tp_reduce.all_reduce(out)
 
     def gated(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """`act(gate) * up` of this gate/up projection of `x` (`activation`: "silu" or "gelu_tanh")."""

@@ -17,6 +17,7 @@ from infer.models.loader.tokenizer import Tokenizer
 from infer.models.loader.weights import load_weights
 from infer.models.quantization import resolve_quantization
 from infer.models.registry import architecture_for
+from infer.models.tensor_parallel import TensorParallel, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,13 @@ def load_causal_lm(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     quantization: str | None = None,
+    tensor_parallel: TensorParallel | None = None,
 ) -> CausalLM:
     """Our model for a checkpoint folder, weights cast to `dtype` (default: the config's, else
     fp32). Linear weights stay 8-bit where the checkpoint stores them so, and `quantization`
     ("int8", "fp8") quantizes those of an unquantized checkpoint at load. The model runs the
-    plain kernel policy, `KernelPolicy(device)`, until the engine applies its own."""
+    plain kernel policy, `KernelPolicy(device)`, until the engine applies its own. With
+    `tensor_parallel`, the model is that rank's shard (infer.models.tensor_parallel)."""
     folder = Path(folder)
     config = ModelConfig.from_file(folder)
     dtype = dtype or config.dtype or torch.float32
@@ -73,6 +76,8 @@ def load_causal_lm(
         if resolved is not None:
             quantize_linears(model, resolved)
     model.quantization = resolved
+    if tensor_parallel is not None:
+        shard_model(model, tensor_parallel)
     load_weights(
         model,
         folder,

@@ -7,7 +7,9 @@ missing tensors, unexpected tensors, wrong shapes and 8-bit weights stored in an
 error, a corrupt header naming the file.
 
 8-bit Linears (infer.models.quantization) take their weights and scales as stored, or, when
-quantized at load, their dense weight quantized on the device as it arrives.
+quantized at load, their dense weight quantized on the device as it arrives. A tensor-parallel
+shard's parameters (infer.models.tensor_parallel) take their rank's part of each tensor, checked
+against the whole tensor's shape.
 """
 
 import json
@@ -130,24 +132,32 @@ def load_weights(
     tensors = checkpoint_tensors(folder)
     prefix = next((p for p in prefixes if f"{p}embed_tokens.weight" in tensors), prefixes[0])
     params = dict(model.named_parameters())
-    sources, quantized_at_load = {}, set()
+    sources, quantized_at_load, shards, full_rest = {}, set(), {}, {}
     for name, param in params.items():
         module_path, _, leaf = name.rpartition(".")
-        block_size = getattr(model.get_submodule(module_path), "block_size", None)
+        module = model.get_submodule(module_path)
+        block_size = getattr(module, "block_size", None)
+        shards[name] = getattr(module, "tp_shard", None)
+        # The checkpoint's shape: a shard's parameter holds part of it.
+        param_rows, full_rest[name] = param.shape[0], tuple(param.shape[1:])
+        if shards[name] is not None and shards[name].dim == 0 and len(shards[name].full_sizes) == 1:
+            param_rows = shards[name].full_sizes[0]
+        elif shards[name] is not None and shards[name].dim == 1:
+            full_rest[name] = shards[name].full_sizes
         if block_size is not None and not quantization.in_checkpoint:
             if leaf == "weight_scale":
                 continue  # made from the weight as it loads
             quantized_at_load.add(name)
         sources[name] = weight_source(
             name,
-            param.shape[0],
+            param_rows,
             config,
             prefix,
             quantization=quantization,
             scale_block_rows=block_size[0] if block_size else 1,
         )
     _check_against(
-        sources, params, tensors, config, ignored_prefixes, folder, quantization, quantized_at_load
+        sources, params, full_rest, tensors, config, ignored_prefixes, folder, quantization, quantized_at_load
     )
 
     aliases = _parameter_aliases(model)
@@ -163,6 +173,10 @@ def load_weights(
         for name, source in sources.items():
             target_dtype = dtype if name in quantized_at_load else params[name].dtype
             parts = [read(tensor_name).to(target_dtype) for tensor_name in source.checkpoint_names]
+            if (shard := shards[name]) is not None:
+                parts = [shard.take(index, part) for index, part in enumerate(parts)]
+                if shard.padding:
+                    parts.append(parts[0].new_zeros(shard.padding, *parts[0].shape[1:]))
             if source.repeat_rows > 1:
                 parts = [
                     part.repeat_interleave(source.repeat_rows, dim=0)[:rows]
@@ -186,6 +200,7 @@ def load_weights(
 def _check_against(
     sources: dict[str, WeightSource],
     params: dict[str, nn.Parameter],
+    full_rest: dict[str, tuple[int, ...]],
     tensors: dict[str, TensorInfo],
     config: ModelConfig,
     ignored_prefixes: tuple[str, ...],
@@ -195,7 +210,7 @@ def _check_against(
 ) -> None:
     missing, wrong_shapes, wrong_dtypes, used = [], [], [], set()
     for name, source in sources.items():
-        expected_rest = tuple(params[name].shape[1:])
+        expected_rest = full_rest[name]
         stored_8bit = params[name].dtype.itemsize == 1 and name not in quantized_at_load
         for tensor_name, rows in zip(source.checkpoint_names, source.rows, strict=True):
             used.add(tensor_name)
