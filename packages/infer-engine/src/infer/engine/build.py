@@ -59,11 +59,26 @@ class EngineParts:
     decode_traffic: DecodeTraffic
 
 
-def build_engine_parts(config: EngineConfig, loaded_model=None) -> EngineParts:
+def build_engine_parts(config: EngineConfig, loaded_model=None, *, tensor_parallel=None) -> EngineParts:
     """`loaded_model`: an infer.models.LoadedModel; None loads config.model (its dtype and
     device then come from the config; a given model keeps its own). The config's auto settings
     are decided for the device first (infer.engine.device_defaults): the parts' `config` is that
-    result, and `limits.settings_line` says it in one line."""
+    result, and `limits.settings_line` says it in one line.
+
+    With config.tensor_parallel_size > 1, rank 0 (`tensor_parallel` None) starts the other
+    ranks (infer.engine.tensor_parallel) and its runner mirrors its calls to them; a worker
+    passes its own `tensor_parallel` (an infer.models TensorParallel). Each loads its shard."""
+    link = None
+    if config.tensor_parallel_size > 1:
+        if loaded_model is not None:
+            raise EngineConfigError(
+                "tensor_parallel_size > 1 loads each rank's shard of config.model; an engine "
+                "over a loaded model runs on one device"
+            )
+        if tensor_parallel is None:
+            from infer.engine.tensor_parallel import start_workers
+
+            tensor_parallel, link = start_workers(config, resolve_device(config.device).type)
     device = (
         resolve_device(config.device)
         if loaded_model is None
@@ -82,6 +97,7 @@ def build_engine_parts(config: EngineConfig, loaded_model=None) -> EngineParts:
             dtype=resolve_dtype(config.dtype, device),
             device=device,
             quantization=config.quantization,
+            tensor_parallel=tensor_parallel,
         )
     else:
         logger.info(
@@ -107,6 +123,7 @@ def build_engine_parts(config: EngineConfig, loaded_model=None) -> EngineParts:
         device,
         held_back_bytes=_step_memory(config, model, shape, max_seq_len, kernel_policy),
         draft_shape=draft_shape,
+        tensor_parallel=tensor_parallel,
     )
     logger.info(
         "KV pool: %d blocks of %d tokens (%.1f MiB)",
@@ -168,6 +185,10 @@ def build_engine_parts(config: EngineConfig, loaded_model=None) -> EngineParts:
             for each in runners:
                 each.graphs.capture_all()
         logger.info("captured %d CUDA graphs", sum(each.graphs.num_captured for each in runners))
+    if link is not None:
+        from infer.engine.tensor_parallel import MirroredRunner
+
+        runner = MirroredRunner(runner, link)
     return EngineParts(
         config=config,
         loaded=loaded_model,
@@ -283,7 +304,7 @@ def _kv_cache_shape(config: EngineConfig, model, max_seq_len: int) -> KVCacheSha
     """Blocks of block_size tokens (paged) or of max_seq_len (contiguous)."""
     return KVCacheShape(
         num_layers=model.config.num_layers,
-        num_kv_heads=model.config.num_kv_heads,
+        num_kv_heads=model.num_kv_heads,  # a tensor-parallel rank's share
         head_dim=model.config.head_dim,
         dtype=model.dtype,
         block_size=config.block_size if config.kv_cache_backend == "paged" else max_seq_len,
@@ -332,6 +353,7 @@ def _build_kv_pool(
     *,
     held_back_bytes: int = 0,
     draft_shape: KVCacheShape | None = None,
+    tensor_parallel=None,
 ) -> PagedKVPool:
     """The pool the config asks for: num_gpu_blocks, or its fraction of the free memory less
     `held_back_bytes`, or room for max_batch_size whole sequences. With `draft_shape`, the memory
@@ -352,6 +374,11 @@ def _build_kv_pool(
     else:
         # The memory of max_batch_size whole sequences, as the slotted pool had.
         num_blocks = config.max_batch_size * shape.blocks_for_tokens(max_seq_len)
+    if tensor_parallel is not None:
+        # One block id addresses a block in every rank's pool: the ranks take the smallest.
+        agreed = torch.tensor([num_blocks], device=device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        num_blocks = int(agreed.item())
     num_slots = 0
     if config.prefix_cache_kv_bits is not None:
         # The int8 store's share of the same memory: fewer blocks, and slots in their bytes.

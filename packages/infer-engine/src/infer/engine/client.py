@@ -91,7 +91,7 @@ class InProcClient:
             raise EngineDeadError(self.failure) from error
 
     def shutdown(self) -> None:
-        pass
+        self.core.shutdown()
 
     def _take_inbox(self) -> None:
         with self._lock:

@@ -188,6 +188,11 @@ class EngineConfig:
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '
         "None: off",
     )
+    tensor_parallel_size: int = _flag(
+        1,
+        "processes (one per GPU) that each hold a shard of the model's weights and KV heads, as "
+        "vLLM's --tensor-parallel-size: torch.distributed over NCCL on CUDA, gloo on the CPU",
+    )
     prefix_cache_shadow_rate: float = _flag(
         0.0,
         "share of greedy requests served from the prefix cache that are run again without it when the "
@@ -275,6 +280,11 @@ class EngineConfig:
             )
         if self.speculative_config is not None:
             self._check_speculative_config()
+        _check_int(self, "tensor_parallel_size", minimum=1)
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
+            raise EngineConfigError(
+                "speculative_config with tensor_parallel_size > 1 is not supported yet; drop one of the two"
+            )
         # The seed's compatibility rules.
         if self.use_chunked_prefill and self.batching_mode != "continuous":
             raise EngineConfigError(

@@ -39,6 +39,7 @@ from infer.engine.protocol import EngineOutput, EngineOutputs, EngineRequest, En
 from infer.engine.request import Request
 from infer.engine.scheduler import request_output
 from infer.engine.stop import stop_token_ids_of
+from infer.engine.tensor_parallel import WorkerDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class EngineCore:
                 outputs += self._collect(keep=0)  # the masks need the running step's tokens
             self.runner.sample(launch, self.scheduler.grammar_masks(launch.sampling_ids, launch.drafts))
             self._launched.append(decision)
+        except WorkerDiedError:
+            raise  # the ranks cannot step together again: the engine ends
         except Exception as error:  # noqa: BLE001 - a failed forward fails its step's requests, not the engine
             outputs += self.scheduler.fail(decision, error)
         # Async scheduling leaves the latest step running while it has work; otherwise, to drain,
@@ -128,6 +131,11 @@ class EngineCore:
         for observer in self.observers:
             outputs = observer.on_step(decision, outputs, started)
         return EngineOutputs(outputs, self.stats())
+
+    def shutdown(self) -> None:
+        """Stops what the core started: the tensor-parallel workers."""
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
 
     def stats(self) -> EngineStats:
         """The scheduler's, the KV pool's and each observer's statistics, as they stand."""
@@ -184,6 +192,8 @@ class EngineCore:
             decision = self._launched.popleft()
             try:
                 runner_output = self.runner.collect()
+            except WorkerDiedError:
+                raise
             except Exception as error:  # noqa: BLE001 - as a failed launch
                 outputs += self.scheduler.fail(decision, error)
             else:

@@ -221,6 +221,8 @@ def run_engine_core(config: EngineConfig, inbox, outbox, log_level: int = loggin
                 last_sent_s = time.monotonic()
     except (EOFError, BrokenPipeError):
         return  # the frontend is gone
+    finally:
+        core.shutdown()
 
 
 def engine_process_main(config: EngineConfig, inbox, outbox, log_level: int = logging.INFO) -> None:

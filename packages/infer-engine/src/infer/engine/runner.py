@@ -141,7 +141,8 @@ class ModelRunner:
         apply_kernel_policy(model, self.kernel_policy)
         # The CPU decode backend (None: every step takes the model's forward).
         self.cpu_decode = None
-        if self.device.type == "cpu" and self.kernel_policy.use_native_cpu_kernels:
+        # The C stack runs the whole model's layers: not a tensor-parallel shard's.
+        if self.device.type == "cpu" and self.kernel_policy.use_native_cpu_kernels and model.tp is None:
             self.cpu_decode = CpuDecodeStack.for_model(model)
         self.input_batch = InputBatch(
             max_rows=max_batch_size,

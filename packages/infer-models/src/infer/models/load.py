@@ -104,11 +104,15 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     quantization: str | None = None,
+    tensor_parallel: TensorParallel | None = None,
 ) -> LoadedModel:
-    """Resolves an alias (or takes a folder), loads the weights, the tokenizer and the chat template."""
+    """Resolves an alias (or takes a folder), loads the weights (a tensor-parallel rank's shard
+    of them with `tensor_parallel`), the tokenizer and the chat template."""
     folder = fetch_model(path_or_alias)
     started_s = time.perf_counter()
-    model = load_causal_lm(folder, dtype=dtype, device=device, quantization=quantization)
+    model = load_causal_lm(
+        folder, dtype=dtype, device=device, quantization=quantization, tensor_parallel=tensor_parallel
+    )
     weights = next(model.parameters())
     logger.info(
         "loaded the weights of %s (%s on %s): %.1f s",
