@@ -193,6 +193,17 @@ class EngineConfig:
         "processes (one per GPU) that each hold a shard of the model's weights and KV heads, as "
         "vLLM's --tensor-parallel-size: torch.distributed over NCCL on CUDA, gloo on the CPU",
     )
+    # Ranks on several hosts, as torchrun names them: tensor_parallel_size / nnodes ranks each.
+    nnodes: int = _flag(1, "hosts the tensor-parallel ranks span (torchrun's --nnodes)")
+    node_rank: int = _flag(
+        0,
+        "this host's place among them (torchrun's --node-rank): 0 schedules and serves; another "
+        "runs its ranks for node 0 and serves nothing",
+    )
+    master_addr: str = _flag("127.0.0.1", "the address of node 0, where the ranks meet (torchrun's)")
+    master_port: int | None = _flag(
+        None, "the port on node 0 where the ranks meet; None: a free one (one host only)"
+    )
     prefix_cache_shadow_rate: float = _flag(
         0.0,
         "share of greedy requests served from the prefix cache that are run again without it when the "
@@ -281,6 +292,19 @@ class EngineConfig:
         if self.speculative_config is not None:
             self._check_speculative_config()
         _check_int(self, "tensor_parallel_size", minimum=1)
+        _check_int(self, "nnodes", minimum=1)
+        _check_int(self, "node_rank", minimum=0)
+        if self.master_port is not None:
+            _check_int(self, "master_port", minimum=1)
+        if self.tensor_parallel_size % self.nnodes:
+            raise EngineConfigError(
+                f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of nnodes "
+                f"({self.nnodes}): each host runs as many ranks"
+            )
+        if self.node_rank >= self.nnodes:
+            raise EngineConfigError(f"node_rank ({self.node_rank}) must be below nnodes ({self.nnodes})")
+        if self.nnodes > 1 and self.master_port is None:
+            raise EngineConfigError("nnodes > 1 needs master_port: the hosts must agree on where to meet")
         if self.tensor_parallel_size > 1 and self.speculative_config is not None:
             raise EngineConfigError(
                 "speculative_config with tensor_parallel_size > 1 is not supported yet; drop one of the two"

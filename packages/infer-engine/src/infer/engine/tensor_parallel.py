@@ -46,14 +46,16 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker exited: the ranks can no longer run a step together."""
 
 
-def init_rank(rank: int, size: int, init_method: str, device_type: str) -> tuple[TensorParallel, object]:
-    """Joins the ranks: NCCL for the model's collectives on CUDA (each rank its own GPU), gloo on
-    a CPU; returns this rank's TensorParallel and the gloo group that carries runner calls."""
+def init_rank(config, rank: int, init_method: str, device_type: str) -> tuple[TensorParallel, object]:
+    """Joins the ranks: NCCL for the model's collectives on CUDA (each rank its host's GPU of
+    its local rank), gloo on a CPU; returns this rank's TensorParallel and the gloo group that
+    carries runner calls."""
     for name, value in NCCL_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+    size = config.tensor_parallel_size
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % ranks_per_node(config))
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
     )
@@ -61,30 +63,65 @@ def init_rank(rank: int, size: int, init_method: str, device_type: str) -> tuple
     return TensorParallel(rank, size), control
 
 
+def ranks_per_node(config) -> int:
+    return config.tensor_parallel_size // config.nnodes
+
+
 def start_workers(config, device_type: str) -> tuple[TensorParallel, "MirroredRunnerLink"]:
-    """Starts ranks 1..N-1 (N = config.tensor_parallel_size) and joins them as rank 0. The
-    workers are plain subprocesses (`worker_main`), since the engine core's own process is a
-    daemon, which multiprocessing forbids children."""
-    size = config.tensor_parallel_size
-    init_method = f"tcp://127.0.0.1:{free_local_port()}"
-    encoded = base64.b64encode(pickle.dumps(config)).decode()
-    entry = "from infer.engine.tensor_parallel import worker_main; worker_main()"
-    worker = [sys.executable, "-c", entry, encoded]
-    processes = [
-        subprocess.Popen([*worker, str(rank), str(size), init_method, device_type]) for rank in range(1, size)
-    ]
-    tp, control = init_rank(0, size, init_method, device_type)
-    logger.info("tensor parallel: %d ranks over %s", size, dist.get_backend())
+    """On node 0: starts this host's ranks 1..R-1 (R ranks a node) and joins all the ranks as
+    rank 0; the other nodes run theirs (`run_node`)."""
+    init_method = _init_method(config)
+    processes = _start_ranks(config, range(1, ranks_per_node(config)), init_method, device_type)
+    tp, control = init_rank(config, 0, init_method, device_type)
+    logger.info("tensor parallel: %d ranks on %d hosts over %s", tp.size, config.nnodes, dist.get_backend())
     return tp, MirroredRunnerLink(processes, control)
 
 
-def run_worker(config, rank: int, size: int, init_method: str, device_type: str) -> None:
+def run_node(config, device_type: str) -> int:
+    """On node k > 0 (config.node_rank): runs this host's ranks for node 0, the first in this
+    process, until node 0 stops them; returns the exit code (0: stopped, else a rank's)."""
+    first = config.node_rank * ranks_per_node(config)
+    init_method = _init_method(config)
+    processes = _start_ranks(
+        config, range(first + 1, first + ranks_per_node(config)), init_method, device_type
+    )
+    logger.info(
+        "node %d: ranks %d..%d, meeting node 0 at %s",
+        config.node_rank,
+        first,
+        first + len(processes),
+        init_method,
+    )
+    try:
+        run_worker(config, first, init_method, device_type)
+    finally:
+        codes = [process.wait() for process in processes]
+    return next((code for code in codes if code), 0)
+
+
+def _init_method(config) -> str:
+    port = config.master_port if config.master_port is not None else free_local_port()
+    return f"tcp://{config.master_addr}:{port}"
+
+
+def _start_ranks(config, ranks, init_method: str, device_type: str) -> list[subprocess.Popen]:
+    """Worker processes for `ranks`: plain subprocesses (`worker_main`), since the engine
+    core's own process is a daemon, which multiprocessing forbids children."""
+    encoded = base64.b64encode(pickle.dumps(config)).decode()
+    entry = "from infer.engine.tensor_parallel import worker_main; worker_main()"
+    return [
+        subprocess.Popen([sys.executable, "-c", entry, encoded, str(rank), init_method, device_type])
+        for rank in ranks
+    ]
+
+
+def run_worker(config, rank: int, init_method: str, device_type: str) -> None:
     """A worker's life: join the ranks, build the parts over this rank's shard, then run each
     call rank 0 sends until it sends "stop"."""
     from infer.engine.build import build_engine_parts
 
     logging.basicConfig(level=logging.WARNING)
-    tp, control = init_rank(rank, size, init_method, device_type)
+    tp, control = init_rank(config, rank, init_method, device_type)
     runner = build_engine_parts(config, tensor_parallel=tp).runner
     launches = deque()
     while True:
@@ -176,7 +213,21 @@ class MirroredRunner:
 
 
 def worker_main() -> None:
-    """A worker process's entry: its arguments are CONFIG (pickled, base64) RANK SIZE
-    INIT_METHOD DEVICE_TYPE."""
-    config_b64, rank, size, init_method, device_type = sys.argv[1:6]
-    run_worker(pickle.loads(base64.b64decode(config_b64)), int(rank), int(size), init_method, device_type)
+    """A worker process's entry: its arguments are CONFIG (pickled, base64) RANK INIT_METHOD
+    DEVICE_TYPE."""
+    config_b64, rank, init_method, device_type = sys.argv[1:5]
+    run_worker(pickle.loads(base64.b64decode(config_b64)), int(rank), init_method, device_type)
+
+
+def node_main(argv: list[str] | None = None) -> int:
+    """`python -m infer.engine.node [engine flags]` (and `infer serve` with --node-rank > 0):
+    runs this host's ranks of a multi-host engine (`run_node`)."""
+    import argparse
+
+    from infer.engine.config import add_cli_arguments, from_cli_args, resolve_device
+
+    parser = argparse.ArgumentParser(prog="infer node", description=node_main.__doc__)
+    add_cli_arguments(parser)
+    config = from_cli_args(parser.parse_args(argv))
+    logging.basicConfig(level=logging.INFO)
+    return run_node(config, resolve_device(config.device).type)

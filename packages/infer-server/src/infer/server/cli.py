@@ -74,6 +74,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # an EngineConfigError, or check_model_name's
         print(f"infer serve: {error}", file=sys.stderr)
         return 2
+    if config.node_rank > 0:  # this host runs its tensor-parallel ranks; node 0 serves
+        from infer.engine.tensor_parallel import run_node
+
+        return run_node(config, resolve_device(config.device).type)
     from infer.engine.engine import Engine
     from infer.server.limits import RequestLimits
     from infer.server.serve import bind_socket, build_server
