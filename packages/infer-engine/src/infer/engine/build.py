@@ -98,6 +98,7 @@ def build_engine_parts(config: EngineConfig, loaded_model=None, *, tensor_parall
             device=device,
             quantization=config.quantization,
             tensor_parallel=tensor_parallel,
+            load_format=config.load_format,
         )
     else:
         logger.info(

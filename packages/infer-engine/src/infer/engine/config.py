@@ -20,6 +20,7 @@ import torch
 from infer.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from infer.models import DEFAULT_MODEL
 from infer.models.config import TORCH_DTYPES
+from infer.models.load import LOAD_FORMATS
 from infer.models.quantization import QUANTIZATION_METHODS
 
 # infer.models' dtype table, and "auto": float32 on the CPU (half precision is slow there and
@@ -182,6 +183,13 @@ class EngineConfig:
         "checkpoint the weights are quantized at load, the LM head included",
         choices=QUANTIZATION_METHODS,
     )
+    load_format: str = _flag(
+        "auto",
+        "how the weights arrive, as vLLM's --load-format: auto reads the checkpoint; dummy makes "
+        "random ones on the device (model: a folder with config.json, or a preset such as "
+        "llama-3.1-70b), for benchmarks of shapes whose files are not at hand",
+        choices=LOAD_FORMATS,
+    )
     speculative_config: dict | None = _flag(
         None,
         "speculative decoding, as vLLM's --speculative-config: a JSON mapping, e.g. "
@@ -281,6 +289,11 @@ class EngineConfig:
         _check_int(self, "prefix_cache_quantize_min_tokens", minimum=0)
         if self.quantization is not None:
             _check_choice(self, "quantization", QUANTIZATION_METHODS)
+        _check_choice(self, "load_format", LOAD_FORMATS)
+        if self.load_format == "dummy" and self.quantization is not None:
+            raise EngineConfigError(
+                f"load_format 'dummy' makes dense weights; quantization={self.quantization!r} is not made"
+            )
         rate = self.prefix_cache_shadow_rate
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
             raise EngineConfigError(f"prefix_cache_shadow_rate must be in [0, 1], got {rate!r}")

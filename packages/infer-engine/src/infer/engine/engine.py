@@ -46,7 +46,7 @@ class Engine:
         from infer.engine.engine_process import ProcClient
         from infer.models.load import load_model_info
 
-        model_info = load_model_info(config.model)
+        model_info = load_model_info(config.model, config.load_format)
         client = ProcClient(config, **client_options)
         engine = cls.__new__(cls)
         engine._connect(client, model_info, client.initial_stats)

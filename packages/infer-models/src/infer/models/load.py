@@ -12,10 +12,11 @@ from infer.models.common import CausalLM
 from infer.models.config import ModelConfig
 from infer.models.kernel_policy import KernelPolicy, apply_kernel_policy
 from infer.models.linear import quantize_linears
-from infer.models.loader.fetch import fetch_model
+from infer.models.loader.fetch import fetch_model, models_dir
 from infer.models.loader.tokenizer import Tokenizer
-from infer.models.loader.weights import load_weights
+from infer.models.loader.weights import fill_random_weights, load_weights
 from infer.models.quantization import resolve_quantization
+from infer.models.random_checkpoint import PRESETS, make_random_checkpoint
 from infer.models.registry import architecture_for
 from infer.models.tensor_parallel import TensorParallel, shard_model
 
@@ -52,6 +53,10 @@ class LoadedModel:
         return ModelInfo(self.tokenizer, self.chat_template, self.config, self.path, self.ships_chat_template)
 
 
+# How weights arrive (vLLM's --load-format): "auto" reads the checkpoint, "dummy" makes them.
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_causal_lm(
     folder: str | Path,
     *,
@@ -59,12 +64,15 @@ def load_causal_lm(
     device: torch.device | str = "cpu",
     quantization: str | None = None,
     tensor_parallel: TensorParallel | None = None,
+    load_format: str = "auto",
 ) -> CausalLM:
     """Our model for a checkpoint folder, weights cast to `dtype` (default: the config's, else
     fp32). Linear weights stay 8-bit where the checkpoint stores them so, and `quantization`
     ("int8", "fp8") quantizes those of an unquantized checkpoint at load. The model runs the
     plain kernel policy, `KernelPolicy(device)`, until the engine applies its own. With
-    `tensor_parallel`, the model is that rank's shard (infer.models.tensor_parallel)."""
+    `tensor_parallel`, the model is that rank's shard (infer.models.tensor_parallel).
+    `load_format="dummy"` (vLLM's name) reads no weights: they are made at random on the device
+    (`fill_random_weights`), so a folder with config.json and a tokenizer is enough."""
     folder = Path(folder)
     config = ModelConfig.from_file(folder)
     dtype = dtype or config.dtype or torch.float32
@@ -78,6 +86,15 @@ def load_causal_lm(
     model.quantization = resolved
     if tensor_parallel is not None:
         shard_model(model, tensor_parallel)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
+    if load_format == "dummy":
+        if resolved is not None:
+            raise ValueError(f"load_format 'dummy' makes dense weights; {resolved.method} is not made")
+        # random_tensor's norm rule tells Gemma's (1 + w) norms by the family name.
+        family = "gemma3" if config.model_type.startswith("gemma3") else config.model_type
+        fill_random_weights(model, family, dtype=dtype, device=device)
+        return apply_kernel_policy(model.eval(), KernelPolicy(device))
     load_weights(
         model,
         folder,
@@ -91,10 +108,22 @@ def load_causal_lm(
     return apply_kernel_policy(model.eval(), KernelPolicy(device))
 
 
-def load_model_info(path_or_alias: str | Path) -> ModelInfo:
+def model_folder(path_or_alias: str | Path, load_format: str = "auto") -> Path:
+    """The checkpoint folder: `fetch_model`'s, or with load_format "dummy" and a preset's name
+    (infer.models.random_checkpoint.PRESETS, e.g. "llama-3.1-70b") the preset's config.json and
+    tokenizer without weights, written once under the models cache."""
+    if load_format == "dummy" and str(path_or_alias) in PRESETS:
+        folder = models_dir() / "dummy" / str(path_or_alias)
+        if not (folder / "config.json").is_file():
+            make_random_checkpoint(str(path_or_alias), folder, weights=False)
+        return folder
+    return fetch_model(path_or_alias)
+
+
+def load_model_info(path_or_alias: str | Path, load_format: str = "auto") -> ModelInfo:
     """Resolves an alias (or takes a folder) and reads the tokenizer, chat template and config,
     not the weights."""
-    folder = fetch_model(path_or_alias)
+    folder = model_folder(path_or_alias, load_format)
     return _model_info(folder, ModelConfig.from_file(folder))
 
 
@@ -105,13 +134,20 @@ def load_model(
     device: torch.device | str = "cpu",
     quantization: str | None = None,
     tensor_parallel: TensorParallel | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
     """Resolves an alias (or takes a folder), loads the weights (a tensor-parallel rank's shard
-    of them with `tensor_parallel`), the tokenizer and the chat template."""
-    folder = fetch_model(path_or_alias)
+    of them with `tensor_parallel`; made at random with load_format "dummy"), the tokenizer and
+    the chat template."""
+    folder = model_folder(path_or_alias, load_format)
     started_s = time.perf_counter()
     model = load_causal_lm(
-        folder, dtype=dtype, device=device, quantization=quantization, tensor_parallel=tensor_parallel
+        folder,
+        dtype=dtype,
+        device=device,
+        quantization=quantization,
+        tensor_parallel=tensor_parallel,
+        load_format=load_format,
     )
     weights = next(model.parameters())
     logger.info(

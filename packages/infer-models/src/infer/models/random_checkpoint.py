@@ -92,6 +92,11 @@ PRESETS: dict[str, Preset] = {
         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, tie_word_embeddings=False,
     ),
+    "llama-3.1-70b": _llama(
+        rope_parameters={**_LLAMA3_ROPE, "factor": 8.0}, vocab_size=128256, hidden_size=8192,
+        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=128, tie_word_embeddings=False,
+    ),
     "qwen3-1.7b": _qwen3(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
@@ -178,9 +183,11 @@ def make_random_checkpoint(
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
     quantization: str | None = None,
+    weights: bool = True,
 ) -> Path:
     """Writes a random checkpoint of preset `arch_preset` (a key of PRESETS) into `out_dir`,
-    its projections 8-bit when `quantization` is "fp8" or "int8"."""
+    its projections 8-bit when `quantization` is "fp8" or "int8". `weights=False` writes all but
+    the weights: a folder that `load_format="dummy"` loads (infer.models.load)."""
     if arch_preset not in PRESETS:
         raise ValueError(f"unknown preset {arch_preset!r}; presets: {', '.join(PRESETS)}")
     if shards < 1:
@@ -209,6 +216,8 @@ def make_random_checkpoint(
         config_path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_generation_config(hf_config), indent=2) + "\n")
     _write_tokenizer(out, preset.arch, preset.config["vocab_size"], specials)
+    if not weights:
+        return out
     tensors = _tensor_specs(_tensor_shapes(hf_config), dtype, quantization)
     _write_weights(out, tensors, preset.arch, shards=shards, seed=seed, quantization=quantization)
     return out
@@ -251,17 +260,20 @@ def _tensor_shapes(hf_config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], arch: str, generator: torch.Generator) -> torch.Tensor:
+def random_tensor(name: str, shape: tuple[int, ...], arch: str, generator: torch.Generator) -> torch.Tensor:
+    """A float32 random weight for the tensor called `name` (a checkpoint's name or ours: the
+    rules go by its suffix), made on the generator's device."""
+    device = generator.device
     if name.endswith("norm.weight"):
         # Gemma scales by (1 + w): store w near 0. Others scale by w: store w near 1.
-        noise = 0.1 * torch.randn(shape, generator=generator)
+        noise = 0.1 * torch.randn(shape, generator=generator, device=device)
         return noise if arch == "gemma3" else 1.0 + noise
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         # std 4 / sqrt(hidden): logits of std ~4 at every size, peaked like a trained model's
         # (no near-ties for greedy decoding), and one absolute tolerance fits every preset.
-        return torch.randn(shape, generator=generator) * 4 * shape[-1] ** -0.5
+        return torch.randn(shape, generator=generator, device=device) * 4 * shape[-1] ** -0.5
     # fan_in**-0.5 keeps activations O(1) through the stack, so logits are peaked, not near-ties.
-    return torch.randn(shape, generator=generator) * shape[-1] ** -0.5
+    return torch.randn(shape, generator=generator, device=device) * shape[-1] ** -0.5
 
 
 def _tensor_specs(
@@ -310,7 +322,7 @@ def _write_weights(
         if name in pending_scales:
             return pending_scales.pop(name)
         shape, dtype = specs[name]
-        dense = _random_tensor(name, shape, arch, generator)
+        dense = random_tensor(name, shape, arch, generator)
         if dtype.itemsize != 1:
             return dense
         weight, scale = quantize_weight(dense, quantization, _block(quantization, shape[1]))

@@ -70,7 +70,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     try:
         config = from_cli_args(args)
         resolve_device(config.device)
-        check_model_name(config.model)  # a typo is refused before the server starts
+        if config.load_format != "dummy":  # dummy takes a preset's name too
+            check_model_name(config.model)  # a typo is refused before the server starts
     except ValueError as error:  # an EngineConfigError, or check_model_name's
         print(f"infer serve: {error}", file=sys.stderr)
         return 2

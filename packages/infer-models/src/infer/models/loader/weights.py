@@ -197,6 +197,22 @@ def load_weights(
                 setattr(model.get_submodule(module_name), leaf, loaded)
 
 
+def fill_random_weights(model: nn.Module, arch: str, *, dtype: torch.dtype, device, seed: int = 0) -> None:
+    """Fills every parameter of `model` (built on the meta device) with random weights made on
+    `device` (`load_format="dummy"`, nothing read from disk), by the rules of a random checkpoint
+    (infer.models.random_checkpoint.random_tensor): logits of a trained model's spread, whatever
+    the shapes. A tensor-parallel shard makes its own part."""
+    from infer.models.random_checkpoint import random_tensor
+
+    generator = torch.Generator(device).manual_seed(seed)
+    aliases = _parameter_aliases(model)
+    for name, param in dict(model.named_parameters()).items():
+        value = random_tensor(name, tuple(param.shape), arch, generator).to(dtype)
+        loaded = nn.Parameter(value, requires_grad=False)
+        for module_name, leaf in aliases[name]:
+            setattr(model.get_submodule(module_name), leaf, loaded)
+
+
 def _check_against(
     sources: dict[str, WeightSource],
     params: dict[str, nn.Parameter],
