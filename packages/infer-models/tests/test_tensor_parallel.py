@@ -24,6 +24,9 @@ from infer.models.tensor_parallel import TensorParallel, free_local_port
 from .test_greedy import greedy_without_cache
 
 RANK_SCRIPT = Path(__file__).with_name("tensor_parallel_rank.py")
+# The rank script imports conformance, which lives at the repository's root (pytest's importlib
+# mode puts nothing on sys.path for it).
+REPOSITORY = Path(__file__).resolve().parents[3]
 NUM_TOKENS = 8
 PROMPTS = [[1, 17, 33, 5, 99, 250, 7], [3, 3, 200, 41]]
 # Checkpoint, ranks, and each rank's KV heads: the tiny presets (llama and qwen3 split their 2 KV
@@ -50,7 +53,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 def run_ranks(folder: Path, size: int, out: Path) -> list[dict]:
     """Each rank's results (tensor_parallel_rank.py), the ranks run as processes over gloo."""
     init_method = f"tcp://127.0.0.1:{free_local_port()}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPOSITORY), *sys.path]), "OMP_NUM_THREADS": "1"}
     arguments = [str(folder), str(size), init_method, str(out), json.dumps(PROMPTS), str(NUM_TOKENS)]
     ranks = [
         subprocess.Popen(

@@ -24,7 +24,6 @@ import os
 import pickle
 import subprocess
 import sys
-from collections import deque
 from datetime import timedelta
 
 import torch
@@ -69,77 +68,28 @@ def ranks_per_node(config) -> int:
 
 def start_workers(config, device_type: str) -> tuple[TensorParallel, "MirroredRunnerLink"]:
     """On node 0: starts this host's ranks 1..R-1 (R ranks a node) and joins all the ranks as
-    rank 0; the other nodes run theirs (`run_node`)."""
-    init_method = _init_method(config)
-    processes = _start_ranks(config, range(1, ranks_per_node(config)), init_method, device_type)
+    rank 0; the other nodes run theirs (infer.engine.tensor_parallel_worker.run_node)."""
+    init_method = init_method_of(config)
+    processes = start_ranks(config, range(1, ranks_per_node(config)), init_method, device_type)
     tp, control = init_rank(config, 0, init_method, device_type)
     logger.info("tensor parallel: %d ranks on %d hosts over %s", tp.size, config.nnodes, dist.get_backend())
     return tp, MirroredRunnerLink(processes, control)
 
 
-def run_node(config, device_type: str) -> int:
-    """On node k > 0 (config.node_rank): runs this host's ranks for node 0, the first in this
-    process, until node 0 stops them; returns the exit code (0: stopped, else a rank's)."""
-    first = config.node_rank * ranks_per_node(config)
-    init_method = _init_method(config)
-    processes = _start_ranks(
-        config, range(first + 1, first + ranks_per_node(config)), init_method, device_type
-    )
-    logger.info(
-        "node %d: ranks %d..%d, meeting node 0 at %s",
-        config.node_rank,
-        first,
-        first + len(processes),
-        init_method,
-    )
-    try:
-        run_worker(config, first, init_method, device_type)
-    finally:
-        codes = [process.wait() for process in processes]
-    return next((code for code in codes if code), 0)
-
-
-def _init_method(config) -> str:
+def init_method_of(config) -> str:
     port = config.master_port if config.master_port is not None else free_local_port()
     return f"tcp://{config.master_addr}:{port}"
 
 
-def _start_ranks(config, ranks, init_method: str, device_type: str) -> list[subprocess.Popen]:
-    """Worker processes for `ranks`: plain subprocesses (`worker_main`), since the engine
-    core's own process is a daemon, which multiprocessing forbids children."""
+def start_ranks(config, ranks, init_method: str, device_type: str) -> list[subprocess.Popen]:
+    """Worker processes for `ranks`: plain subprocesses (tensor_parallel_worker.worker_main),
+    since the engine core's own process is a daemon, which multiprocessing forbids children."""
     encoded = base64.b64encode(pickle.dumps(config)).decode()
-    entry = "from infer.engine.tensor_parallel import worker_main; worker_main()"
+    entry = "from infer.engine.tensor_parallel_worker import worker_main; worker_main()"
     return [
         subprocess.Popen([sys.executable, "-c", entry, encoded, str(rank), init_method, device_type])
         for rank in ranks
     ]
-
-
-def run_worker(config, rank: int, init_method: str, device_type: str) -> None:
-    """A worker's life: join the ranks, build the parts over this rank's shard, then run each
-    call rank 0 sends until it sends "stop"."""
-    from infer.engine.build import build_engine_parts
-
-    logging.basicConfig(level=logging.WARNING)
-    tp, control = init_rank(config, rank, init_method, device_type)
-    runner = build_engine_parts(config, tensor_parallel=tp).runner
-    launches = deque()
-    while True:
-        received = [None]
-        dist.broadcast_object_list(received, src=0, group=control)
-        name, args = received[0]
-        if name == "stop":
-            break
-        # A call that raises ends this worker (its exit ends the engine): rank 0 may have met
-        # the error too, or not, and a worker that skipped a call would leave the ranks' next
-        # collective waiting.
-        if name == "launch":
-            launches.append(runner.launch(*args))
-        elif name == "sample":
-            runner.sample(launches.popleft(), *args)
-        else:
-            runner.collect()
-    dist.destroy_process_group()
 
 
 class MirroredRunnerLink:
@@ -210,24 +160,3 @@ class MirroredRunner:
 
     def shutdown(self) -> None:
         self.link.stop()
-
-
-def worker_main() -> None:
-    """A worker process's entry: its arguments are CONFIG (pickled, base64) RANK INIT_METHOD
-    DEVICE_TYPE."""
-    config_b64, rank, init_method, device_type = sys.argv[1:5]
-    run_worker(pickle.loads(base64.b64decode(config_b64)), int(rank), init_method, device_type)
-
-
-def node_main(argv: list[str] | None = None) -> int:
-    """`python -m infer.engine.node [engine flags]` (and `infer serve` with --node-rank > 0):
-    runs this host's ranks of a multi-host engine (`run_node`)."""
-    import argparse
-
-    from infer.engine.config import add_cli_arguments, from_cli_args, resolve_device
-
-    parser = argparse.ArgumentParser(prog="infer node", description=node_main.__doc__)
-    add_cli_arguments(parser)
-    config = from_cli_args(parser.parse_args(argv))
-    logging.basicConfig(level=logging.INFO)
-    return run_node(config, resolve_device(config.device).type)

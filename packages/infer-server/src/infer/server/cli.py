@@ -76,7 +76,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         print(f"infer serve: {error}", file=sys.stderr)
         return 2
     if config.node_rank > 0:  # this host runs its tensor-parallel ranks; node 0 serves
-        from infer.engine.tensor_parallel import run_node
+        from infer.engine.tensor_parallel_worker import run_node
 
         return run_node(config, resolve_device(config.device).type)
     from infer.engine.engine import Engine
