@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 
 from infer.engine.spec_decode import NgramProposer
 
@@ -38,6 +39,22 @@ class ReplayedCounts:
     def accepted_by_position(self) -> tuple[int, ...]:
         counts = Counter(j for _, accepted in self.verdicts for j in range(accepted))
         return tuple(counts[j] for j in range(len(counts)))
+
+    def bench_figures(self, num_speculative_tokens: int) -> dict:
+        """What the bench client must report for this run (infer.bench.spec_decode's figures),
+        worked out here from the verdicts; ratios as pytest.approx."""
+        rows, accepted = self.num_verified_rows, self.num_accepted_tokens
+        by_position = [*self.accepted_by_position]
+        by_position += [0] * (num_speculative_tokens - len(by_position))
+        return {
+            "verified_rows": rows,
+            "draft_tokens": self.num_draft_tokens,
+            "accepted_tokens": accepted,
+            "acceptance_rate": pytest.approx(accepted / self.num_draft_tokens),
+            "mean_accepted_length": pytest.approx(1 + accepted / rows),
+            "accepted_by_position": by_position,
+            "acceptance_rate_by_position": pytest.approx([count / rows for count in by_position]),
+        }
 
     def tokens_per_step(self, num_output_tokens: int) -> list[int]:
         """Tokens each step emitted, sorted: the prefill's one, a verdict's accepted drafts and

@@ -25,10 +25,11 @@ LAUNCHER = (
 
 @pytest.mark.slow
 def test_sigterm_to_the_serve_launcher_drains_the_server_and_frees_its_port(tmp_path):
-    from infer.bench.serving.matrix import free_port, wait_for_health
+    from infer.bench.serving.matrix import wait_for_health
+    from infer.models.tensor_parallel import free_local_port
     from infer.server.serve import bind_socket
 
-    port = free_port()
+    port = free_local_port()
     base_url = f"http://127.0.0.1:{port}"
     serve = ["infer", "serve", "--port", str(port), "--max-seq-len", "256", "--max-batch-size", "2"]
     # `infer` from this Python's environment, as nox's session finds it in its own.

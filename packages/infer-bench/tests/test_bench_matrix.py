@@ -9,7 +9,8 @@ import pytest
 
 from infer.bench.serving import cli as serving_cli
 from infer.bench.serving import matrix as serving_matrix
-from infer.bench.serving.matrix import MATRIX_ROWS, free_port, run_matrix, select_rows, server_process
+from infer.bench.serving.matrix import MATRIX_ROWS, run_matrix, select_rows, server_process
+from infer.models.tensor_parallel import free_local_port
 
 PEER = Path(__file__).with_name("bench_peer.py")
 
@@ -71,7 +72,7 @@ def test_server_process_reports_an_early_exit_with_its_log(tmp_path):
     with (
         pytest.raises(RuntimeError, match="exited with status 3(.|\n)*no model here"),
         server_process(
-            command, f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "log", health_timeout_s=30
+            command, f"http://127.0.0.1:{free_local_port()}", log_path=tmp_path / "log", health_timeout_s=30
         ),
     ):
         pass
@@ -80,7 +81,7 @@ def test_server_process_reports_an_early_exit_with_its_log(tmp_path):
 def test_server_process_is_stopped_on_exit(tmp_path):
     config = tmp_path / "engine.json"
     config.write_text(json.dumps({"model": "peer-model"}))
-    port = free_port()
+    port = free_local_port()
     command = [sys.executable, str(PEER), "--engine-config", str(config), "--port", str(port)]
     with server_process(
         command, f"http://127.0.0.1:{port}", log_path=tmp_path / "log", health_timeout_s=60

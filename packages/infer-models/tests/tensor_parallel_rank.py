@@ -12,26 +12,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from conformance.paged_batches import PagedRow, grow, paged_batch, scrambled_pool
+# This folder is sys.path[0] when the script runs: test_greedy's loops drive the shard.
+from test_greedy import greedy_with_cache, greedy_without_cache
+
 from infer.models.forward_batch import ForwardBatch
 from infer.models.load import load_causal_lm
 from infer.models.tensor_parallel import TensorParallel
-
-
-@torch.inference_mode()
-def greedy(model, prompt: list[int], num_tokens: int, *, paged: bool) -> list[int]:
-    pool = scrambled_pool(model, 4, len(prompt) + num_tokens) if paged else None
-    block_ids: list[int] = []
-    tokens, num_cached = list(prompt), 0
-    for _ in range(num_tokens):
-        if pool is None:
-            batch = ForwardBatch.from_tokens([tokens])
-        else:
-            grow(pool, block_ids, len(tokens), "sequence")
-            batch = paged_batch(pool, [PagedRow(block_ids, num_cached, tokens[num_cached:])])
-            num_cached = len(tokens)
-        tokens.append(int(model.compute_logits(model(batch)[-1:]).argmax(-1)))
-    return tokens[len(prompt) :]
 
 
 def main() -> None:
@@ -42,13 +28,14 @@ def main() -> None:
     try:
         model = load_causal_lm(folder, dtype=torch.float32, tensor_parallel=TensorParallel(rank, size))
         with torch.inference_mode():
-            logits = model.compute_logits(model(ForwardBatch.from_tokens(prompts)))
-        result = {
-            "logits": logits,
-            "num_kv_heads": model.num_kv_heads,
-            "greedy": [greedy(model, prompt, num_tokens, paged=False) for prompt in prompts],
-            "greedy_paged": [greedy(model, prompt, num_tokens, paged=True) for prompt in prompts],
-        }
+            result = {
+                "logits": model.compute_logits(model(ForwardBatch.from_tokens(prompts))),
+                "num_kv_heads": model.num_kv_heads,
+                "greedy": [greedy_without_cache(model, prompt, num_tokens, set()) for prompt in prompts],
+                "greedy_paged": [
+                    greedy_with_cache(model, prompt, num_tokens, set(), block_size=4) for prompt in prompts
+                ],
+            }
         torch.save(result, f"{out}.rank{rank}")
     finally:
         dist.destroy_process_group()

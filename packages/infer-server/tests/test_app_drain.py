@@ -8,7 +8,6 @@ Ctrl-C test sends SIGINT mid-stream and wants the stream's error event, a prompt
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,8 @@ import time
 import httpx
 import openai
 import pytest
+
+from infer.models.tensor_parallel import free_local_port
 
 
 def data_events(response: httpx.Response):
@@ -122,15 +123,9 @@ def wait_until(condition, *, what: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_infer_serve_drains_on_sigterm_and_exits_zero():
-    port = free_port()
+    port = free_local_port()
     base_url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "infer.server.cli", "serve", "--port", str(port), "--max-seq-len", "256"]
     command += ["--max-batch-size", "2", "--drain-timeout-s", "60", "--log-level", "warning"]
@@ -164,7 +159,7 @@ def test_infer_serve_drains_on_sigterm_and_exits_zero():
 
 @pytest.mark.slow
 def test_ctrl_c_during_a_stream_ends_it_with_an_error_event_and_exits_at_once_without_tracebacks(tmp_path):
-    port = free_port()
+    port = free_local_port()
     base_url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "infer.server.cli", "serve", "--port", str(port), "--max-seq-len", "256"]
     command += ["--max-batch-size", "2", "--log-level", "warning"]

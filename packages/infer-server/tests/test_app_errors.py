@@ -3,7 +3,6 @@ rules of `infer.server.errors` give it, OpenAI's error body, and the server stil
 The `openai` client must map each status to its own exception class."""
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from infer.models.tensor_parallel import free_local_port
 from infer.server.limits import RequestLimits
 from infer.server.serve import build_server
 
@@ -257,12 +257,6 @@ def test_a_prompt_over_the_character_limit_is_refused_before_it_is_tokenized(lon
     )
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_infer_serve_size_flags_set_the_limits_its_413s_name(tmp_path_factory):
     """--max-request-bytes and --max-prompt-chars reach the app of the real `infer serve`: a
     prompt at the character limit runs, one character more and a body over the byte limit get
@@ -270,7 +264,7 @@ def test_infer_serve_size_flags_set_the_limits_its_413s_name(tmp_path_factory):
     from infer.models.random_checkpoint import make_random_checkpoint
 
     checkpoint = make_random_checkpoint("llama-tiny", tmp_path_factory.mktemp("llama-tiny"))
-    port = free_port()
+    port = free_local_port()
     base_url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "infer.server.cli", "serve", "--model", str(checkpoint)]
     command += ["--served-model-name", "tiny", "--port", str(port), "--engine-in-process"]

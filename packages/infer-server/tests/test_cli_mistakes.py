@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from infer.models.random_checkpoint import make_random_checkpoint
+from infer.models.tensor_parallel import free_local_port
 
 TIMEOUT_S = 120
 
@@ -19,19 +20,13 @@ def run_infer(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     return make_random_checkpoint("llama-tiny", tmp_path_factory.mktemp("llama-tiny"))
 
 
 def test_serve_with_an_unknown_model_says_so_in_one_line_and_exits_2():
-    result = run_infer("serve", "--model", "no-such-model", "--port", str(free_port()))
+    result = run_infer("serve", "--model", "no-such-model", "--port", str(free_local_port()))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("infer serve: unknown model 'no-such-model'")
@@ -54,7 +49,7 @@ def test_serve_on_a_busy_port_says_so_before_loading_anything(tiny_checkpoint):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_device_cuda_without_cuda_says_so_and_exits_2(tiny_checkpoint, command):
-    args = ["--port", str(free_port())] if command == "serve" else ["hello"]
+    args = ["--port", str(free_local_port())] if command == "serve" else ["hello"]
     result = run_infer(command, "--model", str(tiny_checkpoint), "--device", "cuda", *args)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [

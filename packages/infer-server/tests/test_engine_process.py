@@ -7,7 +7,6 @@ the child is killed or stopped with real signals."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from infer.models.tensor_parallel import free_local_port
 
 
 def child_pids(pid: int) -> list[int]:
@@ -154,14 +155,8 @@ def test_a_hung_engine_process_is_killed_and_its_requests_end_within_seconds(sta
 # -- `infer serve` itself -------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def start_infer_serve(*args: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+    port = free_local_port()
     command = [sys.executable, "-m", "infer.server.cli", "serve", "--port", str(port), "--max-seq-len", "256"]
     command += ["--max-batch-size", "2", "--log-level", "warning", *args]
     process = subprocess.Popen(

@@ -338,17 +338,16 @@ class Scheduler:
 
         After a failed forward, call fail() instead."""
         sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
-        for request_id in decision.num_scheduled_tokens:
-            if (request := self._requests.get(request_id)) is not None:
-                # Drafts for this request's next step, or none: older ones are for other positions.
-                request.spec_token_ids = runner_output.spec_token_ids.get(request_id, ())
         outputs: list[EngineOutput] = []
         step_drafts = step_accepted = 0
         for request_id in decision.num_scheduled_tokens:
+            if (request := self._requests.get(request_id)) is None:
+                continue  # finished since
+            # Drafts for this request's next step, or none: older ones are for other positions.
+            request.spec_token_ids = runner_output.spec_token_ids.get(request_id, ())
             new_token_ids = list(sampled.get(request_id, ()))
-            request = self._requests.get(request_id)
-            if not new_token_ids or request is None:
-                continue  # nothing sampled, or finished since
+            if not new_token_ids:
+                continue  # nothing sampled
             num_drafts = request.num_draft_tokens
             if len(new_token_ids) > request.num_pending_tokens + num_drafts:
                 raise ValueError(

@@ -94,17 +94,17 @@ def load_causal_lm(
         # random_tensor's norm rule tells Gemma's (1 + w) norms by the family name.
         family = "gemma3" if config.model_type.startswith("gemma3") else config.model_type
         fill_random_weights(model, family, dtype=dtype, device=device)
-        return apply_kernel_policy(model.eval(), KernelPolicy(device))
-    load_weights(
-        model,
-        folder,
-        config,
-        dtype=dtype,
-        device=device,
-        prefixes=architecture.checkpoint_prefixes,
-        ignored_prefixes=architecture.ignored_prefixes,
-        quantization=resolved,
-    )
+    else:
+        load_weights(
+            model,
+            folder,
+            config,
+            dtype=dtype,
+            device=device,
+            prefixes=architecture.checkpoint_prefixes,
+            ignored_prefixes=architecture.ignored_prefixes,
+            quantization=resolved,
+        )
     return apply_kernel_policy(model.eval(), KernelPolicy(device))
 
 

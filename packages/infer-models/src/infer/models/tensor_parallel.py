@@ -67,7 +67,7 @@ class ShardSpec:
 
 
 def free_local_port() -> int:
-    """A TCP port free on 127.0.0.1 now: a rendezvous address for ranks on this host."""
+    """A TCP port free on 127.0.0.1 now: where ranks on this host meet, or a local server listens."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -100,6 +100,7 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
             _shard_mlp(module, tp)
         elif isinstance(module, Embedding):
             _shard_vocab(module, vocab_size, vocab_rows, tp)
+            module.tp = tp  # its lookup sums over the ranks (the head's logits: CausalLM.tp)
     _shard_vocab(model.lm_head, vocab_size, vocab_rows, tp)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
@@ -180,7 +181,6 @@ def _shard_vocab(module: nn.Module, vocab_size: int, vocab_rows: int, tp: Tensor
     module.tp_shard = ShardSpec(
         dim=0, full_sizes=(vocab_size,), ranges=((start, length),), padding=vocab_rows - length
     )
-    module.tp = tp
 
 
 def _empty_like(param: nn.Parameter, shape: tuple[int, ...]) -> nn.Parameter:

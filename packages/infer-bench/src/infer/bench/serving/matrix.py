@@ -15,7 +15,6 @@ import contextlib
 import json
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from infer.bench.serving.report import markdown_table, write_json
 from infer.bench.serving.runner import benchmark_server
 from infer.bench.serving.workloads import CONCURRENCY_LEVELS, make_workload
 from infer.engine.config import AUTO_FLAGS
+from infer.models.tensor_parallel import free_local_port
 
 DEFAULT_SERVER_COMMAND = f"{sys.executable} -m infer.server.cli serve"
 
@@ -104,12 +104,6 @@ def select_rows(names: str | None) -> tuple[ConfigRow, ...]:
     if unknown:
         raise ValueError(f"unknown matrix rows {sorted(unknown)}; known: {[row.name for row in MATRIX_ROWS]}")
     return tuple(row for row in MATRIX_ROWS if not wanted or row.name in wanted)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -207,7 +201,7 @@ def run_matrix(
             continue
         config_path = row_dir / "engine_config.json"
         config_path.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-        port = free_port()
+        port = free_local_port()
         base_url = f"http://127.0.0.1:{port}"
         command = [
             *shlex.split(server_command),
