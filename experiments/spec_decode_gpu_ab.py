@@ -17,10 +17,15 @@ batch 1, and emits the mean accepted length; so it predicts
 off tok/s x mean_accepted_length / (K + 1).
 
     python experiments/spec_decode_gpu_ab.py TARGET DRAFT [K] [CONFIGS] [MAX_BATCH_SIZE]
+
+CONFIGS: comma-separated names, each optionally with its workloads (draft:W1+W2@64). Each run
+also reports its engine steps split by whether speculation was involved (a step that verified
+drafts or whose decision asked for drafts): their counts and mean times.
 """
 
 import gc
 import json
+import statistics
 import sys
 import time
 
@@ -35,7 +40,10 @@ from infer.models.load import load_model
 target_path, draft_path = sys.argv[1], sys.argv[2]
 k = int(sys.argv[3]) if len(sys.argv) > 3 else 4
 ALL = ["off", "draft", "draft-always", "ngram", "self", "off"]
-names = sys.argv[4].split(",") if len(sys.argv) > 4 else ALL
+# A name may pick its workloads: draft:W1+W2@64
+configs = [entry.split(":") for entry in sys.argv[4].split(",")] if len(sys.argv) > 4 else [[n] for n in ALL]
+names = [entry[0] for entry in configs]
+only = {entry[0]: entry[1].split("+") for entry in configs if len(entry) > 1}
 max_batch_size = int(sys.argv[5]) if len(sys.argv) > 5 else 64
 device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -75,6 +83,49 @@ def workload(label: str):
     return make_workload(name, concurrency=int(concurrency), vocab_size=vocab_size)
 
 
+class trace_steps:
+    """Times each engine step, split by whether a decision it scheduled involved speculation
+    (drafts to verify, or drafts to make for the next step): where speculation's cost lands."""
+
+    def __init__(self, engine):
+        self.engine, self.scheduler = engine, engine.core.scheduler
+        self.plain_s, self.spec_s = [], []
+        self._involved = False
+        schedule, step = self.scheduler.schedule, engine.step
+
+        def traced_schedule():
+            decision = schedule()
+            if self.scheduler.speculates_after(decision):
+                self._involved = True
+            return decision
+
+        def traced_step(*args, **kwargs):
+            self._involved = False
+            started = time.perf_counter()
+            outputs = step(*args, **kwargs)
+            (self.spec_s if self._involved else self.plain_s).append(time.perf_counter() - started)
+            return outputs
+
+        self.scheduler.schedule, engine.step = traced_schedule, traced_step
+
+    def stop(self):
+        del self.scheduler.schedule, self.engine.step
+
+    def summary(self) -> dict:
+        def mean_ms(times):
+            return round(1e3 * sum(times) / len(times), 3) if times else None
+
+        return {
+            "plain_steps": len(self.plain_s),
+            "plain_ms": mean_ms(self.plain_s),
+            "plain_median_ms": round(1e3 * statistics.median(self.plain_s), 3) if self.plain_s else None,
+            "spec_steps": len(self.spec_s),
+            "spec_ms": mean_ms(self.spec_s),
+            "spec_total_ms": round(1e3 * sum(self.spec_s), 1),
+            "spec_max_ms": round(1e3 * max(self.spec_s), 1) if self.spec_s else None,
+        }
+
+
 results = []
 for name in names:
     started = time.perf_counter()
@@ -87,11 +138,13 @@ for name in names:
     )
     engine = Engine(config, loaded_model=loaded)
     print(f"== {name}: built in {time.perf_counter() - started:.1f} s", flush=True)
-    for label in WORKLOADS[name]:
+    for label in only.get(name, WORKLOADS[name]):
         scheduler = engine.core.scheduler
         if (backoff := scheduler.speculation_backoff) is not None:  # each workload starts afresh
             scheduler.speculation_backoff = SpeculationBackoff(backoff.min_acceptance_rate)
+        trace = trace_steps(engine)
         run = run_engine_only(engine, workload(label))
+        trace.stop()
         spec = run.get("spec_decode")
         line = {
             "config": name,
@@ -101,6 +154,7 @@ for name in names:
             "steps": run["steps"],
             "ttft_p50_ms": round(run["ttft_p50_ms"], 1),
         }
+        line |= trace.summary()
         if spec is not None:
             line |= {
                 "acceptance": round(spec["acceptance_rate"], 3),

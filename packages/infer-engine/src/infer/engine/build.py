@@ -296,6 +296,9 @@ def _draft_proposer(config, draft, draft_shape, num_blocks: int, device, max_seq
         use_cuda_graphs=config.use_cuda_graphs,
         # Its catch-up forwards run eagerly; its K - 1 decode steps replay the decode graphs.
         cuda_graph_mixed_steps=False,
+        # Its decode steps feed the previous step's drafts as placeholders, which the graphs
+        # resolve from the device, as async scheduling's steps do.
+        async_scheduling=True,
         kernel_policy=kernel_policy,
     )
     return DraftModelProposer(runner, config.speculative.num_speculative_tokens)

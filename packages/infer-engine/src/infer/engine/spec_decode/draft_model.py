@@ -50,7 +50,11 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, batch: InputBatch, request_ids: Sequence[str]) -> dict[str, tuple[int, ...]]:
         """K greedy drafts for each of `request_ids` (rows of the target's `batch`, whose last
-        token was just sampled)."""
+        token was just sampled).
+
+        The drafts stay on the device until all are made: each decode step feeds the previous
+        step's argmax as placeholders (the runner's `last_sampled`, as async scheduling does), so
+        the host builds step j + 1 while the device runs step j, and reads the drafts once."""
         request_ids = [request_id for request_id in request_ids if request_id in batch]
         if not request_ids:
             return {}
@@ -60,20 +64,27 @@ class DraftModelProposer:
             min(self._num_computed(batch, request_id), length - 1)
             for request_id, length in zip(request_ids, known, strict=True)
         ]
-        drafts = self._catch_up(batch, request_ids, starts, known)
-        proposals = [[token] for token in drafts]
+        drafts = [self._catch_up(batch, request_ids, starts, known)]  # per step, on the device
         # Draft j sits at position known - 1 + j: none past the last position a sequence may have.
         wanted = [min(self.num_speculative_tokens, self.runner.max_seq_len - length) for length in known]
+        steps_active = [list(range(len(request_ids)))]
         for step in range(1, self.num_speculative_tokens):
-            active = [i for i, count in enumerate(wanted) if step < count]
+            previous = steps_active[-1]
+            active = [i for i in previous if step < wanted[i]]
             if not active:
                 break
-            positions = [known[i] - 1 + step for i in active]
-            tokens = self._decode(
-                batch, [request_ids[i] for i in active], [proposals[i][-1] for i in active], positions
-            )
-            for i, token in zip(active, tokens, strict=True):
-                proposals[i].append(token)
+            # Row j's input is the previous step's draft at that step's index j: placeholder -1 - j.
+            self.runner.last_sampled[: len(previous)].copy_(drafts[-1])
+            index_in_previous = {i: j for j, i in enumerate(previous)}
+            placeholders = np.array([-1 - index_in_previous[i] for i in active], dtype=np.int64)
+            positions = np.array([known[i] - 1 + step for i in active], dtype=np.int64)
+            drafts.append(self._decode(batch, [request_ids[i] for i in active], placeholders, positions))
+            steps_active.append(active)
+        proposals: list[list[int]] = [[] for _ in request_ids]
+        flat = iter(torch.cat(drafts).tolist())
+        for active in steps_active:
+            for i in active:
+                proposals[i].append(next(flat))
         for request_id, length, proposal in zip(request_ids, known, proposals, strict=True):
             # Computed now: every known token and the drafts fed back (at known .. known + k - 2).
             self._proposed[request_id] = (length, tuple(proposal[:-1]))
@@ -94,8 +105,9 @@ class DraftModelProposer:
             matching += 1
         return length + matching
 
-    def _catch_up(self, batch: InputBatch, request_ids, starts, known) -> list[int]:
-        """A forward over each request's uncomputed tokens; the argmax at its last token.
+    def _catch_up(self, batch: InputBatch, request_ids, starts, known) -> torch.Tensor:
+        """A forward over each request's uncomputed tokens; the argmax at its last token, on the
+        device, in the order of `request_ids`.
 
         Requests little behind (the steady state: the last token, and the last draft when the
         target kept them all; or the tokens of the steps the back-off sat out) run them as
@@ -103,7 +115,7 @@ class DraftModelProposer:
         do, so that the step replays a decode graph: as many as the largest graph holds, the
         least behind first (without graphs, those at most K + 1 behind). The others (a prompt
         the draft has not seen) run as one row each of a forward of its own."""
-        drafts = [0] * len(request_ids)
+        parts, order = [], []
         behind = [end - start for start, end in zip(starts, known, strict=True)]
         graphs = self.runner.graphs
         near, num_rows = [], 0
@@ -126,8 +138,8 @@ class DraftModelProposer:
                 # Each request's last row: its rows are consecutive.
                 sampling_rows=np.cumsum([behind[i] for i in near]) - 1,
             )
-            for i, token in zip(near, self._argmax(step), strict=True):
-                drafts[i] = token
+            parts.append(self._argmax(step))
+            order += near
         if far:
             step = batch.step_inputs(
                 [request_ids[i] for i in far],
@@ -136,22 +148,24 @@ class DraftModelProposer:
                 num_decode_rows=0,
                 sampling_rows=np.arange(len(far)),
             )
-            for i, token in zip(far, self._argmax(step), strict=True):
-                drafts[i] = token
-        return drafts
+            parts.append(self._argmax(step))
+            order += far
+        drafts = torch.cat(parts)
+        if order == sorted(order):
+            return drafts
+        return drafts[torch.from_numpy(np.argsort(order)).to(drafts.device)]
 
-    def _decode(self, batch: InputBatch, request_ids, tokens, positions) -> list[int]:
-        """One decode step: each request's `tokens` fed at its `positions`."""
-        positions = np.array(positions, dtype=np.int64)
+    def _decode(self, batch: InputBatch, request_ids, input_ids: np.ndarray, positions: np.ndarray):
+        """One decode step: each request's `input_ids` (placeholders) fed at its `positions`."""
         step = batch.step_inputs(
             list(request_ids),
             positions,
             positions + 1,
             num_decode_rows=len(request_ids),
             sampling_rows=np.arange(len(request_ids)),
-            input_ids=np.array(tokens, dtype=np.int64),
+            input_ids=input_ids,
         )
         return self._argmax(step)
 
-    def _argmax(self, step: StepInputs) -> list[int]:
-        return self.runner.draft_logits(step).argmax(dim=-1).tolist()
+    def _argmax(self, step: StepInputs) -> torch.Tensor:
+        return self.runner.draft_logits(step).argmax(dim=-1)
