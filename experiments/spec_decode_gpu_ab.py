@@ -6,6 +6,7 @@ configuration in turn over the one loaded target:
 
     off           no speculation
     draft         a draft model (llama-3.2-1b shapes), K drafts, the automatic back-off on
+    draft-sparse  the same with the back-off's probes spaced 8-fold up to every 512th step
     draft-always  the same, min_acceptance_rate 0: it speculates on every step
     ngram         n-gram drafts (vLLM's defaults: lookup of 5 tokens), K drafts
     self          the target as its own draft (acceptance near 1), batch 1 only
@@ -35,6 +36,7 @@ from infer.bench.serving.engine_only import run_engine_only
 from infer.bench.serving.workloads import make_workload
 from infer.engine import Engine, EngineConfig
 from infer.engine.spec_decode import SpeculationBackoff
+from infer.engine.spec_decode import backoff as backoff_module
 from infer.models.load import load_model
 
 target_path, draft_path = sys.argv[1], sys.argv[2]
@@ -42,9 +44,9 @@ k = int(sys.argv[3]) if len(sys.argv) > 3 else 4
 ALL = ["off", "draft", "draft-always", "ngram", "self", "off"]
 # A name may pick its workloads: draft:W1+W2@64
 configs = [entry.split(":") for entry in sys.argv[4].split(",")] if len(sys.argv) > 4 else [[n] for n in ALL]
-names = [entry[0] for entry in configs]
-only = {entry[0]: entry[1].split("+") for entry in configs if len(entry) > 1}
+runs = [(entry[0], entry[1].split("+") if len(entry) > 1 else None) for entry in configs]
 max_batch_size = int(sys.argv[5]) if len(sys.argv) > 5 else 64
+SPACING = {False: (backoff_module.GROWTH, backoff_module.MAX_INTERVAL), True: (8, 512)}
 device = "cuda" if torch.cuda.is_available() else "cpu"
 
 SPECULATIVE = {
@@ -90,20 +92,26 @@ class trace_steps:
     def __init__(self, engine):
         self.engine, self.scheduler = engine, engine.core.scheduler
         self.plain_s, self.spec_s = [], []
-        self._involved = False
+        self._involved = self._prefill = False
+        self.prefill_s = []
         schedule, step = self.scheduler.schedule, engine.step
 
         def traced_schedule():
             decision = schedule()
             if self.scheduler.speculates_after(decision):
                 self._involved = True
+            if decision.num_prompt_tokens:
+                self._prefill = True
             return decision
 
         def traced_step(*args, **kwargs):
-            self._involved = False
+            self._involved = self._prefill = False
             started = time.perf_counter()
             outputs = step(*args, **kwargs)
-            (self.spec_s if self._involved else self.plain_s).append(time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            (self.spec_s if self._involved else self.plain_s).append(elapsed)
+            if self._prefill and not self._involved:
+                self.prefill_s.append(elapsed)
             return outputs
 
         self.scheduler.schedule, engine.step = traced_schedule, traced_step
@@ -119,6 +127,8 @@ class trace_steps:
             "plain_steps": len(self.plain_s),
             "plain_ms": mean_ms(self.plain_s),
             "plain_median_ms": round(1e3 * statistics.median(self.plain_s), 3) if self.plain_s else None,
+            "plain_prefill_steps": len(self.prefill_s),
+            "plain_prefill_ms": mean_ms(self.prefill_s),
             "spec_steps": len(self.spec_s),
             "spec_ms": mean_ms(self.spec_s),
             "spec_total_ms": round(1e3 * sum(self.spec_s), 1),
@@ -127,18 +137,20 @@ class trace_steps:
 
 
 results = []
-for name in names:
+for name, only in runs:
     started = time.perf_counter()
     config = EngineConfig(
         device=device,
         dtype="bfloat16" if device == "cuda" else "float32",
         max_batch_size=max_batch_size,
         max_seq_len=min(2048, loaded.config.max_position_embeddings),
-        speculative_config=SPECULATIVE[name],
+        speculative_config=SPECULATIVE[name.removesuffix("-sparse")],
     )
+    # draft-sparse: the back-off's probes spaced GROWTH_SPARSE-fold up to MAX_INTERVAL_SPARSE
+    backoff_module.GROWTH, backoff_module.MAX_INTERVAL = SPACING[name.endswith("-sparse")]
     engine = Engine(config, loaded_model=loaded)
     print(f"== {name}: built in {time.perf_counter() - started:.1f} s", flush=True)
-    for label in only.get(name, WORKLOADS[name]):
+    for label in only or WORKLOADS[name.removesuffix("-sparse")]:
         scheduler = engine.core.scheduler
         if (backoff := scheduler.speculation_backoff) is not None:  # each workload starts afresh
             scheduler.speculation_backoff = SpeculationBackoff(backoff.min_acceptance_rate)
@@ -172,7 +184,9 @@ for name in names:
 by_key = {(line["config"], line["workload"]): line for line in results}
 print("== against off (the first off run)")
 for line in results:
-    base = next(r for r in results if r["config"] == "off" and r["workload"] == line["workload"])
+    base = next((r for r in results if r["config"] == "off" and r["workload"] == line["workload"]), None)
+    if base is None:
+        continue
     print(f"{line['config']:>12} {line['workload']:>6} {line['tok_s'] / base['tok_s']:.3f}x")
 if ("self", "W1") in by_key:
     self_run, off_run = by_key[("self", "W1")], by_key[("off", "W1")]

@@ -11,6 +11,7 @@ from infer.engine.protocol import FinishReason
 from infer.engine.request import QueueFullError, Request, RequestState, RequestTooLongError
 from infer.engine.sampling_params import SamplingParams
 from infer.engine.scheduler import Scheduler
+from infer.engine.spec_decode.backoff import PROBE_ROWS, SpeculationBackoff
 
 
 def make_scheduler(*, num_blocks=64, block_size=16, **kwargs) -> Scheduler:
@@ -332,6 +333,56 @@ def test_static_batches_admit_a_whole_batch_and_nothing_until_it_has_left():
     while scheduler.get("r0") or scheduler.get("r1"):
         assert "r2" not in run_step(scheduler).num_scheduled_tokens
     assert [new.request_id for new in run_step(scheduler).new_requests] == ["r2"]
+
+
+# -- speculation back-off ------------------------------------------------------------------
+
+
+def run_drafting_step(scheduler: Scheduler) -> ScheduleDecision:
+    """run_step with a draft model that never guesses right: each request the decision names
+    in draft_request_ids gets drafts after it samples, and the target keeps none of them."""
+    decision = scheduler.schedule()
+    sampled, drafts = [], {}
+    for request_id in decision.num_scheduled_tokens:
+        r = scheduler.get(request_id)
+        reaches_the_end = r.num_computed_tokens - r.num_draft_tokens == len(r.all_token_ids)
+        sampled.append((greedy_token(r.all_token_ids),) if reaches_the_end else ())
+        if reaches_the_end and request_id in (decision.draft_request_ids or ()):
+            drafts[request_id] = (1, 2)
+    outputs = RunnerOutput(tuple(decision.num_scheduled_tokens), tuple(sampled), spec_token_ids=drafts)
+    scheduler.update(decision, outputs)
+    return decision
+
+
+def test_a_probe_drafts_for_the_requests_with_the_fewest_tokens_the_draft_has_not_seen():
+    """While backed off, the draft model drafts for PROBE_ROWS requests: it catches up on each
+    one's unseen tokens first, so the probe takes those with the fewest, not the oldest."""
+    scheduler = make_scheduler(
+        max_batch_size=8,
+        max_num_batched_tokens=256,
+        speculation_backoff=SpeculationBackoff(0.3),
+        num_lookahead_tokens=2,
+    )
+    assert PROBE_ROWS == 2
+    old_long, short, old_mid, shorter = (
+        request("old-long", 120, 200),
+        request("short", 50, 200),
+        request("old-mid", 100, 200),
+        request("shorter", 45, 200),
+    )
+    run_until_decoding(scheduler, old_long, short, old_mid, shorter)
+    decision = run_drafting_step(scheduler)  # before the first verdict: a probe
+    assert decision.draft_request_ids == {"short", "shorter"}
+    # Verdicts of 0 back it off; later probes keep to the requests the draft has seen lately
+    # (at most an interval's tokens behind) over a new one shorter than both but unseen.
+    newcomer = request("newcomer", 24, 200)
+    scheduler.add(newcomer)
+    probes = []
+    for _ in range(40):
+        if drafted := run_drafting_step(scheduler).draft_request_ids:
+            probes.append(drafted)
+    assert len(probes) >= 2 and all(probe == {"short", "shorter"} for probe in probes), probes
+    assert newcomer.num_tokens > 20 and scheduler.speculation_backoff.interval > 1
 
 
 # -- refusals -------------------------------------------------------------------------------

@@ -77,6 +77,9 @@ class Request:
     num_draft_tokens: int = 0
     # Draft tokens the runner's draft model proposed for the request's next step.
     spec_token_ids: tuple[int, ...] = ()
+    # The request's token count when the draft model last drafted for it (0: never, or not since
+    # a preemption): the tokens after it are what the draft would catch up on before drafting.
+    num_tokens_drafted: int = 0
     # The request's KV blocks in order: token i lives in block_ids[i // block_size]. Grows as
     # tokens are scheduled; empty while waiting, after a preemption and once finished.
     block_ids: list[int] = field(default_factory=list)

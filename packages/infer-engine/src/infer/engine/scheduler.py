@@ -368,6 +368,8 @@ class Scheduler:
             else:
                 request.num_pending_tokens -= len(new_token_ids)
             request.output_ids.extend(new_token_ids)
+            if request_id in runner_output.spec_token_ids:
+                request.num_tokens_drafted = request.num_tokens
             outputs.append(self._accept(request, new_token_ids, runner_output.logprobs.get(request_id)))
         if self.speculation_backoff is not None:
             self.speculation_backoff.record(step_drafts, step_accepted)
@@ -584,6 +586,7 @@ class Scheduler:
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self.kv_manager.free(request)
         request.num_computed_tokens = 0
+        request.num_tokens_drafted = 0  # the draft model forgets it too
         request.state = RequestState.PREEMPTED
         request.num_preemptions += 1
         self.num_preempted += 1
@@ -693,7 +696,7 @@ class Scheduler:
             block_ops=self.kv_manager.take_block_ops(),
             num_prompt_tokens=num_prompt_tokens,
             spec_token_ids=dict(plan.spec_token_ids),
-            draft_request_ids=self._draft_request_ids(plan.step + 1),
+            draft_request_ids=self._draft_request_ids(plan),
         )
 
     def speculates_after(self, decision: ScheduleDecision) -> bool:
@@ -704,13 +707,25 @@ class Scheduler:
             return False
         return bool(decision.spec_token_ids) or decision.draft_request_ids != frozenset()
 
-    def _draft_request_ids(self, step: int) -> frozenset[str] | None:
-        """The requests a draft model drafts for ahead of step number `step`: as many as may
-        verify drafts then, the longest running first (None: every one)."""
-        limit = self._speculating_rows(step, len(self._running))
-        if limit is None:
-            return None
-        return frozenset(request.request_id for request in self._running[:limit])
+    def _draft_request_ids(self, plan: _StepPlan) -> frozenset[str] | None:
+        """The requests a draft model drafts for after the step of `plan`, ahead of the next: as
+        many as may verify drafts then (None: every one). When fewer, those the step samples for
+        with the fewest tokens the draft has not seen, since a probe's cost is mostly the draft's
+        catch-up forward over them: a request it drafted for lately, or a short one."""
+        limit = self._speculating_rows(plan.step + 1, len(self._running))
+        if limit is None or limit == 0:
+            return None if limit is None else frozenset()
+        sampling = [
+            request
+            for request in self._running
+            if request.request_id in plan.num_scheduled_tokens
+            and request.num_computed_tokens
+            + plan.num_scheduled_tokens[request.request_id]
+            - len(plan.spec_token_ids.get(request.request_id, ()))
+            >= request.num_tokens
+        ]
+        sampling.sort(key=lambda request: request.num_tokens - request.num_tokens_drafted)
+        return frozenset(request.request_id for request in sampling[:limit])
 
     def _generator_seed(self, request: Request) -> int:
         # A request without its own seed draws from one derived from the engine seed and its
