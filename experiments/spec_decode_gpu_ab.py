@@ -6,7 +6,7 @@ configuration in turn over the one loaded target:
 
     off           no speculation
     draft         a draft model (llama-3.2-1b shapes), K drafts, the automatic back-off on
-    draft-sparse  the same with the back-off's probes spaced 8-fold up to every 512th step
+    draft@G/M     the same with the back-off's probes spaced G-fold up to every M-th step
     draft-always  the same, min_acceptance_rate 0: it speculates on every step
     ngram         n-gram drafts (vLLM's defaults: lookup of 5 tokens), K drafts
     self          the target as its own draft (acceptance near 1), batch 1 only
@@ -19,12 +19,13 @@ off tok/s x mean_accepted_length / (K + 1).
 
     python experiments/spec_decode_gpu_ab.py TARGET DRAFT [K] [CONFIGS] [MAX_BATCH_SIZE]
 
-CONFIGS: comma-separated names, each optionally with its workloads (draft:W1+W2@64). Each run
+CONFIGS: comma-separated names, each optionally with its workloads (draft@4/128:W1+W2@64). Each run
 also reports its engine steps split by whether speculation was involved (a step that verified
 drafts or whose decision asked for drafts): their counts and mean times.
 """
 
 import gc
+import importlib
 import json
 import statistics
 import sys
@@ -46,7 +47,7 @@ ALL = ["off", "draft", "draft-always", "ngram", "self", "off"]
 configs = [entry.split(":") for entry in sys.argv[4].split(",")] if len(sys.argv) > 4 else [[n] for n in ALL]
 runs = [(entry[0], entry[1].split("+") if len(entry) > 1 else None) for entry in configs]
 max_batch_size = int(sys.argv[5]) if len(sys.argv) > 5 else 64
-SPACING = {False: (backoff_module.GROWTH, backoff_module.MAX_INTERVAL), True: (8, 512)}
+DEFAULT_SPACING = (backoff_module.GROWTH, backoff_module.MAX_INTERVAL)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 
 SPECULATIVE = {
@@ -115,9 +116,25 @@ class trace_steps:
             return outputs
 
         self.scheduler.schedule, engine.step = traced_schedule, traced_step
+        # The draft model's share: its proposals' time (each ends reading its drafts).
+        self.draft = engine.core.runner.draft
+        self.propose_s = []
+        if self.draft is not None:
+            propose = self.draft.propose
+
+            def traced_propose(*args, **kwargs):
+                started = time.perf_counter()
+                proposals = propose(*args, **kwargs)
+                self.propose_s.append(time.perf_counter() - started)
+                return proposals
+
+            self.draft.propose = traced_propose
+        self.compiled = compiled_kernel_variants()
 
     def stop(self):
         del self.scheduler.schedule, self.engine.step
+        if self.draft is not None:
+            del self.draft.propose
 
     def summary(self) -> dict:
         def mean_ms(times):
@@ -133,24 +150,52 @@ class trace_steps:
             "spec_ms": mean_ms(self.spec_s),
             "spec_total_ms": round(1e3 * sum(self.spec_s), 1),
             "spec_max_ms": round(1e3 * max(self.spec_s), 1) if self.spec_s else None,
+            "proposals": len(self.propose_s),
+            "propose_ms": mean_ms(self.propose_s),
+            "kernels_compiled": sum(compiled_kernel_variants().values()) - sum(self.compiled.values()),
         }
+
+
+def compiled_kernel_variants() -> dict[str, int]:
+    """Compiled variants of each of infer.kernels' Triton kernels (a step that compiles one
+    stalls for it)."""
+    from triton.runtime.jit import JITFunction
+
+    counts = {}
+    for module_name in (
+        "paged_attention",
+        "store_kv",
+        "rope",
+        "rms_norm",
+        "activation",
+        "normed_gemv",
+        "argmax",
+        "qk_norm_rope",
+    ):
+        module = importlib.import_module(f"infer.kernels.{module_name}")
+        for name, value in vars(module).items():
+            if isinstance(value, JITFunction):
+                counts[f"{module_name}.{name}"] = sum(len(c[0]) for c in value.device_caches.values())
+    return counts
 
 
 results = []
 for name, only in runs:
     started = time.perf_counter()
+    # draft@4/128: the back-off's probes spaced 4-fold up to every 128th step
+    base_name, _, spacing = name.partition("@")
+    spacing = tuple(int(value) for value in spacing.split("/")) if spacing else DEFAULT_SPACING
     config = EngineConfig(
         device=device,
         dtype="bfloat16" if device == "cuda" else "float32",
         max_batch_size=max_batch_size,
         max_seq_len=min(2048, loaded.config.max_position_embeddings),
-        speculative_config=SPECULATIVE[name.removesuffix("-sparse")],
+        speculative_config=SPECULATIVE[base_name],
     )
-    # draft-sparse: the back-off's probes spaced GROWTH_SPARSE-fold up to MAX_INTERVAL_SPARSE
-    backoff_module.GROWTH, backoff_module.MAX_INTERVAL = SPACING[name.endswith("-sparse")]
+    backoff_module.GROWTH, backoff_module.MAX_INTERVAL = spacing
     engine = Engine(config, loaded_model=loaded)
     print(f"== {name}: built in {time.perf_counter() - started:.1f} s", flush=True)
-    for label in only or WORKLOADS[name.removesuffix("-sparse")]:
+    for label in only or WORKLOADS[base_name]:
         scheduler = engine.core.scheduler
         if (backoff := scheduler.speculation_backoff) is not None:  # each workload starts afresh
             scheduler.speculation_backoff = SpeculationBackoff(backoff.min_acceptance_rate)

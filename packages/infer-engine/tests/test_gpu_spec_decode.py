@@ -3,11 +3,18 @@
 request's K + 1 decode rows replay the decode graphs)."""
 
 import pytest
+import torch
 
 from conformance.oracles import RecomputeOracle
 from infer.engine import Engine, EngineConfig, SamplingParams
 
-from .test_gpu import NUM_TOKENS, assert_equal_up_to_a_near_tie, real_shape, run_together  # noqa: F401
+from .test_gpu import (  # noqa: F401
+    NUM_TOKENS,
+    assert_equal_up_to_a_near_tie,
+    compiled_kernel_variants,
+    real_shape,
+    run_together,
+)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -51,3 +58,35 @@ def test_a_draft_model_equals_recompute_in_bf16_and_itself_as_draft_is_accepted(
     assert counts.num_draft_tokens > 0 and counts.acceptance_rate > 0.8, counts
     for prompt, ours, oracle_tokens in zip(prompts, tokens, expected, strict=True):
         assert_equal_up_to_a_near_tie(loaded.model, prompt, ours, oracle_tokens, f"{preset}/draft-model")
+
+
+@pytest.mark.gpu
+def test_a_draft_models_probes_compile_no_kernel_after_start_up(real_shape):  # noqa: F811
+    """The back-off's probes run the draft over histories of any length (eager catch-up
+    forwards) and verify a few rows beside many decode rows: start-up must have compiled those
+    kernels too, or each probe stalls its step for a compile. The target drafts for itself with
+    a floor above what it keeps (about 0.89), so the back-off spaces probes out."""
+    preset, loaded, _, _, _ = real_shape
+    speculative = {
+        "method": "draft_model",
+        "model": str(loaded.path),
+        "num_speculative_tokens": 4,
+        "min_acceptance_rate": 0.99,
+    }
+    config = EngineConfig(
+        device="cuda", dtype="bfloat16", max_batch_size=8, max_seq_len=1024, speculative_config=speculative
+    )
+    engine = Engine(config, loaded_model=loaded)
+    compiled = compiled_kernel_variants()
+    generator = torch.Generator().manual_seed(2)
+    for i, length in enumerate((5, 61, 300, 17, 700, 130)):
+        prompt = torch.randint(0, loaded.config.vocab_size, (length,), generator=generator).tolist()
+        params = SamplingParams(temperature=0, max_new_tokens=40 + 30 * i, ignore_eos=True)
+        engine.add_request(prompt, params)
+        for _ in range(7):  # arrivals while others decode
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    counts = engine.core.scheduler.spec_decode_counts
+    assert counts.num_verified_rows > 4 and engine.core.scheduler.speculation_backoff.interval > 1, counts
+    assert compiled_kernel_variants() == compiled

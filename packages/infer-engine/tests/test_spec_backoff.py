@@ -17,15 +17,15 @@ def speculating_steps(backoff: SpeculationBackoff, num_steps: int, kept, num_row
     return steps
 
 
-def test_failing_drafts_space_the_probes_out_to_every_128th_step_for_a_few_rows():
+def test_failing_drafts_space_the_probes_out_to_every_512th_step_for_a_few_rows():
     backoff = SpeculationBackoff(0.3)
     assert backoff.rows(0) == PROBE_ROWS  # until the first verdict, a probe
-    steps = speculating_steps(backoff, 1000, kept=lambda step: 0)
+    steps = speculating_steps(backoff, 3000, kept=lambda step: 0)
     gaps = [later - earlier for earlier, later in zip(steps, steps[1:], strict=False)]
     # The first failing step backs off; the gaps grow GROWTH-fold up to MAX_INTERVAL, then hold.
-    assert GROWTH == 4 and MAX_INTERVAL == 128
-    assert gaps[:4] == [4, 12, 48, 64] and set(gaps[4:]) == {MAX_INTERVAL}
-    assert backoff.rows(1024) == PROBE_ROWS and backoff.rows(1025) == 0
+    assert GROWTH == 8 and MAX_INTERVAL == 512
+    assert gaps[:3] == [8, 56, 448] and set(gaps[3:]) == {MAX_INTERVAL}
+    assert backoff.rows(3072) == PROBE_ROWS and backoff.rows(3073) == 0
 
 
 def test_drafts_kept_at_the_floor_speculate_on_every_step_for_every_request():

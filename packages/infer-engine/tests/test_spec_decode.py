@@ -302,7 +302,7 @@ def test_a_draft_model_that_is_never_right_backs_off_and_keeps_the_oracles_token
     # nearly every one of the ~120 steps verifies both rows.
     assert every_step.acceptance_rate < 0.1 and every_step.num_verified_rows > 200, every_step
     # With it, the draft runs for a few rows only, and some of them after the back-off began (its
-    # probes): after the first failing step, every 2nd, 4th, ... up to 64th step.
+    # probes): after the first failing step, on every 8th, then every 64th step.
     assert backed_off_proposals < every_step_proposals / 8
     assert 4 < backed_off.num_verified_rows < every_step.num_verified_rows / 8, backed_off
 

@@ -5,7 +5,7 @@ proposer but K extra tokens in the target's forward, and K forwards of the draft
 draft model. With drafts that are almost never right (a draft model unlike its target, text
 with nothing to look up) that cost is all there is, so the scheduler watches the share of draft
 tokens the target keeps and, while it stays under `min_acceptance_rate`, speculates only on
-every 4th, 16th, ... up to every MAX_INTERVAL-th step, and there for PROBE_ROWS requests only.
+every 8th, 64th, ... up to every MAX_INTERVAL-th step, and there for PROBE_ROWS requests only.
 Those probes keep the estimate current: one that keeps enough of its drafts brings speculation
 back on every step, for every request. Until the first verdict, steps are probes too: an
 engine that starts with a full batch does not draft for all of it to learn the draft is bad.
@@ -16,11 +16,12 @@ of the interval), and a few rows tell whether the draft has turned useful as wel
 them would, without the catch-up forwards and K + 1 verified tokens of every row.
 """
 
-# Longest run of steps without speculation, and its growth after each failing probe: a failing
-# draft model cost 5-8% on the H200 (docs/benchmarks/speculative.md#automatic-back-off), and a
-# draft that turns useful is found within 128 steps.
-MAX_INTERVAL = 128
-GROWTH = 4
+# Longest run of steps without speculation, and its growth after each failing probe: a probe
+# costs several steps' time, and spacing them 4-fold up to 128 cost a failing draft model 6-7%
+# on the H200 against 2-4% for 8-fold up to 512 (docs/benchmarks/speculative.md#automatic-back-off);
+# a draft that turns useful is found within 512 steps.
+MAX_INTERVAL = 512
+GROWTH = 8
 # Requests that verify drafts in a probe step.
 PROBE_ROWS = 2
 # Weight of the newest verified step in the acceptance estimate (the first step's rate starts
