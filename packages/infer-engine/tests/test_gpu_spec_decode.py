@@ -7,10 +7,12 @@ import torch
 
 from conformance.oracles import RecomputeOracle
 from infer.engine import Engine, EngineConfig, SamplingParams
+from infer.engine.spec_decode import SpeculationBackoff
 
 from .test_gpu import (  # noqa: F401
     NUM_TOKENS,
     assert_equal_up_to_a_near_tie,
+    assert_no_kernel_compiled_since,
     compiled_kernel_variants,
     real_shape,
     run_together,
@@ -64,19 +66,17 @@ def test_a_draft_model_equals_recompute_in_bf16_and_itself_as_draft_is_accepted(
 def test_a_draft_models_probes_compile_no_kernel_after_start_up(real_shape):  # noqa: F811
     """The back-off's probes run the draft over histories of any length (eager catch-up
     forwards) and verify a few rows beside many decode rows: start-up must have compiled those
-    kernels too, or each probe stalls its step for a compile. The target drafts for itself with
-    a floor above what it keeps (about 0.89), so the back-off spaces probes out."""
+    kernels too, or each probe stalls its step for a compile. The target drafts for itself, and
+    its back-off is told every draft failed (a real failing draft needs a second real-shape
+    checkpoint), so it runs only the probes: the draft and target forwards are real."""
     preset, loaded, _, _, _ = real_shape
-    speculative = {
-        "method": "draft_model",
-        "model": str(loaded.path),
-        "num_speculative_tokens": 4,
-        "min_acceptance_rate": 0.99,
-    }
+    speculative = {"method": "draft_model", "model": str(loaded.path), "num_speculative_tokens": 4}
     config = EngineConfig(
         device="cuda", dtype="bfloat16", max_batch_size=8, max_seq_len=1024, speculative_config=speculative
     )
     engine = Engine(config, loaded_model=loaded)
+    backoff = engine.core.scheduler.speculation_backoff
+    backoff.record = lambda num_draft_tokens, _: SpeculationBackoff.record(backoff, num_draft_tokens, 0)
     compiled = compiled_kernel_variants()
     generator = torch.Generator().manual_seed(2)
     for i, length in enumerate((5, 61, 300, 17, 700, 130)):
@@ -88,5 +88,5 @@ def test_a_draft_models_probes_compile_no_kernel_after_start_up(real_shape):  # 
     while engine.has_work():
         engine.step()
     counts = engine.core.scheduler.spec_decode_counts
-    assert counts.num_verified_rows > 4 and engine.core.scheduler.speculation_backoff.interval > 1, counts
-    assert compiled_kernel_variants() == compiled
+    assert counts.num_verified_rows > 4 and backoff.interval > 1, counts
+    assert_no_kernel_compiled_since(compiled)

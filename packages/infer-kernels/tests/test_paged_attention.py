@@ -500,3 +500,27 @@ def test_kernel_in_a_cuda_graph_follows_new_prompt_chunks_through_a_tile_map(cud
         graph.replay()
         used = int(starts[-1])
         assert_close(out[:used], paged_attention_ref(q, k_cache, v_cache, **kwargs)[:used])
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads, max_seq_len", [(8, 1024), (8, 131072), (1, 4096), (32, 2048), (4, 300)]
+)
+def test_the_warm_up_lengths_launch_every_merge_variant_a_decode_step_may(num_kv_heads, max_seq_len):
+    """Brute force over every decode step shape (rows, longest row) against the variants the
+    one-row warm-up lengths launch: (SPLITS_PAD, num_splits a multiple of 16)."""
+    from infer.kernels.paged_attention import decode_num_splits, decode_warm_up_lengths
+
+    def variant(num_splits: int) -> tuple[int, bool]:
+        return 1 << (num_splits - 1).bit_length(), num_splits % 16 == 0
+
+    lengths = decode_warm_up_lengths(num_kv_heads, max_seq_len)
+    assert all(1 <= length <= max_seq_len for length in lengths)
+    warmed = {variant(decode_num_splits(1, num_kv_heads, length)) for length in lengths}
+    needed = {
+        variant(num_splits)
+        for rows in (*range(1, 65), 128, 256)
+        for length in (*range(1, max_seq_len + 1, 61 if max_seq_len > 5000 else 1), max_seq_len)
+        if (num_splits := decode_num_splits(rows, num_kv_heads, length)) > 1
+    }
+    assert needed <= warmed
+    assert len(lengths) == len(warmed)  # one length a variant

@@ -35,7 +35,7 @@ from infer.engine.decision import RunnerOutput, ScheduleDecision, TokenLogprobs
 from infer.engine.input_batch import InputBatch, RowState, StepInputs, resolve_pending_tokens
 from infer.engine.sampler import AllowedTokens, SamplingTensors, compute_logprobs, sample
 from infer.engine.spec_decode.verify import VerifyRow, verify_drafts
-from infer.kernels import native_cpu_kernels_available
+from infer.kernels import decode_warm_up_lengths, native_cpu_kernels_available
 from infer.models.cpu_stack import CpuDecodeStack
 from infer.models.forward_batch import AttentionMetadata, ForwardBatch
 from infer.models.kernel_policy import KernelPolicy, apply_kernel_policy
@@ -191,7 +191,10 @@ class ModelRunner:
             return
         block_size = self.input_batch.block_size
         null_slot = self.null_block * block_size
-        for decode_len in (1, self.max_seq_len):
+        # Split decode (each split-merge variant, eager steps' split counts follow their
+        # longest row) and one-split decode.
+        num_kv_heads = self.kv_layers[0][0].shape[2]
+        for decode_len in (1, *decode_warm_up_lengths(num_kv_heads, self.max_seq_len), self.max_seq_len):
             # Row 0 decodes at position decode_len - 1; row 1 is a two-token prompt chunk.
             positions = np.array([decode_len - 1, 0, 1], dtype=np.int64)
             step = StepInputs(

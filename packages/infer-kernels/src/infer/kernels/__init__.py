@@ -32,6 +32,7 @@ from infer.kernels.normed_gemv import (
     normed_gemv_ref,
 )
 from infer.kernels.paged_attention import (
+    decode_warm_up_lengths,
     extend_tile_size,
     paged_attention,
     paged_attention_cpu,
@@ -82,6 +83,7 @@ __all__ = [
     "apply_token_bitmask_ref",
     "assert_close",
     "assert_gated_close",
+    "decode_warm_up_lengths",
     "decoder_stack_cpu_ref",
     "dequantize_weight",
     "extend_tile_size",

@@ -453,6 +453,22 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int) -> i
     return max(1, min(wanted, triton.cdiv(max_seq_len, _MIN_SPLIT_KEYS)))
 
 
+def decode_warm_up_lengths(num_kv_heads: int, max_seq_len: int) -> list[int]:
+    """Context lengths whose one-row decode steps launch every variant of the split merge that
+    any decode step may (its SPLITS_PAD, and num_splits a multiple of 16 or not, which Triton
+    specializes on), longest last: a warm-up that runs them compiles each at start-up. More rows
+    only lower decode_num_splits, to values one row reaches at a shorter length."""
+    lengths, variants = [], set()
+    for length in range(_MIN_SPLIT_KEYS + 1, max_seq_len + _MIN_SPLIT_KEYS, _MIN_SPLIT_KEYS):
+        length = min(length, max_seq_len)
+        num_splits = decode_num_splits(1, num_kv_heads, length)
+        variant = (triton.next_power_of_2(num_splits), num_splits % 16 == 0)
+        if num_splits > 1 and variant not in variants:
+            variants.add(variant)
+            lengths.append(length)
+    return lengths
+
+
 def _launch(
     q,
     k_cache,
