@@ -17,8 +17,8 @@ them would, without the catch-up forwards and K + 1 verified tokens of every row
 """
 
 # Longest run of steps without speculation, and its growth after each failing probe: a probe
-# costs several steps' time, and spacing them 4-fold up to 128 cost a failing draft model 6-7%
-# on the H200 against 2-4% for 8-fold up to 512 (docs/benchmarks/speculative.md#automatic-back-off);
+# costs several steps' time, and spacing them 4-fold up to 128 cost a failing draft model 1.4-5%
+# on the H200 against 0.5-2.4% for 8-fold up to 512 (docs/benchmarks/speculative.md#automatic-back-off);
 # a draft that turns useful is found within 512 steps.
 MAX_INTERVAL = 512
 GROWTH = 8
