@@ -68,6 +68,11 @@ def build_engine_parts(config: EngineConfig, loaded_model=None, *, tensor_parall
     With config.tensor_parallel_size > 1, rank 0 (`tensor_parallel` None) starts the other
     ranks (infer.engine.tensor_parallel) and its runner mirrors its calls to them; a worker
     passes its own `tensor_parallel` (an infer.models TensorParallel). Each loads its shard."""
+    if config.data_parallel_size > 1:
+        raise EngineConfigError(
+            f"data_parallel_size {config.data_parallel_size} runs each replica's core in a process of "
+            "its own (Engine.spawn, infer serve without --engine-in-process); this builds one core"
+        )
     link = None
     if config.tensor_parallel_size > 1:
         if loaded_model is not None:

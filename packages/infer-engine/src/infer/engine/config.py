@@ -201,6 +201,12 @@ class EngineConfig:
         "processes (one per GPU) that each hold a shard of the model's weights and KV heads, as "
         "vLLM's --tensor-parallel-size: torch.distributed over NCCL on CUDA, gloo on the CPU",
     )
+    data_parallel_size: int = _flag(
+        1,
+        "engine cores (each on its own GPU, or its own tensor-parallel group) behind one frontend, "
+        "as vLLM's --data-parallel-size: requests go to the core that served their prefix last, or "
+        "the least loaded",
+    )
     # Ranks on several hosts, as torchrun names them: tensor_parallel_size / nnodes ranks each.
     nnodes: int = _flag(1, "hosts the tensor-parallel ranks span (torchrun's --nnodes)")
     node_rank: int = _flag(
@@ -318,6 +324,16 @@ class EngineConfig:
             raise EngineConfigError(f"node_rank ({self.node_rank}) must be below nnodes ({self.nnodes})")
         if self.nnodes > 1 and self.master_port is None:
             raise EngineConfigError("nnodes > 1 needs master_port: the hosts must agree on where to meet")
+        _check_int(self, "data_parallel_size", minimum=1)
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise EngineConfigError(
+                "data_parallel_size > 1 with nnodes > 1 is not supported yet: replicas run on one host"
+            )
+        if self.data_parallel_size > 1 and re.fullmatch(r"cuda:\d+", self.device):
+            raise EngineConfigError(
+                f"data_parallel_size > 1 places each replica on GPUs of its own; device={self.device!r} "
+                "names one: use device='cuda' (CUDA_VISIBLE_DEVICES picks the GPUs)"
+            )
         if self.tensor_parallel_size > 1 and self.speculative_config is not None:
             raise EngineConfigError(
                 "speculative_config with tensor_parallel_size > 1 is not supported yet; drop one of the two"

@@ -7,6 +7,9 @@ this process (stepped by whichever thread calls `step()`); `Engine.spawn(config)
 child process (`infer.engine.engine_process`), so that the core's loop shares no GIL with the
 frontend's HTTP, tokenizing and detokenizing.
 
+`Engine.spawn` with data_parallel_size > 1 runs that many cores, each in a process of its own,
+behind a router (`infer.engine.data_parallel`); the frontend sees one core.
+
 `add_request` and `abort` may be called from any thread; `step()` from one thread at a time.
 `add_request` checks what the core would refuse (the prompt's ids, the context, a full queue)
 and raises before sending anything; the core checks again.
@@ -47,7 +50,12 @@ class Engine:
         from infer.models.load import load_model_info
 
         model_info = load_model_info(config.model, config.load_format)
-        client = ProcClient(config, **client_options)
+        if config.data_parallel_size > 1:
+            from infer.engine.data_parallel import DataParallelClient
+
+            client = DataParallelClient(config, **client_options)
+        else:
+            client = ProcClient(config, **client_options)
         engine = cls.__new__(cls)
         engine._connect(client, model_info, client.initial_stats)
         engine.core = None
@@ -142,8 +150,19 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """The core's statistics after the latest step this frontend received; waiting requests
-        include those sent since."""
+        include those sent since. With data parallelism, the replicas' sums."""
         return dataclasses.replace(self._stats, num_waiting=self._num_waiting())
+
+    def replica_stats(self) -> list[EngineStats] | None:
+        """With data parallelism, each replica's statistics as it last sent them (replicas that
+        failed keep their last); None with one core."""
+        stats = getattr(self.client, "replica_stats", None)
+        return None if stats is None else list(stats)
+
+    def replicas_alive(self) -> list[bool] | None:
+        """With data parallelism, which replicas still serve; None with one core."""
+        router = getattr(self.client, "router", None)
+        return None if router is None else list(router.alive)
 
     def _num_waiting(self) -> int:
         # What the core last said was waiting, plus what was sent since it said so.

@@ -57,16 +57,20 @@ class ProcClient:
         *,
         startup_timeout_s: float | None = None,
         unresponsive_timeout_s: float = DEFAULT_UNRESPONSIVE_TIMEOUT_S,
+        environment: dict[str, str] | None = None,
+        name: str = "infer-engine-core",
     ):
         """Starts the child and waits until its core is built (`startup_timeout_s`: None waits
-        as long as loading takes). Raises EngineStartError when it fails or dies first."""
+        as long as loading takes). Raises EngineStartError when it fails or dies first.
+        `environment`: variables the child sets first, before CUDA starts (a data-parallel
+        replica's CUDA_VISIBLE_DEVICES)."""
         context = multiprocessing.get_context("spawn")
         core_inbox, self._to_core = context.Pipe(duplex=False)
         self._from_core, core_outbox = context.Pipe(duplex=False)
         self.process = context.Process(
             target=engine_process_main,
-            args=(config, core_inbox, core_outbox, logging.getLogger().getEffectiveLevel()),
-            name="infer-engine-core",
+            args=(config, core_inbox, core_outbox, logging.getLogger().getEffectiveLevel(), environment),
+            name=name,
             daemon=True,
         )
         self.process.start()
@@ -101,6 +105,11 @@ class ProcClient:
             raise EngineStartError(
                 f"the engine process exited with code {self.process.exitcode} while starting"
             ) from None
+
+    @property
+    def connection(self):
+        """The pipe end the core's messages arrive on (for multiprocessing.connection.wait)."""
+        return self._from_core
 
     # -- the EngineClient calls -------------------------------------------------------------------
 
@@ -225,7 +234,13 @@ def run_engine_core(config: EngineConfig, inbox, outbox, log_level: int = loggin
         core.shutdown()
 
 
-def engine_process_main(config: EngineConfig, inbox, outbox, log_level: int = logging.INFO) -> None:
+def engine_process_main(
+    config: EngineConfig,
+    inbox,
+    outbox,
+    log_level: int = logging.INFO,
+    environment: dict[str, str] | None = None,
+) -> None:
     """The child process: `run_engine_core`, then an exit without the interpreter's teardown.
 
     What start-up built is frozen out of the collector's sight (gc.freeze), so a teardown would
@@ -233,7 +248,10 @@ def engine_process_main(config: EngineConfig, inbox, outbox, log_level: int = lo
     "leaked N instances" and a line for each (27 lines on every `infer serve` shutdown), which
     reads like a crash. Unfreezing first silences them too, but the teardown then frees
     everything: `shutdown()` took 0.9-1.3 s for SmolLM2 on a 2-core machine, against 0.1 s this
-    way, of the 5 s a Ctrl-C may take. Nothing is left to do at exit but flush what was written."""
+    way, of the 5 s a Ctrl-C may take. Nothing is left to do at exit but flush what was written.
+
+    `environment` is set before anything starts CUDA."""
+    os.environ.update(environment or {})
     run_engine_core(config, inbox, outbox, log_level)
     logging.shutdown()
     sys.stdout.flush()
