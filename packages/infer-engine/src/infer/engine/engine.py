@@ -159,6 +159,11 @@ class Engine:
         stats = getattr(self.client, "replica_stats", None)
         return None if stats is None else list(stats)
 
+    def num_routed_by_prefix(self) -> int:
+        """With data parallelism, requests the router sent where their prefix went; else 0."""
+        router = getattr(self.client, "router", None)
+        return 0 if router is None else router.num_prefix_routed
+
     def replicas_alive(self) -> list[bool] | None:
         """With data parallelism, which replicas still serve; None with one core."""
         router = getattr(self.client, "router", None)

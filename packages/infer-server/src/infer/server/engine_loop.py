@@ -92,6 +92,8 @@ class EngineLoop:
         if speculative is not None:  # the counters exist only then, as vLLM's
             self.metrics.enable_spec_decode(speculative.num_speculative_tokens)
             self._speculates = True
+        if self.engine.config.data_parallel_size > 1:
+            self.metrics.enable_replicas(self.engine.config.data_parallel_size)
         self._update_gauges()
         self._thread.start()
 
@@ -183,6 +185,10 @@ class EngineLoop:
             self._update_prefix_cache_gauges(stats)
         if self._speculates:
             metrics.update_spec_decode(stats)
+        if (replica_stats := self.engine.replica_stats()) is not None:
+            alive = self.engine.replicas_alive()
+            metrics.update_replicas(replica_stats, alive, self.engine.num_routed_by_prefix())
+            self.stats.on_replica_stats(replica_stats, alive)
 
     def _update_prefix_cache_gauges(self, stats) -> None:
         metrics = self.metrics

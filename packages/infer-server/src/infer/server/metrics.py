@@ -459,5 +459,53 @@ class ServerMetrics:
             for position, count in enumerate(by_position):
                 counter.set_total(count, position=str(position))
 
+    def enable_replicas(self, num_replicas: int) -> None:
+        """Registers each data-parallel replica's gauges and counters (label replica="0".."N-1"):
+        they exist only on a server with data_parallel_size > 1, whose unlabelled metrics are the
+        replicas' sums."""
+        registry = self.registry
+        self.replica_up = registry.gauge(
+            "infer_replica_up", "1 while the data-parallel replica serves, 0 once it failed.", ["replica"]
+        )
+        self.replica_requests_running = registry.gauge(
+            "infer_replica_requests_running", "Requests in the replica's running batch.", ["replica"]
+        )
+        self.replica_requests_waiting = registry.gauge(
+            "infer_replica_requests_waiting", "Requests waiting in the replica's queue.", ["replica"]
+        )
+        self.replica_kv_cache_usage_ratio = registry.gauge(
+            "infer_replica_kv_cache_usage_ratio", "Fraction of the replica's KV blocks in use.", ["replica"]
+        )
+        self.replica_requests_finished_total = registry.counter(
+            "infer_replica_requests_finished_total",
+            "Requests the replica finished (any reason).",
+            ["replica"],
+        )
+        self.replica_prefix_cache_matches_total = registry.counter(
+            "infer_replica_prefix_cache_matches_total",
+            "The replica's admissions by prefix-cache match kind (as infer_prefix_cache_matches_total).",
+            ["replica", "kind"],
+        )
+        self.replica_routed_by_prefix_total = registry.counter(
+            "infer_replica_routed_by_prefix_total",
+            "Requests the router sent to the replica last sent their prefix (the others went to the "
+            "least busy).",
+        )
+        for replica in range(num_replicas):
+            self.replica_up.set(1, replica=str(replica))
+
+    def update_replicas(self, replica_stats, alive: list[bool], num_routed_by_prefix: int) -> None:
+        """Mirrors each replica's EngineStats (infer.engine.data_parallel)."""
+        for index, (stats, up) in enumerate(zip(replica_stats, alive, strict=True)):
+            replica = str(index)
+            self.replica_up.set(1 if up else 0, replica=replica)
+            self.replica_requests_running.set(stats.num_running if up else 0, replica=replica)
+            self.replica_requests_waiting.set(stats.num_waiting if up else 0, replica=replica)
+            self.replica_kv_cache_usage_ratio.set(stats.kv_usage_ratio if up else 0, replica=replica)
+            self.replica_requests_finished_total.set_total(stats.num_finished, replica=replica)
+            for kind, count in stats.prefix_cache_matches.items():
+                self.replica_prefix_cache_matches_total.set_total(count, replica=replica, kind=kind)
+        self.replica_routed_by_prefix_total.set_total(num_routed_by_prefix)
+
     def render(self) -> str:
         return self.registry.render()

@@ -172,11 +172,30 @@ class ServerStats:
         self.copy_bandwidth_bytes_per_s = 0.0
         self._cache_totals = dict.fromkeys(CACHE_RATE_SERIES, 0)  # the core's, at its last step
         self.memory: dict | None = None  # memory_of the core's latest statistics
+        self.replicas: list[dict] | None = None  # on_replica_stats: with data parallelism only
         # Speculative decoding: the core's latest counts (None while it does not speculate), and
         # the rows, draft tokens and accepted tokens verified in each second.
         self.spec_decode: SpecDecodeCounts | None = None
         self.spec_decode_num_speculative_tokens = 0
         self._spec_decode_seconds = {name: History(window_s) for name in ("rows", "drafted", "accepted")}
+
+    def on_replica_stats(self, replica_stats, alive: list[bool]) -> None:
+        """Each data-parallel replica's state after its latest step (EngineStats), and whether it
+        still serves."""
+        replicas = [
+            {
+                "replica": index,
+                "alive": up,
+                "requests_running": stats.num_running,
+                "requests_waiting": stats.num_waiting,
+                "kv_usage_ratio": stats.kv_usage_ratio,
+                "requests_finished": stats.num_finished,
+                "prefix_cache_matches": dict(stats.prefix_cache_matches),
+            }
+            for index, (stats, up) in enumerate(zip(replica_stats, alive, strict=True))
+        ]
+        with self._lock:
+            self.replicas = replicas
 
     def on_engine_stats(self, stats) -> None:
         """The core's state after a step (infer.engine.protocol.EngineStats)."""
@@ -280,7 +299,8 @@ class ServerStats:
         """GET /v1/stats: {"time", "totals", "finish_reasons", "prefix_cache_matches",
         "prefix_cache_num_entries", "prefix_cache_entries" (most recently used first, with their
         age and idle time now), "copy_bandwidth_bytes_per_s", "memory" (memory_of; null before
-        the first step), "spec_decode" (null while the engine does not speculate), "requests"
+        the first step), "spec_decode" (null while the engine does not speculate), "replicas"
+        (each data-parallel replica's state; null with one core; the totals are their sums), "requests"
         (oldest first), "history": {series: [[unix_second, value], ...]}}."""
         with self._lock:
             now = self.clock()
@@ -300,6 +320,7 @@ class ServerStats:
                 "copy_bandwidth_bytes_per_s": self.copy_bandwidth_bytes_per_s,
                 "memory": self.memory,
                 "spec_decode": self._spec_decode_summary(),
+                "replicas": self.replicas,
                 "requests": [asdict(record) for record in self.records],
                 "history": history,
             }
