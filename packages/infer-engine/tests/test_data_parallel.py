@@ -109,6 +109,15 @@ def test_a_much_busier_replica_loses_its_prefixes_to_the_least_busy():
         router.route(prompt)
 
 
+def test_round_robin_takes_the_replicas_in_turn_whatever_the_prompts_share():
+    router = PrefixRouter(3, block_size=4, policy="round_robin")
+    prompt = list(range(1, 30))
+    assert [router.route(prompt) for _ in range(5)] == [0, 1, 2, 0, 1]
+    router.alive[2] = False
+    assert [router.route(prompt) for _ in range(3)] == [0, 1, 0]
+    assert router.num_prefix_routed == 0
+
+
 def test_each_replica_sees_its_own_gpus():
     config = EngineConfig(device="cuda", tensor_parallel_size=2, data_parallel_size=2)
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -131,6 +140,8 @@ def test_data_parallel_settings_that_cannot_work_are_refused_by_name():
         EngineConfig(device="cuda:1", data_parallel_size=2)
     with pytest.raises(EngineConfigError, match="nnodes"):
         EngineConfig(data_parallel_size=2, nnodes=2, tensor_parallel_size=2, master_port=29500)
+    with pytest.raises(EngineConfigError, match="data_parallel_routing"):
+        EngineConfig(data_parallel_routing="random")
     with pytest.raises(EngineConfigError, match="process of its own"):
         Engine(EngineConfig(data_parallel_size=2, device="cpu"))
 

@@ -30,6 +30,7 @@ DTYPES = ("auto", *TORCH_DTYPES)
 KV_CACHE_BACKENDS = ("contiguous", "paged")
 BATCHING_MODES = ("static", "continuous")
 SCHEDULER_POLICIES = ("fcfs", "prefill_first", "decode_round_robin")
+DATA_PARALLEL_ROUTINGS = ("cache_aware", "round_robin")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -207,6 +208,12 @@ class EngineConfig:
         "as vLLM's --data-parallel-size: requests go to the core that served their prefix last, or "
         "the least loaded",
     )
+    data_parallel_routing: str = _flag(
+        "cache_aware",
+        "how requests are spread over data-parallel replicas: cache_aware (the replica last sent "
+        "their prefix, else the least busy: SGLang's router policy) or round_robin",
+        choices=DATA_PARALLEL_ROUTINGS,
+    )
     # Ranks on several hosts, as torchrun names them: tensor_parallel_size / nnodes ranks each.
     nnodes: int = _flag(1, "hosts the tensor-parallel ranks span (torchrun's --nnodes)")
     node_rank: int = _flag(
@@ -325,6 +332,7 @@ class EngineConfig:
         if self.nnodes > 1 and self.master_port is None:
             raise EngineConfigError("nnodes > 1 needs master_port: the hosts must agree on where to meet")
         _check_int(self, "data_parallel_size", minimum=1)
+        _check_choice(self, "data_parallel_routing", DATA_PARALLEL_ROUTINGS)
         if self.data_parallel_size > 1 and self.nnodes > 1:
             raise EngineConfigError(
                 "data_parallel_size > 1 with nnodes > 1 is not supported yet: replicas run on one host"

@@ -57,7 +57,11 @@ TABLE_CAPACITY = 1 << 20
 class PrefixRouter:
     """Which replica serves each request (see the module doc); the caller reports finishes."""
 
-    def __init__(self, num_replicas: int, block_size: int, capacity: int = TABLE_CAPACITY):
+    def __init__(
+        self, num_replicas: int, block_size: int, capacity: int = TABLE_CAPACITY, policy: str = "cache_aware"
+    ):
+        """`policy`: "cache_aware", or "round_robin" (each replica in turn: the baseline)."""
+        self.policy = policy
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.capacity = capacity
@@ -82,6 +86,11 @@ class PrefixRouter:
         serving = [replica for replica in range(self.num_replicas) if self.alive[replica]]
         if not serving:
             raise EngineDeadError("no data-parallel replica is left")
+        if self.policy == "round_robin":
+            chosen = min(serving, key=lambda r: (r - self._next) % self.num_replicas)
+            self.loads[chosen] += 1
+            self._next = (chosen + 1) % self.num_replicas
+            return chosen
         least_busy = min(serving, key=lambda r: (self.loads[r], (r - self._next) % self.num_replicas))
         chosen = least_busy
         hashes = self.prefix_hashes(prompt_ids, cache_salt)
@@ -184,7 +193,7 @@ class DataParallelClient:
             max_queue_len=limits.max_queue_len * num_replicas,
             config=dataclasses.replace(limits.config, data_parallel_size=num_replicas),
         )
-        self.router = PrefixRouter(num_replicas, limits.block_size)
+        self.router = PrefixRouter(num_replicas, limits.block_size, policy=config.data_parallel_routing)
         self.replica_stats: list[EngineStats] = [client.initial_stats for client in started]
         self.initial_stats = sum_stats(self.replica_stats)
         self.failure: str | None = None
