@@ -16,6 +16,8 @@ import torch
 
 from conformance.parity.checks import LogitGaps, tolerances_by_dtype
 from infer.models.forward_batch import ForwardBatch
+from infer.models.linear import Linear
+from infer.models.linear_method import QuantizedMethod
 from infer.models.load import load_causal_lm
 from infer.models.loader.fetch import fetch_model
 from infer.models.random_checkpoint import make_random_checkpoint
@@ -31,22 +33,28 @@ NUM_TOKENS = 8
 PROMPTS = [[1, 17, 33, 5, 99, 250, 7], [3, 3, 200, 41]]
 # Checkpoint, ranks, and each rank's KV heads: the tiny presets (llama and qwen3 split their 2 KV
 # heads, gemma3-tiny replicates its one), and SmolLM2, whose 3 KV heads (9 query heads) split
-# unevenly.
+# unevenly; and the tiny presets with int8 projections (one scale per output row), which shard
+# as the dense ones do.
 CASES = {
     "llama-tiny": (2, [1, 1]),
     "qwen3-tiny": (2, [1, 1]),
     "gemma3-tiny": (2, [1, 1]),
     "smollm2-135m-instruct": (2, [1, 2]),
+    "llama-tiny-int8": (2, [1, 1]),
+    "qwen3-tiny-int8": (2, [1, 1]),
+    "gemma3-tiny-int8": (2, [1, 1]),
 }
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp")
-    folders = {
-        preset: make_random_checkpoint(preset, root / preset, dtype=torch.float32)
-        for preset in ("llama-tiny", "qwen3-tiny", "gemma3-tiny")
-    }
+    folders = {}
+    for preset in ("llama-tiny", "qwen3-tiny", "gemma3-tiny"):
+        folders[preset] = make_random_checkpoint(preset, root / preset, dtype=torch.float32)
+        folders[f"{preset}-int8"] = make_random_checkpoint(
+            preset, root / f"{preset}-int8", dtype=torch.float32, quantization="int8"
+        )
     return {**folders, "smollm2-135m-instruct": fetch_model("smollm2-135m-instruct")}
 
 
@@ -78,6 +86,11 @@ def test_tensor_parallel_ranks_give_the_unsharded_models_logits_and_greedy_token
     size, kv_heads = CASES[name]
     results = run_ranks(checkpoints[name], size, tmp_path / "result")
     model = load_causal_lm(checkpoints[name], dtype=torch.float32)
+    # As the rank script does: 8-bit Linears through the reference, not the CPU's int8 kernels,
+    # which round activations by a method chosen by shape (a shard's are not the whole's).
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight_scale is not None:
+            module.method = QuantizedMethod()
     with torch.inference_mode():
         expected = model.compute_logits(model(ForwardBatch.from_tokens(PROMPTS)))
         expected_greedy = [greedy_without_cache(model, prompt, NUM_TOKENS, set()) for prompt in PROMPTS]

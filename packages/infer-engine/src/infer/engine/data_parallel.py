@@ -10,12 +10,13 @@ see one core whose statistics are the replicas' sums (`sum_stats`), and `replica
 
 Routing is cache-aware (`PrefixRouter`), after SGLang's router: a prompt's leading blocks are
 hashed as a chain (block j's hash covers blocks 0..j, and the request's cache salt), and the
-router remembers which replica was last sent each. A request goes to the replica that was last
-sent its longest such prefix, since that replica's prefix cache most likely still holds it: the
-next turn of a conversation finds its history where the previous turn ran. A request whose
-prefix is at most CACHE_THRESHOLD of it (or none), or whose replica is much busier than the
-least busy (more than BALANCE_ABS_THRESHOLD requests in flight beyond it and
-BALANCE_REL_THRESHOLD times as many), goes to the least busy instead. Load is the requests a
+router remembers which replicas were sent each. A request goes to the least busy of the
+replicas sent its longest such prefix, since their prefix caches most likely still hold it: the
+next turn of a conversation finds its history where the previous turn ran, and a system prompt
+every replica has seen decides nothing. A request whose prefix is at most CACHE_THRESHOLD of it
+(or none), or whose replica is much busier than the least busy (more than
+BALANCE_ABS_THRESHOLD requests in flight beyond it and BALANCE_REL_THRESHOLD times as many),
+goes to the least busy instead. Load is the requests a
 replica was sent and has not finished, as the frontend counts.
 
 Faults: a replica whose process dies or hangs ends the requests it held with an error
@@ -38,10 +39,13 @@ from infer.engine.protocol import EngineOutput, EngineOutputs, EngineRequest, En
 
 logger = logging.getLogger(__name__)
 
-# SGLang's router (cache_aware policy) falls back to the shortest queue when the busiest worker
-# has more than balance_abs_threshold requests beyond the least busy and balance_rel_threshold
-# times as many; these are its defaults at the time of writing.
-BALANCE_ABS_THRESHOLD = 32
+# A replica is much busier than the least busy with more than BALANCE_ABS_THRESHOLD requests in
+# flight beyond it and BALANCE_REL_THRESHOLD times as many: SGLang's router has the same two
+# thresholds (balance_abs_threshold, balance_rel_threshold). A small absolute one: with 32, every
+# W5 conversation (one system prompt) ran on one replica of two at 4 clients on a CPU
+# (docs/benchmarks/serving.md#data-parallel-routing); a conversation's own replica leads the
+# least busy by more than 4 and 1.5 times only when the load is very uneven.
+BALANCE_ABS_THRESHOLD = 4
 BALANCE_REL_THRESHOLD = 1.5
 # A prefix decides only when it is more than this share of the prompt (SGLang's router weighs
 # the same ratio against its cache_threshold): a short prefix every request shares (a system
@@ -68,7 +72,8 @@ class PrefixRouter:
         self.loads = [0] * num_replicas  # requests routed and not finished
         self.alive = [True] * num_replicas
         self.num_prefix_routed = 0  # requests sent where their prefix went
-        self._last_replica: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica
+        # Prefix hash -> the replicas sent it (bit r: replica r), least recently routed first.
+        self._holders: OrderedDict[int, int] = OrderedDict()
         self._next = 0  # ties in load go round-robin from here
 
     def prefix_hashes(self, prompt_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
@@ -91,22 +96,27 @@ class PrefixRouter:
             self.loads[chosen] += 1
             self._next = (chosen + 1) % self.num_replicas
             return chosen
-        least_busy = min(serving, key=lambda r: (self.loads[r], (r - self._next) % self.num_replicas))
+
+        def by_load(replica: int) -> tuple[int, int]:
+            return self.loads[replica], (replica - self._next) % self.num_replicas
+
+        least_busy = min(serving, key=by_load)
         chosen = least_busy
         hashes = self.prefix_hashes(prompt_ids, cache_salt)
         for num_blocks in range(len(hashes), 0, -1):  # the longest prefix first
-            replica = self._last_replica.get(hashes[num_blocks - 1])
-            if replica is not None and self.alive[replica]:
+            holders = self._holders.get(hashes[num_blocks - 1], 0)
+            if holding := [replica for replica in serving if holders >> replica & 1]:
+                replica = min(holding, key=by_load)
                 decides = num_blocks * self.block_size > CACHE_THRESHOLD * len(prompt_ids)
                 if decides and not self._much_busier(replica, least_busy):
                     chosen = replica
                     self.num_prefix_routed += 1
                 break
         for prefix in hashes:
-            self._last_replica[prefix] = chosen
-            self._last_replica.move_to_end(prefix)
-        while len(self._last_replica) > self.capacity:
-            self._last_replica.popitem(last=False)
+            self._holders[prefix] = self._holders.get(prefix, 0) | 1 << chosen
+            self._holders.move_to_end(prefix)
+        while len(self._holders) > self.capacity:
+            self._holders.popitem(last=False)
         self.loads[chosen] += 1
         self._next = (chosen + 1) % self.num_replicas
         return chosen

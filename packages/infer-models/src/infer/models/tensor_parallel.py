@@ -11,6 +11,10 @@ every large weight and the ranks sum or gather their partial results with torch.
   rows (the last one padded with zero rows); a token's embedding is the sum over ranks (the
   others contribute zeros), the logits the concatenation of the ranks' slices.
 - Norms, rotary tables and everything else are replicated.
+- 8-bit Linears with one scale per output row (int8) shard as dense ones: a column-parallel
+  shard holds its rows' scales; a row-parallel one every scale, since each covers a whole row
+  and so the rank's columns too (quantized as it loads, a row-parallel shard's scales are its
+  columns' own: each rank's partial sum is still exact for its weights).
 
 `shard_model` turns a model built on the meta device into its rank's shard before the loader
 fills it; each sharded module's `tp_shard` tells the loader which part of each checkpoint tensor
@@ -85,10 +89,11 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
 
     if tp.size == 1:
         return
-    if model.quantization is not None:
+    if model.quantization is not None and model.quantization.block_size is not None:
         raise ValueError(
-            f"tensor parallelism does not shard {model.quantization.method} weights yet; "
-            "serve the dense checkpoint or use one GPU"
+            f"tensor parallelism shards 8-bit weights with one scale per output row (int8); "
+            f"{model.quantization.method} scales per {model.quantization.block_size} block do not "
+            "shard yet: serve the dense checkpoint, or use one GPU"
         )
     vocab_size = model.config.vocab_size
     vocab_rows = math.ceil(vocab_size / tp.size)
@@ -152,6 +157,8 @@ def _shard_columns_out(linear: nn.Module, output_sizes: tuple[int, ...], spec: S
     out_features = sum(output_sizes)
     linear.out_features, linear.output_sizes = out_features, output_sizes
     linear.weight = _empty_like(linear.weight, (out_features, linear.in_features))
+    if linear.block_size is not None:  # one scale per row: the shard's rows'
+        linear.weight_scale = _empty_like(linear.weight_scale, (out_features, 1))
     if linear.bias is not None:
         linear.bias = _empty_like(linear.bias, (out_features,))
     linear.tp_shard = spec
@@ -166,6 +173,7 @@ def _shard_rows_in(linear: nn.Module, spec: ShardSpec, tp: TensorParallel) -> No
     ((_, length),) = spec.ranges
     linear.in_features = length
     linear.weight = _empty_like(linear.weight, (linear.out_features, length))
+    # An 8-bit one keeps every row's scale, and its block of one whole row spans its columns.
     linear.tp_shard = spec
     linear.tp_reduce = tp
 
@@ -178,6 +186,8 @@ def _shard_vocab(module: nn.Module, vocab_size: int, vocab_rows: int, tp: Tensor
     module.weight = _empty_like(module.weight, (vocab_rows, module.weight.shape[1]))
     if hasattr(module, "out_features"):  # the LM head, a Linear
         module.out_features, module.output_sizes = vocab_rows, (vocab_rows,)
+        if module.block_size is not None:  # 8-bit: its rows' scales (padding rows: scale 1)
+            module.weight_scale = _empty_like(module.weight_scale, (vocab_rows, 1))
     module.tp_shard = ShardSpec(
         dim=0, full_sizes=(vocab_size,), ranges=((start, length),), padding=vocab_rows - length
     )

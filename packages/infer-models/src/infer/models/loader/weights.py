@@ -138,6 +138,8 @@ def load_weights(
         module = model.get_submodule(module_path)
         block_size = getattr(module, "block_size", None)
         shards[name] = getattr(module, "tp_shard", None)
+        if leaf == "weight_scale" and shards[name] is not None and shards[name].dim == 1:
+            shards[name] = None  # a row-parallel shard holds every row's scale (tensor_parallel.py)
         # The checkpoint's shape: a shard's parameter holds part of it.
         param_rows, full_rest[name] = param.shape[0], tuple(param.shape[1:])
         if shards[name] is not None and shards[name].dim == 0 and len(shards[name].full_sizes) == 1:
@@ -174,7 +176,9 @@ def load_weights(
             target_dtype = dtype if name in quantized_at_load else params[name].dtype
             parts = [read(tensor_name).to(target_dtype) for tensor_name in source.checkpoint_names]
             if (shard := shards[name]) is not None:
-                parts = [shard.take(index, part) for index, part in enumerate(parts)]
+                # Contiguous: a row-parallel shard's columns are a strided view, and 8-bit
+                # kernels take contiguous weights only.
+                parts = [shard.take(index, part).contiguous() for index, part in enumerate(parts)]
                 if shard.padding:
                     parts.append(parts[0].new_zeros(shard.padding, *parts[0].shape[1:]))
             if source.repeat_rows > 1:
