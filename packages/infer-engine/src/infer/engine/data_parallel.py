@@ -41,11 +41,11 @@ logger = logging.getLogger(__name__)
 
 # A replica is much busier than the least busy with more than BALANCE_ABS_THRESHOLD requests in
 # flight beyond it and BALANCE_REL_THRESHOLD times as many: SGLang's router has the same two
-# thresholds (balance_abs_threshold, balance_rel_threshold). A small absolute one: with 32, every
-# W5 conversation (one system prompt) ran on one replica of two at 4 clients on a CPU
-# (docs/benchmarks/serving.md#data-parallel-routing); a conversation's own replica leads the
-# least busy by more than 4 and 1.5 times only when the load is very uneven.
-BALANCE_ABS_THRESHOLD = 4
+# thresholds (balance_abs_threshold, balance_rel_threshold). A small absolute one, since the
+# first replica sent a shared system prompt holds every new conversation until another leads it
+# by that much: at 32 or 4, W5 at 4 clients ran every conversation on one replica of two (CPU,
+# docs/benchmarks/serving.md#data-parallel-routing). At high load the ratio decides.
+BALANCE_ABS_THRESHOLD = 2
 BALANCE_REL_THRESHOLD = 1.5
 # A prefix decides only when it is more than this share of the prompt (SGLang's router weighs
 # the same ratio against its cache_threshold): a short prefix every request shares (a system
