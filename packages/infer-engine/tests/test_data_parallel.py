@@ -27,16 +27,9 @@ from infer.engine.protocol import EngineStats
 from infer.engine.sampling_params import SamplingParams
 
 from .test_engine import random_prompts
+from .test_tensor_parallel_engine import SETTINGS as TENSOR_PARALLEL_SETTINGS
 
-SETTINGS = dict(
-    device="cpu",
-    max_batch_size=4,
-    max_seq_len=160,
-    block_size=4,
-    use_chunked_prefill=True,
-    prefill_chunk_size=16,
-    use_prefix_caching=True,
-)
+SETTINGS = dict(TENSOR_PARALLEL_SETTINGS, device="cpu")  # small blocks, chunked, prefix cache
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 
 
@@ -108,6 +101,15 @@ def test_a_much_busier_replica_loses_its_prefixes_to_the_least_busy():
     router.alive[0] = False
     with pytest.raises(EngineDeadError):
         router.route(prompt)
+
+
+def test_a_conversation_longer_than_the_hashed_blocks_still_goes_where_it_went():
+    router = PrefixRouter(2, block_size=4)
+    history = list(range(1, ROUTED_BLOCKS * 4 + 1))
+    first = router.route(history)
+    router.finished(first)
+    router.loads[first] = 2  # busier, but not by more than the balance threshold
+    assert router.route(history * 3) == first  # 3x the hashed part: judged by that part
 
 
 def test_round_robin_takes_the_replicas_in_turn_whatever_the_prompts_share():

@@ -51,10 +51,10 @@ BALANCE_REL_THRESHOLD = 1.5
 # the same ratio against its cache_threshold): a short prefix every request shares (a system
 # prompt, a chat template's header) would otherwise send all of them to one replica.
 CACHE_THRESHOLD = 0.5
-# Leading blocks of a prompt the router hashes: 4096 tokens at block size 16, beyond which a
-# shared prefix rarely decides anything.
+# Leading blocks of a prompt the router hashes (4096 tokens at block size 16), which bounds its
+# work per request: a prompt longer than that is judged by its hashed part.
 ROUTED_BLOCKS = 256
-# Prefix hashes remembered (least recently routed dropped first): ~100 MB of Python objects.
+# Prefix hashes remembered, the least recently routed dropped first.
 TABLE_CAPACITY = 1 << 20
 
 
@@ -103,11 +103,12 @@ class PrefixRouter:
         least_busy = min(serving, key=by_load)
         chosen = least_busy
         hashes = self.prefix_hashes(prompt_ids, cache_salt)
+        judged = min(len(prompt_ids), ROUTED_BLOCKS * self.block_size)
         for num_blocks in range(len(hashes), 0, -1):  # the longest prefix first
             holders = self._holders.get(hashes[num_blocks - 1], 0)
             if holding := [replica for replica in serving if holders >> replica & 1]:
                 replica = min(holding, key=by_load)
-                decides = num_blocks * self.block_size > CACHE_THRESHOLD * len(prompt_ids)
+                decides = num_blocks * self.block_size > CACHE_THRESHOLD * judged
                 if decides and not self._much_busier(replica, least_busy):
                     chosen = replica
                     self.num_prefix_routed += 1
