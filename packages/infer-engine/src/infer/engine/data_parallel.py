@@ -42,8 +42,9 @@ logger = logging.getLogger(__name__)
 # A replica is much busier than the least busy with more than BALANCE_ABS_THRESHOLD requests in
 # flight beyond it and BALANCE_REL_THRESHOLD times as many: SGLang's router has the same two
 # thresholds (balance_abs_threshold, balance_rel_threshold). A small absolute one, since the
-# first replica sent a shared system prompt holds every new conversation until another leads it
-# by that much: at 32 or 4, W5 at 4 clients ran every conversation on one replica of two (CPU,
+# first replica sent a shared system prompt takes every new conversation until it leads another
+# by more than that: at 32, W5 at 4 clients ran every conversation on one replica of two, at 2
+# on both with the same share of cached tokens within a point (CPU,
 # docs/benchmarks/serving.md#data-parallel-routing). At high load the ratio decides.
 BALANCE_ABS_THRESHOLD = 2
 BALANCE_REL_THRESHOLD = 1.5
