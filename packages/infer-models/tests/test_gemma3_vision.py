@@ -5,12 +5,13 @@ within the fp32 parity bounds, for a batch of images."""
 
 import shutil
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
 
 from conformance.parity.checks import tolerances_by_dtype
-from infer.models.gemma3_vision import VisionConfig, load_gemma3_vision
+from infer.models.gemma3_vision import ImagePreprocessing, VisionConfig, load_gemma3_vision
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,3 +88,26 @@ def test_the_release_checkpoints_names_load_the_same_tower(tiny_gemma3_vision, t
     shutil.copy(folder / "config.json", tmp_path / "config.json")
     pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     assert torch.equal(load_gemma3_vision(tmp_path)(pixels), load_gemma3_vision(folder)(pixels))
+
+
+def test_images_are_preprocessed_as_transformers_gemma3_processor_does(tiny_gemma3_vision):
+    """Against Gemma3ImageProcessorPil (pan-and-scan off): images of other sizes and aspect
+    ratios, one with an alpha channel, resized to the tower's input and normalized."""
+    from PIL import Image
+
+    folder, _ = tiny_gemma3_vision
+    preprocess = ImagePreprocessing.from_folder(folder)
+    assert preprocess.size == 32
+    generator = np.random.default_rng(3)
+    images = [
+        Image.fromarray(generator.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for h, w in ((50, 70), (32, 32), (9, 200))
+    ]
+    images.append(Image.fromarray(generator.integers(0, 256, (40, 40, 4), dtype=np.uint8), mode="RGBA"))
+    reference = transformers.models.gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil(
+        size={"height": 32, "width": 32}
+    )
+    expected = reference(images, return_tensors="pt")["pixel_values"]
+    got = preprocess(images)
+    assert got.shape == expected.shape == (4, 3, 32, 32)
+    assert (got - expected).abs().max().item() <= 1e-6

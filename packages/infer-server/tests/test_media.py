@@ -67,6 +67,12 @@ def test_bad_images_are_refused_naming_the_part(url, says):
     assert refused.value.param == PARAM
 
 
+def test_transparency_is_kept_for_the_models_processor():
+    rgba = Image.new("RGBA", (3, 2), (10, 20, 30, 0))
+    decoded = load_image(data_url(encoded(rgba, "PNG")), PARAM, MediaPolicy())
+    assert decoded.image.mode == "RGBA" and decoded.image.getpixel((0, 0)) == (10, 20, 30, 0)
+
+
 def test_too_many_pixels_are_refused_from_the_header_without_decoding():
     side = int(MAX_PIXELS**0.5) + 1
     huge = encoded(Image.new("1", (side, side)), "PNG")  # a few kB of zeros

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -66,6 +67,54 @@ class VisionConfig:
     @property
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
+
+
+@dataclass(frozen=True)
+class ImagePreprocessing:
+    """What Gemma 3's image processor does to an image (pan-and-scan off, the default): an image
+    with transparency over white, resized to `size` x `size` (Pillow's bilinear), scaled to
+    [0, 1], normalized by `mean` and `std`."""
+
+    size: int
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ImagePreprocessing":
+        """From the checkpoint's preprocessor_config.json, else the vision config's image size
+        and SigLIP's normalization."""
+        config = VisionConfig.from_file(folder)
+        path = Path(folder) / "preprocessor_config.json"
+        if not path.exists():
+            return cls(size=config.image_size)
+        raw = json.loads(path.read_text())
+        if raw.get("do_pan_and_scan"):
+            raise ValueError(f"{path}: do_pan_and_scan is not supported; turn it off")
+        size = raw.get("size", {}).get("height", config.image_size)
+        return cls(
+            size=size,
+            mean=tuple(raw.get("image_mean", cls.mean)),
+            std=tuple(raw.get("image_std", cls.std)),
+            rescale_factor=raw.get("rescale_factor", cls.rescale_factor),
+        )
+
+    def __call__(self, images) -> torch.Tensor:
+        """`[len(images), 3, size, size]` float32 pixel values of Pillow images."""
+        from PIL import Image
+
+        arrays = []
+        for image in images:
+            if image.mode != "RGB":  # transparency over white, as transformers' convert_to_rgb
+                rgba = image.convert("RGBA")
+                image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert(
+                    "RGB"
+                )
+            resized = image.resize((self.size, self.size), Image.Resampling.BILINEAR)
+            pixels = np.asarray(resized, dtype=np.float32) * np.float32(self.rescale_factor)
+            pixels = (pixels - np.array(self.mean, dtype=np.float32)) / np.array(self.std, dtype=np.float32)
+            arrays.append(pixels.transpose(2, 0, 1))
+        return torch.from_numpy(np.stack(arrays))
 
 
 class SiglipEncoderLayer(nn.Module):

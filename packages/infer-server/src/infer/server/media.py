@@ -65,7 +65,7 @@ class MediaPolicy:
 
 @dataclass(frozen=True)
 class DecodedImage:
-    image: Image.Image  # RGB
+    image: Image.Image  # RGB, or RGBA where the image has transparency
     fingerprint: str  # hex SHA-256 of the base64 text (data: URLs) or of the fetched bytes
     num_bytes: int  # encoded
 
@@ -117,7 +117,8 @@ def _decode(data: bytes, fingerprint: str, param: str) -> DecodedImage:
             width, height = opened.size
             if width * height > MAX_PIXELS:
                 raise MediaError(f"the image is {width}x{height} pixels; at most {MAX_PIXELS} pixels", param)
-            image = opened.convert("RGB")  # decodes
+            # Decodes; transparency stays for the model's processor (which puts it over white).
+            image = opened.convert("RGBA" if _has_alpha(opened) else "RGB")
     except MediaError:
         raise
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as error:
@@ -125,6 +126,10 @@ def _decode(data: bytes, fingerprint: str, param: str) -> DecodedImage:
     if image.width == 0 or image.height == 0:
         raise MediaError("the image has no pixels", param)
     return DecodedImage(image, fingerprint, len(data))
+
+
+def _has_alpha(image: Image.Image) -> bool:
+    return "A" in image.getbands() or "transparency" in image.info
 
 
 def _fetch(url: str, param: str, policy: MediaPolicy) -> bytes:
