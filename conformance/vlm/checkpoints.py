@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 IMAGE_SIZE = 32  # the tower's input: 8 x 8 patches of 4, pooled to 4 x 4 image tokens
+TOKENS_PER_IMAGE = 16
+IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN = 5, 6, 7
 
 
 @functools.cache
@@ -38,7 +40,11 @@ def tiny_gemma3_vision() -> tuple[Path, "torch.nn.Module"]:
             patch_size=4,
             layer_norm_eps=1e-6,
         ),
-        mm_tokens_per_image=16,
+        mm_tokens_per_image=TOKENS_PER_IMAGE,
+        # Inside the tiny vocabulary (a release's image token, 262144, lies past its table).
+        image_token_index=IMAGE_TOKEN,
+        boi_token_index=BOI_TOKEN,
+        eoi_token_index=EOI_TOKEN,
     )
     torch.manual_seed(0)
     model = transformers.Gemma3ForConditionalGeneration(config).eval()

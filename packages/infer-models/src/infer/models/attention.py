@@ -16,7 +16,8 @@ One writer of the KV cache per backend:
   runner): the C stack, which runs every block itself.
 
 Without a cache (oracles, tests): each row attends causally to its own tokens in this batch, by
-position, with SDPA.
+position, with SDPA; the tokens of one image (`ForwardBatch.image_groups`) attend to each other
+both ways, as Gemma 3's do. The paged path does not take images yet.
 """
 
 import torch
@@ -54,6 +55,11 @@ def attention(
     `native` and `pdl` launch options."""
     if batch.kv_layers is None:
         return _attention_without_cache(q, k, v, batch, scale=scale, sliding_window=sliding_window)
+    if batch.image_groups is not None:
+        raise NotImplementedError(
+            "attention within an image both ways runs without a cache only so far: the paged "
+            "kernels attend causally"
+        )
     metadata = batch.attention
     k_cache, v_cache = batch.kv_layers[layer_idx]
     if not kv_stored:
@@ -87,12 +93,15 @@ def _attention_without_cache(
     sliding_window: int | None,
 ) -> torch.Tensor:
     outputs = []
-    for q_row, k_row, v_row, positions in zip(
-        batch.rows(q), batch.rows(k), batch.rows(v), batch.rows(batch.positions), strict=True
+    groups = batch.rows(batch.image_groups) if batch.image_groups is not None else [None] * len(batch.rows(q))
+    for q_row, k_row, v_row, positions, group in zip(
+        batch.rows(q), batch.rows(k), batch.rows(v), batch.rows(batch.positions), groups, strict=True
     ):
         visible = positions[None, :] <= positions[:, None]
         if sliding_window is not None:
             visible &= positions[None, :] > positions[:, None] - sliding_window
+        if group is not None:  # an image's tokens see each other, later ones too (Gemma 3)
+            visible |= (group[None, :] == group[:, None]) & (group[:, None] >= 0)
         out = F.scaled_dot_product_attention(
             q_row.transpose(0, 1),
             k_row.transpose(0, 1),

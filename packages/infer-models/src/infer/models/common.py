@@ -330,17 +330,23 @@ class CausalLM(nn.Module):
         """The dtype of activations and of the KV cache: the embedding's (never 8-bit)."""
         return self.embed_tokens.weight.dtype
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        """Token embeddings; with `batch.image_embeds`, those image embeddings at their tokens."""
+        images = batch is not None and batch.image_embeds is not None
+        if images:  # an image token's id may lie past the table (Gemma 3's does): looked up as 0
+            input_ids = input_ids.index_fill(0, batch.image_token_indices, 0)
         hidden = self.embed_tokens(input_ids)
         if self.scale_embeddings:
             # As Hugging Face does: the scale is rounded to the model dtype before multiplying.
             hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
+        if images:
+            hidden = hidden.index_copy(0, batch.image_token_indices, batch.image_embeds.to(hidden.dtype))
         return hidden
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states after the final norm, `[num_tokens, hidden_size]`, or only the rows of
         `batch.logits_indices` when it is set (the final norm then runs on those alone)."""
-        hidden, residual = self.embed(batch.input_ids), None
+        hidden, residual = self.embed(batch.input_ids, batch), None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
         if batch.logits_indices is not None:

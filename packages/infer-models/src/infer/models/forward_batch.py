@@ -66,6 +66,13 @@ class ForwardBatch:
     kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
     # [R] int64 indices into the N tokens whose logits the caller wants (None: all).
     logits_indices: torch.Tensor | None = None
+    # Images (vision-language models): `image_embeds` [M, hidden] (the projector's output, not
+    # scaled as token embeddings are) take the place of the M tokens at `image_token_indices`
+    # [M] (int64, into the N tokens); `image_groups` [N] int64 numbers each image's tokens (-1
+    # for every other token): tokens of one image attend to each other both ways (Gemma 3).
+    image_embeds: torch.Tensor | None = None
+    image_token_indices: torch.Tensor | None = None
+    image_groups: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -64,7 +64,7 @@ class Gemma3ForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """CausalLM.forward, each block's post-feedforward norm fused into the next one's input
         norm (and the last block's into the final norm): one norm kernel a layer fewer."""
-        hidden, residual, pending_norm = self.embed(batch.input_ids), None, None
+        hidden, residual, pending_norm = self.embed(batch.input_ids, batch), None, None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch, pending_norm)
             pending_norm = layer.output_norm
