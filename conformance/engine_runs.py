@@ -1,5 +1,6 @@
 """Driving an Engine in tests: step it until every request it holds has finished."""
 
+import time
 from collections import defaultdict
 
 from infer.engine.engine import Engine
@@ -15,6 +16,21 @@ def run_to_completion(engine: Engine, max_steps: int = 1000) -> dict[str, list]:
         for output in engine.step():
             outputs[output.request_id].append(output)
     raise AssertionError(f"engine still has work after {max_steps} steps")
+
+
+def run_until_finished(engine: Engine, request_ids, timeout_s: float = 300.0) -> dict[str, list]:
+    """Each request's StepOutputs until all of `request_ids` finished, for an engine whose core
+    runs in other processes (each step waits for their outputs; a count of steps means nothing
+    there); fails if any is left after `timeout_s`."""
+    outputs, left = defaultdict(list), set(request_ids)
+    deadline = time.monotonic() + timeout_s
+    while left:
+        assert time.monotonic() < deadline, f"{len(left)} requests unfinished after {timeout_s} s: {left}"
+        for output in engine.step(wait_s=0.1):
+            outputs[output.request_id].append(output)
+            if output.finished:
+                left.discard(output.request_id)
+    return outputs
 
 
 def token_ids(outputs) -> list[int]:

@@ -48,3 +48,16 @@ class RecomputeOracle:
             text.append(delta)
             if finish_reason is not None:
                 return GenerationResult(token_ids=generated, text="".join(text), finish_reason=finish_reason)
+
+
+def reference_8bit_linears(model: torch.nn.Module) -> None:
+    """Every 8-bit Linear of `model` through the reference method (dequantize, fp32 matmul).
+    The CPU's int8 kernels round activations, by a method chosen by shape, so a tensor-parallel
+    shard and the whole model would differ by that, not by what a comparison of the two is
+    about."""
+    from infer.models.linear import Linear
+    from infer.models.linear_method import QuantizedMethod
+
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight_scale is not None:
+            module.method = QuantizedMethod()

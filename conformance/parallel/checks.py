@@ -11,12 +11,12 @@ import functools
 import random
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from conformance.oracles import RecomputeOracle
+from conformance.engine_runs import run_until_finished, token_ids
+from conformance.oracles import RecomputeOracle, reference_8bit_linears
 from infer.engine.config import EngineConfig
 from infer.engine.data_parallel import BALANCE_ABS_THRESHOLD, CACHE_THRESHOLD, ROUTED_BLOCKS, PrefixRouter
 from infer.engine.engine import Engine
@@ -35,15 +35,7 @@ def _checkpoint(preset: str, quantization: str | None) -> tuple[Path, RecomputeO
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     make_random_checkpoint(preset, folder, dtype=torch.float32, quantization=quantization)
     model = load_model(folder, dtype=torch.float32)
-    if quantization is not None:
-        # The reference path for 8-bit Linears, as a shard's: the CPU's int8 kernels round
-        # activations by a method chosen by shape, which is not what the clause is about.
-        from infer.models.linear import Linear
-        from infer.models.linear_method import QuantizedMethod
-
-        for module in model.model.modules():
-            if isinstance(module, Linear) and module.weight_scale is not None:
-                module.method = QuantizedMethod()
+    reference_8bit_linears(model.model)  # the shards are compared with the reference path
     return folder, RecomputeOracle(model)
 
 
@@ -53,19 +45,12 @@ def _prompts(vocab_size: int, seed: int) -> list[list[int]]:
     return prompts + [prompts[0][:20] + prompts[1]]  # shares a prefix with the first
 
 
-def _run(engine: Engine, prompts, params, timeout_s: float = 300.0) -> list[list[int]]:
+def _run(engine: Engine, prompts, params) -> list[list[int]]:
     ids = [engine.add_request(prompt, params) for prompt in prompts]
-    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
-    left, deadline = set(ids), time.monotonic() + timeout_s
-    while left:
-        assert time.monotonic() < deadline, f"{len(left)} requests unfinished after {timeout_s} s"
-        for output in engine.step(wait_s=0.1):
-            assert output.error is None, output.error
-            if output.token_id is not None:
-                tokens[output.request_id].append(output.token_id)
-            if output.finished:
-                left.discard(output.request_id)
-    return [tokens[request_id] for request_id in ids]
+    outputs = run_until_finished(engine, ids)
+    for request_id in ids:
+        assert all(output.error is None for output in outputs[request_id]), outputs[request_id][-1].error
+    return [token_ids(outputs[request_id]) for request_id in ids]
 
 
 def _assert_oracle_tokens(tokens, prompts, oracle: RecomputeOracle, params, label: str) -> None:
@@ -90,7 +75,8 @@ def tensor_parallel_greedy(case: dict, impl: str | None) -> None:
     _assert_oracle_tokens(second, follow_ups, oracle, params, "second wave")
 
 
-def router_oracle(case: dict, impl: str | None) -> None:
+def router_oracle(case: dict, impl: str | None) -> int:
+    """Returns how many requests went where their prefix decided (for the package tests)."""
     rng = random.Random(case["seed"])
     block_size, num_replicas = case["block_size"], case["replicas"]
     router = PrefixRouter(num_replicas, block_size)
@@ -122,7 +108,9 @@ def router_oracle(case: dict, impl: str | None) -> None:
         while sum(router.loads) > rng.randrange(1, BALANCE_ABS_THRESHOLD + 1):
             router.finished(rng.choice([r for r in range(num_replicas) if router.loads[r] > 0]))
     assert 0 < num_by_prefix < case["requests"], "the traffic must exercise both rules"
+    assert router.num_prefix_routed == num_by_prefix, "the router's count of prefix-routed requests"
     assert len({r for _, _, r in history}) == num_replicas, "some replica never got a request"
+    return num_by_prefix
 
 
 def _common_blocks(a: list[int], b: list[int], block_size: int) -> int:

@@ -5,18 +5,18 @@ prefix-cache hit there), and a replica that dies failing only its own requests."
 
 import dataclasses
 import os
-import random
 import signal
 import time
 from collections import defaultdict
 
 import pytest
 
+from conformance.engine_runs import run_until_finished, token_ids
+from conformance.parallel.checks import router_oracle
 from infer.engine.client import EngineDeadError
 from infer.engine.config import EngineConfig, EngineConfigError
 from infer.engine.data_parallel import (
     BALANCE_ABS_THRESHOLD,
-    CACHE_THRESHOLD,
     ROUTED_BLOCKS,
     PrefixRouter,
     replica_environment,
@@ -36,49 +36,11 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 # -- the router -------------------------------------------------------------------------------
 
 
-def common_blocks(a: list[int], b: list[int], block_size: int) -> int:
-    """Whole leading blocks two prompts share (at most ROUTED_BLOCKS)."""
-    shared = 0
-    while shared < min(len(a), len(b)) and a[shared] == b[shared]:
-        shared += 1
-    return min(shared // block_size, ROUTED_BLOCKS)
-
-
 def test_a_request_goes_to_the_least_busy_replica_sent_its_longest_prefix_else_the_least_busy():
-    """The oracle: the longest prefix, in whole blocks, that the request shares with any request
-    routed before (same salt); if it is more than CACHE_THRESHOLD of the prompt, the replicas
-    sent a request sharing that much are the candidates, and the least busy of them is chosen;
-    otherwise the least busy of all. Loads stay too close for the much-busier fallback."""
-    rng = random.Random(0)
-    block_size, num_replicas = 4, 3
-    router = PrefixRouter(num_replicas, block_size)
-    families = [[rng.randrange(1000) for _ in range(40)] for _ in range(5)]
-    history: list[tuple[list[int], str | None, int]] = []
-    num_matched = 0
-    for step in range(400):
-        family = rng.choice(families)
-        prompt = family[: rng.randrange(1, 41)] + [rng.randrange(1000) for _ in range(rng.randrange(0, 9))]
-        salt = rng.choice([None, None, "tenant"])
-        shared = [
-            (common_blocks(prompt, seen, block_size), replica)
-            for seen, seen_salt, replica in history
-            if seen_salt == salt
-        ]
-        longest = max((blocks for blocks, _ in shared), default=0)
-        loads_before = list(router.loads)
-        replica = router.route(prompt, salt)
-        if longest * block_size > CACHE_THRESHOLD * len(prompt):
-            holders = {r for blocks, r in shared if blocks >= longest}
-            assert replica in holders and loads_before[replica] == min(loads_before[r] for r in holders), step
-            num_matched += 1
-        else:
-            assert loads_before[replica] == min(loads_before), (step, loads_before, replica)
-        history.append((prompt, salt, replica))
-        while sum(router.loads) > rng.randrange(1, 3):  # requests finish as others arrive
-            router.finished(rng.choice([r for r in range(num_replicas) if router.loads[r] > 0]))
-    assert 100 < num_matched < 400 and router.num_prefix_routed == num_matched
-    # Each family's requests spread over the replicas, as the least busy of those holding it.
-    assert len({replica for _, _, replica in history}) == num_replicas
+    """specs/parallel DIST-002's brute-force oracle (conformance.parallel.checks.router_oracle) on
+    400 requests over 3 replicas, a quarter or more of them placed by their prefix."""
+    num_by_prefix = router_oracle({"replicas": 3, "block_size": 4, "requests": 400, "seed": 0}, None)
+    assert num_by_prefix > 100
 
 
 def test_a_much_busier_replica_loses_its_prefixes_to_the_least_busy():
@@ -187,23 +149,6 @@ def test_the_replicas_statistics_add_up():
 # -- two replicas on the CPU --------------------------------------------------------------------
 
 
-def run_spawned(engine: Engine, request_ids, timeout_s: float = 120.0) -> dict[str, list]:
-    """Each request's StepOutputs until all of `request_ids` finished."""
-    outputs, left = defaultdict(list), set(request_ids)
-    deadline = time.monotonic() + timeout_s
-    while left:
-        assert time.monotonic() < deadline, f"{left} not finished within {timeout_s} s"
-        for output in engine.step(wait_s=0.2):
-            outputs[output.request_id].append(output)
-            if output.finished:
-                left.discard(output.request_id)
-    return outputs
-
-
-def tokens_of(outputs) -> list[int]:
-    return [output.token_id for output in outputs if output.token_id is not None]
-
-
 @pytest.fixture(scope="module")
 def two_replicas(tiny_checkpoints):
     engine = Engine.spawn(
@@ -217,9 +162,9 @@ def test_two_replicas_give_the_greedy_tokens_of_one_core(two_replicas, tiny_mode
     oracle = tiny_models["llama-tiny"].oracle
     prompts = random_prompts([30, 7, 45, 12, 25, 33], 384, seed=4)
     ids = [two_replicas.add_request(prompt, GREEDY) for prompt in prompts]
-    outputs = run_spawned(two_replicas, ids)
+    outputs = run_until_finished(two_replicas, ids, timeout_s=120)
     for request_id, prompt in zip(ids, prompts, strict=True):
-        assert tokens_of(outputs[request_id]) == oracle.generate(prompt, GREEDY).token_ids
+        assert token_ids(outputs[request_id]) == oracle.generate(prompt, GREEDY).token_ids
     # Unrelated prompts spread over both replicas; every one finished, and the sum says so.
     per_replica = [stats.num_finished for stats in two_replicas.replica_stats()]
     assert min(per_replica) > 0 and two_replicas.stats().num_finished == sum(per_replica)
@@ -236,9 +181,9 @@ def test_a_conversations_next_turn_finds_its_history_on_the_replica_that_ran_it(
         ids = [two_replicas.add_request(prompt, GREEDY) for prompt in conversations]
         for index, request_id in enumerate(ids):
             replica_of[index].add(two_replicas.client._routed[request_id][0])
-        outputs = run_spawned(two_replicas, ids)
+        outputs = run_until_finished(two_replicas, ids, timeout_s=120)
         for index, request_id in enumerate(ids):
-            answer = tokens_of(outputs[request_id])
+            answer = token_ids(outputs[request_id])
             if turn:
                 cached += max(output.cached_tokens for output in outputs[request_id])
             conversations[index] = (
@@ -261,20 +206,20 @@ def test_a_replica_that_dies_fails_its_own_requests_and_the_other_serves_on(tiny
         victims = {rid for rid in ids if engine.client._routed[rid][0] == 1}
         assert victims and len(victims) < len(ids)
         os.kill(engine.client.replicas[1].process.pid, signal.SIGKILL)
-        outputs = run_spawned(engine, ids)
+        outputs = run_until_finished(engine, ids, timeout_s=120)
         for request_id in ids:
             final = outputs[request_id][-1]
             if request_id in victims:
                 assert final.finished and final.error is not None and "replica 1" in final.error, final
             else:
-                assert final.finish_reason == "length" and len(tokens_of(outputs[request_id])) == 100
+                assert final.finish_reason == "length" and len(token_ids(outputs[request_id])) == 100
         assert engine.replicas_alive() == [True, False]
         # New requests go to the replica left, whatever they share with the dead one's.
         prompt = prompts[ids.index(next(iter(victims)))]
         request_id = engine.add_request(prompt, GREEDY)
-        outputs = run_spawned(engine, [request_id])
+        outputs = run_until_finished(engine, [request_id], timeout_s=120)
         assert (
-            tokens_of(outputs[request_id])
+            token_ids(outputs[request_id])
             == tiny_models["llama-tiny"].oracle.generate(prompt, GREEDY).token_ids
         )
         os.kill(engine.client.replicas[0].process.pid, signal.SIGKILL)

@@ -15,20 +15,10 @@ import torch.distributed as dist
 # This folder is sys.path[0] when the script runs: test_greedy's loops drive the shard.
 from test_greedy import greedy_with_cache, greedy_without_cache
 
+from conformance.oracles import reference_8bit_linears
 from infer.models.forward_batch import ForwardBatch
-from infer.models.linear import Linear
-from infer.models.linear_method import QuantizedMethod
 from infer.models.load import load_causal_lm
 from infer.models.tensor_parallel import TensorParallel
-
-
-def exact_8bit_linears(model) -> None:
-    """8-bit Linears through the reference (dequantize, fp32 matmul): the CPU's int8 kernels
-    round activations, by a method chosen by shape, so a shard and the whole model would differ
-    by that, not by the sharding (test_tensor_parallel.py does the same to its oracle)."""
-    for module in model.modules():
-        if isinstance(module, Linear) and module.weight_scale is not None:
-            module.method = QuantizedMethod()
 
 
 def main() -> None:
@@ -38,7 +28,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size)
     try:
         model = load_causal_lm(folder, dtype=torch.float32, tensor_parallel=TensorParallel(rank, size))
-        exact_8bit_linears(model)
+        reference_8bit_linears(model)  # as the test does to its oracle
         with torch.inference_mode():
             result = {
                 "logits": model.compute_logits(model(ForwardBatch.from_tokens(prompts))),

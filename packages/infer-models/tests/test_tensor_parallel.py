@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from conformance.oracles import reference_8bit_linears
 from conformance.parity.checks import LogitGaps, tolerances_by_dtype
 from infer.models.forward_batch import ForwardBatch
-from infer.models.linear import Linear
-from infer.models.linear_method import QuantizedMethod
 from infer.models.load import load_causal_lm
 from infer.models.loader.fetch import fetch_model
 from infer.models.random_checkpoint import make_random_checkpoint
@@ -86,11 +85,7 @@ def test_tensor_parallel_ranks_give_the_unsharded_models_logits_and_greedy_token
     size, kv_heads = CASES[name]
     results = run_ranks(checkpoints[name], size, tmp_path / "result")
     model = load_causal_lm(checkpoints[name], dtype=torch.float32)
-    # As the rank script does: 8-bit Linears through the reference, not the CPU's int8 kernels,
-    # which round activations by a method chosen by shape (a shard's are not the whole's).
-    for module in model.modules():
-        if isinstance(module, Linear) and module.weight_scale is not None:
-            module.method = QuantizedMethod()
+    reference_8bit_linears(model)  # as the rank script does
     with torch.inference_mode():
         expected = model.compute_logits(model(ForwardBatch.from_tokens(PROMPTS)))
         expected_greedy = [greedy_without_cache(model, prompt, NUM_TOKENS, set()) for prompt in PROMPTS]

@@ -713,8 +713,10 @@ class Scheduler:
         with the fewest tokens the draft has not seen, since a probe's cost is mostly the draft's
         catch-up forward over them: a request it drafted for lately, or a short one."""
         limit = self._speculating_rows(plan.step + 1, len(self._running))
-        if limit is None or limit == 0:
-            return None if limit is None else frozenset()
+        if limit is None:
+            return None
+        if limit == 0:  # most steps of a backed-off engine: no scan of the running requests
+            return frozenset()
         sampling = [
             request
             for request in self._running
