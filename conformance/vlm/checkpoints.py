@@ -54,4 +54,9 @@ def tiny_gemma3_vision() -> tuple[Path, "torch.nn.Module"]:
     folder = Path(tempfile.mkdtemp(prefix="gemma3-vision-tiny-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     model.save_pretrained(folder)
+    # A byte-level tokenizer of the vocabulary's size, so that infer.models.load_model and the
+    # engine take the folder (its prompts are token ids; what the ids spell does not matter).
+    from infer.models.random_checkpoint import _special_tokens, _write_tokenizer
+
+    _write_tokenizer(folder, "gemma3", 300, _special_tokens("gemma3", 300))
     return folder, model

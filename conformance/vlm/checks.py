@@ -125,3 +125,207 @@ def logits_with_images(case: dict, impl: str | None) -> None:
     gaps = LogitGaps()
     gaps.add(got, expected)
     gaps.assert_within(tolerances_by_dtype()["float32"], f"{case['images']} images: ")
+
+
+# -- through the engine ------------------------------------------------------------------------
+
+
+def _prompt(num_images: int, seed: int, text_tokens: int = 9) -> tuple[list[int], list[int]]:
+    """Text, then per image BOI, its placeholders and EOI and more text: (ids, each image's
+    offset)."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(10, 300) for _ in range(text_tokens)]
+    offsets = []
+    for _ in range(num_images):
+        offsets.append(len(prompt) + 1)
+        prompt += [BOI_TOKEN, *[IMAGE_TOKEN] * TOKENS_PER_IMAGE, EOI_TOKEN]
+        prompt += [rng.randrange(10, 300) for _ in range(5)]
+    return prompt, offsets
+
+
+def _pixels(num_images: int, seed: int) -> torch.Tensor:
+    return torch.randn(num_images, 3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(seed))
+
+
+def _prompt_images(offsets: list[int], pixels: torch.Tensor, seed: int) -> list:
+    """PromptImages over the placeholder runs; the fingerprint stands for the pixels' seed."""
+    from infer.engine.images import PromptImage
+
+    return [
+        PromptImage(offset, TOKENS_PER_IMAGE, pixels[index], f"{seed:08x}{index:08x}".ljust(64, "0"))
+        for index, offset in enumerate(offsets)
+    ]
+
+
+def _reference_greedy(prompt: list[int], pixels: torch.Tensor, steps: int, device: str, dtype):
+    """transformers' greedy tokens and each step's log-softmax (fp32) for the prompt and images."""
+    _, reference = tiny_gemma3_vision()
+    model = reference.to(device=device, dtype=dtype)
+    ids = torch.tensor([prompt], device=device)
+    extra = {}
+    if len(pixels):
+        extra = dict(pixel_values=pixels.to(device, dtype), token_type_ids=(ids == IMAGE_TOKEN).long())
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, max_new_tokens=steps, do_sample=False, output_scores=True,
+            return_dict_in_generate=True, **extra,
+        )  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, [score[0].float().log_softmax(-1).cpu() for score in out.scores]
+
+
+def _vlm_engine(device: str, dtype: str, **settings):
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+    from infer.models.load import load_model
+
+    folder, _ = tiny_gemma3_vision()
+    loaded = load_model(folder, dtype=getattr(torch, dtype), device=device)
+    config = dict(block_size=4, max_num_batched_tokens=64, use_prefix_caching=True, use_cuda_graphs=False)
+    config.update(settings)
+    return Engine(EngineConfig(model=str(folder), device=device, dtype=dtype, **config), loaded)
+
+
+def _greedy_params(steps: int):
+    from infer.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def _generate(engine, prompt, images, steps: int):
+    """Our greedy tokens, each one's logprob, and the request's final output fields."""
+    from conformance.engine_runs import run_to_completion
+
+    request_id = engine.add_request(prompt, _greedy_params(steps), images=images)
+    outputs = run_to_completion(engine)[request_id]
+    assert outputs[-1].error is None, outputs[-1].error
+    tokens = [output for output in outputs if output.token_id is not None]
+    return [o.token_id for o in tokens], [o.logprobs.logprob for o in tokens], outputs[-1]
+
+
+def engine_greedy_with_images(case: dict, impl: str | None) -> None:
+    """Prompts with 0, 1 and 3 images through the engine (paged KV, chunked prefill in chunks that
+    would cut the images, the prefix cache on) give transformers' greedy tokens, each one's
+    logprob within the dtype's bound of transformers' log-softmax."""
+    device, dtype = case.get("device", "cpu"), case.get("dtype", "float32")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    bounds = tolerances_by_dtype()[dtype]
+    steps = min(8, bounds["greedy_steps"])
+    engine = _vlm_engine(
+        device, dtype, use_chunked_prefill=True, prefill_chunk_size=case["chunk"], max_num_batched_tokens=64
+    )
+    for num_images in (0, 1, 3):
+        prompt, offsets = _prompt(num_images, seed=num_images)
+        pixels = _pixels(num_images, seed=10 + num_images)
+        expected, log_softmax = _reference_greedy(prompt, pixels, steps, device, getattr(torch, dtype))
+        got, logprobs, _ = _generate(engine, prompt, _prompt_images(offsets, pixels, num_images), steps)
+        assert got == expected, f"{num_images} images: {got} against transformers' {expected}"
+        gaps = [
+            abs(lp - step[token].item()) for lp, step, token in zip(logprobs, log_softmax, got, strict=True)
+        ]
+        assert max(gaps) <= bounds["max_abs"], f"{num_images} images: logprob gaps {gaps}"
+
+
+# -- the image-keyed prefix cache --------------------------------------------------------------
+
+
+class _VisionCounts:
+    """The engine's vision counters, read before and after a request (EngineStats' vision_*)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.before = self._read()
+
+    def _read(self) -> dict:
+        stats = self.engine.stats()
+        return {"runs": stats.vision_encoder_runs, "skipped": stats.vision_encoder_skipped}
+
+    def delta(self) -> dict:
+        after = self._read()
+        return {key: after[key] - self.before[key] for key in after}
+
+
+def _cached_run(engine, prompt, images, steps: int = 6):
+    """(tokens, logprobs, prompt tokens the cache served, encoder runs and skips) of one request."""
+    counts = _VisionCounts(engine)
+    tokens, logprobs, final = _generate(engine, prompt, images, steps)
+    return tokens, logprobs, final.cached_tokens, counts.delta()
+
+
+def _check_against_reference(prompt, pixels, tokens, logprobs) -> None:
+    expected, log_softmax = _reference_greedy(prompt, pixels, len(tokens), "cpu", torch.float32)
+    assert tokens == expected, f"{tokens} against transformers' {expected}"
+    gaps = [abs(lp - step[t].item()) for lp, step, t in zip(logprobs, log_softmax, tokens, strict=True)]
+    assert max(gaps) <= tolerances_by_dtype()["float32"]["max_abs"], f"logprob gaps {gaps}"
+
+
+def same_image_repeated(case: dict, impl: str | None) -> None:
+    """A conversation with an image, then the same one again (or extended by more text): the
+    second is a prefix-cache hit through the image and never runs the encoder, and its tokens are
+    transformers'."""
+    engine = _vlm_engine("cpu", "float32", use_chunked_prefill=True, prefill_chunk_size=20)
+    prompt, offsets = _prompt(1, seed=21)
+    pixels = _pixels(1, seed=22)
+    _cached_run(engine, prompt, _prompt_images(offsets, pixels, 22))
+    again = prompt + [rng_token for rng_token in range(40, 40 + case["more_text"])]
+    tokens, logprobs, cached, counts = _cached_run(engine, again, _prompt_images(offsets, pixels, 22))
+    image_end = offsets[0] + TOKENS_PER_IMAGE
+    assert cached >= image_end, f"{cached} prompt tokens from the cache; the image ends at {image_end}"
+    assert counts == {"runs": 0, "skipped": 1}, f"the encoder {counts} for a cached image"
+    _check_against_reference(again, pixels, tokens, logprobs)
+
+
+def different_image(case: dict, impl: str | None) -> None:
+    """The same text with another image: the cache serves exactly the tokens before that image's
+    placeholders (the image's fingerprint parts the keys there), the encoder runs for it, and the
+    tokens are transformers' for the new image."""
+    engine = _vlm_engine("cpu", "float32", use_chunked_prefill=True, prefill_chunk_size=20)
+    prompt, offsets = _prompt(case["images"], seed=31)
+    first = _pixels(case["images"], seed=32)
+    _cached_run(engine, prompt, _prompt_images(offsets, first, 32))
+    second = first.clone()
+    changed = case["changed"]
+    second[changed] = _pixels(1, seed=33)[0]
+    images = _prompt_images(offsets, first, 32)
+    images[changed] = _prompt_images(offsets, second, 33)[changed]
+    tokens, logprobs, cached, counts = _cached_run(engine, prompt, images)
+    assert cached == offsets[changed], (
+        f"{cached} prompt tokens from the cache; the changed image starts at {offsets[changed]}"
+    )
+    assert counts["runs"] == case["images"] - changed, f"the encoder {counts}"
+    _check_against_reference(prompt, second, tokens, logprobs)
+
+
+def text_follow_up(case: dict, impl: str | None) -> None:
+    """An image in the first user turn, the answer, then a text-only follow-up that repeats the
+    conversation: the cache serves everything through the answer, the encoder does not run."""
+    engine = _vlm_engine("cpu", "float32", use_chunked_prefill=True, prefill_chunk_size=20)
+    prompt, offsets = _prompt(1, seed=41)
+    pixels = _pixels(1, seed=42)
+    images = _prompt_images(offsets, pixels, 42)
+    answer, _, _, _ = _cached_run(engine, prompt, images)
+    follow_up = prompt + answer + [random.Random(43).randrange(10, 300) for _ in range(7)]
+    tokens, logprobs, cached, counts = _cached_run(engine, follow_up, images)
+    # The answer's last token was sampled, never fed back: its K/V is the one not cached.
+    through_answer = len(prompt) + len(answer) - 1
+    assert cached >= through_answer, (
+        f"{cached} prompt tokens from the cache, the answer ends at {through_answer}"
+    )
+    assert counts == {"runs": 0, "skipped": 1}, f"the encoder {counts}"
+    _check_against_reference(follow_up, pixels, tokens, logprobs)
+
+
+def encoder_runs(case: dict, impl: str | None) -> None:
+    """A text-only conversation runs no encoder and is cached as a text model's is; a message of
+    several images runs the encoder once for each."""
+    engine = _vlm_engine("cpu", "float32", use_chunked_prefill=True, prefill_chunk_size=20)
+    prompt, offsets = _prompt(case["images"], seed=51)
+    pixels = _pixels(case["images"], seed=52)
+    images = _prompt_images(offsets, pixels, 52)
+    tokens, logprobs, cached, counts = _cached_run(engine, prompt, images)
+    assert cached == 0 and counts == {"runs": case["images"], "skipped": 0}, f"the encoder {counts}"
+    _check_against_reference(prompt, pixels, tokens, logprobs)
+    _, _, cached, counts = _cached_run(engine, prompt + [77, 78], images)
+    assert cached >= len(prompt) - 1, f"{cached} of {len(prompt)} prompt tokens from the cache"
+    assert counts == {"runs": 0, "skipped": case["images"]}, f"the encoder {counts} on a repeat"

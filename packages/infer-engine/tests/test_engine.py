@@ -349,7 +349,7 @@ def test_a_failing_forward_fails_its_step_frees_blocks_and_the_engine_goes_on(ti
     engine.step()  # both prefilled; the next step decodes them together
     real_logits = engine.core.runner._logits
 
-    def forward_that_raises(step):
+    def forward_that_raises(step, images=None):
         engine.core.runner._logits = real_logits
         raise RuntimeError("CUDA error: simulated")
 

@@ -151,11 +151,13 @@ def build_engine_parts(config: EngineConfig, loaded_model=None, *, tensor_parall
         eos_token_ids=eos_token_ids,
         config=config,
         settings_line=settings_line,
+        image_token_id=model.vision.layout.image_token_id if model.vision is not None else None,
     )
     scheduler = Scheduler.from_engine_config(
         config,
         kv_manager=KVCacheManager(kv_pool.allocator, kv_pool.block_size, prefix_tree),
         max_seq_len=max_seq_len,
+        whole_images=model.vision is not None and model.vision.layout.bidirectional,
         # Structured output: a matcher per constrained request.
         structured_output=StructuredOutput(
             loaded_model.tokenizer.hf_tokenizer,

@@ -10,6 +10,7 @@ preemption) comes whole as a `NewRequest`; one it holds comes as a `RunningReque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from infer.engine.images import PromptImage
 from infer.engine.sampling_params import SamplingParams
 
 
@@ -38,6 +39,9 @@ class NewRequest:
     # Tokens whose K/V are already in those blocks before this step (0 unless a prefix cache
     # filled some).
     num_computed_tokens: int
+    # A vision-language model's images: the runner encodes each when a step first computes one of
+    # its tokens.
+    images: tuple[PromptImage, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,3 +108,5 @@ class RunnerOutput:
     # Speculative decoding with a draft model: per request that sampled, the draft's tokens for
     # its next step (the scheduler verifies what its budget allows).
     spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Per request whose images the vision tower encoded in this step: (images, seconds).
+    images_encoded: dict[str, tuple[int, float]] = field(default_factory=dict)

@@ -18,11 +18,13 @@ and raises before sending anything; the core checks again.
 import contextlib
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from infer.engine.client import EngineClient, EngineDeadError, InProcClient
 from infer.engine.config import EngineConfig
 from infer.engine.engine_core import EngineCore
+from infer.engine.images import PromptImage
 from infer.engine.output_processor import OutputProcessor, StepOutput
 from infer.engine.protocol import EngineRequest, EngineStats
 from infer.engine.request import QueueFullError
@@ -84,10 +86,13 @@ class Engine:
         request_id: str | None = None,
         *,
         cache_salt: str | None = None,
+        images: Sequence[PromptImage] = (),
     ) -> str:
         """Queues a request; returns its id. A str prompt is encoded with the tokenizer's special
         tokens (BOS); a chat prompt rendered by our templates should come as ids. With prefix
-        caching, requests reuse each other's cached tokens only under the same `cache_salt`. Raises
+        caching, requests reuse each other's cached tokens only under the same `cache_salt`.
+        `images`: a vision-language model's images, over their placeholder tokens in the prompt
+        (infer.engine.images). Raises
         RequestTooLongError (ValueError) when it can never fit, ValueError for bad ids,
         InvalidParamError for a setting the model cannot honour, and QueueFullError when
         max_queue_len requests already wait."""
@@ -96,7 +101,8 @@ class Engine:
             prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             prompt_ids = [int(token_id) for token_id in prompt]
-        self.limits.check_request(prompt_ids, params)
+        images = tuple(images)
+        self.limits.check_request(prompt_ids, params, images)
         request_id = request_id if request_id is not None else f"req-{self._num_sent}"
         if request_id in self.processor:
             raise ValueError(f"request id {request_id!r} is already queued or running; ids must be unique")
@@ -110,7 +116,12 @@ class Engine:
         try:
             self.client.add(
                 EngineRequest(
-                    request_id, prompt_ids, params, arrival_s=time.monotonic(), cache_salt=cache_salt
+                    request_id,
+                    prompt_ids,
+                    params,
+                    arrival_s=time.monotonic(),
+                    cache_salt=cache_salt,
+                    images=images,
                 )
             )
         except BaseException:  # the core is gone (EngineDeadError): nothing was queued

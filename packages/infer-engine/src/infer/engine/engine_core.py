@@ -153,6 +153,7 @@ class EngineCore:
         )
         if self.num_speculative_tokens:
             fields.update(scheduler.spec_decode_counts.engine_stats(self.num_speculative_tokens))
+        fields.update(scheduler.image_counts.engine_stats())
         for observer in self.observers:
             fields.update(observer.stats())
         return EngineStats(**fields)
@@ -171,11 +172,12 @@ class EngineCore:
             stop_token_ids=stop_token_ids_of(engine_request.sampling, self.limits.eos_token_ids),
             cache_salt=engine_request.cache_salt,
             bypass_prefix_cache=engine_request.bypass_prefix_cache,
+            images=tuple(engine_request.images),
         )
         for observer in self.observers:
             observer.on_add(engine_request)
         try:
-            self.limits.check_request(prompt_ids, engine_request.sampling)
+            self.limits.check_request(prompt_ids, engine_request.sampling, request.images)
             self.scheduler.add(request)
         except (ValueError, RuntimeError) as error:  # QueueFullError is a RuntimeError
             logger.info("refused request %s: %s", request.request_id, error)

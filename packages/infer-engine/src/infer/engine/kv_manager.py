@@ -86,7 +86,7 @@ class KVCacheManager:
         MISS without a tree, or for a request that holds blocks already. Reads only."""
         if self.prefix_tree is None or request.block_ids or request.bypass_prefix_cache:
             return MISS
-        tokens = request.all_token_ids
+        tokens = request.cache_key_ids
         return self.prefix_tree.match(tokens, max_tokens=len(tokens) - 1, salt=request.cache_salt)
 
     def acquire(self, request: Request, match: PrefixMatch) -> bool:
@@ -146,7 +146,7 @@ class KVCacheManager:
         tree.unlock(match)
         # Whole blocks (no copy source to read), within the shared ones: so none of them is int8.
         num_warm = tree.num_warm_blocks(match) * self.block_size
-        match = tree.match(request.all_token_ids, max_tokens=num_warm, salt=request.cache_salt)
+        match = tree.match(request.cache_key_ids, max_tokens=num_warm, salt=request.cache_salt)
         tree.lock(match)
         return match
 
@@ -158,7 +158,7 @@ class KVCacheManager:
         if tree is None or request.bypass_prefix_cache:
             return
         request_id = request.request_id
-        tokens = request.all_token_ids
+        tokens = request.cache_key_ids
         num_blocks = min(request.num_computed_tokens, len(tokens)) // self.block_size
         if num_blocks <= self._num_given_blocks.get(request_id, 0):
             return
@@ -261,7 +261,7 @@ class KVCacheManager:
             self._kinds.pop(request.request_id, None)
             self._num_given_blocks.pop(request.request_id, None)
             given = self._given.pop(request.request_id, [])
-            tokens = request.all_token_ids[: request.num_computed_tokens]
+            tokens = request.cache_key_ids[: request.num_computed_tokens]
             insert = cache and bool(tokens) and not request.bypass_prefix_cache
             held = self._held(request.request_id, len(tokens))
             self._matches.pop(request.request_id, None)

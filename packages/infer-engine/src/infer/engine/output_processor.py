@@ -39,6 +39,9 @@ class StepOutput:
     queue_time_s: float | None = field(default=None, compare=False)
     # The token's logprob and alternatives, when the request asked for them.
     logprobs: TokenLogprobs | None = None
+    # On the first token of a request with images: seconds the vision tower spent on them. A
+    # measurement, as queue_time_s.
+    vision_encoder_s: float | None = field(default=None, compare=False)
     # Prompt tokens the prefix cache served instead of the forward (usage's cached_tokens). How
     # the answer was computed, not what it is: outputs compare equal without it.
     cached_tokens: int = field(default=0, compare=False)
@@ -110,6 +113,7 @@ class OutputProcessor:
                     prompt_tokens=output.num_prompt_tokens,
                     completion_tokens=state.num_generated,
                     queue_time_s=output.queue_time_s if index == 0 else None,
+                    vision_encoder_s=output.vision_encoder_s if index == 0 else None,
                     logprobs=output.logprobs[index] if output.logprobs is not None else None,
                     cached_tokens=output.num_cached_tokens,
                 )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from infer.engine.config import EngineConfig
 from infer.engine.decision import TokenLogprobs
+from infer.engine.images import PromptImage, check_image_tokens
 from infer.engine.request import InvalidParamError, RequestTooLongError
 from infer.engine.sampling_params import SamplingParams
 
@@ -51,6 +52,8 @@ class EngineRequest:
     cache_salt: str | None = None
     # Computed from scratch and left out of the prefix cache (the shadow check's re-runs).
     bypass_prefix_cache: bool = False
+    # A vision-language model's images, in prompt order (infer.engine.images).
+    images: tuple[PromptImage, ...] = ()
 
 
 # EngineOutput and EngineOutputs are made on the core's loop every step, one per running
@@ -75,6 +78,8 @@ class EngineOutput:
     queue_time_s: float | None = None
     # One per new token when the request asked for logprobs (SamplingParams.logprobs), else None.
     logprobs: list[TokenLogprobs] | None = None
+    # On the first token of a request with images: seconds the vision tower spent on them.
+    vision_encoder_s: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -161,6 +166,13 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_by_position: tuple[int, ...] = ()
     spec_decode_drafted_by_position: tuple[int, ...] = ()
+    # Vision-language models (infer.engine.images.ImageCounts; all 0 for a text model): images
+    # the vision tower encoded, images whose tokens all came from the prefix cache (never
+    # encoded), image tokens reused from it, and the seconds the tower ran.
+    vision_encoder_runs: int = 0
+    vision_encoder_skipped: int = 0
+    vision_image_tokens_reused: int = 0
+    vision_encoder_time_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -202,6 +214,7 @@ class EngineOutputs:
                 output.error,
                 output.queue_time_s,
                 output.logprobs,
+                output.vision_encoder_s,
             )
             for output in self.outputs
         ]
@@ -210,11 +223,19 @@ class EngineOutputs:
 
 def _engine_outputs_from_rows(rows: list[tuple], stats: EngineStats | None) -> EngineOutputs:
     outputs = []
-    for request_id, token_ids, finish, num_prompt, num_cached, error, queue_time_s, logprobs in rows:
+    for request_id, token_ids, finish, num_prompt, num_cached, error, queue_time, logprobs, encoder_s in rows:
         finish_reason = None if finish is None else FinishReason(finish)
         outputs.append(
             EngineOutput(
-                request_id, token_ids, finish_reason, num_prompt, num_cached, error, queue_time_s, logprobs
+                request_id,
+                token_ids,
+                finish_reason,
+                num_prompt,
+                num_cached,
+                error,
+                queue_time,
+                logprobs,
+                encoder_s,
             )
         )
     return EngineOutputs(outputs, stats)
@@ -235,15 +256,41 @@ class CoreLimits:
     # (infer.engine.device_defaults), and that decision in one line for the operator.
     config: EngineConfig
     settings_line: str
+    # A vision-language model's image placeholder token (it may lie past the vocabulary, as
+    # Gemma 3's does); None: the model takes no images.
+    image_token_id: int | None = None
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raises what makes a request impossible: ValueError for an empty prompt or an id
-        outside the vocabulary, InvalidParamError for a logit_bias id outside it,
+    def check_request(
+        self, prompt_ids: list[int], params: SamplingParams, images: tuple[PromptImage, ...] = ()
+    ) -> None:
+        """Raises what makes a request impossible: ValueError for an empty prompt, an id outside
+        the vocabulary, images the model does not take or that do not lie over its image tokens
+        (and image tokens without an image), InvalidParamError for a logit_bias id outside it,
         RequestTooLongError when it can never fit. The frontend checks before sending, and the
         core again when it takes the request in."""
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token")
-        bad = [token_id for token_id in prompt_ids if not 0 <= token_id < self.vocab_size]
+        if images and self.image_token_id is None:
+            raise ValueError("the model takes no images: it has no vision tower")
+        speculative = self.config.speculative
+        if images and speculative is not None and speculative.method == "draft_model":
+            raise ValueError(
+                "images with a draft model are not supported: the draft model sees no images; "
+                "serve without speculative_config or with the ngram method"
+            )
+        if images:
+            check_image_tokens(images, prompt_ids, self.image_token_id)
+        num_image_tokens = sum(image.num_tokens for image in images)
+        if self.image_token_id is not None and prompt_ids.count(self.image_token_id) != num_image_tokens:
+            raise ValueError(
+                f"the prompt holds the model's image token {self.image_token_id} where no image is; "
+                "images come as image_url content parts"
+            )
+        bad = [
+            token_id
+            for token_id in prompt_ids
+            if not 0 <= token_id < self.vocab_size and token_id != self.image_token_id
+        ]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         outside = [token_id for token_id in params.logit_bias if token_id >= self.vocab_size]

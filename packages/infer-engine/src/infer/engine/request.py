@@ -23,6 +23,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from infer.engine.images import PromptImage, cache_key_ids
 from infer.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -104,6 +105,10 @@ class Request:
     num_cached_tokens: int = 0
     # Computed from scratch and left out of the prefix cache (the engine's shadow re-runs).
     bypass_prefix_cache: bool = False
+    # A vision-language model's images, in prompt order (infer.engine.images), and the seconds
+    # the vision tower spent on them so far.
+    images: tuple[PromptImage, ...] = ()
+    vision_encoder_s: float = 0.0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -127,6 +132,12 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """A new list: the prompt, then each sampled token whose id is known."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_key_ids(self) -> list[int]:
+        """A new list: what the prefix cache keys the request by, all_token_ids with each image's
+        placeholders replaced by its fingerprint's token (infer.engine.images)."""
+        return cache_key_ids(self.all_token_ids, self.images) if self.images else self.all_token_ids
 
     @property
     def is_prefilling(self) -> bool:

@@ -32,6 +32,7 @@ import torch
 
 from infer.engine.cuda_graphs import StepGraphs
 from infer.engine.decision import RunnerOutput, ScheduleDecision, TokenLogprobs
+from infer.engine.image_encoder import ImageEncoder, StepImages
 from infer.engine.input_batch import InputBatch, RowState, StepInputs, resolve_pending_tokens
 from infer.engine.sampler import AllowedTokens, SamplingTensors, compute_logprobs, sample
 from infer.engine.spec_decode.verify import VerifyRow, verify_drafts
@@ -86,6 +87,8 @@ class StepLaunch:
     drafts: tuple[tuple[int, ...], ...] = ()
     # ScheduleDecision.draft_request_ids: whom a draft model drafts for once the step is collected.
     draft_request_ids: frozenset[str] | None = None
+    # The step's image inputs, and what the vision tower encoded for it.
+    images: StepImages | None = None
 
 
 @dataclass
@@ -103,6 +106,7 @@ class _LaunchedStep:
     # Set when a sampling row asked for logprobs.
     logprobs: _LaunchedLogprobs | None = None
     draft_request_ids: frozenset[str] | None = None  # StepLaunch's
+    images: StepImages | None = None  # StepLaunch's
 
 
 class ModelRunner:
@@ -144,6 +148,10 @@ class ModelRunner:
         # The C stack runs the whole model's layers: not a tensor-parallel shard's.
         if self.device.type == "cpu" and self.kernel_policy.use_native_cpu_kernels and model.tp is None:
             self.cpu_decode = CpuDecodeStack.for_model(model)
+        # A vision-language model's tower, run when a step first needs an image (image_encoder).
+        self.image_encoder = None
+        if model.vision is not None:
+            self.image_encoder = ImageEncoder(model.vision, bidirectional=model.vision.layout.bidirectional)
         self.input_batch = InputBatch(
             max_rows=max_batch_size,
             max_seq_len=max_seq_len,
@@ -242,6 +250,10 @@ class ModelRunner:
         self.input_batch.apply(decision)
         if self.draft is not None:
             self.draft.forget(decision.finished_request_ids | decision.preempted_request_ids)
+        if self.image_encoder is not None:
+            self.image_encoder.forget(decision.finished_request_ids | decision.preempted_request_ids)
+            for request in decision.new_requests:
+                self.image_encoder.add(request.request_id, request.images)
         # Prefix-cache block copies, int8 stores and restores, queued before the forward that
         # reads or overwrites those blocks.
         self.kv_pool.run_block_ops(decision.block_ops)
@@ -250,7 +262,8 @@ class ModelRunner:
         if decision.is_empty:
             return StepLaunch((), [], torch.empty(0), None, draft_request_ids=decision.draft_request_ids)
         step = self.input_batch.prepare(decision)
-        logits = self._logits(step)
+        images = self.image_encoder.step_images(step) if self.image_encoder is not None else None
+        logits = self._logits(step, images)
         sampling_ids = [step.request_ids[row] for row in step.sampling_rows]
         if step.verifies_drafts:
             # One entry per request (its K + 1 rows are consecutive); verify_drafts builds the
@@ -266,7 +279,9 @@ class ModelRunner:
             )
         tensors = self._sampling_tensors(tuple(sampling_ids)) if sampling_ids else None
         drafting = decision.draft_request_ids
-        return StepLaunch(tuple(step.request_ids), sampling_ids, logits, tensors, draft_request_ids=drafting)
+        return StepLaunch(
+            tuple(step.request_ids), sampling_ids, logits, tensors, draft_request_ids=drafting, images=images
+        )
 
     @torch.inference_mode()
     def sample(self, launch: StepLaunch, masks: AllowedTokens | None = None) -> None:
@@ -312,6 +327,7 @@ class ModelRunner:
                 done,
                 logprobs=logprobs,
                 draft_request_ids=launch.draft_request_ids,
+                images=launch.images,
             )
         )
 
@@ -401,6 +417,7 @@ class ModelRunner:
                 tuple(sampled.get(request_id, ())) for request_id in launched.request_ids
             ),
             logprobs=launched.logprobs.entries() if launched.logprobs is not None else {},
+            images_encoded=launched.images.encoded_seconds() if launched.images is not None else {},
         )
 
     def _read(self, launched: _LaunchedStep) -> list[int]:
@@ -424,20 +441,21 @@ class ModelRunner:
         model's proposer: the forward alone, nothing sampled and no row kept."""
         return self._logits(step)
 
-    def _logits(self, step: StepInputs) -> torch.Tensor:
-        """Logits of the sampling rows, in order."""
-        if self.graphs is not None:
+    def _logits(self, step: StepInputs, images: StepImages | None = None) -> torch.Tensor:
+        """Logits of the sampling rows, in order. A step with image tokens runs eagerly: the
+        graphs hold text steps."""
+        if self.graphs is not None and images is None:
             logits = self.graphs.logits(step)
             if logits is not None:
                 return logits
-        return self._eager_logits(step)
+        return self._eager_logits(step, images)
 
-    def _eager_logits(self, step: StepInputs) -> torch.Tensor:
+    def _eager_logits(self, step: StepInputs, images: StepImages | None = None) -> torch.Tensor:
         if not step.sampling_rows:
             # Mid-prompt chunks only: the forward still fills the cache.
-            self._forward(self.forward_batch(step, logits_indices=np.zeros(1, dtype=np.int64)))
+            self._forward(self.forward_batch(step, logits_indices=np.zeros(1, dtype=np.int64), images=images))
             return torch.empty(0)
-        hidden = self._forward(self.forward_batch(step, logits_indices=step.logits_indices))
+        hidden = self._forward(self.forward_batch(step, logits_indices=step.logits_indices, images=images))
         return self.model.compute_logits(hidden)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -464,10 +482,13 @@ class ModelRunner:
                 slots.append(torch.from_numpy(blocks * block_size + positions % block_size))
         return tuple(slots)
 
-    def forward_batch(self, step: StepInputs, *, logits_indices: np.ndarray) -> ForwardBatch:
+    def forward_batch(
+        self, step: StepInputs, *, logits_indices: np.ndarray, images: StepImages | None = None
+    ) -> ForwardBatch:
         def device(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
+        lookahead = images.lookahead if images is not None else None
         metadata = AttentionMetadata(
             query_start_loc=device(step.query_start_loc),
             seq_lens=device(step.seq_lens),
@@ -477,6 +498,7 @@ class ModelRunner:
             max_query_len=int(np.diff(step.query_start_loc).max()),
             max_seq_len=int(step.seq_lens.max()),
             decode_key_slots=self._decode_key_slots(step) if self.device.type == "cpu" else None,
+            lookahead=device(lookahead) if lookahead is not None else None,
         )
         input_ids = device(step.input_ids)
         if step.input_ids.min(initial=0) < 0:
@@ -487,6 +509,8 @@ class ModelRunner:
             attention=metadata,
             kv_layers=self.kv_layers,
             logits_indices=device(logits_indices),
+            image_embeds=images.embeds if images is not None else None,
+            image_token_indices=device(images.token_indices) if images is not None else None,
         )
 
     def _sample(

@@ -37,6 +37,13 @@ in one step and waits for a step whose remaining budget holds it, with one excep
 longer than max_num_batched_tokens, which no budget ever holds, runs whole in a step with no
 other prefill (that step then exceeds max_num_batched_tokens by the prompt's excess).
 
+Images (vision-language models): with `whole_images` (a model whose image tokens attend to each
+other both ways, as Gemma 3's), a prompt chunk never ends inside an image: it stops before the
+image, or, starting at or inside it, runs through the image's last token or waits for a step
+whose budget holds that (an image's tokens must be computed in one forward to see each other).
+Without it a chunk may end anywhere. `ImageCounts` counts what the vision tower had to encode and
+what the prefix cache spared it.
+
 Preemption (recompute): when a running request cannot get the blocks for its tokens, the
 lowest-priority running request is preempted: the most recently admitted one not already
 scheduled in this step (the requester itself when it is that one). Its blocks are all freed,
@@ -75,6 +82,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from infer.engine.decision import NewRequest, RunnerOutput, RunningRequest, ScheduleDecision
+from infer.engine.images import ImageCounts
 from infer.engine.kv_manager import KVCacheManager
 from infer.engine.protocol import EngineOutput, FinishReason, TokenLogprobs, check_fits
 from infer.engine.request import QueueFullError, Request, RequestState
@@ -138,6 +146,7 @@ class Scheduler:
         disable_speculation_above: int | None = None,
         speculation_backoff: SpeculationBackoff | None = None,
         num_lookahead_tokens: int = 0,
+        whole_images: bool = False,
     ):
         """`structured_output`: the grammar matchers of constrained requests; None refuses a
         request with a grammar. `proposer`: drafts for decoding requests (speculative decoding;
@@ -145,7 +154,8 @@ class Scheduler:
         requests (None: any) and that `speculation_backoff` lets speculate (None: every such
         step). `num_lookahead_tokens`: blocks for this many positions past a
         request's step wherever the step samples (a draft model writes its drafts' K/V there);
-        drafts then come from the runner (RunnerOutput.spec_token_ids) when `proposer` is None."""
+        drafts then come from the runner (RunnerOutput.spec_token_ids) when `proposer` is None.
+        `whole_images`: no prompt chunk ends inside an image (see the module docstring)."""
         for name, value in [
             ("max_seq_len", max_seq_len),
             ("max_batch_size", max_batch_size),
@@ -183,7 +193,9 @@ class Scheduler:
         self.disable_speculation_above = disable_speculation_above
         self.speculation_backoff = speculation_backoff
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.whole_images = whole_images
         self.spec_decode_counts = SpecDecodeCounts()
+        self.image_counts = ImageCounts()
         self.num_preempted = 0
         # Preempted requests first (in admission order), then those that never ran (in arrival order).
         self._waiting: deque[Request] = deque()
@@ -207,6 +219,7 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_seq_len: int,
         structured_output: "StructuredOutput | None" = None,
+        whole_images: bool = False,
     ) -> "Scheduler":
         """The engine's scheduler. max_queue_len is left to the engine, which also counts requests
         added but not yet taken in by a step."""
@@ -237,6 +250,7 @@ class Scheduler:
                 if config.speculative is not None and config.speculative.method == "draft_model"
                 else 0
             ),
+            whole_images=whole_images,
         )
 
     # -- queries ----------------------------------------------------------------------------
@@ -285,6 +299,7 @@ class Scheduler:
                 f"request id {request.request_id!r} is already queued or running; ids must be unique"
             )
         self.check_fits(request.num_prompt_tokens, request.max_new_tokens)
+        self._check_images(request)
         if self.max_queue_len is not None and len(self._waiting) >= self.max_queue_len:
             raise QueueFullError(
                 f"{len(self._waiting)} requests are waiting, the limit max_queue_len is "
@@ -298,6 +313,23 @@ class Scheduler:
         request.state = RequestState.WAITING
         self._waiting.append(request)
         self._requests[request.request_id] = request
+
+    def _check_images(self, request: Request) -> None:
+        """Raises ValueError for images out of the prompt or out of order, and, with whole_images,
+        for an image longer than a step's token budget (it could never run)."""
+        previous_end = 0
+        for index, image in enumerate(request.images):
+            if not previous_end <= image.offset < image.end <= request.num_prompt_tokens:
+                raise ValueError(
+                    f"request {request.request_id!r}: image {index}'s tokens [{image.offset}, "
+                    f"{image.end}) are not inside the prompt after the image before it"
+                )
+            if self.whole_images and image.num_tokens > self.max_num_batched_tokens:
+                raise ValueError(
+                    f"request {request.request_id!r}: image {index} takes {image.num_tokens} tokens, "
+                    f"more than max_num_batched_tokens ({self.max_num_batched_tokens}) holds in a step"
+                )
+            previous_end = image.end
 
     def schedule(self) -> ScheduleDecision:
         """Plans the next step: serves due decoders, then the policy's order (running requests and
@@ -338,6 +370,11 @@ class Scheduler:
 
         After a failed forward, call fail() instead."""
         sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
+        for request_id, (num_images, seconds) in runner_output.images_encoded.items():
+            self.image_counts.num_encoded += num_images
+            self.image_counts.encoder_s += seconds
+            if (request := self._requests.get(request_id)) is not None:
+                request.vision_encoder_s += seconds
         outputs: list[EngineOutput] = []
         step_drafts = step_accepted = 0
         for request_id in decision.num_scheduled_tokens:
@@ -498,13 +535,26 @@ class Scheduler:
             cap = self.max_prefill_chunks_per_step
             if cap is not None and plan.num_prefill_rows >= cap:
                 return 0
-            return min(remaining, self.prefill_chunk_size, plan.budget)
+            num_tokens = min(remaining, self.prefill_chunk_size, plan.budget)
+            return self._whole_images(request, num_tokens, plan) if self.whole_images else num_tokens
         if remaining <= plan.budget:
             return remaining
         # A prompt no budget can hold runs whole in a step with no other prefill.
         if remaining > self.max_num_batched_tokens and plan.num_prefill_rows == 0:
             return remaining
         return 0
+
+    def _whole_images(self, request: Request, num_tokens: int, plan: _StepPlan) -> int:
+        """`num_tokens` of the request's chunk, cut so that it does not end inside an image."""
+        start = request.num_computed_tokens
+        end = start + num_tokens
+        for image in request.images:
+            if image.offset < end < image.end:
+                if image.offset > start:
+                    return image.offset - start  # up to the image; it goes whole in a later chunk
+                through_image = image.end - start
+                return through_image if through_image <= plan.budget else 0
+        return num_tokens
 
     def _serve(self, request: Request, plan: _StepPlan) -> None:
         """Schedules the running request's next tokens if the budget allows, preempting others
@@ -556,10 +606,15 @@ class Scheduler:
         if room < 1:
             return ()
         if self.proposer is not None:
-            drafts = self.proposer.propose(np.asarray(request.all_token_ids, dtype=np.int64))
+            # Images' placeholders read as their fingerprints' negative tokens: a lookup never
+            # matches one image's run against another's, and never drafts a placeholder.
+            history = request.cache_key_ids if request.images else request.all_token_ids
+            drafts = self.proposer.propose(np.asarray(history, dtype=np.int64))
         else:  # the runner's draft model proposed them after the request's last step
             drafts, request.spec_token_ids = request.spec_token_ids, ()
         drafts = tuple(int(token) for token in drafts[:room])
+        if any(token < 0 for token in drafts):
+            drafts = drafts[: next(i for i, token in enumerate(drafts) if token < 0)]
         if drafts and request.params.grammar is not None:
             drafts = self.structured_output.valid_drafts(request.request_id, drafts)
         return drafts
@@ -633,6 +688,8 @@ class Scheduler:
                     return
                 new_block_ids = self.kv_manager.allocate(request, num_tokens, lookahead)
             self._waiting.popleft()
+            if request.images:
+                self.image_counts.admitted(request.images, request.num_computed_tokens)
             request.state = RequestState.RUNNING
             request.admitted_step = plan.step
             self._admission_order[request.request_id] = self._num_admissions
@@ -682,6 +739,7 @@ class Scheduler:
                         generator_seed=self._generator_seed(request),
                         block_ids=tuple(request.block_ids),
                         num_computed_tokens=request.num_computed_tokens,
+                        images=request.images,
                     )
                 )
                 self._in_runner.add(request_id)
@@ -760,4 +818,6 @@ def request_output(
             else None
         ),
         logprobs=logprobs,
+        # Every image is encoded before the prompt's last token, so by the first token.
+        vision_encoder_s=request.vision_encoder_s if first_token and token_ids and request.images else None,
     )

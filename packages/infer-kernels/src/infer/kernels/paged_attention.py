@@ -4,8 +4,11 @@ The batch is infer.models' ForwardBatch: N query tokens of B rows back to back, 
 at `query_start_loc[b]:query_start_loc[b+1]`. They are the last tokens of row b's sequence,
 which has `seq_lens[b]` keys once this step's are written (store_kv), so its query i sits at
 position `seq_lens[b] - q_len_b + i` and sees keys up to that position (and, with a sliding
-window W, only the last W of them). Keys of row b: key j is at flat slot
-`block_tables[b, j // block_size] * block_size + j % block_size` of the cache
+window W, only the last W of them). An image's tokens (Gemma 3's) attend to each other both
+ways: `lookahead[t]` lets query t of an extend row see keys up to its position plus that many
+(up to its image's last token; 0 for text); the window stays relative to its own position (an
+image is no longer than the window, so it keeps the image's first tokens). Key j of row b is at
+flat slot `block_tables[b, j // block_size] * block_size + j % block_size` of the cache
 `[num_blocks, block_size, num_kv_heads, head_dim]`; block_size is any positive integer (the
 contiguous pool uses one block of max_seq_len per row), so each key's address is computed alone.
 
@@ -27,10 +30,13 @@ Two Triton kernels, one per kind of row:
   that kernel stores and the split reads after the wait.
 - Extend rows (prompt chunks): flash attention, one program per (tile of BLOCK_M queries of one
   row, query head), over key tiles up to the tile's last position, with causal and sliding-window
-  masks and an online softmax. Grid from host ints too: (tiles of max_query_len, extend rows,
-  heads); tiles past a row's length exit. A CUDA graph that replays for any mix of prompt chunks
-  passes `extend_tiles` instead, a device map of (row, tile) per program (`extend_tile_size`
-  queries a tile) whose grid is the map's length: the graph fixes only how many tiles fit.
+  masks and an online softmax. With `lookahead` (a variant of its own: batches without images
+  run the kernel as before) the key tiles run up to the furthest key any query of the tile sees,
+  as a tile may end inside an image whose last token lies in a later tile. Grid from host ints
+  too: (tiles of max_query_len, extend rows, heads); tiles past a row's length exit. A CUDA
+  graph that replays for any mix of prompt chunks passes `extend_tiles` instead, a device map of
+  (row, tile) per program (`extend_tile_size` queries a tile) whose grid is the map's length:
+  the graph fixes only how many tiles fit.
 
 On a CPU the reference serves, but for decode rows: `paged_attention_cpu` gathers each decode
 row's keys and runs them through torch's fused SDPA (one call instead of the reference's dozen
@@ -342,6 +348,7 @@ def _extend_kernel(
     block_table_stride,
     first_row,
     tile_map_ptr,
+    lookahead_ptr,
     scale,
     sliding_window,
     GROUP: tl.constexpr,
@@ -351,6 +358,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_LOOKAHEAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NATIVE_QK: tl.constexpr,
     USE_TILE_MAP: tl.constexpr,
@@ -388,6 +396,13 @@ def _extend_kernel(
             q = q.to(tl.float32)
 
         last_position = seq_len - query_len + tl.minimum(tile * BLOCK_M + BLOCK_M, query_len) - 1
+        last_key = last_position
+        if HAS_LOOKAHEAD:
+            ahead = tl.load(lookahead_ptr + tokens, mask=query_mask, other=0)
+            sees_up_to = positions + ahead  # [BLOCK_M]
+            # A tile may end inside an image whose last token lies in a later tile: its queries see
+            # up to there, so the loop runs to the furthest key any of the tile's queries sees.
+            last_key = tl.max(tl.where(query_mask, sees_up_to, last_position), 0)
         start = 0
         if HAS_WINDOW:
             start = (
@@ -401,14 +416,19 @@ def _extend_kernel(
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         denominator = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-        for tile_start in range(start, last_position + 1, BLOCK_N):
+        for tile_start in range(start, last_key + 1, BLOCK_N):
             keys_at = tile_start + tl.arange(0, BLOCK_N)
-            in_range = keys_at <= last_position
+            in_range = keys_at <= last_key
             slots = _key_slots(table_row, keys_at, in_range, BLOCK_SIZE)
             load_mask = in_range[:, None] & dim_mask[None, :]
             k = tl.load(k_base + slots[:, None] * k_stride_slot + dims[None, :], mask=load_mask, other=0.0)
             v = tl.load(v_base + slots[:, None] * v_stride_slot + dims[None, :], mask=load_mask, other=0.0)
-            visible = keys_at[None, :] <= positions[:, None]
+            if HAS_LOOKAHEAD:
+                visible = keys_at[None, :] <= sees_up_to[:, None]
+            else:
+                visible = keys_at[None, :] <= positions[:, None]
+            # The window stays relative to the query's own position: an image is no longer than
+            # the window (the caller's promise), so each of its tokens still sees its first.
             if HAS_WINDOW:
                 visible &= keys_at[None, :] > positions[:, None] - sliding_window
             if NATIVE_QK:
@@ -484,6 +504,7 @@ def _launch(
     scale,
     sliding_window,
     extend_tiles,
+    lookahead,
     pdl,
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
@@ -576,6 +597,7 @@ def _launch(
             first_row=num_decode_rows,
             # Any pointer when there is no map: the kernel does not read it then.
             tile_map_ptr=extend_tiles if extend_tiles is not None else seq_lens,
+            lookahead_ptr=lookahead.contiguous() if lookahead is not None else seq_lens,
             scale=scale,
             GROUP=group,
             BLOCK_M=block_m,
@@ -585,6 +607,8 @@ def _launch(
             # (numpy has no bf16), so interpreted runs take the fp32 path.
             NATIVE_QK=q.is_cuda and q.dtype != torch.float32,
             USE_TILE_MAP=extend_tiles is not None,
+            # A variant of its own: batches without images run the kernel as it was.
+            HAS_LOOKAHEAD=lookahead is not None,
             num_warps=num_warps,
             num_stages=num_stages,
             **launch_options(q, pdl),
@@ -607,6 +631,7 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     extend_tiles: torch.Tensor | None = None,
+    lookahead: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference (and CPU path): per row, gather its keys through the block table and run one
     grouped matmul over all its queries, masked softmax in fp32. Reads lengths on the host, so
@@ -633,7 +658,9 @@ def paged_attention_ref(
         grouped_q = grouped_q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * query_len, head_dim)
         scores = torch.matmul(grouped_q, keys.permute(1, 2, 0)) * scale  # [Hkv, G * L, S]
         positions = key_positions[seq_len - query_len :]
-        visible = key_positions[None, :] <= positions[:, None]  # [L, S]
+        # A decode row's one query is its last key: a lookahead there reaches no key.
+        sees_up_to = positions if lookahead is None else positions + lookahead[start:end]
+        visible = key_positions[None, :] <= sees_up_to[:, None]  # [L, S]
         if sliding_window is not None:
             visible &= key_positions[None, :] > positions[:, None] - sliding_window
         scores = scores.view(num_kv_heads, group, query_len, seq_len).masked_fill(~visible, float("-inf"))
@@ -659,6 +686,7 @@ def paged_attention_cpu(
     extend_tiles: torch.Tensor | None = None,
     decode_key_slots: tuple[torch.Tensor | range, ...] | None = None,
     native: bool = True,
+    lookahead: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU path (same contract as paged_attention_ref). With `native`, decode rows in fp32 go
     to decode_attention_cpu.c, one C call for them all (`_decode_attention_native`), where it
@@ -666,7 +694,7 @@ def paged_attention_cpu(
     `sliding_window` of them with one) are gathered through its block table, or through
     `decode_key_slots[b]` (its keys' slots, made once for every layer) when given, and attended
     by `F.scaled_dot_product_attention`, which computes in fp32 for any input dtype. Extend rows
-    go to the reference.
+    go to the reference, with their `lookahead`.
 
     A row whose slots are a `range` (consecutive, as a lone sequence's blocks mostly are) is read
     through a view of the cache instead of a gathered copy: in SmolLM2's decode, with the cache
@@ -692,6 +720,7 @@ def paged_attention_cpu(
             scale=scale,
             sliding_window=sliding_window,
             out=result[start:],
+            lookahead=lookahead[start:] if lookahead is not None else None,
         )
     if (
         num_decode_rows
@@ -795,6 +824,7 @@ def _check(
     scale,
     sliding_window,
     extend_tiles,
+    lookahead,
 ) -> None:
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_dtype(name, t)
@@ -808,6 +838,13 @@ def _check(
             raise ValueError(
                 f"extend_tiles must be an int32 tensor [2, slots] (rows, tiles), "
                 f"got {extend_tiles.dtype} {tuple(extend_tiles.shape)}"
+            )
+    if lookahead is not None:
+        tensors["lookahead"] = lookahead
+        if lookahead.shape != q.shape[:1] or lookahead.dtype != torch.int32:
+            raise ValueError(
+                f"lookahead must be an int32 tensor [{q.shape[0]}], one per query token as q, "
+                f"got {lookahead.dtype} {tuple(lookahead.shape)}"
             )
     check_same_device(**tensors)
     if q.dim() != 3 or k_cache.dim() != 4:
@@ -881,11 +918,19 @@ def paged_attention(
     decode_key_slots: tuple[torch.Tensor | range, ...] | None = None,
     native: bool = True,
     pdl: bool = False,
+    lookahead: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q `[N, Hq, D]`, the tokens of B rows back to back (`query_start_loc` `[B+1]`), against
     each row's keys 0..seq_lens[b]-1 in the caches `[num_blocks, block_size, Hkv, D]` through
     `block_tables` `[B, max_blocks]`: causal, and within `sliding_window` if given. Rows
     0..num_decode_rows-1 hold one token each. Returns `[N, Hq, D]` in q's dtype (`out` if given).
+
+    `lookahead` (int32 `[N]`, indexed as q): query token t sees keys up to `position(t) +
+    lookahead[t]`, so that an image's tokens attend to each other both ways: 0 for text, and
+    `last position of its image - position(t)` for an image's tokens. The window stays relative
+    to position(t) (keep an image no longer than it). Decode rows ignore it: theirs is 0 (a
+    decoded token is text), and their one query is the row's last key anyway. Keep `position +
+    lookahead < seq_lens[b]` on extend rows: read on the device, it is not checked.
 
     `max_query_len` and `max_seq_len` are host bounds on the rows' query and key counts (launch
     sizes only). The lengths and block ids themselves are read on the device (no host sync), so
@@ -914,6 +959,7 @@ def paged_attention(
         scale=scale,
         sliding_window=sliding_window,
         extend_tiles=extend_tiles,
+        lookahead=lookahead,
     )
     _check(q, k_cache, v_cache, out, **kwargs)
     if not use_triton(q):

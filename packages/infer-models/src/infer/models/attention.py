@@ -17,7 +17,8 @@ One writer of the KV cache per backend:
 
 Without a cache (oracles, tests): each row attends causally to its own tokens in this batch, by
 position, with SDPA; the tokens of one image (`ForwardBatch.image_groups`) attend to each other
-both ways, as Gemma 3's do. The paged path does not take images yet.
+both ways, as Gemma 3's do. With a cache, `AttentionMetadata.lookahead` does that (the engine
+computes an image's tokens in one forward).
 """
 
 import torch
@@ -56,9 +57,9 @@ def attention(
     if batch.kv_layers is None:
         return _attention_without_cache(q, k, v, batch, scale=scale, sliding_window=sliding_window)
     if batch.image_groups is not None:
-        raise NotImplementedError(
-            "attention within an image both ways runs without a cache only so far: the paged "
-            "kernels attend causally"
+        raise ValueError(
+            "image_groups are for a cache-less forward; with a cache, AttentionMetadata.lookahead "
+            "lets an image's tokens see each other"
         )
     metadata = batch.attention
     k_cache, v_cache = batch.kv_layers[layer_idx]
@@ -78,6 +79,7 @@ def attention(
         sliding_window=sliding_window,
         extend_tiles=metadata.extend_tiles,
         decode_key_slots=metadata.decode_key_slots,
+        lookahead=metadata.lookahead,
         native=native_cpu_kernels,
         pdl=pdl,
     )

@@ -232,11 +232,13 @@ class Attention(nn.Module):
         # Off the CPU the rotation also writes k and v into the KV cache (one kernel fewer a layer).
         store = kv_store(v, batch, self.layer_idx)
         pdl = launches_pdl(self.pdl, qkv)
+        # A (t, h, w) triple per token where the batch has them (M-RoPE, infer.models.mrope).
+        positions = batch.positions if batch.mrope_positions is None else batch.mrope_positions
         if self.q_norm is not None:
             norms = (self.q_norm, self.k_norm)
-            q, k = self.rotary.normalize_and_rotate(q, k, *norms, batch.positions, store, pdl=pdl)
+            q, k = self.rotary.normalize_and_rotate(q, k, *norms, positions, store, pdl=pdl)
         else:
-            self.rotary(q, k, batch.positions, store, pdl=pdl)
+            self.rotary(q, k, positions, store, pdl=pdl)
         out = attention(
             q,
             k,
@@ -279,7 +281,9 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.gate_up_proj.gated(x, self.activation_name))
 
 
-def rotary_per_layer(config: ModelConfig) -> list[RotaryEmbedding]:
+def rotary_per_layer(
+    config: ModelConfig, rotary_class: type[RotaryEmbedding] = RotaryEmbedding
+) -> list[RotaryEmbedding]:
     """One RotaryEmbedding per layer, shared between layers with the same RoPE settings."""
     shared: dict[tuple, RotaryEmbedding] = {}
     rotaries = []
@@ -287,7 +291,7 @@ def rotary_per_layer(config: ModelConfig) -> list[RotaryEmbedding]:
         rope_config = config.rope_for_layer(layer_idx)
         key = (rope_config.theta, repr(rope_config.scaling))
         if key not in shared:
-            shared[key] = RotaryEmbedding(config.head_dim, config.max_position_embeddings, rope_config)
+            shared[key] = rotary_class(config.head_dim, config.max_position_embeddings, rope_config)
         rotaries.append(shared[key])
     return rotaries
 
@@ -303,6 +307,8 @@ class CausalLM(nn.Module):
     scale_embeddings = False
     # Tensor parallelism: the ranks this model is a shard of (infer.models.tensor_parallel).
     tp = None
+    # The rotary tables' class (infer.models.mrope.MRotaryEmbedding for Qwen3-VL).
+    rotary_class = RotaryEmbedding
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -310,12 +316,15 @@ class CausalLM(nn.Module):
         # How the Linear weights are stored (set by the loader); None: dense, in the model's dtype.
         self.quantization: Quantization | None = None
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        rotaries = rotary_per_layer(config)
+        rotaries = rotary_per_layer(config, self.rotary_class)
         self.layers = nn.ModuleList(self.make_layer(config, i, rotaries[i]) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=self.norm_offset)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # A vision-language checkpoint's tower (infer.models.vision.VisionTower), set by the
+        # loader. An instance attribute: a class attribute would hide the submodule.
+        self.vision: nn.Module | None = None
 
     def make_layer(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> nn.Module:
         raise NotImplementedError

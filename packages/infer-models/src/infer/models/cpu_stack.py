@@ -54,10 +54,11 @@ class CpuDecodeStack:
 
     def takes(self, batch: ForwardBatch) -> bool:
         """Whether a step goes to the C stack: with a cache, every row one decode token, at most
-        MAX_ROWS rows."""
+        MAX_ROWS rows, no image embedding (a one-token chunk may be an image's last token)."""
         metadata = batch.attention
         return (
             batch.kv_layers is not None
+            and batch.image_embeds is None
             and metadata is not None
             and metadata.num_decode_rows == batch.num_tokens <= MAX_ROWS
         )

@@ -47,6 +47,10 @@ class AttentionMetadata:
     # attention path (paged_attention's decode_key_slots) reads them in every layer instead of
     # computing them from the block table; None: it computes them.
     decode_key_slots: tuple[torch.Tensor | range, ...] | None = None
+    # [N] int32: keys past its own position that each token also sees (paged_attention's
+    # `lookahead`): for an image's tokens in a model whose images attend both ways, up to the
+    # image's last token; 0 for every other token. None: all 0 (causal).
+    lookahead: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -73,6 +77,10 @@ class ForwardBatch:
     image_embeds: torch.Tensor | None = None
     image_token_indices: torch.Tensor | None = None
     image_groups: torch.Tensor | None = None
+    # [3, N] int64: each token's (t, h, w) rotary positions, for a model with multimodal RoPE
+    # (Qwen3-VL, infer.models.mrope). None: each token's `positions` on all three axes (plain RoPE).
+    # Causal order, the cache and the rows still go by `positions`.
+    mrope_positions: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,24 @@ from safetensors import safe_open
 from torch import nn
 
 from infer.models.loader.weights import CheckpointError, checkpoint_tensors
+from infer.models.vision import ImageLayout
+
+# What Hugging Face's Gemma3Processor writes: its chat template puts BOI where a message has an
+# image, and the processor widens that into a blank line, BOI, the soft tokens, EOI, a blank line.
+BOI, EOI, IMAGE_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+
+
+def image_layout(folder: str | Path) -> ImageLayout:
+    """How a Gemma 3 checkpoint's prompts spell an image (its config's image token id)."""
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    return ImageLayout(
+        image_token_id=raw.get("image_token_index", 262144),
+        image_token=IMAGE_TOKEN,
+        marker=BOI,
+        before=f"\n\n{BOI}",
+        after=f"{EOI}\n\n",
+        bidirectional=True,
+    )
 
 
 @dataclass(frozen=True)
@@ -117,6 +135,22 @@ class ImagePreprocessing:
         return torch.from_numpy(np.stack(arrays))
 
 
+class Gemma3ImageProcessor:
+    """The frontend's `ImageProcessor` for Gemma 3: every image becomes `size` x `size` pixels
+    and `mm_tokens_per_image` placeholders."""
+
+    def __init__(self, preprocessing: ImagePreprocessing, layout: ImageLayout, tokens_per_image: int):
+        self.preprocessing, self.layout, self.tokens_per_image = preprocessing, layout, tokens_per_image
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "Gemma3ImageProcessor":
+        config = VisionConfig.from_file(folder)
+        return cls(ImagePreprocessing.from_folder(folder), image_layout(folder), config.mm_tokens_per_image)
+
+    def __call__(self, image) -> tuple[torch.Tensor, int]:
+        return self.preprocessing([image])[0], self.tokens_per_image
+
+
 class SiglipEncoderLayer(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
@@ -162,6 +196,12 @@ class Gemma3VisionTower(nn.Module):
         self.pool = config.patches_per_side // tokens_per_side
         self.mm_soft_emb_norm = nn.Parameter(torch.zeros(width))  # Gemma's RMSNorm: scale 1 + weight
         self.mm_input_projection = nn.Parameter(torch.zeros(width, config.text_hidden_size))
+        self.layout: ImageLayout | None = None  # set by load_gemma3_vision
+
+    def encode(self, pixel_values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`VisionTower.encode`: every Gemma 3 image has the same size, so one batch."""
+        device = self.patch_embedding.weight.device
+        return list(self(torch.stack([pixels.to(device, non_blocking=True) for pixels in pixel_values])))
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -215,13 +255,20 @@ def _checkpoint_names(tower: Gemma3VisionTower) -> dict[str, tuple[str, str]]:
 
 
 def load_gemma3_vision(
-    folder: str | Path, *, dtype: torch.dtype = torch.float32, device="cpu"
+    folder: str | Path, *, dtype: torch.dtype = torch.float32, device="cpu", load_format: str = "auto"
 ) -> Gemma3VisionTower:
-    """The vision tower and projector of a Gemma 3 multimodal checkpoint folder."""
+    """The vision tower and projector of a Gemma 3 multimodal checkpoint folder; with
+    `load_format="dummy"`, random weights of its shapes made on `device` (infer.models.load)."""
     folder = Path(folder)
     config = VisionConfig.from_file(folder)
     with torch.device("meta"):
         tower = Gemma3VisionTower(config)
+    tower.layout = image_layout(folder)
+    if load_format == "dummy":
+        from infer.models.loader.weights import fill_random_weights
+
+        fill_random_weights(tower, "siglip", dtype=dtype, device=device)
+        return tower.eval()
     tensors = checkpoint_tensors(folder)
     prefixes = {
         "tower": next(

@@ -19,6 +19,7 @@ from infer.models.quantization import resolve_quantization
 from infer.models.random_checkpoint import PRESETS, make_random_checkpoint
 from infer.models.registry import architecture_for
 from infer.models.tensor_parallel import TensorParallel, shard_model
+from infer.models.vision import has_vision_tower
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,10 @@ def load_causal_lm(
             ignored_prefixes=architecture.ignored_prefixes,
             quantization=resolved,
         )
+    if architecture.load_vision is not None and has_vision_tower(folder):
+        # Whole on every tensor-parallel rank: it runs once per image, and its embeddings join
+        # the hidden states that every rank holds whole.
+        model.vision = architecture.load_vision(folder, dtype=dtype, device=device, load_format=load_format)
     return apply_kernel_policy(model.eval(), KernelPolicy(device))
 
 

@@ -1,11 +1,13 @@
 """model_type (from config.json) -> our model class and its default chat-template family: one
 architecture for each of infer.models.config.MODEL_TYPES."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
 from infer.models.gemma3 import Gemma3ForCausalLM
+from infer.models.gemma3_vision import load_gemma3_vision
 from infer.models.llama import LlamaForCausalLM
 from infer.models.qwen3 import Qwen3ForCausalLM
 
@@ -17,15 +19,18 @@ class Architecture:
     template_family: str
     # Prefixes of the decoder's tensors in the checkpoint, tried in order.
     checkpoint_prefixes: tuple[str, ...] = ("model.",)
-    # Checkpoint tensors we knowingly skip (another modality's tower).
+    # Checkpoint tensors the decoder's loader skips (another modality's tower).
     ignored_prefixes: tuple[str, ...] = ()
+    # Loads the vision tower and projector of a multimodal checkpoint (folder, dtype=, device=),
+    # as CausalLM.vision (infer.models.vision).
+    load_vision: Callable[..., nn.Module] | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(LlamaForCausalLM, "llama3"),
     "qwen3": Architecture(Qwen3ForCausalLM, "qwen3"),
     "gemma3_text": Architecture(Gemma3ForCausalLM, "gemma3"),
-    # Multimodal Gemma 3 checkpoints: we load the language model and ignore the vision tower.
+    # Multimodal Gemma 3 checkpoints: the language model, and the vision tower on its own.
     "gemma3": Architecture(
         Gemma3ForCausalLM,
         "gemma3",
@@ -36,6 +41,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             "model.vision_tower.",
             "model.multi_modal_projector.",
         ),
+        load_vision=load_gemma3_vision,
     ),
 }
 

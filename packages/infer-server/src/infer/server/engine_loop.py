@@ -20,8 +20,10 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 from infer.engine.client import EngineDeadError
+from infer.engine.images import PromptImage
 from infer.engine.output_processor import StepOutput
 from infer.engine.protocol import FINISH_ABORT, FINISH_ERROR
 from infer.engine.sampling_params import SamplingParams
@@ -48,6 +50,7 @@ class RequestHandle:
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None
         self.queue_s: float | None = None
+        self.vision_encoder_s: float | None = None
         self.client_gone = False
         # Set when the request ended because the engine itself failed (not its batch's forward).
         self.engine_failed = False
@@ -86,12 +89,16 @@ class EngineLoop:
         # the server stops serving and /health reports it.
         self.failure: str | None = None
         self._speculates = False  # True once the speculative-decoding metrics exist (start)
+        self._sees = False  # True once the vision metrics exist (start: a vision-language model)
 
     def start(self) -> None:
         speculative = self.engine.config.speculative
         if speculative is not None:  # the counters exist only then, as vLLM's
             self.metrics.enable_spec_decode(speculative.num_speculative_tokens)
             self._speculates = True
+        if self.engine.limits.image_token_id is not None:
+            self.metrics.enable_vision()
+            self._sees = True
         if self.engine.config.data_parallel_size > 1:
             self.metrics.enable_replicas(self.engine.config.data_parallel_size)
         self._update_gauges()
@@ -108,13 +115,21 @@ class EngineLoop:
         return len(self._handles)
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, cache_salt: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+        images: Sequence[PromptImage] = (),
     ) -> RequestHandle:
-        """Queues a request in the engine. Raises what `Engine.add_request` raises (QueueFullError,
+        """Queues a request in the engine (`images`: a vision-language model's, over their
+        placeholder tokens). Raises what `Engine.add_request` raises (QueueFullError,
         RequestTooLongError, ValueError) and then has queued nothing."""
         handle = RequestHandle(request_id, time.monotonic())
         handle._on_answer = self._answered
-        self.engine.add_request(prompt_ids, params, request_id=request_id, cache_salt=cache_salt)
+        self.engine.add_request(
+            prompt_ids, params, request_id=request_id, cache_salt=cache_salt, images=images
+        )
         self._handles[request_id] = handle
         self.metrics.queue_depth.set(len(self._handles))
         return handle
@@ -185,6 +200,8 @@ class EngineLoop:
             self._update_prefix_cache_gauges(stats)
         if self._speculates:
             metrics.update_spec_decode(stats)
+        if self._sees:
+            metrics.update_vision(stats)
         if (replica_stats := self.engine.replica_stats()) is not None:
             alive = self.engine.replicas_alive()
             metrics.update_replicas(replica_stats, alive, self.engine.num_routed_by_prefix())
@@ -228,6 +245,9 @@ class EngineLoop:
                     if output.queue_time_s is not None:
                         metrics.request_queue_time_seconds.observe(output.queue_time_s)
                         handle.queue_s = output.queue_time_s
+                    if output.vision_encoder_s is not None and self._sees:
+                        metrics.request_vision_encoder_seconds.observe(output.vision_encoder_s)
+                        handle.vision_encoder_s = output.vision_encoder_s
                 else:
                     latency = latency_per_token.setdefault(
                         output.request_id,
@@ -288,4 +308,5 @@ def _record(handle: RequestHandle, final: StepOutput, finished_at: float):
         first_token_s=handle.first_token_s,
         last_token_s=handle.last_token_s,
         queue_s=handle.queue_s,
+        vision_encoder_s=handle.vision_encoder_s,
     )

@@ -239,6 +239,9 @@ ITL_BUCKETS_S = (
     1.0,
     2.5,
 )
+# A request's vision-tower time: a tiny tower's image takes a millisecond on a CPU, a SigLIP
+# so400m image on a GPU tens of milliseconds, a dozen images on a CPU seconds.
+VISION_ENCODER_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Queue time, arrival to first scheduled: zero on an idle server, minutes behind a long queue.
 QUEUE_TIME_BUCKETS_S = (
     0.001,
@@ -458,6 +461,37 @@ class ServerMetrics:
         ):
             for position, count in enumerate(by_position):
                 counter.set_total(count, position=str(position))
+
+    def enable_vision(self) -> None:
+        """Registers the vision tower's counters and its per-request time: they exist only on a
+        server whose model takes images."""
+        registry = self.registry
+        self.vision_encoder_runs_total = registry.counter(
+            "infer_vision_encoder_runs_total",
+            "Images the vision tower encoded (a preempted request's again when it recomputes).",
+        )
+        self.vision_encoder_skipped_total = registry.counter(
+            "infer_vision_encoder_skipped_total",
+            "Images whose every token came from the prefix cache: never encoded.",
+        )
+        self.vision_image_tokens_reused_total = registry.counter(
+            "infer_vision_image_tokens_reused_total", "Image tokens whose KV came from the prefix cache."
+        )
+        self.vision_encoder_seconds_total = registry.counter(
+            "infer_vision_encoder_seconds_total", "Seconds the vision tower ran (device time on CUDA)."
+        )
+        self.request_vision_encoder_seconds = registry.histogram(
+            "infer_request_vision_encoder_seconds",
+            "Seconds the vision tower spent on a request's images (requests with images).",
+            VISION_ENCODER_BUCKETS_S,
+        )
+
+    def update_vision(self, stats) -> None:
+        """Mirrors the core's vision totals (EngineStats.vision_*)."""
+        self.vision_encoder_runs_total.set_total(stats.vision_encoder_runs)
+        self.vision_encoder_skipped_total.set_total(stats.vision_encoder_skipped)
+        self.vision_image_tokens_reused_total.set_total(stats.vision_image_tokens_reused)
+        self.vision_encoder_seconds_total.set_total(stats.vision_encoder_time_s)
 
     def enable_replicas(self, num_replicas: int) -> None:
         """Registers each data-parallel replica's gauges and counters (label replica="0".."N-1"):

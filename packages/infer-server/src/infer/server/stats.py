@@ -55,6 +55,8 @@ class RequestRecord:
     queue_s: float | None
     prefill_tokens_per_s: float | None
     decode_tokens_per_s: float | None  # None: fewer than two tokens
+    # Seconds the vision tower spent on its images; None without images.
+    vision_encoder_s: float | None = None
 
     @property
     def prefilled_tokens(self) -> int:
@@ -73,6 +75,7 @@ def request_record(
     first_token_s: float | None,
     last_token_s: float | None,
     queue_s: float | None,
+    vision_encoder_s: float | None = None,
 ) -> RequestRecord:
     """A record from a request's moments (monotonic seconds; `finished_at` is Unix)."""
     ttft_s = None if first_token_s is None else first_token_s - arrival_s
@@ -92,6 +95,7 @@ def request_record(
         decode_tokens_per_s=(
             (completion_tokens - 1) / decode_s if decode_s and completion_tokens > 1 else None
         ),
+        vision_encoder_s=vision_encoder_s,
     )
 
 
@@ -176,6 +180,8 @@ class ServerStats:
         # Speculative decoding: the core's latest counts (None while it does not speculate), and
         # the rows, draft tokens and accepted tokens verified in each second.
         self.spec_decode: SpecDecodeCounts | None = None
+        # The vision tower's totals (EngineStats.vision_*); None until a request had images.
+        self.vision: dict | None = None
         self.spec_decode_num_speculative_tokens = 0
         self._spec_decode_seconds = {name: History(window_s) for name in ("rows", "drafted", "accepted")}
 
@@ -234,6 +240,13 @@ class ServerStats:
             self._cache_totals = cache_totals
             if stats.spec_decode_num_speculative_tokens:
                 self._on_spec_decode(now, stats)
+            if stats.vision_encoder_runs or stats.vision_encoder_skipped:
+                self.vision = {
+                    "encoder_runs": stats.vision_encoder_runs,
+                    "encoder_skipped": stats.vision_encoder_skipped,
+                    "image_tokens_reused": stats.vision_image_tokens_reused,
+                    "encoder_time_s": stats.vision_encoder_time_s,
+                }
             for name in ("generated_tokens_per_s", "disconnects_per_s"):  # a point for every second the
                 self.history[name].add(now, 0)  # engine ran, 0 if nothing happened
 
@@ -299,7 +312,9 @@ class ServerStats:
         """GET /v1/stats: {"time", "totals", "finish_reasons", "prefix_cache_matches",
         "prefix_cache_num_entries", "prefix_cache_entries" (most recently used first, with their
         age and idle time now), "copy_bandwidth_bytes_per_s", "memory" (memory_of; null before
-        the first step), "spec_decode" (null while the engine does not speculate), "replicas"
+        the first step), "spec_decode" (null while the engine does not speculate), "vision" (the
+        vision tower's runs, skips, reused image tokens and seconds; null until a request had
+        images), "replicas"
         (each data-parallel replica's state; null with one core; the totals are their sums), "requests"
         (oldest first), "history": {series: [[unix_second, value], ...]}}."""
         with self._lock:
@@ -320,6 +335,7 @@ class ServerStats:
                 "copy_bandwidth_bytes_per_s": self.copy_bandwidth_bytes_per_s,
                 "memory": self.memory,
                 "spec_decode": self._spec_decode_summary(),
+                "vision": self.vision,
                 "replicas": self.replicas,
                 "requests": [asdict(record) for record in self.records],
                 "history": history,

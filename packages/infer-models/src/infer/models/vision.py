@@ -1,0 +1,94 @@
+"""What the rest of the runtime knows of a vision-language model's images, whatever its tower.
+
+Two halves, because they live in two processes:
+- the frontend (the server, which decodes and resizes images and tokenizes prompts) holds an
+  `ImageProcessor`, made from the checkpoint folder without loading weights
+  (`image_processor_for`): it turns a decoded image into the tower's pixel values and says how
+  many placeholder tokens the image takes, and its `layout` says how a prompt spells an image;
+- the engine's model holds the tower as `CausalLM.vision` (a `VisionTower`: pixel values in, one
+  embedding per placeholder token out), loaded with the language model (infer.models.load).
+
+A prompt holds each image as a run of `layout.image_token_id` tokens, one per embedding, which the
+model replaces with the tower's embeddings (CausalLM.embed). The chat template writes
+`layout.marker` where a message has an image; the frontend replaces each marker with
+`layout.expansion(num_tokens)`, the text the model's own processor puts there (Gemma 3's
+"\\n\\n<start_of_image>" + 256 soft tokens + "<end_of_image>\\n\\n"), before tokenizing, and
+`image_runs` then finds each image's tokens.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """How a model's prompt spells an image."""
+
+    # The placeholder token, repeated once per image embedding.
+    image_token_id: int
+    image_token: str
+    # What the chat template writes for an image part, and the text around the placeholder run
+    # that the model's processor puts in its place.
+    marker: str
+    before: str
+    after: str
+    # The tokens of one image attend to each other both ways (Gemma 3); else causally.
+    bidirectional: bool
+
+    def expansion(self, num_tokens: int) -> str:
+        """The prompt text of an image of `num_tokens` embeddings."""
+        return self.before + self.image_token * num_tokens + self.after
+
+
+class ImageProcessor(Protocol):
+    """The frontend's half: a decoded image to the tower's input."""
+
+    layout: ImageLayout
+
+    def __call__(self, image) -> tuple[torch.Tensor, int]:
+        """(pixel values of one Pillow image, as the tower takes them; its placeholder count)."""
+        ...
+
+
+class VisionTower(Protocol):
+    """The engine's half: `CausalLM.vision`."""
+
+    layout: ImageLayout
+
+    def encode(self, pixel_values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per image, `[num_tokens, text_hidden_size]` embeddings in the model's dtype."""
+        ...
+
+
+def image_runs(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(offset, length) of each run of placeholder tokens, in order."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for index, token in enumerate([*token_ids, None]):
+        if token == image_token_id and start is None:
+            start = index
+        elif token != image_token_id and start is not None:
+            runs.append((start, index - start))
+            start = None
+    return runs
+
+
+def has_vision_tower(folder: str | Path) -> bool:
+    """Whether a checkpoint's config.json describes a vision tower (Hugging Face's multimodal
+    configs nest it as `vision_config`)."""
+    return "vision_config" in json.loads((Path(folder) / "config.json").read_text())
+
+
+def image_processor_for(folder: str | Path, model_type: str) -> ImageProcessor | None:
+    """The checkpoint's image processor; None for a model without a vision tower."""
+    if not has_vision_tower(folder):
+        return None
+    if model_type == "gemma3":
+        from infer.models.gemma3_vision import Gemma3ImageProcessor
+
+        return Gemma3ImageProcessor.from_folder(folder)
+    return None
