@@ -212,9 +212,12 @@ def engine_greedy_with_images(case: dict, impl: str | None) -> None:
         pytest.skip("needs a CUDA GPU")
     bounds = tolerances_by_dtype()[dtype]
     steps = min(8, bounds["greedy_steps"])
-    engine = _vlm_engine(
-        device, dtype, use_chunked_prefill=True, prefill_chunk_size=case["chunk"], max_num_batched_tokens=64
-    )
+    settings = dict(use_chunked_prefill=True, prefill_chunk_size=case["chunk"], max_num_batched_tokens=64)
+    if case.get("ngram"):  # prompt lookup over a history that holds image placeholders
+        settings["speculative_config"] = {
+            "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        }  # fmt: skip
+    engine = _vlm_engine(device, dtype, **settings)
     for num_images in (0, 1, 3):
         prompt, offsets = _prompt(num_images, seed=num_images)
         pixels = _pixels(num_images, seed=10 + num_images)
@@ -225,6 +228,8 @@ def engine_greedy_with_images(case: dict, impl: str | None) -> None:
             abs(lp - step[token].item()) for lp, step, token in zip(logprobs, log_softmax, got, strict=True)
         ]
         assert max(gaps) <= bounds["max_abs"], f"{num_images} images: logprob gaps {gaps}"
+    if case.get("ngram"):
+        assert engine.stats().spec_decode_num_draft_tokens > 0, "no step speculated"
 
 
 # -- the image-keyed prefix cache --------------------------------------------------------------
@@ -329,3 +334,115 @@ def encoder_runs(case: dict, impl: str | None) -> None:
     _, _, cached, counts = _cached_run(engine, prompt + [77, 78], images)
     assert cached >= len(prompt) - 1, f"{cached} of {len(prompt)} prompt tokens from the cache"
     assert counts == {"runs": 0, "skipped": case["images"]}, f"the encoder {counts} on a repeat"
+
+
+# -- Qwen3-VL through the engine -----------------------------------------------------------------
+
+
+def _qwen3_vl_reference(prompt, pixels, steps: int, device: str, dtype):
+    """transformers' greedy tokens and per-step log-softmax for Qwen3-VL."""
+    from conformance.vlm import qwen3_vl
+
+    _, reference = qwen3_vl.tiny_qwen3_vl()
+    model = reference.to(device=device, dtype=dtype)
+    ids = torch.tensor([prompt], device=device)
+    extra = {}
+    if pixels:
+        pixel_values, grid_thw = qwen3_vl.transformers_inputs(pixels)
+        extra = dict(pixel_values=pixel_values.to(device, dtype), image_grid_thw=grid_thw.to(device))
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, mm_token_type_ids=(ids == qwen3_vl.IMAGE_TOKEN).int(), max_new_tokens=steps,
+            min_new_tokens=steps, do_sample=False, pad_token_id=0, output_scores=True,
+            return_dict_in_generate=True, **extra,
+        )  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, [score[0].float().log_softmax(-1).cpu() for score in out.scores]
+
+
+def qwen3_vl_engine_greedy(case: dict, impl: str | None) -> None:
+    """Qwen3-VL prompts with 0, 1 and 3 images of different sizes through the engine (chunks that
+    cut images, whose tokens attend causally; M-RoPE positions; the prefix cache on; then each
+    prompt again, served from the cache with the encoder skipped): transformers' greedy tokens,
+    each token's logprob within the dtype's bound."""
+    from conformance.vlm import qwen3_vl
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+    from infer.engine.images import PromptImage
+    from infer.models.load import load_model
+
+    device, dtype = case.get("device", "cpu"), case.get("dtype", "float32")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    bounds = tolerances_by_dtype()[dtype]
+    steps = min(8, bounds["greedy_steps"])
+    folder, _ = qwen3_vl.tiny_qwen3_vl()
+    loaded = load_model(folder, dtype=getattr(torch, dtype), device=device)
+    config = EngineConfig(
+        model=str(folder), device=device, dtype=dtype, block_size=4, max_num_batched_tokens=64,
+        use_chunked_prefill=True, prefill_chunk_size=case["chunk"], use_prefix_caching=True,
+        use_cuda_graphs=device == "cuda",
+    )  # fmt: skip
+    engine = Engine(config, loaded)
+    for num_images in (0, 1, 3):
+        generator = torch.Generator().manual_seed(60 + num_images)
+        pixels = [torch.randn(3, h, w, generator=generator) for h, w in qwen3_vl.IMAGE_SIZES[:num_images]]
+        grids = [(1, h // qwen3_vl.PATCH, w // qwen3_vl.PATCH) for h, w in qwen3_vl.IMAGE_SIZES[:num_images]]
+        prompt = qwen3_vl.prompt_with_images(grids, seed=70 + num_images)
+        runs = [r for r in _image_runs(prompt, qwen3_vl.IMAGE_TOKEN)]
+        images = [
+            PromptImage(offset, length, pixels[i], f"{num_images:08x}{i:08x}".ljust(64, "0"))
+            for i, (offset, length) in enumerate(runs)
+        ]
+        expected, log_softmax = _qwen3_vl_reference(prompt, pixels, steps, device, getattr(torch, dtype))
+        for attempt in ("cold", "cached"):
+            counts = _VisionCounts(engine)
+            got, logprobs, final = _generate(engine, prompt, images, steps)
+            assert got == expected, f"{num_images} images ({attempt}): {got} against transformers' {expected}"
+            gaps = [abs(lp - s[t].item()) for lp, s, t in zip(logprobs, log_softmax, got, strict=True)]
+            assert max(gaps) <= bounds["max_abs"], f"{num_images} images ({attempt}): logprob gaps {gaps}"
+            if attempt == "cached":
+                assert final.cached_tokens >= len(prompt) - 1, (
+                    f"{final.cached_tokens} cached of {len(prompt)}"
+                )
+                assert counts.delta() == {"runs": 0, "skipped": num_images}, f"the encoder {counts.delta()}"
+
+
+def _image_runs(prompt, image_token_id):
+    from infer.models.vision import image_runs
+
+    return image_runs(prompt, image_token_id)
+
+
+def large_images(case: dict, impl: str | None) -> None:
+    """A 4K or 8K PNG sent as a data: URL is decoded, resized by the processor to what
+    transformers' image processor gives, and answered through the engine with transformers'
+    tokens for those pixels."""
+    import transformers
+
+    from infer.models.gemma3_vision import ImagePreprocessing
+    from infer.server.media import MediaPolicy, load_image
+
+    width, height = case["width"], case["height"]
+    # A smooth picture: it compresses to a small file, and a resize of noise would hide nothing.
+    x, y = np.meshgrid(
+        np.linspace(0, 255, width, dtype=np.float32), np.linspace(0, 255, height, dtype=np.float32)
+    )
+    array = np.stack([x, y, (x + y) / 2], axis=-1).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    decoded = load_image(url, PARAM, MediaPolicy())
+    assert decoded.image.size == (width, height)
+    folder, _ = tiny_gemma3_vision()
+    pixels = ImagePreprocessing.from_folder(folder)([decoded.image])
+    reference = transformers.models.gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil(
+        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
+    expected = reference([decoded.image], return_tensors="pt")["pixel_values"]
+    assert pixels.shape == expected.shape == (1, 3, IMAGE_SIZE, IMAGE_SIZE)
+    assert (pixels - expected).abs().max().item() <= 1e-6
+    engine = _vlm_engine("cpu", "float32")
+    prompt, offsets = _prompt(1, seed=81)
+    tokens, logprobs, _ = _generate(engine, prompt, _prompt_images(offsets, pixels, 81), steps=4)
+    _check_against_reference(prompt, pixels, tokens, logprobs)

@@ -6,11 +6,22 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
+import safetensors.torch
+import tokenizers
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from PIL import Image
+from transformers import (
+    AutoModelForCausalLM,
+    AutoProcessor,
+    AutoTokenizer,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+)
 
 from infer.models.config import ModelConfig
+from infer.models.load import load_model
 from infer.models.random_checkpoint import (
     COMMON_WORDS,
     PRESETS,
@@ -21,6 +32,7 @@ from infer.models.random_checkpoint import (
     make_random_checkpoint,
     register_cli,
 )
+from infer.models.registry import image_processor_for
 
 # Parameter counts of the released checkpoints (their model cards / safetensors metadata).
 PUBLISHED_PARAMETERS = {
@@ -29,29 +41,91 @@ PUBLISHED_PARAMETERS = {
     "qwen3-4b": 4_022_468_096,
     "qwen3-8b": 8_190_735_360,
     "gemma-3-1b": 999_885_952,
+    "gemma-3-4b": 4_300_079_472,  # the language model, SigLIP and the projector
 }
 # The families' real special-token ids, which chat templates and stop tokens rely on.
 REAL_SPECIAL_IDS = {
     "llama-3.2-1b": {"<|begin_of_text|>": 128000, "<|eot_id|>": 128009},
     "qwen3-8b": {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645},
     "gemma-3-1b": {"<bos>": 2, "<eos>": 1, "<start_of_turn>": 105, "<end_of_turn>": 106},
+    "gemma-3-4b": {
+        "<bos>": 2, "<start_of_turn>": 105, "<start_of_image>": 255999, "<end_of_image>": 256000,
+        "<image_soft_token>": 262144,
+    },
+}  # fmt: skip
+# google/gemma-3-4b-it's config.json as published (what it leaves out is Gemma3Config's default).
+GEMMA_3_4B_IT_CONFIG = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "torch_dtype": "bfloat16",
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
 }
+
+
+def _preset_hf_config(preset: str):
+    spec = PRESETS[preset]
+    specials = _special_tokens(spec.arch, spec.config["vocab_size"], images=spec.vision is not None)
+    return _hf_config(spec, specials, torch.bfloat16)
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMETERS))
 def test_real_shape_presets_have_the_published_parameter_count(preset):
-    spec = PRESETS[preset]
-    hf_config = _hf_config(spec, _special_tokens(spec.arch, spec.config["vocab_size"]), torch.bfloat16)
-    assert (
-        sum(math.prod(shape) for shape in _tensor_shapes(hf_config).values()) == PUBLISHED_PARAMETERS[preset]
-    )
+    shapes = _tensor_shapes(_preset_hf_config(preset))
+    assert sum(math.prod(shape) for shape in shapes.values()) == PUBLISHED_PARAMETERS[preset]
 
 
 @pytest.mark.parametrize("preset", sorted(REAL_SPECIAL_IDS))
 def test_special_tokens_sit_at_the_real_ids(preset):
     spec = PRESETS[preset]
-    specials = _special_tokens(spec.arch, spec.config["vocab_size"])
+    specials = _special_tokens(spec.arch, spec.config["vocab_size"], images=spec.vision is not None)
     assert {token: specials.ids[token] for token in REAL_SPECIAL_IDS[preset]} == REAL_SPECIAL_IDS[preset]
+
+
+def test_gemma_3_4b_is_the_published_config_as_transformers_reads_it():
+    # Token ids and dtype aside, every field transformers makes of the release's config.json
+    # (its defaults filled in, its rope_scaling turned into per-layer-type rope_parameters).
+    published = Gemma3Config.from_dict(GEMMA_3_4B_IT_CONFIG)
+    ours = _preset_hf_config("gemma-3-4b")
+    ignored = {
+        "dtype",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "architectures",
+        "transformers_version",
+    }
+
+    def fields(config) -> dict:
+        return {key: value for key, value in config.to_dict().items() if key not in ignored}
+
+    assert fields(ours.text_config) == fields(published.text_config)
+    assert fields(ours.vision_config) == fields(published.vision_config)
+    assert {key: value for key, value in fields(ours).items() if not key.endswith("_config")} == {
+        key: value for key, value in fields(published).items() if not key.endswith("_config")
+    }
 
 
 def test_qwen3_thinking_tags_are_text_that_decoding_keeps_as_qwens_tokenizer_has_them(tmp_path):
@@ -62,14 +136,14 @@ def test_qwen3_thinking_tags_are_text_that_decoding_keeps_as_qwens_tokenizer_has
     assert tokenizer.decode(ids, skip_special_tokens=True) == "<think></think>"
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny", "gemma3-tiny"])
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny", "gemma3-tiny", "gemma3-vision-tiny"])
 def test_tiny_checkpoint_is_a_complete_transformers_checkpoint(preset, tmp_path):
     folder = make_random_checkpoint(preset, tmp_path, dtype=torch.float32)
     model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     config = ModelConfig.from_file(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    assert len(tokenizer) == config.vocab_size == model.config.vocab_size
+    assert len(tokenizer) == config.vocab_size == model.config.get_text_config().vocab_size
     text = "Paris, ça va? 東京 🙂"
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
     # Every id the model can emit decodes; the fillers (every id above the specials and the 256
@@ -114,6 +188,24 @@ def test_cli_writes_a_sharded_tiny_checkpoint(tmp_path):
     assert ModelConfig.from_file(tmp_path).model_type == "gemma3_text"
 
 
+def test_cli_refuses_to_quantize_a_vision_preset_in_one_line(tmp_path):
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers())
+    argv = [
+        "random",
+        "gemma3",
+        "--preset",
+        "gemma3-vision-tiny",
+        "--out",
+        str(tmp_path),
+        "--quantization",
+        "int8",
+    ]
+    args = parser.parse_args(argv)
+    with pytest.raises(SystemExit, match="has a vision tower; quantization is for text-only presets"):
+        args.func(args)
+
+
 def test_cli_rejects_a_preset_of_another_architecture(tmp_path):
     parser = argparse.ArgumentParser()
     register_cli(parser.add_subparsers())
@@ -150,3 +242,38 @@ def test_a_real_shape_tokenizer_counts_common_english_as_a_real_tokenizer_does(p
     specials = set(tokenizer.added_tokens_decoder)
     pieces = [tokenizer.decode([i]) for i in range(vocab_size) if i not in specials]
     assert sum("\ufffd" in piece for piece in pieces) <= 128  # the lone bytes 0x80-0xff
+
+
+def test_gemma3_vision_tiny_loads_in_transformers_and_ours_with_the_same_image_features(tmp_path):
+    folder = make_random_checkpoint("gemma3-vision-tiny", tmp_path, dtype=torch.float32)
+    reference, info = Gemma3ForConditionalGeneration.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    # Every weight random, the projector's too (transformers starts it at zero, which would hide it).
+    stored = safetensors.torch.load_file(folder / "model.safetensors")
+    assert [name for name, tensor in stored.items() if not tensor.std() > 0] == []
+    loaded = load_model(folder, dtype=torch.float32)
+    assert loaded.model.vision is not None
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (50, 70, 3), dtype=np.uint8))
+    pixels = AutoProcessor.from_pretrained(folder).image_processor(image, return_tensors="pt").pixel_values
+    with torch.no_grad():
+        expected = reference.model.get_image_features(pixels).pooler_output
+    torch.testing.assert_close(loaded.model.vision(pixels), expected, atol=1e-5, rtol=0)
+
+
+def test_gemma3_vision_tiny_tokenizer_spells_an_image_with_the_configs_token_ids(tmp_path):
+    folder = make_random_checkpoint("gemma3-vision-tiny", tmp_path, weights=False)
+    config = json.loads((folder / "config.json").read_text())
+    boi, eoi, image = config["boi_token_index"], config["eoi_token_index"], config["image_token_index"]
+    assert max(boi, eoi, image) < config["text_config"]["vocab_size"]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    # The attributes through which transformers' Gemma3Processor finds them; special, as Gemma 3's.
+    assert (tokenizer.boi_token_id, tokenizer.eoi_token_id, tokenizer.image_token_id) == (boi, eoi, image)
+    assert all(tokenizer.added_tokens_decoder[token_id].special for token_id in (boi, eoi, image))
+    layout = image_processor_for(folder, "gemma3").layout
+    assert layout.image_token_id == image
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    expected = newline * 2 + [boi] + [image] * 16 + [eoi] + newline * 2
+    assert tokenizer.encode(layout.expansion(16), add_special_tokens=False) == expected
+    # tokenizer.json alone (what servers other than transformers read) spells it the same.
+    raw = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert raw.encode(layout.expansion(16), add_special_tokens=False).ids == expected

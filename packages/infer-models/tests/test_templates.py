@@ -388,6 +388,64 @@ def test_gemma3_folds_the_system_prompt_into_the_first_user_turn():
     )
 
 
+# Images as Hugging Face's processors take them: {"type": "image"} parts among text parts.
+WITH_IMAGES = [
+    {"role": "system", "content": "You see pictures."},
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": " Compare "},
+            {"type": "image"},
+            {"type": "text", "text": "with"},
+            {"type": "image"},
+        ],
+    },
+    {"role": "assistant", "content": "The first is darker."},
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?\n"}]},
+]
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_gemma3_writes_googles_image_marker_for_each_image_part(add_generation_prompt):
+    ours = chat_template_for("gemma3").render(WITH_IMAGES, add_generation_prompt=add_generation_prompt)
+    official = _official(
+        "gemma-3-it.jinja", WITH_IMAGES, add_generation_prompt=add_generation_prompt, bos_token="<bos>"
+    )
+    assert ours == official
+    assert ours.count("<start_of_image>") == 3
+
+
+QWEN_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_qwen3_writes_qwen_vl_image_marker_for_each_image_part(add_generation_prompt):
+    """Qwen3-VL's template is Qwen 3's with each image part written as the vision run (its
+    processor's placeholder, widened per image): the official Qwen 3 template over the same
+    messages with each image part spelled so gives the same prompt."""
+    ours = chat_template_for("qwen3").render(WITH_IMAGES, add_generation_prompt=add_generation_prompt)
+    spelled = [
+        {
+            **message,
+            "content": "".join(
+                QWEN_VL_IMAGE if p["type"] == "image" else p["text"] for p in message["content"]
+            ),
+        }
+        if isinstance(message["content"], list)
+        else message
+        for message in WITH_IMAGES
+    ]
+    official = _official("qwen3-0.6b.jinja", spelled, add_generation_prompt=add_generation_prompt)
+    assert ours == official
+    assert ours.count(QWEN_VL_IMAGE) == 3
+
+
+@pytest.mark.parametrize("family", ["chatml", "llama3"])
+def test_a_template_without_images_refuses_an_image_part(family):
+    with pytest.raises(ChatTemplateError, match="takes no images"):
+        chat_template_for(family).render(WITH_IMAGES[1:2])
+
+
 def test_gemma3_rejects_turns_that_do_not_alternate():
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     with pytest.raises(ChatTemplateError, match="alternate"):

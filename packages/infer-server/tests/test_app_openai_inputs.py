@@ -197,6 +197,8 @@ NESTED_PLACES = {
     "ResponseFormat": ([COMPLETIONS, CHAT], _in_response_format),
     "JsonSchemaFormat": ([COMPLETIONS, CHAT], _in_json_schema),
 }
+# Nested objects whose null cases need a server of another model: name -> where they are sent.
+NULL_CASES_ELSEWHERE = {"ImageUrl": "test_app_images.py, on a model with a vision tower"}
 # A message without content is an assistant's tool call (_in_tool_call sends one) or a 400, as
 # OpenAI has it.
 NULL_IS_NOT_THE_DEFAULT = {("ChatMessage", "content")}
@@ -263,7 +265,7 @@ def _null_cases():
 def test_every_nested_request_object_with_optional_fields_has_a_place_in_the_null_cases():
     for endpoint, model in REQUEST_MODELS.items():
         for name, nested in _nested_models(model).items():
-            if _optional_fields(nested):
+            if _optional_fields(nested) and name not in NULL_CASES_ELSEWHERE:
                 assert endpoint in NESTED_PLACES.get(name, ([], None))[0], (
                     f"{name} (in {endpoint}) has optional fields; add it to NESTED_PLACES"
                 )

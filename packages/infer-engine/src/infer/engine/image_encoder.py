@@ -10,6 +10,13 @@ one way may take an image in several chunks), then dropped: the KV cache holds w
 an image whose tokens all came from the prefix cache is never encoded, and a preempted request,
 which recomputes, encodes its images again.
 
+A model that rotates by (t, h, w) positions (Qwen3-VL's M-RoPE) gets them from the tower
+(`rope_positions`) for each request with images: its prompt's positions as the tower computes
+them, and every later token's position shifted by the prompt's delta. A step's text tokens have
+three equal positions, so they rotate by one position each (`StepInputs.positions`, which the
+CUDA graphs take as they are); a step with image tokens passes all three
+(ForwardBatch.mrope_positions) and runs eagerly, as every step with images does.
+
 The tower's time is measured on the device (CUDA events, read once the step's tokens are) and
 shared equally among the step's images.
 """
@@ -29,7 +36,7 @@ class StepImages:
     """One step's image inputs (ForwardBatch.image_embeds, image_token_indices, and
     AttentionMetadata.lookahead), and what the tower encoded for it."""
 
-    embeds: torch.Tensor  # [M, hidden]
+    embeds: torch.Tensor  # [M, width]: VisionTower.encode's rows
     token_indices: np.ndarray  # [M] int64, into the step's N tokens
     # [N] int32 (models whose images attend both ways), else None.
     lookahead: np.ndarray | None
@@ -37,6 +44,8 @@ class StepImages:
     encoded: dict[str, int]
     # The tower's run: CUDA events (start, end), or its seconds on a CPU; None: nothing encoded.
     timing: tuple[torch.cuda.Event, torch.cuda.Event] | float | None
+    # [3, N] int64 (t, h, w) positions of the step's tokens, for a model with M-RoPE.
+    mrope_positions: np.ndarray | None = None
 
     def encoded_seconds(self) -> dict[str, tuple[int, float]]:
         """RunnerOutput.images_encoded: per request, (images, seconds); read after the step's
@@ -61,16 +70,24 @@ class ImageEncoder:
         self._images: dict[str, tuple[PromptImage, ...]] = {}
         # (request id, image index) -> [num_tokens, hidden], until its last token is computed.
         self._embeds: dict[tuple[str, int], torch.Tensor] = {}
+        # M-RoPE: request id -> ([3, prompt length] positions, delta), for requests with images.
+        self._rope: dict[str, tuple[np.ndarray, int]] = {}
 
-    def add(self, request_id: str, images: tuple[PromptImage, ...]) -> None:
-        """A request the runner takes (new, or resumed after a preemption)."""
+    def add(self, request_id: str, images: tuple[PromptImage, ...], prompt_ids) -> None:
+        """A request the runner takes (new, or resumed after a preemption), and its prompt."""
         self.forget([request_id])
         if images:
             self._images[request_id] = images
+            if hasattr(self.tower, "rope_positions"):
+                positions, delta = self.tower.rope_positions(
+                    list(prompt_ids), [image.pixel_values for image in images]
+                )
+                self._rope[request_id] = (positions.numpy(), delta)
 
     def forget(self, request_ids) -> None:
         """Requests that left the runner (finished, failed, preempted)."""
         for request_id in request_ids:
+            self._rope.pop(request_id, None)
             for index in range(len(self._images.pop(request_id, ()))):
                 self._embeds.pop((request_id, index), None)
 
@@ -113,6 +130,26 @@ class ImageEncoder:
             if hi == image.end:  # its last token is computed in this step: the cache holds it now
                 del self._embeds[(request_id, index)]
         return StepImages(torch.cat(pieces), np.concatenate(indices), lookahead, encoded, timing)
+
+    def rope_positions(self, step: StepInputs) -> tuple[np.ndarray, np.ndarray] | None:
+        """For a model with M-RoPE, the step's tokens' (t, h, w) positions `[3, N]`, and the one
+        position each rotates by where its three are equal (text); None when no row of the step
+        has images (every position is then the token's own)."""
+        rows = [
+            (row, request_id) for row, request_id in enumerate(step.request_ids) if request_id in self._rope
+        ]
+        if not rows:
+            return None
+        triples = np.broadcast_to(step.positions, (3, len(step.positions))).copy()
+        for row, request_id in rows:
+            prompt, delta = self._rope[request_id]
+            first, last = int(step.query_start_loc[row]), int(step.query_start_loc[row + 1])
+            positions = step.positions[first:last]
+            in_prompt = positions < prompt.shape[1]
+            triples[:, first:last] = np.where(
+                in_prompt, prompt[:, np.minimum(positions, prompt.shape[1] - 1)], positions + delta
+            )
+        return triples[0].copy(), triples
 
     def _encode(self, images: list[tuple[str, int, PromptImage]]):
         """Encodes `images` in one call of the tower and keeps their embeddings; the timing."""

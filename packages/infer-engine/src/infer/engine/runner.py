@@ -22,6 +22,7 @@ a placeholder, -(1 + j) for the j-th token the previous step sampled, and the fo
 id from `last_sampled`, the device copy of that step's tokens (`resolve_pending_tokens`).
 """
 
+import dataclasses
 from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -253,7 +254,8 @@ class ModelRunner:
         if self.image_encoder is not None:
             self.image_encoder.forget(decision.finished_request_ids | decision.preempted_request_ids)
             for request in decision.new_requests:
-                self.image_encoder.add(request.request_id, request.images)
+                prompt_ids = request.token_ids[: request.num_prompt_tokens]
+                self.image_encoder.add(request.request_id, request.images, prompt_ids)
         # Prefix-cache block copies, int8 stores and restores, queued before the forward that
         # reads or overwrites those blocks.
         self.kv_pool.run_block_ops(decision.block_ops)
@@ -262,7 +264,14 @@ class ModelRunner:
         if decision.is_empty:
             return StepLaunch((), [], torch.empty(0), None, draft_request_ids=decision.draft_request_ids)
         step = self.input_batch.prepare(decision)
-        images = self.image_encoder.step_images(step) if self.image_encoder is not None else None
+        images = None
+        if self.image_encoder is not None:
+            images = self.image_encoder.step_images(step)
+            rope = self.image_encoder.rope_positions(step)
+            if rope is not None:  # M-RoPE: text rotates by one position, images by three
+                step = dataclasses.replace(step, positions=rope[0])
+                if images is not None:
+                    images.mrope_positions = rope[1]
         logits = self._logits(step, images)
         sampling_ids = [step.request_ids[row] for row in step.sampling_rows]
         if step.verifies_drafts:
@@ -511,6 +520,11 @@ class ModelRunner:
             logits_indices=device(logits_indices),
             image_embeds=images.embeds if images is not None else None,
             image_token_indices=device(images.token_indices) if images is not None else None,
+            mrope_positions=(
+                device(images.mrope_positions)
+                if images is not None and images.mrope_positions is not None
+                else None
+            ),
         )
 
     def _sample(

@@ -29,6 +29,9 @@ END_OF_TURN_TOKENS = {
     "qwen3": "<|im_end|>",
     "gemma3": "<end_of_turn>",
 }
+# The families whose template takes a user message's image parts (`{"type": "image"}`, Hugging
+# Face's form) and writes the model's image marker there (infer.models.vision.ImageLayout.marker).
+IMAGE_FAMILIES = frozenset({"gemma3", "qwen3"})
 _REASONING_ALIASES = ("reasoning", "thinking")
 
 
@@ -65,10 +68,11 @@ class ChatTemplate:
         template_kwargs reach the template as variables: `enable_thinking` (qwen3),
         `date_string` and `tools_in_user_message` (llama3), `default_system_prompt` (chatml).
         """
+        takes_images = self.family in IMAGE_FAMILIES
         variables = {
             # The caller's variables, then the three the template is given by this method.
             **template_kwargs,
-            "messages": [_normalize_message(m, i) for i, m in enumerate(messages)],
+            "messages": [_normalize_message(m, i, takes_images) for i, m in enumerate(messages)],
             "tools": list(tools) if tools is not None else None,
             "add_generation_prompt": add_generation_prompt,
         }
@@ -108,7 +112,7 @@ def detect_family(tokenizer_config: Mapping[str, Any], model_type: str) -> str:
     """
     if model_type in ("gemma3", "gemma3_text"):
         return "gemma3"
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_vl"):
         return "qwen3"
     if model_type == "llama":
         shipped = _template_text(tokenizer_config.get("chat_template"))
@@ -117,7 +121,7 @@ def detect_family(tokenizer_config: Mapping[str, Any], model_type: str) -> str:
         return "llama3"
     raise ValueError(
         f"no chat template family for model_type {model_type!r}; "
-        "known: llama (chatml or llama3), qwen3, gemma3, gemma3_text"
+        "known: llama (chatml or llama3), qwen3, qwen3_vl, gemma3, gemma3_text"
     )
 
 
@@ -144,13 +148,23 @@ def _template_text(chat_template: Any) -> str:
     return ""
 
 
-def _normalize_message(message: Mapping[str, Any], index: int) -> dict[str, Any]:
-    """One shape for the templates: content a string, tool-call arguments a dict, reasoning
-    under reasoning_content, no empty tool_calls list."""
+def _normalize_message(message: Mapping[str, Any], index: int, takes_images: bool) -> dict[str, Any]:
+    """One shape for the templates: content a string (a user message's with images, when the
+    template takes them: its text and image parts), tool-call arguments a dict, reasoning under
+    reasoning_content, no empty tool_calls list."""
     if "role" not in message:
         raise ChatTemplateError(f"message {index} has no 'role': {dict(message)!r}")
     normalized = dict(message)
-    normalized["content"] = _content_text(message.get("content"), index)
+    content = message.get("content")
+    if _has_image_part(content):
+        if not takes_images or message["role"] != "user":
+            raise ChatTemplateError(
+                f"message {index} ({message['role']}) has an image part; "
+                + ("only user messages hold images" if takes_images else "this chat template takes no images")
+            )
+        normalized["content"] = [_image_or_text_part(part, index) for part in content]
+    else:
+        normalized["content"] = _content_text(content, index)
     if not normalized.get("tool_calls"):
         normalized.pop("tool_calls", None)
     else:
@@ -180,6 +194,18 @@ def _content_text(content: Any, index: int) -> Any:
             texts.append(part["text"])
         return "".join(texts)
     return content  # a mapping (e.g. a tool result object): the template decides
+
+
+def _has_image_part(content: Any) -> bool:
+    return isinstance(content, list) and any(
+        isinstance(part, Mapping) and part.get("type") == "image" for part in content
+    )
+
+
+def _image_or_text_part(part: Any, index: int) -> dict[str, Any]:
+    if isinstance(part, Mapping) and part.get("type") == "image":
+        return {"type": "image"}
+    return {"type": "text", "text": _content_text([part], index)}
 
 
 def _normalize_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from infer.models.quantization import Quantization, parse_quantization_config
 
 # The config.json model_types read here. infer.models.registry gives each its architecture; it
 # imports this module, so the list lives here and the import arrow points one way.
-MODEL_TYPES = ("gemma3", "gemma3_text", "llama", "qwen3")
+MODEL_TYPES = ("gemma3", "gemma3_text", "llama", "qwen3", "qwen3_vl")
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -30,6 +30,9 @@ class RopeConfig:
     theta: float
     # A Hugging Face rope-scaling dict (rope_type "llama3", "linear"), None for plain RoPE.
     scaling: dict | None = None
+    # Multimodal RoPE (Qwen3-VL): how many of the head_dim // 2 frequencies follow each axis of a
+    # token's (t, h, w) position, interleaved (infer.models.mrope); None: one position per token.
+    mrope_section: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,17 @@ class ModelConfig:
             text.setdefault("quantization_config", raw.get("quantization_config"))
             nested = ModelConfig.from_dict(text)
             return replace(nested, model_type="gemma3", dtype=nested.dtype or dtype)
+        if model_type == "qwen3_vl":
+            # Qwen3-VL nests its language model (Qwen 3 with M-RoPE) as text_config; transformers
+            # ties the LM head by the outer config's tie_word_embeddings.
+            text = dict(raw.get("text_config") or {})
+            text["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
+            text.setdefault("quantization_config", raw.get("quantization_config"))
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                text.setdefault(key, raw.get(key))
+            text_dtype = _parse_dtype(text.get("dtype", text.get("torch_dtype")))
+            nested = _parse_text_config(text, "qwen3_vl", text_dtype)
+            return replace(nested, dtype=nested.dtype or dtype)
         return _parse_text_config(raw, model_type, dtype)
 
 
@@ -178,8 +192,14 @@ def _parse_rope(raw: dict, *, default_theta: float) -> tuple[RopeConfig, RopeCon
 def _rope_from(params: dict, default_theta: float) -> RopeConfig:
     params = dict(params)
     theta = float(params.pop("rope_theta", default_theta))
+    # Qwen3-VL's layout is always interleaved (transformers ignores mrope_interleaved).
+    mrope_section, _ = params.pop("mrope_section", None), params.pop("mrope_interleaved", None)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    return RopeConfig(theta=theta, scaling=None if rope_type in ("default", None) else params)
+    return RopeConfig(
+        theta=theta,
+        scaling=None if rope_type in ("default", None) else params,
+        mrope_section=tuple(mrope_section) if mrope_section else None,
+    )
 
 
 def _default_layer_types(raw: dict, num_layers: int, is_gemma: bool) -> list[str]:

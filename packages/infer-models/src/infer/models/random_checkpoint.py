@@ -9,6 +9,11 @@ token each, as they are in the real tokenizers, so a benchmark's text has the to
 have on the real model. Tensors are streamed to disk one at a time, so an 8B preset needs ~1 tensor
 of memory.
 
+A multimodal Gemma 3 preset (`Preset.vision`) is a `Gemma3ForConditionalGeneration` checkpoint:
+the SigLIP tower and the projector are random too, the tokenizer has the image tokens
+(`<start_of_image>`, `<end_of_image>`, `<image_soft_token>`) where config.json says they are, and
+preprocessor_config.json and processor_config.json are what Gemma 3's processor reads.
+
 With `quantization`, the attention and MLP projections are written 8-bit in the layouts of the
 published checkpoints (see infer.models.quantization): "fp8" as Qwen3-8B-FP8 (float8_e4m3fn
 weights, float32 `weight_scale_inv` per 128x128 block), "int8" as compressed-tensors w8a8
@@ -19,6 +24,7 @@ weights, float32 `weight_scale_inv` per 128x128 block), "int8" as compressed-ten
 import argparse
 import itertools
 import json
+import math
 import string
 import struct
 from dataclasses import dataclass, field
@@ -51,8 +57,15 @@ _LLAMA3_ROPE = {
 @dataclass(frozen=True)
 class Preset:
     arch: str  # "llama", "qwen3" or "gemma3"
-    # Keyword arguments of the transformers config class.
+    # Keyword arguments of the transformers config class (of the language model's, Gemma3TextConfig,
+    # for a multimodal Gemma 3).
     config: dict = field(default_factory=dict)
+    # A multimodal Gemma 3 (transformers' Gemma3Config): the keyword arguments of its SigLIP
+    # vision_config; None for a text-only model.
+    vision: dict | None = None
+    # Placeholder tokens per image (Gemma3Config's mm_tokens_per_image): the tower's patches,
+    # average-pooled to this many.
+    mm_tokens_per_image: int = 256
 
 
 def _llama(**shape) -> Preset:
@@ -71,6 +84,14 @@ def _gemma3(**shape) -> Preset:
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
     }
     return Preset("gemma3", {"rope_parameters": rope, "rms_norm_eps": 1e-6, **shape})
+
+
+def _gemma3_vision(vision: dict, mm_tokens_per_image: int, **shape) -> Preset:
+    text = _gemma3(**shape)
+    # Gemma 3's SigLIP (so400m in every release): tanh GELU, and no pooling head, since the
+    # projector pools the patches itself.
+    vision = {"hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6, "vision_use_head": False, **vision}
+    return Preset("gemma3", text.config, vision=vision, mm_tokens_per_image=mm_tokens_per_image)
 
 
 def _gemma_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
@@ -115,6 +136,21 @@ PRESETS: dict[str, Preset] = {
         sliding_window=512, layer_types=_gemma_layer_types(26), max_position_embeddings=32768,
         tie_word_embeddings=True,
     ),
+    "gemma-3-4b": _gemma3_vision(  # gemma-3-4b-it; heads, head_dim, vocabulary: Gemma3TextConfig's defaults
+        vision=dict(
+            hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+            image_size=896, patch_size=14,
+        ),
+        mm_tokens_per_image=256, vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+        num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        query_pre_attn_scalar=256, sliding_window=1024, layer_types=_gemma_layer_types(34),
+        max_position_embeddings=131072, tie_word_embeddings=True,
+        # The release's rope_scaling (linear, factor 8) applies to the global layers only.
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    ),
     # Tiny shapes for CPU tests; each exercises what its family does unusually.
     "llama-tiny": _llama(  # untied head, Llama 3 rope scaling that bites at short range, GQA 4:2
         rope_parameters={**_LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 64},
@@ -132,6 +168,22 @@ PRESETS: dict[str, Preset] = {
         num_attention_heads=2, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
         sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         final_logit_softcapping=30.0, max_position_embeddings=256, tie_word_embeddings=True,
+    ),
+    # gemma3-tiny's text model with a window of 16, an image's tokens (the tokens of one image
+    # attend to each other both ways, which a window shorter than the image would cut), and no
+    # logit soft-capping, as the multimodal releases have none (transformers'
+    # Gemma3ForConditionalGeneration ignores it). A 32 x 32 image is 8 x 8 patches of 4, pooled
+    # to 4 x 4 tokens.
+    "gemma3-vision-tiny": _gemma3_vision(
+        vision=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            image_size=32, patch_size=4,
+        ),
+        mm_tokens_per_image=16, vocab_size=384, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        query_pre_attn_scalar=24, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=256, tie_word_embeddings=True,
     ),
 }  # fmt: skip
 
@@ -199,14 +251,20 @@ def make_random_checkpoint(
             f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}"
         )
     preset = PRESETS[arch_preset]
+    if quantization is not None and preset.vision is not None:
+        # The 8-bit layouts go by projection names, which the tower's share: they would quantize
+        # the tower too, which the vision loader (infer.models.gemma3_vision) reads dense.
+        raise ValueError(f"{arch_preset} has a vision tower; quantization is for text-only presets")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Weights of an earlier run would sit beside (and, for transformers, shadow) the new ones.
     for stale in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
         stale.unlink()
-    specials = _special_tokens(preset.arch, preset.config["vocab_size"])
+    specials = _special_tokens(preset.arch, preset.config["vocab_size"], images=preset.vision is not None)
     hf_config = _hf_config(preset, specials, dtype)
     hf_config.save_pretrained(out)
+    if preset.vision is not None:
+        _write_image_processor(out, hf_config)
     if quantization is not None:
         # Added to the file, not the config object: transformers' model (which gives the tensor
         # shapes below) would otherwise set up its own quantizer.
@@ -224,16 +282,44 @@ def make_random_checkpoint(
 
 
 def _hf_config(preset: Preset, specials: "_Specials", dtype: torch.dtype):
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+    from transformers import Gemma3Config, Gemma3TextConfig, LlamaConfig, Qwen3Config
 
     config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gemma3": Gemma3TextConfig}[preset.arch]
-    return config_class(
-        **preset.config,
+    token_ids = dict(
         bos_token_id=specials.bos_id,
         eos_token_id=specials.eos_ids if len(specials.eos_ids) > 1 else specials.eos_ids[0],
         pad_token_id=specials.pad_id,
         dtype=str(dtype).removeprefix("torch."),
     )
+    text_config = config_class(**preset.config, **token_ids)
+    if preset.vision is None:
+        return text_config
+    return Gemma3Config(
+        text_config=text_config,
+        vision_config=preset.vision,
+        mm_tokens_per_image=preset.mm_tokens_per_image,
+        boi_token_index=specials.ids[_BOI],
+        eoi_token_index=specials.ids[_EOI],
+        image_token_index=specials.ids[_IMAGE_TOKEN],
+        **token_ids,
+    )
+
+
+def _write_image_processor(out: Path, hf_config) -> None:
+    """preprocessor_config.json as transformers' Gemma 3 image processor writes it (each image
+    resized to the tower's input, SigLIP's 0.5 mean and std, pan-and-scan off), and the
+    processor_config.json of the releases, which gives Gemma3Processor the image's token count."""
+    from transformers import Gemma3ImageProcessorPil
+
+    size = hf_config.vision_config.image_size
+    Gemma3ImageProcessorPil(
+        size={"height": size, "width": size},
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+        do_pan_and_scan=False,
+    ).save_pretrained(out)
+    processor = {"image_seq_length": hf_config.mm_tokens_per_image, "processor_class": "Gemma3Processor"}
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
 
 
 def _generation_config(hf_config) -> dict:
@@ -260,20 +346,39 @@ def _tensor_shapes(hf_config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# SigLIP's LayerNorm modules (a vision tower's, in the checkpoint's names and ours).
+_LAYER_NORMS = frozenset({"layer_norm1", "layer_norm2", "post_layernorm"})
+
+
 def random_tensor(name: str, shape: tuple[int, ...], arch: str, generator: torch.Generator) -> torch.Tensor:
     """A float32 random weight for the tensor called `name` (a checkpoint's name or ours: the
     rules go by its suffix), made on the generator's device."""
     device = generator.device
+    module, _, leaf = name.rpartition(".")
+    if module.rpartition(".")[2] in _LAYER_NORMS and leaf == "weight":
+        # A vision tower's LayerNorms scale by w, in a Gemma 3 checkpoint too: w near 1.
+        return 1.0 + 0.1 * torch.randn(shape, generator=generator, device=device)
+    if name.endswith(("mm_soft_emb_norm.weight", "mm_soft_emb_norm")):
+        # Gemma 3's projector norm is Gemma's RMSNorm, whoever loads it: w near 0.
+        return 0.1 * torch.randn(shape, generator=generator, device=device)
     if name.endswith("norm.weight"):
         # Gemma scales by (1 + w): store w near 0. Others scale by w: store w near 1.
         noise = 0.1 * torch.randn(shape, generator=generator, device=device)
         return noise if arch == "gemma3" else 1.0 + noise
+    if name.endswith("bias"):
+        return 0.1 * torch.randn(shape, generator=generator, device=device)
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         # std 4 / sqrt(hidden): logits of std ~4 at every size, peaked like a trained model's
         # (no near-ties for greedy decoding), and one absolute tolerance fits every preset.
         return torch.randn(shape, generator=generator, device=device) * 4 * shape[-1] ** -0.5
     # fan_in**-0.5 keeps activations O(1) through the stack, so logits are peaked, not near-ties.
-    return torch.randn(shape, generator=generator, device=device) * shape[-1] ** -0.5
+    # The fan-in of a Linear [out, in] is its last dimension, of a convolution [out, in, k, k]
+    # all but its first, and of Gemma 3's projector, applied as x @ W [vision, text], its first.
+    if name.endswith(("mm_input_projection_weight", "mm_input_projection")):
+        fan_in = shape[0]
+    else:
+        fan_in = math.prod(shape[1:]) if len(shape) > 2 else shape[-1]
+    return torch.randn(shape, generator=generator, device=device) * fan_in**-0.5
 
 
 def _tensor_specs(
@@ -363,6 +468,12 @@ def _stream_safetensors(path: Path, specs: dict[str, tuple[tuple[int, ...], torc
             f.write(make(name).to(dtype).contiguous().view(torch.uint8).numpy().tobytes())
 
 
+# Gemma 3's image tokens, and the tokenizer attributes (tokenizer_config.json's
+# extra_special_tokens) through which Gemma3Processor finds them.
+_BOI, _EOI, _IMAGE_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+_GEMMA_IMAGE_ATTRIBUTES = {"boi_token": _BOI, "eoi_token": _EOI, "image_token": _IMAGE_TOKEN}
+
+
 @dataclass(frozen=True)
 class _Specials:
     ids: dict[str, int]  # special token -> id
@@ -370,11 +481,15 @@ class _Specials:
     eos_ids: list[int]
     pad_id: int | None
     add_bos: bool
+    # Tokenizer attribute -> special token (tokenizer_config.json's extra_special_tokens).
+    attributes: dict[str, str] = field(default_factory=dict)
 
 
-def _special_tokens(arch: str, vocab_size: int) -> _Specials:
+def _special_tokens(arch: str, vocab_size: int, *, images: bool = False) -> _Specials:
     """The family's special tokens at the ids the real tokenizers give them (relative to the end of
-    the vocabulary for Llama and Qwen, whose special tokens follow the merges)."""
+    the vocabulary for Llama and Qwen, whose special tokens follow the merges). `images` (Gemma 3
+    only): the image tokens too, at their real ids where the vocabulary holds them, else at its
+    last three ids."""
     if arch == "llama":
         base = vocab_size - 256  # 128000 in Llama 3
         ids = {
@@ -388,7 +503,13 @@ def _special_tokens(arch: str, vocab_size: int) -> _Specials:
                "<think>": base + 24, "</think>": base + 25}  # fmt: skip
         return _Specials(ids, None, [base + 2, base], base, add_bos=False)
     ids = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<start_of_turn>": 105, "<end_of_turn>": 106}
-    return _Specials(ids, 2, [1, 106], 0, add_bos=True)
+    if not images:
+        return _Specials(ids, 2, [1, 106], 0, add_bos=True)
+    image_ids = {_BOI: 255999, _EOI: 256000, _IMAGE_TOKEN: 262144}
+    if max(image_ids.values()) >= vocab_size:
+        image_ids = {_BOI: vocab_size - 3, _EOI: vocab_size - 2, _IMAGE_TOKEN: vocab_size - 1}
+    ids |= image_ids
+    return _Specials(ids, 2, [1, 106], 0, add_bos=True, attributes=_GEMMA_IMAGE_ATTRIBUTES)
 
 
 # Added tokens that are not special in the real tokenizer: decoding keeps them (skip_special_tokens
@@ -486,6 +607,8 @@ def _write_tokenizer(out: Path, arch: str, vocab_size: int, specials: _Specials)
         "add_bos_token": specials.add_bos,
         "model_max_length": 131072,
     }
+    if specials.attributes:
+        tokenizer_config["extra_special_tokens"] = specials.attributes
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
@@ -515,14 +638,17 @@ def _run_cli(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"preset {args.preset!r} is not a {args.arch} preset; choose from {', '.join(names)}"
         )
-    out = make_random_checkpoint(
-        name,
-        args.out,
-        shards=args.shards,
-        seed=args.seed,
-        dtype=TORCH_DTYPES[args.dtype],
-        quantization=args.quantization,
-    )
+    try:
+        out = make_random_checkpoint(
+            name,
+            args.out,
+            shards=args.shards,
+            seed=args.seed,
+            dtype=TORCH_DTYPES[args.dtype],
+            quantization=args.quantization,
+        )
+    except ValueError as error:  # a setting the preset cannot take: one line, as the CLI's mistakes
+        raise SystemExit(str(error)) from None
     quantized = f", {args.quantization} projections" if args.quantization else ""
     print(f"wrote {name} with random weights{quantized} to {out}")
     return 0

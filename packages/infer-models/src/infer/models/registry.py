@@ -3,13 +3,19 @@ architecture for each of infer.models.config.MODEL_TYPES."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 
 from infer.models.gemma3 import Gemma3ForCausalLM
-from infer.models.gemma3_vision import load_gemma3_vision
+from infer.models.gemma3_vision import Gemma3ImageProcessor, load_gemma3_vision
 from infer.models.llama import LlamaForCausalLM
 from infer.models.qwen3 import Qwen3ForCausalLM
+from infer.models.qwen3_vl import CHECKPOINT_PREFIXES as QWEN3_VL_PREFIXES
+from infer.models.qwen3_vl import IGNORED_PREFIXES as QWEN3_VL_IGNORED
+from infer.models.qwen3_vl import Qwen3VLForCausalLM
+from infer.models.qwen3_vl_vision import Qwen3VLImageProcessor, load_qwen3_vl_vision
+from infer.models.vision import ImageProcessor, has_vision_tower
 
 
 @dataclass(frozen=True)
@@ -22,8 +28,10 @@ class Architecture:
     # Checkpoint tensors the decoder's loader skips (another modality's tower).
     ignored_prefixes: tuple[str, ...] = ()
     # Loads the vision tower and projector of a multimodal checkpoint (folder, dtype=, device=),
-    # as CausalLM.vision (infer.models.vision).
+    # as CausalLM.vision, and makes the frontend's image processor from the folder
+    # (infer.models.vision).
     load_vision: Callable[..., nn.Module] | None = None
+    image_processor: Callable[[Path], ImageProcessor] | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -42,6 +50,16 @@ ARCHITECTURES: dict[str, Architecture] = {
             "model.multi_modal_projector.",
         ),
         load_vision=load_gemma3_vision,
+        image_processor=Gemma3ImageProcessor.from_folder,
+    ),
+    # Qwen3-VL: Qwen 3 with multimodal rotary positions and DeepStack, its tower on its own.
+    "qwen3_vl": Architecture(
+        Qwen3VLForCausalLM,
+        "qwen3",
+        checkpoint_prefixes=QWEN3_VL_PREFIXES,
+        ignored_prefixes=QWEN3_VL_IGNORED,
+        load_vision=load_qwen3_vl_vision,
+        image_processor=Qwen3VLImageProcessor.from_folder,
     ),
 }
 
@@ -56,3 +74,10 @@ def architecture_for(model_type: str) -> Architecture:
             f"model_type {model_type!r} is not supported; registered: {', '.join(registered_model_types())}"
         )
     return ARCHITECTURES[model_type]
+
+
+def image_processor_for(folder: str | Path, model_type: str) -> ImageProcessor | None:
+    """The checkpoint's image processor (infer.models.vision); None for a model without a vision
+    tower."""
+    make = architecture_for(model_type).image_processor
+    return make(Path(folder)) if make is not None and has_vision_tower(folder) else None

@@ -3,8 +3,9 @@
 Two halves, because they live in two processes:
 - the frontend (the server, which decodes and resizes images and tokenizes prompts) holds an
   `ImageProcessor`, made from the checkpoint folder without loading weights
-  (`image_processor_for`): it turns a decoded image into the tower's pixel values and says how
-  many placeholder tokens the image takes, and its `layout` says how a prompt spells an image;
+  (infer.models.registry.image_processor_for): it turns a decoded image into the tower's pixel
+  values and says how many placeholder tokens the image takes, and its `layout` says how a
+  prompt spells an image;
 - the engine's model holds the tower as `CausalLM.vision` (a `VisionTower`: pixel values in, one
   embedding per placeholder token out), loaded with the language model (infer.models.load).
 
@@ -55,12 +56,17 @@ class ImageProcessor(Protocol):
 
 
 class VisionTower(Protocol):
-    """The engine's half: `CausalLM.vision`."""
+    """The engine's half: `CausalLM.vision`. A tower whose model rotates by (t, h, w) positions
+    (Qwen3-VL's M-RoPE) also has `rope_positions(prompt_ids, pixel_values) -> ([3, L], delta)`:
+    the prompt's positions, and the delta every later token's position is shifted by."""
 
     layout: ImageLayout
 
     def encode(self, pixel_values: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per image, `[num_tokens, text_hidden_size]` embeddings in the model's dtype."""
+        """Per image, `[num_tokens, width]` rows in the model's dtype: `width` is the language
+        model's hidden size (Gemma 3), or a multiple of it where the model takes several
+        embeddings per image token (Qwen3-VL: the merger's, then one per DeepStack level).
+        `ForwardBatch.image_embeds` carries rows of that width."""
         ...
 
 
@@ -81,14 +87,3 @@ def has_vision_tower(folder: str | Path) -> bool:
     """Whether a checkpoint's config.json describes a vision tower (Hugging Face's multimodal
     configs nest it as `vision_config`)."""
     return "vision_config" in json.loads((Path(folder) / "config.json").read_text())
-
-
-def image_processor_for(folder: str | Path, model_type: str) -> ImageProcessor | None:
-    """The checkpoint's image processor; None for a model without a vision tower."""
-    if not has_vision_tower(folder):
-        return None
-    if model_type == "gemma3":
-        from infer.models.gemma3_vision import Gemma3ImageProcessor
-
-        return Gemma3ImageProcessor.from_folder(folder)
-    return None

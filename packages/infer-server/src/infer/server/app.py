@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from infer.server import errors
 from infer.server.errors import ApiError
 from infer.server.limits import RequestLimits
+from infer.server.media import MediaPolicy
 from infer.server.metrics import ServerMetrics
 from infer.server.routes_chat import router as chat_router
 from infer.server.routes_completions import router as completions_router
@@ -32,6 +33,7 @@ def create_app(
     served_model_name: str | None = None,
     metrics: ServerMetrics | None = None,
     limits: RequestLimits | None = None,
+    media_policy: MediaPolicy | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over one engine.
 
@@ -39,6 +41,7 @@ def create_app(
     then runs on a worker thread at startup (GET /health answers 503 until it returns).
     `served_model_name`: the `model` that requests must name (default: the engine's config.model).
     `limits`: request body and prompt size limits (default: `RequestLimits()`).
+    `media_policy`: which image URLs the server fetches (default: none; data: URLs always work).
     The ServerState is `app.state.server`; `await app.state.server.drain(timeout_s)` drains.
     """
     server = ServerState(
@@ -46,6 +49,7 @@ def create_app(
         served_model_name=served_model_name,
         metrics=metrics or ServerMetrics(),
         limits=limits,
+        media_policy=media_policy,
     )
 
     @asynccontextmanager

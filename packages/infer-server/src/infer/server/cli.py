@@ -109,6 +109,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         drain_timeout_s=args.drain_timeout_s,
         log_level=args.log_level,
         limits=limits,
+        media_policy=media_policy(args),
         exit_on_failure=True,
     )
     server.run(sockets=[listening])
@@ -152,6 +153,21 @@ def build_serve_parser() -> argparse.ArgumentParser:
         "max_seq_len x the longest token, the most that could ever fit the context)",
     )
     parser.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="hosts whose image URLs (image_url parts) the server fetches, as vLLM's flag: "
+        "a.example b.example or a.example,b.example; a listed host may be a private address "
+        "(default: none; data: URLs always work)",
+    )
+    parser.add_argument(
+        "--allow-remote-media",
+        action="store_true",
+        help="fetch image URLs from any public host; a host that resolves to a loopback, private "
+        "or link-local address is still refused unless --allowed-media-domains lists it",
+    )
+    parser.add_argument(
         "--engine-in-process",
         action="store_true",
         help="run the engine core in a thread of the server's process instead of a child process "
@@ -172,6 +188,16 @@ def build_serve_parser() -> argparse.ArgumentParser:
     )
     add_cli_arguments(parser)
     return parser
+
+
+def media_policy(args: argparse.Namespace):
+    """The MediaPolicy of `infer serve`'s --allowed-media-domains (vLLM's: one host per value, or
+    ours: a comma-separated list; host names compare lower-case, as URLs' do) and
+    --allow-remote-media."""
+    from infer.server.media import MediaPolicy
+
+    hosts = [host.strip().lower() for value in args.allowed_media_domains for host in value.split(",")]
+    return MediaPolicy(allowed_domains=frozenset(filter(None, hosts)), allow_remote=args.allow_remote_media)
 
 
 if __name__ == "__main__":

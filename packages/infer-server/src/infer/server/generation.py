@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from infer.engine.client import EngineDeadError
 from infer.engine.grammar_spec import GrammarSpec
+from infer.engine.images import PromptImage
 from infer.engine.output_processor import StepOutput
 from infer.engine.protocol import FINISH_ABORT, TokenLogprobs
 from infer.engine.request import InvalidParamError, QueueFullError, RequestTooLongError
@@ -70,10 +71,11 @@ def submit(
     prompt_field: str,
     n: int = 1,
     cache_salt: str | None = None,
+    images: Sequence[PromptImage] = (),
 ) -> list[RequestHandle]:
     """One engine request per choice: `n` per (prompt ids, params), in the answer's order
-    (prompt by prompt, n each). All or none: when one cannot be queued, those queued before it
-    are aborted and the error is raised."""
+    (prompt by prompt, n each); `images` (chat, one prompt) go with each choice. All or none:
+    when one cannot be queued, those queued before it are aborted and the error is raised."""
     many = len(prompts) * n > 1
     handles: list[RequestHandle] = []
     try:
@@ -82,7 +84,9 @@ def submit(
                 choice_id = f"{request_id}-{len(handles)}" if many else request_id
                 choice_params = _choice_params(params, index)
                 handles.append(
-                    _submit_one(engine_loop, prompt_ids, choice_params, choice_id, prompt_field, cache_salt)
+                    _submit_one(
+                        engine_loop, prompt_ids, choice_params, choice_id, prompt_field, cache_salt, images
+                    )
                 )
     except ApiError:
         for handle in handles:
@@ -105,9 +109,10 @@ def _submit_one(
     request_id: str,
     prompt_field: str,
     cache_salt: str | None,
+    images: Sequence[PromptImage],
 ) -> RequestHandle:
     try:
-        return engine_loop.submit(prompt_ids, params, request_id, cache_salt)
+        return engine_loop.submit(prompt_ids, params, request_id, cache_salt, images)
     except QueueFullError:
         raise errors.queue_full(engine_loop.engine.config.max_queue_len) from None
     except EngineDeadError as error:  # it died since the route checked /health's state

@@ -5,6 +5,10 @@ The prompt tokens of `usage` are exactly the tokens fed to the model (with a for
 the call's opening written for the model included). Generation ends at the template's
 end-of-turn token, which is in the engine's EOS set (infer.engine.eos).
 
+Images (image_url parts, for a model with a vision tower) are decoded and preprocessed before
+the template renders, each template marker is widened into the image's placeholder tokens, and
+the engine gets each image over its run (infer.server.chat_images).
+
 With tools in play (infer.server.chat_tools) the answer is read for the family's tool calls
 (infer.server.tool_parsers); for Qwen 3 with thinking on, `<think>` text becomes
 `reasoning_content` (infer.server.reasoning). Otherwise the text is the content, untouched.
@@ -17,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from infer.models.chat_template import ChatTemplateError, ChatTemplateKwargsError
-from infer.server import chat_tools, errors, responses
+from infer.server import chat_images, chat_tools, errors, responses
 from infer.server.chat_output import ChatAnswer, ChatOutputParser, finish_reason
 from infer.server.errors import CLIENT_CLOSED_REQUEST, ApiError, parse_request
 from infer.server.generation import (
@@ -54,9 +58,26 @@ async def create_chat_completion(request: Request) -> Response:
     family = server.engine.model_info.chat_template.family
     tool_format = tool_call_format(family) if tools is not None else None
     call_prefix = tools.call_prefix(tool_format) if tools is not None else ""
+    image_urls = body.image_urls()
+    images = []
+    if image_urls:  # before rendering, so a model without a vision tower refuses them by name
+        images = await run_in_threadpool(
+            chat_images.load_images, image_urls, server.image_processor, body.model, server.media_policy
+        )
     prompt = await run_in_threadpool(_render, server, body, tools)
     check_prompt_chars(len(prompt), server.max_prompt_chars, "messages")
-    prompt_ids = await run_in_threadpool(_encode, server, prompt + call_prefix)
+    if server.image_processor is not None:
+        prompt_ids, engine_images = await run_in_threadpool(
+            chat_images.encode_with_images,
+            prompt + call_prefix,
+            images,
+            server.image_processor.layout,
+            body,
+            server.engine.tokenizer,
+        )
+    else:
+        prompt_ids = await run_in_threadpool(_encode, server, prompt + call_prefix)
+        engine_images = []
     params = sampling_params(
         body,
         len(prompt_ids),
@@ -76,6 +97,7 @@ async def create_chat_completion(request: Request) -> Response:
         prompt_field="messages",
         n=body.n,
         cache_salt=body.cache_salt,
+        images=engine_images,
     )
     report_cached = server.engine.config.use_prefix_caching
     choice_logprobs = [

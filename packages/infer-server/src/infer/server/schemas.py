@@ -32,13 +32,25 @@ pydantic error into an OpenAI error body and picks the HTTP status):
 - A `developer` message is a `system` message (OpenAI's newer name for it); an assistant message
   as the SDK dumps it back (`refusal`, `audio`, `function_call`, `annotations` all null) is
   accepted.
+- A user message's content may hold images as OpenAI's `{"type": "image_url", "image_url":
+  {"url": ..., "detail": ...}}` parts; such a message keeps its parts, in order, for the chat
+  template (infer.server.chat_images). `detail` ("auto", "low", "high") is accepted and ignored,
+  as vLLM does: the model's processor sizes every image itself.
 """
 
 import json
 import logging
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from infer.engine.grammar_spec import GrammarSpec, GrammarSpecError
@@ -73,6 +85,15 @@ logger = logging.getLogger(__name__)
 
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _holds_image_part(value: Any) -> bool:
+    """Whether a prompt is (or lists) an image content part: OpenAI's chat and Responses shapes,
+    or Hugging Face's."""
+    parts = value if isinstance(value, list) else [value]
+    return any(
+        isinstance(part, dict) and part.get("type") in ("image_url", "input_image", "image") for part in parts
+    )
 
 
 def _unsupported(message: str) -> PydanticCustomError:
@@ -302,6 +323,11 @@ class CompletionRequest(_SamplingRequest):
     def _one_prompt(value: Any) -> str | list[int]:
         if isinstance(value, str):
             return value
+        if _holds_image_part(value):
+            raise _unsupported(
+                "/v1/completions takes no images; send them as image_url content parts of a "
+                "/v1/chat/completions message"
+            )
         if not isinstance(value, list) or not all(_is_token_id(item) for item in value):
             raise PydanticCustomError(
                 INVALID_VALUE,
@@ -349,12 +375,29 @@ class ToolCall(_Strict):
     function: ToolCallFunction
 
 
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(_Strict):
+    url: str
+    # OpenAI's resolution hint. The model's processor gives every image the same pixels and
+    # tokens whatever it says, so it is accepted and ignored, as vLLM does.
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class ChatMessage(_Strict):
-    """One message. `content` is normalized to one string: text parts are joined by newlines
-    (what vLLM does), so chat templates only ever see strings."""
+    """One message. Text-only `content` is normalized to one string: text parts are joined by
+    newlines (what vLLM does). Content with images stays a list of parts, in order."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -385,27 +428,38 @@ class ChatMessage(_Strict):
     def _text_parts_to_string(cls, value: Any) -> Any:
         if not isinstance(value, list):
             return value
-        texts = []
+        parts = []
         for index, part in enumerate(value):
             part_type = part.get("type") if isinstance(part, dict) else None
+            if part_type == "image_url":
+                parts.append(_image_part(part, index))
+                continue
             if part_type != "text":
                 raise _unsupported(
                     f"content part {index} has type {part_type!r}; only "
-                    '{"type": "text", "text": ...} parts are supported'
+                    '{"type": "text", "text": ...} and {"type": "image_url", "image_url": {"url": ...}} '
+                    "parts are supported"
                 )
             if set(part) != {"type", "text"} or not isinstance(part["text"], str):
                 raise PydanticCustomError(
                     INVALID_VALUE,
                     f'content part {index} must be exactly {{"type": "text", "text": <string>}}',
                 )
-            texts.append(part["text"])
-        return "\n".join(texts)
+            parts.append(TextPart(type="text", text=part["text"]))
+        if all(isinstance(part, TextPart) for part in parts):
+            return "\n".join(part.text for part in parts)
+        return parts
 
     @model_validator(mode="after")
     def _role_rules(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise PydanticCustomError(
                 INVALID_VALUE, f"a {self.role} message needs content (only assistant tool calls may omit it)"
+            )
+        if isinstance(self.content, list) and self.role != "user":
+            # As OpenAI's API: images come from the user, never from the system, the model or a tool.
+            raise PydanticCustomError(
+                INVALID_VALUE, f"only user messages may hold image_url parts, not {self.role} messages"
             )
         if self.tool_calls is not None and self.role != "assistant":
             raise PydanticCustomError(
@@ -414,6 +468,19 @@ class ChatMessage(_Strict):
         if self.role == "tool" and not self.tool_call_id:
             raise PydanticCustomError(INVALID_VALUE, "a tool message needs the tool_call_id it answers")
         return self
+
+
+def _image_part(part: dict, index: int) -> ImagePart:
+    try:
+        return ImagePart.model_validate(part)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        where = ".".join(str(key) for key in first["loc"])
+        raise PydanticCustomError(
+            INVALID_VALUE,
+            f"content part {index}: {where}: {first['msg']}; an image part is "
+            '{"type": "image_url", "image_url": {"url": <data: or http(s) URL>, "detail": "auto"}}',
+        ) from None
 
 
 class FunctionDefinition(_Strict):
@@ -641,6 +708,26 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as plain dicts for a chat template (unset fields left out, and the SDK's
-        echo fields, which are not conversation)."""
+        echo fields, which are not conversation). An image part is `{"type": "image"}`, as
+        Hugging Face's chat templates take it: they write the model's image marker there."""
         echoed = {"refusal", "audio", "function_call", "annotations"}
-        return [message.model_dump(exclude_none=True, exclude=echoed) for message in self.messages]
+        messages = []
+        for message in self.messages:
+            dumped = message.model_dump(exclude_none=True, exclude=echoed)
+            if isinstance(message.content, list):
+                dumped["content"] = [
+                    {"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
+                    for part in message.content
+                ]
+            messages.append(dumped)
+        return messages
+
+    def image_urls(self) -> list[tuple[str, str]]:
+        """(where it is, as an error's `param`; its URL) of every image part, in prompt order."""
+        return [
+            (f"messages.{message_index}.content.{part_index}.image_url.url", part.image_url.url)
+            for message_index, message in enumerate(self.messages)
+            if isinstance(message.content, list)
+            for part_index, part in enumerate(message.content)
+            if isinstance(part, ImagePart)
+        ]

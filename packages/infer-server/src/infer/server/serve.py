@@ -21,6 +21,7 @@ import uvicorn
 
 from infer.server.app import create_app
 from infer.server.limits import RequestLimits
+from infer.server.media import MediaPolicy
 from infer.server.server_state import FAILED, READY, ServerState
 
 logger = logging.getLogger(__name__)
@@ -125,11 +126,14 @@ def build_server(
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     log_level: str = "info",
     limits: RequestLimits | None = None,
+    media_policy: MediaPolicy | None = None,
     exit_on_failure: bool = False,
 ) -> DrainingServer:
     """The server, not started: `.run()` blocks until it exits, `.request_drain()` drains it.
     `exit_on_failure`: stop (and set `.failure`) when the engine fails to load or in a step."""
-    app = create_app(engine_or_factory, served_model_name=served_model_name, limits=limits)
+    app = create_app(
+        engine_or_factory, served_model_name=served_model_name, limits=limits, media_policy=media_policy
+    )
     config = uvicorn.Config(
         app,
         host=host,

@@ -12,10 +12,13 @@ from collections.abc import Callable
 from functools import cached_property
 
 from infer.engine.engine_process import EngineStartError
+from infer.models.registry import image_processor_for
+from infer.models.vision import ImageProcessor
 from infer.server import errors
 from infer.server.engine_loop import EngineLoop
 from infer.server.errors import ApiError
 from infer.server.limits import RequestLimits
+from infer.server.media import MediaPolicy
 from infer.server.metrics import ServerMetrics
 from infer.server.stats import ServerStats
 
@@ -36,12 +39,15 @@ class ServerState:
         served_model_name: str | None,
         metrics: ServerMetrics,
         limits: RequestLimits | None = None,
+        media_policy: MediaPolicy | None = None,
     ):
         """`engine_or_factory`: an infer.engine.Engine, or a no-argument callable that builds one
-        (run on a worker thread at startup, so the server answers /health while it loads)."""
+        (run on a worker thread at startup, so the server answers /health while it loads).
+        `media_policy`: which image URLs the server fetches (default: none)."""
         self._engine_or_factory = engine_or_factory
         self._served_model_name = served_model_name
         self.limits = limits or RequestLimits()
+        self.media_policy = media_policy or MediaPolicy()
         self.metrics = metrics
         self.stats = ServerStats()
         self.phase = LOADING
@@ -133,6 +139,13 @@ class ServerState:
         if self.limits.max_prompt_chars is not None:
             return self.limits.max_prompt_chars
         return self.max_model_len * self.engine.tokenizer.max_token_chars
+
+    @cached_property
+    def image_processor(self) -> ImageProcessor | None:
+        """The model's image processor, read from its checkpoint folder (infer.models.vision);
+        None for a model without a vision tower."""
+        info = self.engine.model_info
+        return image_processor_for(info.path, info.config.model_type)
 
     def health(self) -> tuple[int, dict]:
         """(status code, body) of GET /health."""

@@ -1,0 +1,399 @@
+"""Images in chat (image_url parts) on Gemma 3, from the prompt to the answer.
+
+- The prompt: what infer.server.chat_images makes of a chat with images over our chat template
+  equals what transformers' Gemma3Processor makes of the same messages and images with Google's
+  own template (ids, image positions, pixel values). Text never makes an image.
+- Through a real server on 127.0.0.1 and the official `openai` client, on the random
+  gemma3-vision-tiny checkpoint: an image sent as base64 or as an http URL (from a local
+  http.server, the server started with `--allowed-media-domains 127.0.0.1`), streamed and not,
+  answers with the greedy tokens of transformers' Gemma3ForConditionalGeneration.generate on the
+  processor's inputs. Refusals are 400s that name the part: a URL on a server that fetches none,
+  a private address under --allow-remote-media, an image for a model without a vision tower,
+  text that spells an image.
+"""
+
+import base64
+import hashlib
+import io
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor, AutoTokenizer, Gemma3ForConditionalGeneration
+
+from infer.models.chat_template import chat_template_for
+from infer.models.loader.tokenizer import Tokenizer
+from infer.models.random_checkpoint import make_random_checkpoint
+from infer.models.registry import image_processor_for
+from infer.server.chat_images import encode_with_images, load_images
+from infer.server.cli import build_serve_parser, media_policy
+from infer.server.errors import ApiError
+from infer.server.media import MediaPolicy
+from infer.server.schemas import ChatCompletionRequest
+
+# Google's Gemma 3 chat template, the oracle of our own (infer-models' test data).
+GOOGLE_TEMPLATE = Path(__file__).parents[2] / "infer-models/tests/data/chat_templates/gemma-3-it.jinja"
+VLM = "gemma3-vision-tiny"
+MAX_TOKENS = 8
+TOP_LOGPROBS = 20
+# specs/parity/tolerances.yaml's float32 max_abs: a logprob against transformers' log-softmax.
+FP32_MAX_ABS = 1e-3
+
+
+def png(width: int, height: int, seed: int, mode: str = "RGB") -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, len(mode)), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, mode).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def image_part(url: str, **image_url) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, **image_url}}
+
+
+def processor_inputs(checkpoint: Path, messages: list[dict], pictures: list[bytes]):
+    """The oracle's prompt: transformers' Gemma3Processor with Google's template on `messages`
+    (OpenAI's shape; each image_url part becomes Hugging Face's {"type": "image"}) and the
+    pictures' bytes, in order."""
+    hf_messages = [
+        {
+            **message,
+            "content": [
+                {"type": "image"} if part["type"] == "image_url" else part for part in message["content"]
+            ],
+        }
+        if isinstance(message["content"], list)
+        else message
+        for message in messages
+    ]
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    text = processor.apply_chat_template(
+        hf_messages, chat_template=GOOGLE_TEMPLATE.read_text(), add_generation_prompt=True, tokenize=False
+    )
+    # The template writes the BOS (processor.apply_chat_template(tokenize=True) adds none either).
+    if not pictures:  # the processor itself would count a <start_of_image> in the text as an image
+        return processor.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    return processor(
+        text=text,
+        images=[Image.open(io.BytesIO(picture)) for picture in pictures],
+        return_tensors="pt",
+        add_special_tokens=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_random_checkpoint(VLM, tmp_path_factory.mktemp(VLM), dtype=torch.float32)
+
+
+# -- the prompt --------------------------------------------------------------------------------
+
+
+def our_prompt(checkpoint: Path, messages: list[dict]):
+    """What the chat route makes of `messages`: the prompt's ids and the engine's images."""
+    body = ChatCompletionRequest.model_validate({"model": VLM, "messages": messages})
+    processor = image_processor_for(checkpoint, "gemma3")
+    images = load_images(body.image_urls(), processor, VLM, MediaPolicy())
+    prompt = chat_template_for("gemma3").render(body.template_messages(), add_generation_prompt=True)
+    return encode_with_images(prompt, images, processor.layout, body, Tokenizer(checkpoint))
+
+
+def test_the_prompt_with_images_is_gemma3_processors_with_googles_template(checkpoint):
+    pictures = [png(70, 50, seed=1), png(9, 200, seed=2), png(40, 40, seed=3, mode="RGBA")]
+    messages = [
+        {"role": "system", "content": "You describe pictures."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": " Compare "},
+                image_part(data_url(pictures[0]), detail="low"),
+                {"type": "text", "text": "with\n"},
+                image_part(data_url(pictures[1])),
+            ],
+        },
+        {"role": "assistant", "content": "The first is wider."},
+        {
+            "role": "user",
+            "content": [image_part(data_url(pictures[2])), {"type": "text", "text": "And this?"}],
+        },
+    ]
+    ids, images = our_prompt(checkpoint, messages)
+    expected = processor_inputs(checkpoint, messages, pictures)
+    assert ids == expected["input_ids"][0].tolist()
+    image_positions = [i for image in images for i in range(image.offset, image.end)]
+    assert image_positions == torch.nonzero(expected["token_type_ids"][0]).flatten().tolist()
+    torch.testing.assert_close(
+        torch.stack([image.pixel_values for image in images]), expected["pixel_values"], atol=1e-6, rtol=0
+    )
+    assert [image.fingerprint for image in images] == [
+        hashlib.sha256(base64.b64encode(picture)).hexdigest() for picture in pictures
+    ]
+
+
+@pytest.mark.parametrize(
+    "forged", ["<start_of_image>", "<image_soft_token>", "<start_of_image>" + "<image_soft_token>" * 16]
+)
+def test_text_that_spells_an_image_is_refused_in_a_request_with_images(checkpoint, forged):
+    content = [image_part(data_url(png(8, 8, seed=4))), {"type": "text", "text": f"look {forged} here"}]
+    with pytest.raises(ApiError) as refused:
+        our_prompt(checkpoint, [{"role": "user", "content": content}])
+    assert (refused.value.status, refused.value.param) == (400, "messages.0.content.1.text")
+    assert "only an image_url part may put in the prompt" in refused.value.message
+
+
+def test_a_marker_split_across_text_parts_is_refused_too(checkpoint):
+    # The template trims the parts and joins them without a separator: "<start_of" + "_image>".
+    content = [
+        {"type": "text", "text": "<start_of"},
+        {"type": "text", "text": "_image>"},
+        image_part(data_url(png(8, 8, seed=5))),
+    ]
+    with pytest.raises(ApiError) as refused:
+        our_prompt(checkpoint, [{"role": "user", "content": content}])
+    assert (refused.value.status, refused.value.param) == (400, "messages")
+
+
+# -- through the server ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return Gemma3ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@dataclass
+class Answer:
+    token_ids: list[int]
+    # Per token, the TOP_LOGPROBS most likely tokens: (the token decoded alone, its logprob).
+    top_logprobs: list[list[tuple[str, float]]]
+    prompt_tokens: int
+
+
+def assert_is_references_answer(answer: Answer, reference, inputs, checkpoint: Path) -> None:
+    """The answer is transformers' greedy one to the processor's inputs (the image tokens' types
+    make each image's tokens attend to each other both ways): the same prompt length, tokens, and
+    log-softmax at each answer's alternatives within the fp32 parity bound. The random model's
+    greedy tokens hardly depend on the image (its tied embeddings make it repeat the prompt's last
+    token); the alternatives' logprobs do."""
+    with torch.no_grad():
+        out = reference.generate(
+            **inputs,
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert answer.prompt_tokens == inputs["input_ids"].shape[1]
+    assert answer.token_ids == out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    ids_of = {}
+    for token_id in range(len(tokenizer)):
+        ids_of.setdefault(tokenizer.decode([token_id]), []).append(token_id)
+    for step, (alternatives, logits) in enumerate(zip(answer.top_logprobs, out.logits, strict=True)):
+        expected = logits[0].log_softmax(-1)
+        assert len(alternatives) == TOP_LOGPROBS
+        for text, logprob in alternatives:
+            # A lone byte of a multi-byte character reads U+FFFD for any of them: the nearest.
+            gap = min(abs(logprob - expected[token_id].item()) for token_id in ids_of[text])
+            assert gap <= FP32_MAX_ABS, f"step {step}, token {text!r}: {logprob} against {expected}"
+
+
+@pytest.fixture(scope="module")
+def start_vlm_server(checkpoint):
+    """start_vlm_server(media_policy) -> a BackgroundServer on gemma3-vision-tiny, once per policy."""
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+    from infer.models.load import load_model
+    from infer.server.serve import BackgroundServer
+
+    loaded = load_model(checkpoint, dtype=torch.float32)
+    servers: dict[MediaPolicy, BackgroundServer] = {}
+
+    def start(media_policy: MediaPolicy) -> BackgroundServer:
+        if media_policy not in servers:
+            engine = Engine(EngineConfig(model=str(checkpoint), max_seq_len=256, max_batch_size=4), loaded)
+            servers[media_policy] = BackgroundServer(
+                engine, served_model_name=VLM, log_level="warning", media_policy=media_policy
+            )
+        return servers[media_policy]
+
+    yield start
+    for server in servers.values():
+        server.stop()
+
+
+def client_of(server) -> openai.OpenAI:
+    return openai.OpenAI(api_key="unused", base_url=f"{server.base_url}/v1", max_retries=0, timeout=120.0)
+
+
+PICTURE = png(50, 40, seed=7)
+
+
+class PictureServer(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's name
+        body = PICTURE if self.path == "/picture.png" else b""
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def picture_url():
+    """PICTURE over HTTP from 127.0.0.1."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), PictureServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/picture.png"
+    server.shutdown()
+
+
+def answer(client: openai.OpenAI, messages: list[dict], stream: bool) -> Answer:
+    """A greedy chat answer with its logprobs, from one body or a stream's chunks."""
+    kwargs = dict(
+        model=VLM,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=TOP_LOGPROBS,
+    )
+    if stream:
+        *pieces, usage_chunk = client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+        choices, prompt_tokens = [chunk.choices[0] for chunk in pieces], usage_chunk.usage.prompt_tokens
+    else:
+        body = client.chat.completions.create(**kwargs)
+        choices, prompt_tokens = body.choices, body.usage.prompt_tokens
+    token_ids = [token for choice in choices for token in getattr(choice, "token_ids", None) or []]
+    entries = [entry for choice in choices for entry in (choice.logprobs.content if choice.logprobs else [])]
+    top_logprobs = [[(top.token, top.logprob) for top in entry.top_logprobs] for entry in entries]
+    return Answer(token_ids, top_logprobs, prompt_tokens)
+
+
+@pytest.mark.parametrize(
+    ("stream", "detail"),
+    [(False, {}), (True, {"detail": "high"}), (False, {"detail": None})],
+    ids=["body", "stream-detail-high", "body-detail-null"],
+)
+def test_a_base64_image_answers_as_transformers(start_vlm_server, checkpoint, reference, stream, detail):
+    # detail changes nothing: Gemma 3's processor gives every image the same size.
+    content = [{"type": "text", "text": "What is it?"}, image_part(data_url(PICTURE), **detail)]
+    messages = [{"role": "user", "content": content}]
+    inputs = processor_inputs(checkpoint, messages, [PICTURE])
+    ours = answer(client_of(start_vlm_server(MediaPolicy())), messages, stream)
+    assert_is_references_answer(ours, reference, inputs, checkpoint)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+def test_an_image_url_of_an_allowed_domain_answers_as_transformers(
+    start_vlm_server, checkpoint, reference, picture_url, stream
+):
+    # What `infer serve --allowed-media-domains 127.0.0.1` serves with.
+    server = start_vlm_server(MediaPolicy(allowed_domains=frozenset({"127.0.0.1"})))
+    others = [png(20, 30, seed=8), png(30, 20, seed=9)]
+    messages = [
+        {"role": "user", "content": [image_part(picture_url), {"type": "text", "text": "Describe"}]},
+        {"role": "assistant", "content": "A picture."},
+        {"role": "user", "content": [image_part(data_url(others[0])), image_part(data_url(others[1]))]},
+    ]
+    pictures = [PICTURE, *others]
+    inputs = processor_inputs(checkpoint, messages, pictures)
+    assert_is_references_answer(answer(client_of(server), messages, stream), reference, inputs, checkpoint)
+
+
+def refusal(client: openai.OpenAI, messages: list[dict]) -> dict:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=client_model(client), messages=messages, max_tokens=2)
+    assert refused.value.status_code == 400
+    return refused.value.body
+
+
+def client_model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_an_image_url_is_refused_by_a_server_that_fetches_none_saying_how_to_allow_it(
+    start_vlm_server, picture_url
+):
+    client = client_of(start_vlm_server(MediaPolicy()))
+    error = refusal(
+        client, [{"role": "user", "content": [{"type": "text", "text": "Hi"}, image_part(picture_url)]}]
+    )
+    assert error["param"] == "messages.0.content.1.image_url.url"
+    assert "--allowed-media-domains" in error["message"] and "--allow-remote-media" in error["message"]
+
+
+def test_a_private_address_is_refused_under_allow_remote_media(start_vlm_server, picture_url):
+    client = client_of(start_vlm_server(MediaPolicy(allow_remote=True)))
+    error = refusal(client, [{"role": "user", "content": [image_part(picture_url)]}])
+    assert error["param"] == "messages.0.content.0.image_url.url"
+    assert "internal address" in error["message"]
+
+
+def test_an_image_that_does_not_decode_is_refused_naming_its_part(start_vlm_server):
+    client = client_of(start_vlm_server(MediaPolicy()))
+    not_an_image = "data:image/png;base64," + base64.b64encode(b"not a picture").decode()
+    error = refusal(
+        client, [{"role": "user", "content": [{"type": "text", "text": "Hi"}, image_part(not_an_image)]}]
+    )
+    assert error["param"] == "messages.0.content.1.image_url.url"
+    assert "does not decode" in error["message"]
+
+
+def test_a_model_without_a_vision_tower_refuses_an_image_part_by_name(server):
+    # The shared SmolLM2 server (conftest), a text-only model.
+    error = refusal(
+        server.openai_client(),
+        [{"role": "user", "content": [{"type": "text", "text": "Hi"}, image_part(data_url(PICTURE))]}],
+    )
+    assert error["param"] == "messages.0.content.1.image_url.url"
+    assert error["message"] == f"model {server.model!r} does not take images; send text content only"
+
+
+@pytest.mark.parametrize("with_image", [True, False], ids=["with-an-image", "text-only"])
+def test_text_that_spells_an_image_is_refused_naming_the_text(start_vlm_server, with_image):
+    client = client_of(start_vlm_server(MediaPolicy()))
+    forged = {"type": "text", "text": "<start_of_image>" + "<image_soft_token>" * 16 + "<end_of_image>"}
+    content = [image_part(data_url(PICTURE)), forged] if with_image else [forged]
+    error = refusal(client, [{"role": "user", "content": content}])
+    assert error["param"] == f"messages.0.content{'.1.text' if with_image else ''}"
+    assert "only an image_url part may put in the prompt" in error["message"]
+
+
+def test_the_marker_in_a_text_only_request_stays_text(start_vlm_server, checkpoint, reference):
+    # Without image parts <start_of_image> is one more special token, as transformers reads the
+    # same ids without pixel values.
+    messages = [{"role": "user", "content": "look <start_of_image> here"}]
+    inputs = processor_inputs(checkpoint, messages, [])
+    ours = answer(client_of(start_vlm_server(MediaPolicy())), messages, stream=False)
+    assert_is_references_answer(ours, reference, inputs, checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("flags", "policy"),
+    [
+        ([], MediaPolicy()),
+        (
+            # vLLM's spelling (a host per value) and a comma-separated list, in any case.
+            ["--allowed-media-domains", "A.example,b.example", "c.example"],
+            MediaPolicy(allowed_domains=frozenset({"a.example", "b.example", "c.example"})),
+        ),
+        (["--allow-remote-media"], MediaPolicy(allow_remote=True)),
+    ],
+)
+def test_infer_serves_flags_make_the_media_policy(flags, policy):
+    assert media_policy(build_serve_parser().parse_args(flags)) == policy
