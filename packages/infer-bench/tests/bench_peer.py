@@ -20,6 +20,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 
+def _num_words(content: str | list[dict]) -> int:
+    """A message's words: its text, or its text parts' (image parts count none)."""
+    if isinstance(content, str):
+        return len(content.split())
+    return sum(len(part["text"].split()) for part in content if part["type"] == "text")
+
+
 def create_peer_app(
     model: str = "peer-model",
     *,
@@ -44,7 +51,7 @@ def create_peer_app(
         state["received"].append(body)
         num_tokens = body["max_tokens"]
         if chat:
-            num_prompt_tokens = sum(len(m["content"].split()) for m in body["messages"])
+            num_prompt_tokens = sum(_num_words(m["content"]) for m in body["messages"])
         else:
             num_prompt_tokens = len(body["prompt"])
         kind = "chat.completion.chunk" if chat else "text_completion"

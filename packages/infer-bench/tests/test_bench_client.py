@@ -438,3 +438,110 @@ def test_a_conversation_against_our_server_reports_cache_hits_on_later_turns(tmp
     assert all(record.num_cached_tokens > 0 for record in turns[1:])
     stats = prefix_cache_stats(run.records)
     assert stats["hits"] == len(turns) - 1 and 0 < stats["cached_share"] < 1
+
+
+# W6 on gemma3-vision-tiny: 4 requests of 32 x 32 images, 16 tokens each.
+VISION_ARGS = ["--workload", "W6", "--concurrency", "2", "--num-requests", "4", "--image-size", "32"]
+NUM_VISION_REQUESTS = 4
+
+
+def test_w6_chat_content_goes_out_as_the_workload_wrote_it():
+    """Against the peer: each timed body's messages are the request's own, the list of an image
+    part and a text part untouched; the warm-up and probe sent images of their own."""
+    shape = WorkloadShape("chat", output_tokens=(2, 3), user_words=(2, 3), image_size=16)
+    workload = make_workload("W6", shape=shape, concurrency=2, num_requests=3)
+    app, server = _peer()
+    with server:
+        run = asyncio.run(run_workload(workload, base_url=server.base_url, model="peer-model"))
+    assert all(record.ok for record in run.records)
+    untimed, timed = app.state.peer["received"][:2], app.state.peer["received"][2:]
+    assert sorted(json.dumps(body["messages"]) for body in timed) == sorted(
+        json.dumps(request.messages) for request in workload.requests
+    )
+    urls = {json.dumps(request.messages[0]["content"][0]) for request in workload.requests}
+    assert not urls & {json.dumps(body["messages"][0]["content"][0]) for body in untimed}
+
+
+def test_engine_only_second_pass_finds_every_image_the_first_encoded(
+    vision_engine_config, tmp_path, monkeypatch
+):
+    """`infer bench engine-only --passes 2` on W6 with a prefix cache: pass 1 encodes every image
+    (the untimed warm-up ran 8 requests of another seed, other images), pass 2 finds each one
+    cached. Oracle: the engine's own counters at shutdown against the number of requests."""
+    from infer.engine.engine import Engine
+    from infer.models.random_checkpoint import PRESETS
+
+    totals = []
+    real_shutdown = Engine.shutdown
+
+    def shutdown(engine):
+        totals.append(engine.stats())
+        real_shutdown(engine)
+
+    monkeypatch.setattr(Engine, "shutdown", shutdown)
+    json_path, md_path = tmp_path / "run.json", tmp_path / "run.md"
+    status = bench_main([
+        "engine-only", "--engine-config", str(vision_engine_config),
+        *VISION_ARGS, "--repeats", "1", "--passes", "2", "--json", str(json_path), "--md", str(md_path),
+    ])  # fmt: skip
+    assert status == 0
+    (engine_stats,) = totals
+    num_warm_up = 8
+    n = NUM_VISION_REQUESTS
+    assert engine_stats.vision_encoder_runs == num_warm_up + n
+    assert engine_stats.vision_encoder_skipped == n
+    first, second = json.loads(json_path.read_text())["runs"]
+    assert (first["pass"], second["pass"]) == (1, 2)
+    assert (first["vision"]["images_encoded"], first["vision"]["images_skipped"]) == (n, 0)
+    assert (second["vision"]["images_encoded"], second["vision"]["images_skipped"]) == (0, n)
+    tokens_per_image = PRESETS["gemma3-vision-tiny"].mm_tokens_per_image
+    assert second["vision"]["image_tokens_reused"] == n * tokens_per_image
+    assert first["vision"]["encoder_s_per_image"] == pytest.approx(first["vision"]["encoder_s"] / n)
+    assert first["vision"]["encoder_s"] > 0 and second["vision"]["encoder_s"] == 0
+    assert second["ttft_p50_ratio_to_pass_1"] == pytest.approx(second["ttft_p50_ms"] / first["ttft_p50_ms"])
+    table = md_path.read_text().splitlines()
+    assert table[-4].endswith(
+        "| pass | TTFT p50 x pass 1 | images encoded | images skipped | encoder ms/image |"
+    )
+    assert table[-1].endswith(f"| 2 | {second['ttft_p50_ratio_to_pass_1']:.2f} | 0 | {n} | - |")
+
+
+def test_serve_second_pass_finds_every_image_the_first_encoded(vision_engine_config, tmp_path):
+    """`infer bench serve --passes 2` on W6 against our server with a prefix cache: the figures
+    from /metrics say pass 1 encoded every image and pass 2 none. Oracle: the server's /v1/stats
+    vision totals (the engine's counts as its stats keep them), against the number of requests
+    and the two images of the untimed warm-up and probe."""
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+    from infer.server.app import create_app
+
+    config = EngineConfig.from_file(vision_engine_config)
+    json_path, md_path = tmp_path / "run.json", tmp_path / "run.md"
+    with ThreadedServer(create_app(lambda: Engine(config))) as server:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{server.base_url}/health").status_code != 200:
+            assert time.monotonic() < deadline, "our server did not become healthy in 60 s"
+            time.sleep(0.1)
+        status = bench_main([
+            "serve", "--base-url", server.base_url, *VISION_ARGS, "--passes", "2",
+            "--json", str(json_path), "--md", str(md_path),
+        ])  # fmt: skip
+        totals = httpx.get(f"{server.base_url}/v1/stats").json()["vision"]
+    assert status == 0
+    n = NUM_VISION_REQUESTS
+    assert (totals["encoder_runs"], totals["encoder_skipped"]) == (n + 2, n)
+    report = json.loads(json_path.read_text())
+    (later,) = report["later_passes"]
+    first, second = report["stats"]["vision"], later["stats"]["vision"]
+    assert (first["images_encoded"], first["images_skipped"]) == (n, 0)
+    assert (second["images_encoded"], second["images_skipped"]) == (0, n)
+    assert first["encoder_s"] > 0 and second["encoder_s"] == 0
+    ttft_p50 = [
+        statistics.median(r["ttft_s"] for r in records) for records in (report["records"], later["records"])
+    ]
+    assert later["pass"] == 2 and later["ttft_p50_ratio_to_pass_1"] == pytest.approx(
+        ttft_p50[1] / ttft_p50[0]
+    )
+    table = md_path.read_text()
+    assert "| pass | TTFT p50 x pass 1 | images encoded | images skipped | encoder ms/image |" in table
+    assert f"| 2 | {later['ttft_p50_ratio_to_pass_1']:.2f} | 0 | {n} | - |" in table

@@ -60,3 +60,10 @@ def test_cli_writes_the_report(tiny_checkpoint, tmp_path):
     report = json.loads(json_path.read_text())
     assert report["environment"]["attn_implementation_used"] in ("sdpa", "paged|sdpa", "paged|eager")
     assert report["stats"]["output_tokens"] == report["workload"]["total_max_tokens"]
+
+
+def test_cli_refuses_a_workload_with_images(tmp_path, capsys):
+    """transformers' text continuous batching would get W6's image parts as text."""
+    status = bench_main(["hf-baseline", "--model", str(tmp_path), "--workload", "W6"])
+    assert status == 1
+    assert "W6's images would not reach the model" in capsys.readouterr().err

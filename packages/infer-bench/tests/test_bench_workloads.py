@@ -1,16 +1,22 @@
-"""Workloads W1-W4: the same arguments give the same requests, and lengths stay in their ranges."""
+"""Workloads W1-W6: the same arguments give the same requests, and lengths stay in their ranges."""
+
+import base64
+import dataclasses
+import io
 
 import pytest
+from PIL import Image
 
-from infer.bench.serving.workloads import SHAPES, make_workload
+from infer.bench.serving.workloads import SHAPES, make_workload, untimed_stand_in
+from infer.models.random_checkpoint import COMMON_WORDS
 
 
-@pytest.mark.parametrize("name", ["W1", "W2", "W3"])
+@pytest.mark.parametrize("name", ["W1", "W2", "W3", "W6"])
 def test_same_seed_gives_the_same_requests(name):
     assert make_workload(name, seed=3).requests == make_workload(name, seed=3).requests
 
 
-@pytest.mark.parametrize("name", ["W2", "W3"])
+@pytest.mark.parametrize("name", ["W2", "W3", "W6"])
 def test_another_seed_gives_other_requests(name):
     assert make_workload(name, seed=0).requests != make_workload(name, seed=1).requests
 
@@ -98,3 +104,63 @@ def test_w5_conversations_have_4_to_8_turns_and_a_tool_result_every_third():
             assert roles == (["tool"] if turn % 3 == 0 else ["user"]), (turn, roles)
     # One system prompt for all: what the cache keeps across conversations too.
     assert len({request.turns[0][0]["content"] for request in workload.requests}) == 1
+
+
+def _decoded_image(request) -> Image.Image:
+    url = request.messages[0]["content"][0]["image_url"]["url"]
+    header, data = url.split(",", 1)
+    assert header == "data:image/png;base64"
+    return Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+
+
+def test_w6_is_one_user_message_of_an_image_then_a_short_question():
+    workload = make_workload("W6", concurrency=16)
+    assert workload.num_requests == 32 and workload.describe()["image_size"] == 896
+    for request in workload.requests:
+        (message,) = request.messages
+        image_part, text_part = message["content"]
+        assert message["role"] == "user" and image_part["type"] == "image_url" and text_part["type"] == "text"
+        words = text_part["text"].split(": ", 1)[1].split()
+        assert 8 <= len(words) <= 16 and set(words) <= set(COMMON_WORDS)
+        assert 64 <= request.max_tokens <= 128
+        assert request.endpoint == "/v1/chat/completions"
+
+
+@pytest.mark.parametrize("image_size", [896, 48])
+def test_w6_images_decode_to_their_size_and_differ_between_requests(image_size):
+    shape = dataclasses.replace(SHAPES["W6"], image_size=image_size)
+    workload = make_workload("W6", shape=shape, concurrency=16)
+    images = [_decoded_image(request) for request in workload.requests]
+    assert {(image.format, image.mode, image.size) for image in images} == {
+        ("PNG", "RGB", (image_size, image_size))
+    }
+    assert len({image.tobytes() for image in images}) == workload.num_requests
+    # Small enough that 64 concurrent clients' requests weigh little: a few kB each.
+    assert max(len(r.messages[0]["content"][0]["image_url"]["url"]) for r in workload.requests) < 16_000
+
+
+def test_the_untimed_stand_in_of_w6_sends_images_no_timed_request_sends():
+    """The warm-up (the first) and the probe (the median by length: chat requests tie, so the
+    second) each get an image of their own; a text workload warms up on its own requests."""
+    workload = make_workload("W6", concurrency=16)
+    stand_in = untimed_stand_in(workload)
+    timed = {_decoded_image(request).tobytes() for request in workload.requests}
+    untimed = [_decoded_image(request).tobytes() for request in stand_in.requests[:2]]
+    assert len(set(untimed)) == 2 and not timed & set(untimed)
+    text_workload = make_workload("W3", concurrency=16)
+    assert untimed_stand_in(text_workload) is text_workload
+
+
+def test_a_negative_image_size_is_refused_by_name():
+    with pytest.raises(ValueError, match="image_size must be >= 0"):
+        make_workload("W6", shape=dataclasses.replace(SHAPES["W6"], image_size=-1))
+
+
+def test_image_size_on_a_text_workload_is_refused_by_name(capsys):
+    from infer.bench.serving.cli import main as bench_main
+
+    status = bench_main(
+        ["serve", "--base-url", "http://127.0.0.1:9", "--workload", "W2", "--image-size", "64"]
+    )
+    assert status == 1
+    assert "--image-size is for workloads with images (W6); W2 has none" in capsys.readouterr().err

@@ -1,10 +1,16 @@
 """`infer bench serve | matrix | hf-baseline` (argv[0] names the subcommand).
 
 infer bench serve --base-url URL [--model NAME] --workload W2 --concurrency 16 --seed 0
-                  [--json OUT] [--md OUT]
+                  [--passes N] [--json OUT] [--md OUT]
 infer bench matrix --model M [--device cuda --dtype bfloat16] --workloads W2,W3 --out DIR
 infer bench hf-baseline --model PATH --workload W2 --concurrency 64 [--json OUT]
-infer bench engine-only --engine-config FILE --workload W2 --concurrency 64 [--repeats 3]
+infer bench engine-only --engine-config FILE --workload W2 --concurrency 64 [--repeats 3] [--passes N]
+
+--passes N (serve, engine-only) times the same requests N times over, as a cold pass and warm
+ones: pass 1 meets a server that has seen none of their images (the untimed warm-up and probe
+send other images: workloads.untimed_stand_in), passes 2..N send the same requests again, which a
+prefix cache serves from what pass 1 left. Each pass is reported with its TTFT p50 over pass 1's,
+and, on a vision-language model, the images the tower encoded and those the cache spared it.
 """
 
 import argparse
@@ -32,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
     serve.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
     serve.add_argument("--no-records", action="store_true", help="leave per-request records out of the JSON")
+    _add_passes_argument(serve)
     serve.add_argument("--json", dest="json_path", type=Path, help="write the full report here")
     serve.add_argument("--md", dest="md_path", type=Path, help="write the markdown table here")
     _add_client_processes_argument(serve)
@@ -96,7 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-config", type=Path, required=True, help="EngineConfig file (e.g. a matrix row's)"
     )
     _add_workload_arguments(engine_only)
-    engine_only.add_argument("--repeats", type=int, default=3, help="timed runs, after one untimed warm-up")
+    engine_only.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs (with --passes N: N each), each on requests of its own (seed, seed + 1, ...), "
+        "after one untimed warm-up on requests of another seed",
+    )
+    _add_passes_argument(engine_only)
     engine_only.add_argument("--json", dest="json_path", type=Path)
     engine_only.add_argument("--md", dest="md_path", type=Path)
     engine_only.set_defaults(run=_run_engine_only)
@@ -113,6 +127,20 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="prompt token ids are below this"
     )
+    parser.add_argument(
+        "--image-size", type=int, default=None, help="pixels per side of each image (W6: 896)"
+    )
+
+
+def _add_passes_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="time the same requests this many times over: pass 1 cold (no untimed request carries "
+        "its images), passes 2..N warm (a prefix cache serves what pass 1 left); each pass is "
+        "reported with its TTFT p50 over pass 1's (default 1)",
+    )
 
 
 def _add_client_processes_argument(parser: argparse.ArgumentParser) -> None:
@@ -126,14 +154,22 @@ def _add_client_processes_argument(parser: argparse.ArgumentParser) -> None:
 
 def _workload(args, *, seed: int | None = None, num_requests: int | None = None):
     """The workload the arguments name; `seed` and `num_requests` override theirs."""
+    import dataclasses
+
     from infer.bench.serving.workloads import make_workload
 
+    shape = SHAPES[args.workload]
+    if args.image_size is not None:
+        if not shape.image_size:
+            raise ValueError(f"--image-size is for workloads with images (W6); {args.workload} has none")
+        shape = dataclasses.replace(shape, image_size=args.image_size)
     return make_workload(
         args.workload,
         concurrency=args.concurrency,
         seed=args.seed if seed is None else seed,
         num_requests=num_requests or args.num_requests,
         vocab_size=args.vocab_size,
+        shape=shape,
     )
 
 
@@ -151,18 +187,20 @@ def _run_serve(args) -> int:
             ignore_eos=not args.no_ignore_eos,
             include_records=not args.no_records,
             client_processes=args.client_processes,
+            passes=args.passes,
         )
     )
     markdown = serve_markdown(report)
     print(markdown)
     _write(report, markdown, args, write_json)
-    return 1 if report["stats"]["num_errors"] else 0
+    passes = [report, *report.get("later_passes", [])]
+    return 1 if any(one["stats"]["num_errors"] for one in passes) else 0
 
 
 def _run_engine_only(args) -> int:
     import gc
 
-    from infer.bench.serving.engine_only import engine_only_markdown, run_engine_only
+    from infer.bench.serving.engine_only import engine_only_markdown, run_engine_only, run_passes
     from infer.bench.serving.matrix import run_seed
     from infer.bench.serving.report import write_json
     from infer.engine.config import EngineConfig
@@ -170,6 +208,8 @@ def _run_engine_only(args) -> int:
 
     config = EngineConfig.from_file(args.engine_config)
     workload = _workload(args)
+    if args.repeats < 1 or args.passes < 1:
+        raise ValueError(f"--repeats and --passes must be >= 1, got {args.repeats} and {args.passes}")
     engine = Engine(config)
     # As the engine process does after start-up: what start-up built stays out of the garbage
     # collector's scans, so a run pays the collections that serving itself causes.
@@ -177,13 +217,16 @@ def _run_engine_only(args) -> int:
     gc.freeze()
 
     try:
-        # Untimed: first-call costs (kernel variants, allocator) stay out of the numbers.
+        # Untimed: first-call costs (kernel variants, allocator) stay out of the numbers. Its
+        # requests are another seed's, so pass 1 meets none of the timed prompts or images.
         warm_up = _workload(args, seed=run_seed(args.seed, "warm-up", workload.concurrency), num_requests=8)
         run_engine_only(engine, warm_up)
         # Each repeat draws requests of its own (the first: --seed's): with a prefix cache, a
-        # repeat of the same requests would hit what the one before it left.
-        runs = [run_engine_only(engine, workload)]
-        runs += [run_engine_only(engine, _workload(args, seed=args.seed + i)) for i in range(1, args.repeats)]
+        # repeat of the same requests would hit what the one before it left. Passes are those hits.
+        runs = []
+        for repeat in range(args.repeats):
+            requests = workload if repeat == 0 else _workload(args, seed=args.seed + repeat)
+            runs += [{"repeat": repeat, **run} for run in run_passes(engine, requests, args.passes)]
     finally:
         engine.shutdown()
         gc.unfreeze()  # frozen objects outlive the exit: nanobind then reports Triton's as leaked
@@ -245,6 +288,10 @@ def _run_hf_baseline(args) -> int:
     from infer.bench.serving.hf_baseline import hf_markdown, run_hf_baseline
     from infer.bench.serving.report import write_json
 
+    if SHAPES[args.workload].image_size:
+        raise ValueError(
+            f"hf-baseline runs text workloads; {args.workload}'s images would not reach the model"
+        )
     model_path = args.model
     if not Path(model_path).is_dir():
         from infer.models import fetch_model

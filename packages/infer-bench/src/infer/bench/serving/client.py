@@ -18,6 +18,8 @@ Before the timed run, two untimed requests go out alone:
   probe    the workload's median-length prompt with max_tokens=1 on the idle server: its time to
            first token is the unloaded prefill time that the queue-wait estimate subtracts
            (see stats.py).
+A workload with images sends both with an image no timed request sends
+(workloads.untimed_stand_in), so the timed run meets every one of its images uncached.
 
 Concurrency is a closed loop: `workload.concurrency` workers take requests in index order from
 one queue, each sending its next request when its previous one has finished.
@@ -42,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from infer.bench.serving.workloads import BenchRequest, Workload
+from infer.bench.serving.workloads import BenchRequest, Workload, untimed_stand_in
 
 # Streams one client process reads: few enough that it keeps up with a fast server.
 STREAMS_PER_PROCESS = 16
@@ -327,8 +329,9 @@ async def run_workload(
     async with _client(base_url, headers, workload.concurrency, timeout_s) as client:
         probe = None
         if warmup:
-            ignore_eos = await _warm_up(client, workload, model, ignore_eos, notes)
-            probe = await _prefill_probe(client, workload, model, ignore_eos)
+            untimed = untimed_stand_in(workload)
+            ignore_eos = await _warm_up(client, untimed, model, ignore_eos, notes)
+            probe = await _prefill_probe(client, untimed, model, ignore_eos)
         if num_processes > 1:
             timed = _ProcessPool(workload, num_processes, (base_url, headers, model, ignore_eos, timeout_s))
             try:

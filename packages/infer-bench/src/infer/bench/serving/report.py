@@ -7,15 +7,18 @@ JSON layout of one `infer bench serve` run (runner.benchmark_server):
   server     /v1/models as served, /health status, endpoints that were missing, engine_config
              (from --engine-config FILE, else /v1/models), memory gauges and raw /metrics after the run
   ignore_eos_sent, notes
-  stats      see stats.py (each latency: count, mean, p50, p95, p99, in seconds)
+  stats      see stats.py (each latency: count, mean, p50, p95, p99, in seconds); with --passes,
+             pass 1's
   probe      the idle-server prefill probe
   records    one per request: send/first-token/chunk/end times, tokens, finish reason, error
+  later_passes  with --passes N > 1, passes 2..N: pass, stats, ttft_p50_ratio_to_pass_1, records
 """
 
 import json
 from pathlib import Path
 
 from infer.bench.spec_decode import spec_decode_line
+from infer.bench.vision import VISION_HEADER, vision_cells
 
 LATENCY_COLUMNS = (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
 
@@ -47,8 +50,29 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _runs_table(report: dict) -> str:
+    """A row per pass (one without --passes): the statistics, then with passes the pass and its
+    TTFT p50 over pass 1's, then the vision tower's figures where the server has one."""
+    workload = report["workload"]
+    later = report.get("later_passes", [])
+    passes = [{"pass": 1, "stats": report["stats"], "ttft_p50_ratio_to_pass_1": None}, *later]
+    sees = any(one["stats"].get("vision") for one in passes)
+    header = ["workload", "conc", *stats_header()]
+    header += ["pass", "TTFT p50 x pass 1"] * bool(later) + [*VISION_HEADER] * sees
+    rows = []
+    for one in passes:
+        row = [workload["name"], str(workload["concurrency"]), *stats_cells(one["stats"])]
+        if later:
+            ratio = one["ttft_p50_ratio_to_pass_1"]
+            row += [str(one["pass"]), "-" if ratio is None else f"{ratio:.2f}"]
+        if sees:
+            row += vision_cells(one["stats"].get("vision"))
+        rows.append(row)
+    return markdown_table(header, rows)
+
+
 def serve_markdown(report: dict) -> str:
-    """One run: what ran where, then one table row."""
+    """One run: what ran where, then a table row per pass."""
     workload = report["workload"]
     config = report["server"]["engine_config"]
     lines = [
@@ -60,10 +84,7 @@ def serve_markdown(report: dict) -> str:
         f"- ignore_eos sent: {report['ignore_eos_sent']}; seed {workload['seed']}",
         *[f"- note: {note}" for note in report["notes"]],
         "",
-        markdown_table(
-            ["workload", "conc", *stats_header()],
-            [[workload["name"], str(workload["concurrency"]), *stats_cells(report["stats"])]],
-        ),
+        _runs_table(report),
     ]
     stats = report["stats"]
     if stats.get("tokens_per_chunk") is not None:

@@ -19,6 +19,8 @@ Definitions (all from the client's clock):
   e2e_s                stream end - send
   spec_decode          what the server's speculative decoding did over the timed run, from its
                        /metrics (infer.bench.spec_decode); None when it does not speculate
+  vision               what the server's vision tower did over the timed run and what its prefix
+                       cache spared it, from its /metrics (infer.bench.vision); None without a tower
   queue_wait_s         from the server's queue-time histogram when /metrics has one (mean only);
                        else estimated per request as max(0, TTFT - unloaded prefill), where the
                        unloaded prefill time is the idle-server probe's TTFT scaled linearly by
@@ -79,10 +81,15 @@ def estimated_queue_waits(records: list[RequestRecord], probe: RequestRecord | N
 
 
 def run_stats(
-    run: RunResult, *, server_queue_time: tuple[float, int] | None = None, spec_decode: dict | None = None
+    run: RunResult,
+    *,
+    server_queue_time: tuple[float, int] | None = None,
+    spec_decode: dict | None = None,
+    vision: dict | None = None,
 ) -> dict:
     """Every statistic of one run as plain data (Summary fields inline), for the JSON report.
-    `spec_decode`: the server's speculative-decoding figures over the run (infer.bench.spec_decode)."""
+    `spec_decode`: the server's speculative-decoding figures over the run (infer.bench.spec_decode);
+    `vision`: its vision tower's (infer.bench.vision)."""
     ok = [record for record in run.records if record.ok]
     output_tokens = sum(record.num_output_tokens for record in ok)
     prompt_tokens = sum(record.num_prompt_tokens or 0 for record in ok)
@@ -120,6 +127,7 @@ def run_stats(
             "token_ids" if all(r.chunk_tokens_from == "token_ids" for r in ok) else "assumed 1 per chunk"
         ),
         "spec_decode": spec_decode,
+        "vision": vision,
         "tpot_s": tpot.as_dict() if tpot else None,
         "e2e_s": e2e.as_dict() if e2e else None,
         "queue_wait_s": queue_wait,

@@ -1,4 +1,4 @@
-"""The benchmark workloads W1-W5: seeded request lists that any OpenAI-compatible server can run.
+"""The benchmark workloads W1-W6: seeded request lists that any OpenAI-compatible server can run.
 
 W1  one request: a 256-token prompt, 256 output tokens (latency of one stream).
 W2  mixed lengths: prompts of 32-1024 tokens and outputs of 64-256, uniform in each range.
@@ -14,6 +14,10 @@ W5  multi-turn conversations (4-8 turns) over one system prompt (~300 words): ea
     tool (an assistant message with `tool_calls`) and a `tool` message answers it. Outputs of
     32-96 tokens. What a prefix cache's reuse across turns is for; the report counts the prompt
     tokens the server says it served from its cache (`usage.prompt_tokens_details.cached_tokens`).
+W6  vision chat: one user message each, an image (a PNG `data:` URL of 896 x 896 pixels, its
+    own per request) then a short question (8-16 words), outputs of 64-128 tokens. What the
+    vision tower and the image-keyed prefix cache are for: `--passes 2` sends the same requests
+    again, and the second pass should encode no image (infer.bench.vision).
 
 Completion prompts are token id lists (the server takes a list of ints as `prompt`), so their
 lengths are exact. The ids are uniform in [0, vocab_size); every supported family has at least
@@ -21,6 +25,12 @@ lengths are exact. The ids are uniform in [0, vocab_size); every supported famil
 harmless: the model just runs them and `ignore_eos` keeps the output length fixed. Chat prompts
 are text (words from a fixed list), so their token counts depend on the tokenizer; the client
 reads them back from the server's `usage`.
+
+A W6 image is an 8 x 8 grid of seeded random colours scaled up to the size (nearest neighbour):
+it compresses to a few kB as PNG, so 128 of them are no burden on the client, while the server
+decodes and preprocesses a full-size image. The pixels are seeded; the PNG bytes are Pillow's
+encoding of them. The image comes before the question, so the text after it fills the image's
+last KV block and a prefix-cache hit can cover the whole image.
 
 A W5 request is a whole conversation: its client sends the turns one after another, each when
 the previous reply has ended, and every turn is timed as a request of its own.
@@ -34,6 +44,8 @@ Everything is drawn from `random.Random(seed)`: the same (name, concurrency, num
 gives the same requests on every machine and Python version.
 """
 
+import base64
+import io
 import json
 import random
 from dataclasses import dataclass, field
@@ -42,6 +54,8 @@ from infer.models.random_checkpoint import COMMON_WORDS
 
 DEFAULT_VOCAB_SIZE = 32000
 REQUESTS_PER_CLIENT = 2
+# Cells per side of a W6 image (see the module docstring).
+IMAGE_GRID_CELLS = 8
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,9 @@ class WorkloadShape:
     # result instead of a user turn.
     turns: tuple[int, int] = (1, 1)
     tool_turn_every: int = 0
+    # Chat: each request's user message starts with an image of image_size x image_size pixels
+    # (0: no image).
+    image_size: int = 0
 
 
 SHAPES: dict[str, WorkloadShape] = {
@@ -85,6 +102,7 @@ SHAPES: dict[str, WorkloadShape] = {
         turns=(4, 8),
         tool_turn_every=3,
     ),
+    "W6": WorkloadShape("chat", output_tokens=(64, 128), user_words=(8, 16), image_size=896),
 }
 # The concurrency levels the matrix runs for each workload.
 CONCURRENCY_LEVELS: dict[str, tuple[int, ...]] = {
@@ -94,17 +112,19 @@ CONCURRENCY_LEVELS: dict[str, tuple[int, ...]] = {
     "W4": (16, 64),
     "W4-decode": (16, 64),
     "W5": (16, 64),
+    "W6": (16, 64),
 }
 
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One request: token ids for /v1/completions or messages for /v1/chat/completions."""
+    """One request: token ids for /v1/completions or messages for /v1/chat/completions (a
+    message's content: text, or a list of OpenAI content parts)."""
 
     index: int
     max_tokens: int
     prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict] | None = None
     # A conversation: the messages each turn adds (a `tool` message carries the `call` the
     # previous reply is taken to have made), and each turn's max_tokens (max_tokens: the first's).
     turns: tuple[tuple[dict, ...], ...] | None = None
@@ -145,6 +165,7 @@ class Workload:
             "user_words_range": list(self.shape.user_words),
             "turns_range": list(self.shape.turns),
             "tool_turn_every": self.shape.tool_turn_every,
+            "image_size": self.shape.image_size,
             "total_max_tokens": sum(sum(r.turn_max_tokens) or r.max_tokens for r in self.requests),
         }
 
@@ -194,11 +215,19 @@ def make_workload(
             requests.append(BenchRequest(index=i, prompt_token_ids=prompt, max_tokens=max_tokens))
     elif shape.kind == "chat":
         _check_range("user_words", shape.user_words, minimum=1)
+        if shape.image_size < 0:
+            raise ValueError(f"image_size must be >= 0 (0: no image), got {shape.image_size}")
         system_prompt = _words(rng, shape.system_prompt_words)
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         requests = []
         for i in range(num_requests):
             user = f"Request {i}: " + _words(rng, rng.randint(*shape.user_words))
-            messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": user}]
+            if shape.image_size:
+                image = {"type": "image_url", "image_url": {"url": _image_url(rng, shape.image_size)}}
+                content = [image, {"type": "text", "text": user}]
+                messages = [*system, {"role": "user", "content": content}]
+            else:
+                messages = [*system, {"role": "user", "content": user}]
             requests.append(
                 BenchRequest(index=i, messages=messages, max_tokens=rng.randint(*shape.output_tokens))
             )
@@ -225,6 +254,32 @@ def _conversation(rng: random.Random, index: int, shape: WorkloadShape, system_p
             turns.append((*system, user))
     max_tokens = tuple(rng.randint(*shape.output_tokens) for _ in turns)
     return BenchRequest(index=index, max_tokens=max_tokens[0], turns=tuple(turns), turn_max_tokens=max_tokens)
+
+
+def untimed_stand_in(workload: Workload) -> Workload:
+    """What a benchmark's untimed requests (the client's warm-up: the first; its probe: the median
+    by length) draw from: the workload itself, unless its requests carry images. A server's prefix
+    cache keys an image by its bytes, so a warm-up with a timed request's image would start the
+    timed run with that image cached. Such a workload gets a twin of three requests of another
+    seed (-1 - seed, which no run draws): its shape, other images; the warm-up's and the probe's
+    differ too (chat requests tie on length: the median is the second), so the probe prefills an
+    image the server has not seen, as on an idle server."""
+    if not workload.shape.image_size:
+        return workload
+    return make_workload(
+        workload.name, shape=workload.shape, concurrency=1, seed=-1 - workload.seed, num_requests=3
+    )
+
+
+def _image_url(rng: random.Random, size: int) -> str:
+    """A PNG data: URL of a `size` x `size` image: a grid of random colours, scaled up."""
+    from PIL import Image  # infer-server's dependency (it decodes images): only W6 needs it here
+
+    cells = bytes(rng.randrange(256) for _ in range(3 * IMAGE_GRID_CELLS**2))
+    grid = Image.frombytes("RGB", (IMAGE_GRID_CELLS, IMAGE_GRID_CELLS), cells)
+    png = io.BytesIO()
+    grid.resize((size, size), Image.Resampling.NEAREST).save(png, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode("ascii")
 
 
 def _check_range(name: str, bounds: tuple[int, int], *, minimum: int) -> None:
