@@ -181,7 +181,15 @@ def _vlm_engine(device: str, dtype: str, **settings):
 
     folder, _ = tiny_gemma3_vision()
     loaded = load_model(folder, dtype=getattr(torch, dtype), device=device)
-    config = dict(block_size=4, max_num_batched_tokens=64, use_prefix_caching=True, use_cuda_graphs=False)
+    # A pool of its own size: a default one takes most of a GPU's free memory, which the
+    # allocator then holds from every other test process.
+    config = dict(
+        block_size=4,
+        max_num_batched_tokens=64,
+        use_prefix_caching=True,
+        use_cuda_graphs=False,
+        num_gpu_blocks=512,
+    )
     config.update(settings)
     return Engine(EngineConfig(model=str(folder), device=device, dtype=dtype, **config), loaded)
 
@@ -381,7 +389,7 @@ def qwen3_vl_engine_greedy(case: dict, impl: str | None) -> None:
     config = EngineConfig(
         model=str(folder), device=device, dtype=dtype, block_size=4, max_num_batched_tokens=64,
         use_chunked_prefill=True, prefill_chunk_size=case["chunk"], use_prefix_caching=True,
-        use_cuda_graphs=device == "cuda",
+        use_cuda_graphs=device == "cuda", num_gpu_blocks=512,
     )  # fmt: skip
     engine = Engine(config, loaded)
     for num_images in (0, 1, 3):
