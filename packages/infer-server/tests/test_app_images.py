@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -221,7 +222,11 @@ def start_vlm_server(checkpoint):
 
     def start(media_policy: MediaPolicy) -> BackgroundServer:
         if media_policy not in servers:
-            engine = Engine(EngineConfig(model=str(checkpoint), max_seq_len=256, max_batch_size=4), loaded)
+            # The prefix cache on (a CPU's default is off): a repeated image is then served from it.
+            config = EngineConfig(
+                model=str(checkpoint), max_seq_len=256, max_batch_size=4, use_prefix_caching=True
+            )
+            engine = Engine(config, loaded)
             servers[media_policy] = BackgroundServer(
                 engine, served_model_name=VLM, log_level="warning", media_policy=media_policy
             )
@@ -397,3 +402,100 @@ def test_the_marker_in_a_text_only_request_stays_text(start_vlm_server, checkpoi
 )
 def test_infer_serves_flags_make_the_media_policy(flags, policy):
     assert media_policy(build_serve_parser().parse_args(flags)) == policy
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+def test_litellm_sends_an_image_and_gets_transformers_answer(start_vlm_server, checkpoint, reference, stream):
+    """litellm, as its users point it at an OpenAI-compatible server ("openai/" + the served
+    name): the answer's text is transformers' greedy answer decoded, and its logprobs are
+    transformers' within the fp32 bound."""
+    import os
+
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download at import
+    import litellm
+
+    content = [image_part(data_url(PICTURE)), {"type": "text", "text": "Describe it."}]
+    messages = [{"role": "user", "content": content}]
+    server = start_vlm_server(MediaPolicy())
+    kwargs = dict(
+        model=f"openai/{VLM}",
+        api_base=f"{server.base_url}/v1",
+        api_key="unused",
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=TOP_LOGPROBS,
+    )
+    if stream:
+        chunks = [chunk for chunk in litellm.completion(**kwargs, stream=True) if chunk.choices]
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+        logprobs = [chunk.choices[0].logprobs for chunk in chunks if chunk.choices[0].logprobs]
+        entries = [entry for piece in logprobs for entry in piece.content]
+    else:
+        response = litellm.completion(**kwargs)
+        text = response.choices[0].message.content
+        entries = response.choices[0].logprobs.content
+    inputs = processor_inputs(checkpoint, messages, [PICTURE])
+    with torch.no_grad():
+        out = reference.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    ids = out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert text == AutoTokenizer.from_pretrained(checkpoint).decode(ids, skip_special_tokens=True)
+    top = [[(alt.token, alt.logprob) for alt in entry.top_logprobs] for entry in entries]
+    assert_is_references_answer(Answer(ids, top, inputs["input_ids"].shape[1]), reference, inputs, checkpoint)
+
+
+def vision_figures(server) -> dict:
+    """The vision counters and the per-request histogram's count in /metrics (read by
+    prometheus_client), and /v1/stats' vision section."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text):
+        for sample in family.samples:
+            samples[sample.name] = sample.value
+    names = ("runs", "skipped", "image_tokens_reused")
+    metrics = {
+        "runs": samples["infer_vision_encoder_runs_total"],
+        "skipped": samples["infer_vision_encoder_skipped_total"],
+        "image_tokens_reused": samples["infer_vision_image_tokens_reused_total"],
+        "requests_timed": samples["infer_request_vision_encoder_seconds_count"],
+    }
+    vision = httpx.get(server.base_url + "/v1/stats").json()["vision"]
+    stats = {
+        name: vision[key]
+        for name, key in zip(names, ("encoder_runs", "encoder_skipped", "image_tokens_reused"), strict=True)
+    }
+    return {"metrics": metrics, "stats": stats, "seconds": samples["infer_vision_encoder_seconds_total"]}
+
+
+def test_metrics_and_stats_count_encoder_runs_and_images_the_cache_spared(start_vlm_server, checkpoint):
+    """A new image runs the tower once; the same conversation again is served from the prefix
+    cache and runs it not at all: /metrics and /v1/stats count both, each request with images
+    is timed, and the tower's seconds grow with the run only."""
+    server = start_vlm_server(MediaPolicy())
+    client = client_of(server)
+    tokens_per_image = image_processor_for(checkpoint, "gemma3")(Image.open(io.BytesIO(PICTURE)))[1]
+    messages = [
+        {
+            "role": "user",
+            "content": [image_part(data_url(png(30, 20, seed=31))), {"type": "text", "text": "Hm?"}],
+        }
+    ]
+    before = vision_figures(server)
+    answer(client, messages, stream=False)
+    after_new = vision_figures(server)
+    answer(client, messages, stream=False)
+    after_repeat = vision_figures(server)
+
+    def gained(later, earlier, part):
+        return {key: later[part][key] - earlier[part][key] for key in later[part]}
+
+    assert gained(after_new, before, "metrics") == {
+        "runs": 1, "skipped": 0, "image_tokens_reused": 0, "requests_timed": 1
+    }  # fmt: skip
+    assert gained(after_repeat, after_new, "metrics") == {
+        "runs": 0, "skipped": 1, "image_tokens_reused": tokens_per_image, "requests_timed": 1
+    }  # fmt: skip
+    assert after_repeat["stats"] == {key: after_repeat["metrics"][key] for key in after_repeat["stats"]}
+    assert after_new["seconds"] > before["seconds"] and after_repeat["seconds"] == after_new["seconds"]

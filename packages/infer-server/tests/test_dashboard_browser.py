@@ -369,6 +369,7 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server, 
     assert dom.tiles["evicted"].strip() == "0.0 MB"  # nothing evicted: the pool is far from full
     assert "pressure" in dom.hidden  # the cache is far below its budget (here the KV pool)
     assert "spec_decode" in dom.hidden and stats["spec_decode"] is None  # the engine does not speculate
+    assert "vision" in dom.hidden and stats["vision"] is None  # SmolLM2 has no vision tower
     used, pool = history["prefix_cache_bytes"][-1][1], history["kv_total_bytes"][-1][1]
     assert dom.tiles["cache_usage"].strip() == f"{100 * used / pool:.1f}%"
 
@@ -435,3 +436,57 @@ def test_the_speculative_decoding_panel_shows_the_servers_figures(start_server):
         assert drawn and drawn == [tuple(point) for point in history[series]], name  # idle: nothing since
         assert_axes(dom.charts[name], unit, "time (one point a second)",
                     dom.charts[name]["axes"]["x"]["texts"][:-1], [v for _, v in drawn])  # fmt: skip
+
+
+def test_the_vision_panel_shows_the_servers_figures(tmp_path):
+    """A server on a vision-language model after a request with a new image and the same one
+    again (served from the prefix cache): the panel is shown, its tiles hold /v1/stats' vision
+    totals, and its chart one point per request with images at its encoder time."""
+    import base64
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+    from infer.models.load import load_model
+    from infer.models.random_checkpoint import make_random_checkpoint
+    from infer.server.serve import BackgroundServer
+
+    checkpoint = make_random_checkpoint("gemma3-vision-tiny", tmp_path / "vlm", dtype=torch.float32)
+    config = EngineConfig(model=str(checkpoint), max_seq_len=256, max_batch_size=2, use_prefix_caching=True)
+    server = BackgroundServer(
+        Engine(config, load_model(checkpoint)), served_model_name="vlm", log_level="warning"
+    )
+    try:
+        picture = io.BytesIO()
+        Image.fromarray(np.random.default_rng(5).integers(0, 256, (24, 40, 3), dtype=np.uint8)).save(
+            picture, "PNG"
+        )
+        url = "data:image/png;base64," + base64.b64encode(picture.getvalue()).decode()
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+        body = {"model": "vlm", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+        with httpx.Client(base_url=server.base_url, timeout=120.0) as client:
+            for _ in range(2):
+                assert client.post("/v1/chat/completions", json=body).status_code == 200
+            deadline = time.monotonic() + 60
+            while len(client.get("/v1/stats").json()["requests"]) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        dom = Dom()
+        dom.feed(browse(f"{server.base_url}/dashboard", "--dump-dom"))
+        stats = httpx.get(f"{server.base_url}/v1/stats").json()  # idle now: what the page showed
+    finally:
+        server.stop()
+    vision = stats["vision"]
+    assert "vision" not in dom.hidden
+    assert (vision["encoder_runs"], vision["encoder_skipped"]) == (1, 1)
+    assert dom.tiles["vision_runs"] == "1" and dom.tiles["vision_skipped"] == "1"
+    assert dom.tiles["vision_reused"] == str(vision["image_tokens_reused"])
+    assert dom.tiles["vision_time"] == f"{1000 * vision['encoder_time_s']:.1f} ms"
+    drawn = [
+        float(a["data-value"]) for tag, a in dom.charts["vision_per_request"]["shapes"] if tag == "circle"
+    ]
+    assert drawn == pytest.approx([1000 * r["vision_encoder_s"] for r in stats["requests"]])
+    assert drawn[1] == 0.0 < drawn[0]  # the repeat's image came from the cache: the tower did not run

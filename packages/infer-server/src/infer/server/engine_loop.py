@@ -98,6 +98,7 @@ class EngineLoop:
             self._speculates = True
         if self.engine.limits.image_token_id is not None:
             self.metrics.enable_vision()
+            self.stats.enable_vision()
             self._sees = True
         if self.engine.config.data_parallel_size > 1:
             self.metrics.enable_replicas(self.engine.config.data_parallel_size)

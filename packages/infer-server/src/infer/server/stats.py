@@ -180,7 +180,7 @@ class ServerStats:
         # Speculative decoding: the core's latest counts (None while it does not speculate), and
         # the rows, draft tokens and accepted tokens verified in each second.
         self.spec_decode: SpecDecodeCounts | None = None
-        # The vision tower's totals (EngineStats.vision_*); None until a request had images.
+        # The vision tower's totals (EngineStats.vision_*); None for a model without one.
         self.vision: dict | None = None
         self.spec_decode_num_speculative_tokens = 0
         self._spec_decode_seconds = {name: History(window_s) for name in ("rows", "drafted", "accepted")}
@@ -202,6 +202,12 @@ class ServerStats:
         ]
         with self._lock:
             self.replicas = replicas
+
+    def enable_vision(self) -> None:
+        """The model has a vision tower: its totals are shown (from 0)."""
+        with self._lock:
+            self.vision = dict.fromkeys(("encoder_runs", "encoder_skipped", "image_tokens_reused"), 0)
+            self.vision["encoder_time_s"] = 0.0
 
     def on_engine_stats(self, stats) -> None:
         """The core's state after a step (infer.engine.protocol.EngineStats)."""
@@ -240,7 +246,7 @@ class ServerStats:
             self._cache_totals = cache_totals
             if stats.spec_decode_num_speculative_tokens:
                 self._on_spec_decode(now, stats)
-            if stats.vision_encoder_runs or stats.vision_encoder_skipped:
+            if self.vision is not None:
                 self.vision = {
                     "encoder_runs": stats.vision_encoder_runs,
                     "encoder_skipped": stats.vision_encoder_skipped,
@@ -313,8 +319,8 @@ class ServerStats:
         "prefix_cache_num_entries", "prefix_cache_entries" (most recently used first, with their
         age and idle time now), "copy_bandwidth_bytes_per_s", "memory" (memory_of; null before
         the first step), "spec_decode" (null while the engine does not speculate), "vision" (the
-        vision tower's runs, skips, reused image tokens and seconds; null until a request had
-        images), "replicas"
+        vision tower's runs, skips, reused image tokens and seconds; null for a model without
+        one), "replicas"
         (each data-parallel replica's state; null with one core; the totals are their sums), "requests"
         (oldest first), "history": {series: [[unix_second, value], ...]}}."""
         with self._lock:
