@@ -16,18 +16,27 @@ import base64
 import hashlib
 import io
 import threading
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
-import numpy as np
-import openai
 import pytest
 import torch
 from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer, Gemma3ForConditionalGeneration
 
+from conformance.vlm.chat import (
+    MAX_TOKENS,
+    TOP_LOGPROBS,
+    Answer,
+    answer,
+    assert_is_references_answer,
+    client_of,
+    data_url,
+    image_part,
+    png,
+    refusal,
+)
 from infer.models.chat_template import chat_template_for
 from infer.models.loader.tokenizer import Tokenizer
 from infer.models.random_checkpoint import make_random_checkpoint
@@ -41,25 +50,6 @@ from infer.server.schemas import ChatCompletionRequest
 # Google's Gemma 3 chat template, the oracle of our own (infer-models' test data).
 GOOGLE_TEMPLATE = Path(__file__).parents[2] / "infer-models/tests/data/chat_templates/gemma-3-it.jinja"
 VLM = "gemma3-vision-tiny"
-MAX_TOKENS = 8
-TOP_LOGPROBS = 20
-# specs/parity/tolerances.yaml's float32 max_abs: a logprob against transformers' log-softmax.
-FP32_MAX_ABS = 1e-3
-
-
-def png(width: int, height: int, seed: int, mode: str = "RGB") -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, len(mode)), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels, mode).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-def image_part(url: str, **image_url) -> dict:
-    return {"type": "image_url", "image_url": {"url": url, **image_url}}
 
 
 def processor_inputs(checkpoint: Path, messages: list[dict], pictures: list[bytes]):
@@ -172,43 +162,6 @@ def reference(checkpoint):
     return Gemma3ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
-@dataclass
-class Answer:
-    token_ids: list[int]
-    # Per token, the TOP_LOGPROBS most likely tokens: (the token decoded alone, its logprob).
-    top_logprobs: list[list[tuple[str, float]]]
-    prompt_tokens: int
-
-
-def assert_is_references_answer(answer: Answer, reference, inputs, checkpoint: Path) -> None:
-    """The answer is transformers' greedy one to the processor's inputs (the image tokens' types
-    make each image's tokens attend to each other both ways): the same prompt length, tokens, and
-    log-softmax at each answer's alternatives within the fp32 parity bound. The random model's
-    greedy tokens hardly depend on the image (its tied embeddings make it repeat the prompt's last
-    token); the alternatives' logprobs do."""
-    with torch.no_grad():
-        out = reference.generate(
-            **inputs,
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    assert answer.prompt_tokens == inputs["input_ids"].shape[1]
-    assert answer.token_ids == out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    ids_of = {}
-    for token_id in range(len(tokenizer)):
-        ids_of.setdefault(tokenizer.decode([token_id]), []).append(token_id)
-    for step, (alternatives, logits) in enumerate(zip(answer.top_logprobs, out.logits, strict=True)):
-        expected = logits[0].log_softmax(-1)
-        assert len(alternatives) == TOP_LOGPROBS
-        for text, logprob in alternatives:
-            # A lone byte of a multi-byte character reads U+FFFD for any of them: the nearest.
-            gap = min(abs(logprob - expected[token_id].item()) for token_id in ids_of[text])
-            assert gap <= FP32_MAX_ABS, f"step {step}, token {text!r}: {logprob} against {expected}"
-
-
 @pytest.fixture(scope="module")
 def start_vlm_server(checkpoint):
     """start_vlm_server(media_policy) -> a BackgroundServer on gemma3-vision-tiny, once per policy."""
@@ -237,10 +190,6 @@ def start_vlm_server(checkpoint):
         server.stop()
 
 
-def client_of(server) -> openai.OpenAI:
-    return openai.OpenAI(api_key="unused", base_url=f"{server.base_url}/v1", max_retries=0, timeout=120.0)
-
-
 PICTURE = png(50, 40, seed=7)
 
 
@@ -263,30 +212,6 @@ def picture_url():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/picture.png"
     server.shutdown()
-
-
-def answer(client: openai.OpenAI, messages: list[dict], stream: bool) -> Answer:
-    """A greedy chat answer with its logprobs, from one body or a stream's chunks."""
-    kwargs = dict(
-        model=VLM,
-        messages=messages,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=TOP_LOGPROBS,
-    )
-    if stream:
-        *pieces, usage_chunk = client.chat.completions.create(
-            **kwargs, stream=True, stream_options={"include_usage": True}
-        )
-        choices, prompt_tokens = [chunk.choices[0] for chunk in pieces], usage_chunk.usage.prompt_tokens
-    else:
-        body = client.chat.completions.create(**kwargs)
-        choices, prompt_tokens = body.choices, body.usage.prompt_tokens
-    token_ids = [token for choice in choices for token in getattr(choice, "token_ids", None) or []]
-    entries = [entry for choice in choices for entry in (choice.logprobs.content if choice.logprobs else [])]
-    top_logprobs = [[(top.token, top.logprob) for top in entry.top_logprobs] for entry in entries]
-    return Answer(token_ids, top_logprobs, prompt_tokens)
 
 
 @pytest.mark.parametrize(
@@ -318,17 +243,6 @@ def test_an_image_url_of_an_allowed_domain_answers_as_transformers(
     pictures = [PICTURE, *others]
     inputs = processor_inputs(checkpoint, messages, pictures)
     assert_is_references_answer(answer(client_of(server), messages, stream), reference, inputs, checkpoint)
-
-
-def refusal(client: openai.OpenAI, messages: list[dict]) -> dict:
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=client_model(client), messages=messages, max_tokens=2)
-    assert refused.value.status_code == 400
-    return refused.value.body
-
-
-def client_model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def test_an_image_url_is_refused_by_a_server_that_fetches_none_saying_how_to_allow_it(

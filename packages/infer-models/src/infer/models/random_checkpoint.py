@@ -14,6 +14,13 @@ the SigLIP tower and the projector are random too, the tokenizer has the image t
 (`<start_of_image>`, `<end_of_image>`, `<image_soft_token>`) where config.json says they are, and
 preprocessor_config.json and processor_config.json are what Gemma 3's processor reads.
 
+A Qwen3-VL preset (arch "qwen3_vl") is a `Qwen3VLForConditionalGeneration` checkpoint: the
+vision tower and its mergers (DeepStack's too) are random, the tokenizer has `<|vision_start|>`,
+`<|vision_end|>`, `<|image_pad|>` and `<|video_pad|>` at their real ids relative to the other Qwen
+specials (inside the vocabulary at every size, where config.json says they are), and
+preprocessor_config.json is what Qwen's image processor reads (patch, merge and temporal patch
+sizes; the min and max pixels an image is resized between; mean and std).
+
 With `quantization`, the attention and MLP projections are written 8-bit in the layouts of the
 published checkpoints (see infer.models.quantization): "fp8" as Qwen3-8B-FP8 (float8_e4m3fn
 weights, float32 `weight_scale_inv` per 128x128 block), "int8" as compressed-tensors w8a8
@@ -52,20 +59,30 @@ _LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+# Qwen3-VL's rotation: head_dim // 2 frequencies split among (t, h, w), interleaved.
+_QWEN3_VL_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 5e6,
+    "mrope_section": [24, 20, 20],
+    "mrope_interleaved": True,
+}
 
 
 @dataclass(frozen=True)
 class Preset:
-    arch: str  # "llama", "qwen3" or "gemma3"
-    # Keyword arguments of the transformers config class (of the language model's, Gemma3TextConfig,
-    # for a multimodal Gemma 3).
+    arch: str  # "llama", "qwen3", "gemma3" or "qwen3_vl"
+    # Keyword arguments of the transformers config class (of the language model's for a
+    # multimodal model: Gemma3TextConfig, Qwen3VLTextConfig).
     config: dict = field(default_factory=dict)
-    # A multimodal Gemma 3 (transformers' Gemma3Config): the keyword arguments of its SigLIP
-    # vision_config; None for a text-only model.
+    # A multimodal model: the keyword arguments of its vision_config (Gemma 3's SigLIP,
+    # Qwen3VLVisionConfig); None for a text-only model.
     vision: dict | None = None
     # Placeholder tokens per image (Gemma3Config's mm_tokens_per_image): the tower's patches,
     # average-pooled to this many.
     mm_tokens_per_image: int = 256
+    # Qwen3-VL's image processor: the (min, max) pixels an image is resized between, which bound
+    # its token count (pixels / (patch * merge)**2). The releases': 256 x 256 to 4096 x 4096.
+    image_pixels: tuple[int, int] = (256 * 256, 4096 * 4096)
 
 
 def _llama(**shape) -> Preset:
@@ -92,6 +109,14 @@ def _gemma3_vision(vision: dict, mm_tokens_per_image: int, **shape) -> Preset:
     # projector pools the patches itself.
     vision = {"hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6, "vision_use_head": False, **vision}
     return Preset("gemma3", text.config, vision=vision, mm_tokens_per_image=mm_tokens_per_image)
+
+
+def _qwen3_vl(vision: dict, image_pixels: tuple[int, int] = Preset.image_pixels, **shape) -> Preset:
+    # The releases' tower: tanh GELU, 2 x 2 patches merged into a token, frames in pairs.
+    text = dict(rope_parameters=_QWEN3_VL_ROPE, rms_norm_eps=1e-6, max_position_embeddings=262144)
+    text |= shape
+    vision = {"hidden_act": "gelu_pytorch_tanh", "spatial_merge_size": 2, "temporal_patch_size": 2, **vision}
+    return Preset("qwen3_vl", text, vision=vision, image_pixels=image_pixels)
 
 
 def _gemma_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
@@ -151,6 +176,24 @@ PRESETS: dict[str, Preset] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
     ),
+    # Qwen3-VL-4B-Instruct and -8B-Instruct: Qwen3-4B's and -8B's language models with a 256K
+    # context, and towers of two sizes.
+    "qwen3-vl-4b": _qwen3_vl(
+        vision=dict(
+            depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, patch_size=16,
+            out_hidden_size=2560, num_position_embeddings=2304, deepstack_visual_indexes=[5, 11, 17],
+        ),
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+    ),
+    "qwen3-vl-8b": _qwen3_vl(
+        vision=dict(
+            depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+            out_hidden_size=4096, num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
+        ),
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    ),
     # Tiny shapes for CPU tests; each exercises what its family does unusually.
     "llama-tiny": _llama(  # untied head, Llama 3 rope scaling that bites at short range, GQA 4:2
         rope_parameters={**_LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 64},
@@ -184,6 +227,20 @@ PRESETS: dict[str, Preset] = {
         query_pre_attn_scalar=24, sliding_window=16,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         max_position_embeddings=256, tie_word_embeddings=True,
+    ),
+    # qwen3-tiny's text model, 3 layers, with M-RoPE (16 frequencies: 6 on t, 5 on h, 5 on w, as
+    # the releases' 24/20/20 of 64) and a tower of 3 blocks whose first two feed DeepStack (the
+    # last does not, as in the releases), over 4-pixel patches on an 8 x 8 table of learned
+    # positions. An image is resized to between 16 x 16 and 48 x 48 pixels: 4 to 36 tokens.
+    "qwen3-vl-tiny": _qwen3_vl(
+        vision=dict(
+            depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+            out_hidden_size=64, num_position_embeddings=64, deepstack_visual_indexes=[0, 1],
+        ),
+        image_pixels=(16 * 16, 48 * 48), vocab_size=384, hidden_size=64, intermediate_size=160,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        rope_parameters={**_QWEN3_VL_ROPE, "mrope_section": [6, 5, 5]}, max_position_embeddings=512,
+        tie_word_embeddings=True,
     ),
 }  # fmt: skip
 
@@ -264,7 +321,7 @@ def make_random_checkpoint(
     hf_config = _hf_config(preset, specials, dtype)
     hf_config.save_pretrained(out)
     if preset.vision is not None:
-        _write_image_processor(out, hf_config)
+        _write_image_processor(out, preset, hf_config)
     if quantization is not None:
         # Added to the file, not the config object: transformers' model (which gives the tensor
         # shapes below) would otherwise set up its own quantizer.
@@ -282,15 +339,37 @@ def make_random_checkpoint(
 
 
 def _hf_config(preset: Preset, specials: "_Specials", dtype: torch.dtype):
-    from transformers import Gemma3Config, Gemma3TextConfig, LlamaConfig, Qwen3Config
+    from transformers import (
+        Gemma3Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        Qwen3Config,
+        Qwen3VLConfig,
+        Qwen3VLTextConfig,
+    )
 
-    config_class = {"llama": LlamaConfig, "qwen3": Qwen3Config, "gemma3": Gemma3TextConfig}[preset.arch]
+    config_class = {
+        "llama": LlamaConfig, "qwen3": Qwen3Config, "gemma3": Gemma3TextConfig, "qwen3_vl": Qwen3VLTextConfig,
+    }[preset.arch]  # fmt: skip
     token_ids = dict(
         bos_token_id=specials.bos_id,
         eos_token_id=specials.eos_ids if len(specials.eos_ids) > 1 else specials.eos_ids[0],
         pad_token_id=specials.pad_id,
         dtype=str(dtype).removeprefix("torch."),
     )
+    if preset.arch == "qwen3_vl":
+        # transformers ties the LM head by the outer tie_word_embeddings; the releases' config.json
+        # has it in both places.
+        return Qwen3VLConfig(
+            text_config=config_class(**preset.config, **token_ids),
+            vision_config=preset.vision,
+            image_token_id=specials.ids[_IMAGE_PAD],
+            video_token_id=specials.ids[_VIDEO_PAD],
+            vision_start_token_id=specials.ids[_VISION_START],
+            vision_end_token_id=specials.ids[_VISION_END],
+            tie_word_embeddings=preset.config["tie_word_embeddings"],
+            **token_ids,
+        )
     text_config = config_class(**preset.config, **token_ids)
     if preset.vision is None:
         return text_config
@@ -305,10 +384,28 @@ def _hf_config(preset: Preset, specials: "_Specials", dtype: torch.dtype):
     )
 
 
-def _write_image_processor(out: Path, hf_config) -> None:
-    """preprocessor_config.json as transformers' Gemma 3 image processor writes it (each image
-    resized to the tower's input, SigLIP's 0.5 mean and std, pan-and-scan off), and the
-    processor_config.json of the releases, which gives Gemma3Processor the image's token count."""
+def _write_image_processor(out: Path, preset: Preset, hf_config) -> None:
+    """preprocessor_config.json as transformers' image processor of the family writes it.
+
+    Gemma 3: each image resized to the tower's input, SigLIP's 0.5 mean and std, pan-and-scan
+    off; and the processor_config.json of the releases, which gives Gemma3Processor the image's
+    token count. Qwen3-VL: the tower's patch, merge and temporal patch sizes, the preset's min and
+    max pixels (`size`'s shortest_edge and longest_edge, as the releases name them), 0.5 mean and
+    std, as Qwen3-VL's preprocessor_config.json has them."""
+    if preset.arch == "qwen3_vl":
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        vision = hf_config.vision_config
+        min_pixels, max_pixels = preset.image_pixels
+        Qwen2VLImageProcessorPil(
+            patch_size=vision.patch_size,
+            merge_size=vision.spatial_merge_size,
+            temporal_patch_size=vision.temporal_patch_size,
+            size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+            image_mean=[0.5] * 3,
+            image_std=[0.5] * 3,
+        ).save_pretrained(out)
+        return
     from transformers import Gemma3ImageProcessorPil
 
     size = hf_config.vision_config.image_size
@@ -332,10 +429,12 @@ def _generation_config(hf_config) -> dict:
 
 def _tensor_shapes(hf_config) -> dict[str, tuple[int, ...]]:
     """Every tensor the transformers model stores, from an allocation-free meta instance."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    # A multimodal config's model (Qwen3VLForConditionalGeneration has no causal-LM mapping).
+    auto_class = AutoModelForImageTextToText if hasattr(hf_config, "vision_config") else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+        model = auto_class.from_config(hf_config)
     seen, shapes = set(), {}
     for name, tensor in model.state_dict().items():
         # Tied weights appear under both names; checkpoints store the first (the embedding).
@@ -346,8 +445,9 @@ def _tensor_shapes(hf_config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-# SigLIP's LayerNorm modules (a vision tower's, in the checkpoint's names and ours).
-_LAYER_NORMS = frozenset({"layer_norm1", "layer_norm2", "post_layernorm"})
+# A vision tower's LayerNorm modules whose names do not end in "norm" (SigLIP's, Qwen3-VL's
+# blocks'), in the checkpoint's names and ours.
+_LAYER_NORMS = frozenset({"layer_norm1", "layer_norm2", "post_layernorm", "norm1", "norm2"})
 
 
 def random_tensor(name: str, shape: tuple[int, ...], arch: str, generator: torch.Generator) -> torch.Tensor:
@@ -468,6 +568,11 @@ def _stream_safetensors(path: Path, specs: dict[str, tuple[tuple[int, ...], torc
             f.write(make(name).to(dtype).contiguous().view(torch.uint8).numpy().tobytes())
 
 
+# Qwen's vision tokens, by which Qwen3VLProcessor finds them (infer.models.qwen3_vl_vision spells
+# them too; importing it here would close an import circle through loader.weights).
+_VISION_START, _VISION_END = "<|vision_start|>", "<|vision_end|>"
+_IMAGE_PAD, _VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
+
 # Gemma 3's image tokens, and the tokenizer attributes (tokenizer_config.json's
 # extra_special_tokens) through which Gemma3Processor finds them.
 _BOI, _EOI, _IMAGE_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
@@ -487,9 +592,10 @@ class _Specials:
 
 def _special_tokens(arch: str, vocab_size: int, *, images: bool = False) -> _Specials:
     """The family's special tokens at the ids the real tokenizers give them (relative to the end of
-    the vocabulary for Llama and Qwen, whose special tokens follow the merges). `images` (Gemma 3
-    only): the image tokens too, at their real ids where the vocabulary holds them, else at its
-    last three ids."""
+    the vocabulary for Llama and Qwen, whose special tokens follow the merges). `images`: the
+    image tokens too; Qwen's vision tokens follow its other specials, so they sit inside any
+    vocabulary; Gemma 3's at their real ids where the vocabulary holds them, else at its last
+    three ids."""
     if arch == "llama":
         base = vocab_size - 256  # 128000 in Llama 3
         ids = {
@@ -497,10 +603,13 @@ def _special_tokens(arch: str, vocab_size: int, *, images: bool = False) -> _Spe
             "<|end_header_id|>": base + 7, "<|eom_id|>": base + 8, "<|eot_id|>": base + 9,
         }  # fmt: skip
         return _Specials(ids, base, [base + 1, base + 8, base + 9], base + 1, add_bos=True)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_vl"):
         base = vocab_size - 293  # 151643 in Qwen 3
         ids = {"<|endoftext|>": base, "<|im_start|>": base + 1, "<|im_end|>": base + 2,
                "<think>": base + 24, "</think>": base + 25}  # fmt: skip
+        if images:  # 151652, 151653, 151655, 151656
+            ids |= {_VISION_START: base + 9, _VISION_END: base + 10, _IMAGE_PAD: base + 12,
+                    _VIDEO_PAD: base + 13}  # fmt: skip
         return _Specials(ids, None, [base + 2, base], base, add_bos=False)
     ids = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<start_of_turn>": 105, "<end_of_turn>": 106}
     if not images:
@@ -632,7 +741,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    name = args.preset if args.preset in PRESETS else f"{args.arch}-{args.preset}"
+    # Preset names spell the family with hyphens: `qwen3_vl --preset tiny` is qwen3-vl-tiny.
+    name = args.preset if args.preset in PRESETS else f"{args.arch.replace('_', '-')}-{args.preset}"
     if name not in PRESETS or PRESETS[name].arch != args.arch:
         names = [n for n, p in PRESETS.items() if p.arch == args.arch]
         raise SystemExit(
