@@ -221,6 +221,8 @@ def engine_greedy_with_images(case: dict, impl: str | None) -> None:
     bounds = tolerances_by_dtype()[dtype]
     steps = min(8, bounds["greedy_steps"])
     settings = dict(use_chunked_prefill=True, prefill_chunk_size=case["chunk"], max_num_batched_tokens=64)
+    if case.get("async"):  # the next step is scheduled and launched before this one's tokens are read
+        settings["async_scheduling"] = True
     if case.get("ngram"):  # prompt lookup over a history that holds image placeholders
         settings["speculative_config"] = {
             "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
