@@ -456,3 +456,49 @@ def large_images(case: dict, impl: str | None) -> None:
     prompt, offsets = _prompt(1, seed=81)
     tokens, logprobs, _ = _generate(engine, prompt, _prompt_images(offsets, pixels, 81), steps=4)
     _check_against_reference(prompt, pixels, tokens, logprobs)
+
+
+def tensor_parallel_images(case: dict, impl: str | None) -> None:
+    """Over two tensor-parallel ranks (a worker process, gloo on the CPU), each rank running the
+    whole tower on the request's pixels: prompts with 0, 1 and 3 images give transformers'
+    greedy tokens, each token's logprob within the fp32 bound, and a repeat is served from the
+    cache with the encoder skipped."""
+    from conformance.engine_runs import run_until_finished
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+
+    folder, _ = tiny_gemma3_vision()
+    config = EngineConfig(
+        model=str(folder), device="cpu", dtype="float32", tensor_parallel_size=2, block_size=4,
+        max_num_batched_tokens=64, use_chunked_prefill=True, prefill_chunk_size=20, use_prefix_caching=True,
+    )  # fmt: skip
+    engine = Engine(config)
+    steps = 6
+    try:
+        for num_images in (0, 1, 3):
+            prompt, offsets = _prompt(num_images, seed=90 + num_images)
+            pixels = _pixels(num_images, seed=95 + num_images)
+            expected, log_softmax = _reference_greedy(prompt, pixels, steps, "cpu", torch.float32)
+            for attempt in ("cold", "cached"):
+                counts = _VisionCounts(engine)
+                request_id = engine.add_request(
+                    prompt, _greedy_params(steps), images=_prompt_images(offsets, pixels, 90 + num_images)
+                )
+                outputs = run_until_finished(engine, [request_id])[request_id]
+                assert outputs[-1].error is None, outputs[-1].error
+                tokens = [o for o in outputs if o.token_id is not None]
+                got = [o.token_id for o in tokens]
+                assert got == expected, (
+                    f"{num_images} images ({attempt}): {got} against transformers' {expected}"
+                )
+                gaps = [
+                    abs(o.logprobs.logprob - s[o.token_id].item())
+                    for o, s in zip(tokens, log_softmax, strict=True)
+                ]
+                assert max(gaps) <= tolerances_by_dtype()["float32"]["max_abs"], f"logprob gaps {gaps}"
+                if attempt == "cached":
+                    assert counts.delta() == {"runs": 0, "skipped": num_images}, (
+                        f"the encoder {counts.delta()}"
+                    )
+    finally:
+        engine.shutdown()
