@@ -26,6 +26,7 @@ from conformance.vlm.checkpoints import (
 from infer.models.forward_batch import ForwardBatch
 from infer.models.gemma3_vision import ImagePreprocessing, load_gemma3_vision
 from infer.models.load import load_causal_lm
+from infer.models.vision import image_runs
 
 PARAM = "messages[0].content[0].image_url"
 
@@ -399,7 +400,7 @@ def qwen3_vl_engine_greedy(case: dict, impl: str | None) -> None:
         pixels = [torch.randn(3, h, w, generator=generator) for h, w in qwen3_vl.IMAGE_SIZES[:num_images]]
         grids = [(1, h // qwen3_vl.PATCH, w // qwen3_vl.PATCH) for h, w in qwen3_vl.IMAGE_SIZES[:num_images]]
         prompt = qwen3_vl.prompt_with_images(grids, seed=70 + num_images)
-        runs = [r for r in _image_runs(prompt, qwen3_vl.IMAGE_TOKEN)]
+        runs = image_runs(prompt, qwen3_vl.IMAGE_TOKEN)
         images = [
             PromptImage(offset, length, pixels[i], f"{num_images:08x}{i:08x}".ljust(64, "0"))
             for i, (offset, length) in enumerate(runs)
@@ -416,12 +417,6 @@ def qwen3_vl_engine_greedy(case: dict, impl: str | None) -> None:
                     f"{final.cached_tokens} cached of {len(prompt)}"
                 )
                 assert counts.delta() == {"runs": 0, "skipped": num_images}, f"the encoder {counts.delta()}"
-
-
-def _image_runs(prompt, image_token_id):
-    from infer.models.vision import image_runs
-
-    return image_runs(prompt, image_token_id)
 
 
 def large_images(case: dict, impl: str | None) -> None:
