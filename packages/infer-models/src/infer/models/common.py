@@ -135,6 +135,20 @@ class RotaryEmbedding:
             )
         return self._tables
 
+    def rotation(
+        self, positions: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(cos, sin, index) as the rope kernels take them for `positions`: off the CPU the whole
+        tables and the positions that index them; on a CPU each token's rows, gathered once per
+        forward, and no index."""
+        cos, sin = self.tables(device)
+        if device.type != "cpu":
+            return cos, sin, positions
+        rows = self._rows
+        if rows is None or rows[0]() is not positions:
+            rows = self._rows = (weakref.ref(positions), cos[positions], sin[positions])
+        return rows[1], rows[2], None
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -146,16 +160,10 @@ class RotaryEmbedding:
     ) -> None:
         """Rotate q and k in place; with `store` (CUDA: the rotation is the KV cache's writer
         there, infer.models.attention), then write k and `store.v` into the KV cache."""
-        cos, sin = self.tables(q.device)
-        if q.device.type == "cpu":
-            if store is not None:
-                raise ValueError("on a CPU the KV cache is written by attention (store_kv), not the rotation")
-            rows = self._rows
-            if rows is None or rows[0]() is not positions:
-                rows = self._rows = (weakref.ref(positions), cos[positions], sin[positions])
-            rope(q, k, rows[1], rows[2], None)
-            return
-        rope(q, k, cos, sin, positions, store=store, pdl=pdl)
+        if q.device.type == "cpu" and store is not None:
+            raise ValueError("on a CPU the KV cache is written by attention (store_kv), not the rotation")
+        cos, sin, index = self.rotation(positions, q.device)
+        rope(q, k, cos, sin, index, store=store, pdl=pdl)
 
     def normalize_and_rotate(
         self,
@@ -176,9 +184,9 @@ class RotaryEmbedding:
             q, k = q_norm(q), k_norm(k)
             self(q, k, positions, store)
             return q, k
-        cos, sin = self.tables(q.device)
+        cos, sin, index = self.rotation(positions, q.device)
         weights, eps, offset = (q_norm.weight, k_norm.weight), q_norm.eps, q_norm.offset
-        return qk_norm_rope(q, k, *weights, eps, cos, sin, positions, offset=offset, store=store, pdl=pdl)
+        return qk_norm_rope(q, k, *weights, eps, cos, sin, index, offset=offset, store=store, pdl=pdl)
 
 
 class Attention(nn.Module):

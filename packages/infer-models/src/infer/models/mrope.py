@@ -19,8 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from infer.kernels import KVStore, qk_norm_rope, rope
-from infer.models.common import RMSNorm, RotaryEmbedding
+from infer.models.common import RotaryEmbedding
 from infer.models.config import RopeConfig
 from infer.models.vision import image_runs
 
@@ -110,39 +109,12 @@ class MRotaryEmbedding(RotaryEmbedding):
             )
         return rows[1], rows[2], rows[3]
 
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        positions: torch.Tensor,
-        store: KVStore | None = None,
-        *,
-        pdl: bool = False,
-    ) -> None:
+    def rotation(
+        self, positions: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """RotaryEmbedding.rotation; for `[3, N]` positions each token's rows, which the index
+        0..N-1 picks (none on a CPU, whose kernel takes rows as they are)."""
         if positions.dim() == 1:
-            super().__call__(q, k, positions, store, pdl=pdl)
-            return
+            return super().rotation(positions, device)
         cos, sin, index = self.token_rows(positions)
-        if q.device.type == "cpu":
-            if store is not None:
-                raise ValueError("on a CPU the KV cache is written by attention (store_kv), not the rotation")
-            rope(q, k, cos, sin, None)
-            return
-        rope(q, k, cos, sin, index, store=store, pdl=pdl)
-
-    def normalize_and_rotate(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        q_norm: RMSNorm,
-        k_norm: RMSNorm,
-        positions: torch.Tensor,
-        store: KVStore | None = None,
-        *,
-        pdl: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions.dim() == 1 or q.device.type == "cpu":
-            return super().normalize_and_rotate(q, k, q_norm, k_norm, positions, store, pdl=pdl)
-        cos, sin, index = self.token_rows(positions)
-        weights, eps, offset = (q_norm.weight, k_norm.weight), q_norm.eps, q_norm.offset
-        return qk_norm_rope(q, k, *weights, eps, cos, sin, index, offset=offset, store=store, pdl=pdl)
+        return cos, sin, None if device.type == "cpu" else index
