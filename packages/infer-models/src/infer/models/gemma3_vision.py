@@ -25,7 +25,7 @@ from safetensors import safe_open
 from torch import nn
 
 from infer.models.loader.weights import CheckpointError, checkpoint_tensors
-from infer.models.vision import ImageLayout
+from infer.models.vision import ImageLayout, checkpoint_config
 
 # What Hugging Face's Gemma3Processor writes: its chat template puts BOI where a message has an
 # image, and the processor widens that into a blank line, BOI, the soft tokens, EOI, a blank line.
@@ -60,12 +60,8 @@ class VisionConfig:
     @classmethod
     def from_file(cls, folder: str | Path) -> "VisionConfig":
         """From a Gemma 3 multimodal checkpoint's config.json (its `vision_config`)."""
-        raw = json.loads((Path(folder) / "config.json").read_text())
-        if "vision_config" not in raw:
-            raise ValueError(
-                f"{folder}: config.json has no vision_config; a text-only checkpoint has no vision tower"
-            )
-        vision, text = raw["vision_config"], raw["text_config"]
+        raw, vision = checkpoint_config(folder)
+        text = raw["text_config"]
         if vision.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
             raise ValueError(
                 f"vision_config.hidden_act {vision['hidden_act']!r}; Gemma 3's SigLIP uses gelu_pytorch_tanh"

@@ -35,7 +35,7 @@ from torch import nn
 
 from infer.kernels import rope
 from infer.models.loader.weights import CheckpointError, checkpoint_tensors
-from infer.models.vision import ImageLayout
+from infer.models.vision import ImageLayout, checkpoint_config
 
 # What Hugging Face's Qwen3VLProcessor writes: its chat template puts the marker where a message
 # has an image, and the processor repeats the pad token once per image token between the two.
@@ -74,12 +74,7 @@ class VisionConfig:
     @classmethod
     def from_file(cls, folder: str | Path) -> "VisionConfig":
         """From a Qwen3-VL checkpoint's config.json (its `vision_config`)."""
-        raw = json.loads((Path(folder) / "config.json").read_text())
-        if "vision_config" not in raw:
-            raise ValueError(
-                f"{folder}: config.json has no vision_config; a text-only checkpoint has no vision tower"
-            )
-        vision = raw["vision_config"]
+        _, vision = checkpoint_config(folder)
         if vision.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
             raise ValueError(
                 f"vision_config.hidden_act {vision['hidden_act']!r}; Qwen3-VL's tower uses gelu_pytorch_tanh"

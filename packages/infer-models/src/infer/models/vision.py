@@ -83,6 +83,17 @@ def image_runs(token_ids: list[int], image_token_id: int) -> list[tuple[int, int
     return runs
 
 
+def checkpoint_config(folder: str | Path) -> tuple[dict, dict]:
+    """(config.json, its `vision_config`) of a multimodal checkpoint; ValueError for a text-only
+    one."""
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    if "vision_config" not in raw:
+        raise ValueError(
+            f"{folder}: config.json has no vision_config; a text-only checkpoint has no vision tower"
+        )
+    return raw, raw["vision_config"]
+
+
 def has_vision_tower(folder: str | Path) -> bool:
     """Whether a checkpoint's config.json describes a vision tower (Hugging Face's multimodal
     configs nest it as `vision_config`)."""
