@@ -44,10 +44,17 @@ def cache_key_ids(token_ids: list[int], images: Sequence[PromptImage]) -> list[i
     return key
 
 
-def check_image_tokens(images: Sequence[PromptImage], prompt_ids: Sequence[int], image_token_id: int) -> None:
-    """Raises ValueError unless every image lies over `image_token_id` tokens of the prompt (the
-    scheduler checks that they lie inside it, in order)."""
+def check_images(images: Sequence[PromptImage], prompt_ids: Sequence[int], image_token_id: int) -> None:
+    """Raises ValueError unless the images lie inside the prompt, in order, each over
+    `image_token_id` tokens."""
+    previous_end = 0
     for index, image in enumerate(images):
+        if not previous_end <= image.offset < image.end <= len(prompt_ids):
+            raise ValueError(
+                f"image {index}'s tokens [{image.offset}, {image.end}) are not inside the prompt after "
+                "the image before it"
+            )
+        previous_end = image.end
         if any(token != image_token_id for token in prompt_ids[image.offset : image.end]):
             raise ValueError(
                 f"image {index}: prompt tokens [{image.offset}, {image.end}) are not all the model's "

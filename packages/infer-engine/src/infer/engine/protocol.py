@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from infer.engine.config import EngineConfig
 from infer.engine.decision import TokenLogprobs
-from infer.engine.images import PromptImage, check_image_tokens
+from infer.engine.images import PromptImage, check_images
 from infer.engine.request import InvalidParamError, RequestTooLongError
 from infer.engine.sampling_params import SamplingParams
 
@@ -279,7 +279,7 @@ class CoreLimits:
                 "serve without speculative_config or with the ngram method"
             )
         if images:
-            check_image_tokens(images, prompt_ids, self.image_token_id)
+            check_images(images, prompt_ids, self.image_token_id)
         num_image_tokens = sum(image.num_tokens for image in images)
         if self.image_token_id is not None and prompt_ids.count(self.image_token_id) != num_image_tokens:
             raise ValueError(

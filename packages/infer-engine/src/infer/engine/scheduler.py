@@ -315,21 +315,14 @@ class Scheduler:
         self._requests[request.request_id] = request
 
     def _check_images(self, request: Request) -> None:
-        """Raises ValueError for images out of the prompt or out of order, and, with whole_images,
-        for an image longer than a step's token budget (it could never run)."""
-        previous_end = 0
-        for index, image in enumerate(request.images):
-            if not previous_end <= image.offset < image.end <= request.num_prompt_tokens:
-                raise ValueError(
-                    f"request {request.request_id!r}: image {index}'s tokens [{image.offset}, "
-                    f"{image.end}) are not inside the prompt after the image before it"
-                )
-            if self.whole_images and image.num_tokens > self.max_num_batched_tokens:
+        """With whole_images, raises ValueError for an image longer than a step's token budget (it
+        could never run). Where images lie is CoreLimits.check_request's to check."""
+        for index, image in enumerate(request.images if self.whole_images else ()):
+            if image.num_tokens > self.max_num_batched_tokens:
                 raise ValueError(
                     f"request {request.request_id!r}: image {index} takes {image.num_tokens} tokens, "
                     f"more than max_num_batched_tokens ({self.max_num_batched_tokens}) holds in a step"
                 )
-            previous_end = image.end
 
     def schedule(self) -> ScheduleDecision:
         """Plans the next step: serves due decoders, then the policy's order (running requests and
