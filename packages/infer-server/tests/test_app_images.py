@@ -96,7 +96,7 @@ def our_prompt(checkpoint: Path, messages: list[dict]):
     processor = image_processor_for(checkpoint, "gemma3")
     images = load_images(body.image_urls(), processor, VLM, MediaPolicy())
     prompt = chat_template_for("gemma3").render(body.template_messages(), add_generation_prompt=True)
-    return encode_with_images(prompt, images, processor.layout, body, Tokenizer(checkpoint))
+    return encode_with_images(prompt, images, processor, body, Tokenizer(checkpoint))
 
 
 def test_the_prompt_with_images_is_gemma3_processors_with_googles_template(checkpoint):

@@ -4,7 +4,7 @@
    MediaPolicy) and run through the model's ImageProcessor (infer.models.vision): pixel values
    and a placeholder count. A model without a vision tower, too many images, or an image the
    server will not take: a 400 naming the part.
-2. `encode_with_images` (every chat prompt of a model that takes images): the chat template
+2. `encode_with_images` (every chat prompt; a text model's is only tokenized): the chat template
    wrote the model's marker (`layout.marker`) for each image part, in order; each is widened into
    the text the model's own processor puts there (`layout.expansion(num_tokens)`: for Gemma 3, a
    blank line, `<start_of_image>`, the placeholders, `<end_of_image>`, a blank line), the text is
@@ -67,11 +67,20 @@ def _load_image(param: str, url: str, processor: ImageProcessor, policy: MediaPo
 
 
 def encode_with_images(
-    prompt: str, images: Sequence[ChatImage], layout: ImageLayout, body: ChatCompletionRequest, tokenizer
+    prompt: str,
+    images: Sequence[ChatImage],
+    processor: ImageProcessor | None,
+    body: ChatCompletionRequest,
+    tokenizer,
 ) -> tuple[list[int], list[PromptImage]]:
     """The ids of a rendered chat prompt (`tokenizer`: infer.models' Tokenizer) with its images
-    widened, and the images over their placeholder runs. ApiError 400 when the request's text
-    spells an image."""
+    widened, and the images over their placeholder runs; for a model without a vision tower
+    (`processor` None) the prompt's ids alone. ApiError 400 when the request's text spells an
+    image."""
+    if processor is None:  # load_images refused any image part already
+        # The rendered text holds the BOS the template wants: no special tokens added.
+        return tokenizer.encode(prompt, add_special_tokens=False), []
+    layout = processor.layout
     # The template writes one marker per image part: any more came from text. Outside them the
     # placeholder is text's (a marker may hold it: Qwen's does).
     outside_markers = prompt.replace(layout.marker, "") if images else prompt
@@ -81,7 +90,6 @@ def encode_with_images(
         pieces = prompt.split(layout.marker)
         widened = zip(images, pieces[1:], strict=True)
         prompt = pieces[0] + "".join(layout.expansion(image.num_tokens) + piece for image, piece in widened)
-    # The rendered text holds the BOS the template wants: no special tokens added.
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     return prompt_ids, _prompt_images(prompt_ids, images, layout)
 

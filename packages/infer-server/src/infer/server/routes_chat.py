@@ -66,18 +66,14 @@ async def create_chat_completion(request: Request) -> Response:
         )
     prompt = await run_in_threadpool(_render, server, body, tools)
     check_prompt_chars(len(prompt), server.max_prompt_chars, "messages")
-    if server.image_processor is not None:
-        prompt_ids, engine_images = await run_in_threadpool(
-            chat_images.encode_with_images,
-            prompt + call_prefix,
-            images,
-            server.image_processor.layout,
-            body,
-            server.engine.tokenizer,
-        )
-    else:
-        prompt_ids = await run_in_threadpool(_encode, server, prompt + call_prefix)
-        engine_images = []
+    prompt_ids, engine_images = await run_in_threadpool(
+        chat_images.encode_with_images,
+        prompt + call_prefix,
+        images,
+        server.image_processor,
+        body,
+        server.engine.tokenizer,
+    )
     params = sampling_params(
         body,
         len(prompt_ids),
@@ -197,8 +193,3 @@ def _render(server: ServerState, body: ChatCompletionRequest, tools: chat_tools.
         ) from None
     except ChatTemplateError as error:  # the template refused these messages (e.g. a role order)
         raise ApiError(400, str(error), errors.INVALID_REQUEST, "messages", "invalid_value") from None
-
-
-def _encode(server: ServerState, prompt: str) -> list[int]:
-    # The rendered text already holds the BOS the template wants: no special tokens added here.
-    return server.engine.tokenizer.encode(prompt, add_special_tokens=False)

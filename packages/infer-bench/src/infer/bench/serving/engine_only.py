@@ -52,10 +52,7 @@ def request_prompt(
         prompt = template.render(
             body.template_messages(), add_generation_prompt=True, **body.template_kwargs()
         )
-        if image_processor is None:
-            # The rendered text holds the BOS the template wants: no special tokens added.
-            return engine.tokenizer.encode(prompt, add_special_tokens=False), []
-        return chat_images.encode_with_images(prompt, images, image_processor.layout, body, engine.tokenizer)
+        return chat_images.encode_with_images(prompt, images, image_processor, body, engine.tokenizer)
     except ApiError as error:  # what the server would answer with a 400
         raise ValueError(f"request {request.index}: {error.message} ({error.param})") from None
 
