@@ -23,6 +23,7 @@ from conformance.vlm.checkpoints import (
     TOKENS_PER_IMAGE,
     tiny_gemma3_vision,
 )
+from conformance.vlm.real_shapes import real_shape_parity  # noqa: F401  (VLM-015's check)
 from infer.models.forward_batch import ForwardBatch
 from infer.models.gemma3_vision import ImagePreprocessing, load_gemma3_vision
 from infer.models.load import load_causal_lm
