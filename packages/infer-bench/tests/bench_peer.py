@@ -5,6 +5,13 @@ Not a model: each request streams `max_tokens` chunks ("t0 ", "t1 ", ...), the f
 OpenAI's SSE format. It records what it received and the most requests it had in flight, so the
 tests can check the client's timings and concurrency against what really happened.
 
+A chat prompt's tokens are its messages' words, plus `preamble_tokens` (what a chat template
+may add to every prompt unseen by the client, e.g. a default system header). With `prefix_cache`
+it plays a prefix cache of whole messages: a chat request whose messages start with all of an
+earlier request's is served that request's prompt tokens from the "cache"
+(`usage.prompt_tokens_details.cached_tokens`, the largest such), and /metrics counts admissions
+as `infer_prefix_cache_matches_total{kind="prefix"}` or `{kind="miss"}`, as our server does.
+
 Run alone (what `infer bench matrix` starts in its test):
     python bench_peer.py --engine-config FILE --host 127.0.0.1 --port P [--token-delay-s S]
 """
@@ -33,9 +40,14 @@ def create_peer_app(
     first_token_delay_s: float = 0.02,
     token_delay_s: float = 0.005,
     reject_ignore_eos: bool = False,
+    preamble_tokens: int = 0,
+    prefix_cache: bool = False,
 ) -> FastAPI:
     app = FastAPI()
     state = {"received": [], "in_flight": 0, "max_in_flight": 0, "queue_time_sum": 0.0, "queue_time_count": 0}
+    # The prefix cache: every chat prompt so far, as (messages, prompt tokens); admissions by kind.
+    state["cached_prompts"] = []
+    state["matches"] = {"miss": 0, "prefix": 0, "lcp": 0}
     app.state.peer = state
 
     def error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -50,8 +62,17 @@ def create_peer_app(
             return error(404, f"model {body.get('model')!r} is not served here", "model")
         state["received"].append(body)
         num_tokens = body["max_tokens"]
+        num_cached_tokens = None
         if chat:
-            num_prompt_tokens = sum(_num_words(m["content"]) for m in body["messages"])
+            messages = body["messages"]
+            num_prompt_tokens = preamble_tokens + sum(_num_words(m["content"]) for m in messages)
+            if prefix_cache:
+                num_cached_tokens = max(
+                    (n for earlier, n in state["cached_prompts"] if messages[: len(earlier)] == earlier),
+                    default=0,
+                )
+                state["matches"]["prefix" if num_cached_tokens else "miss"] += 1
+                state["cached_prompts"].append((messages, num_prompt_tokens))
         else:
             num_prompt_tokens = len(body["prompt"])
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -91,6 +112,8 @@ def create_peer_app(
                     "completion_tokens": num_tokens,
                     "total_tokens": num_prompt_tokens + num_tokens,
                 }
+                if num_cached_tokens is not None:
+                    usage["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
                 payload = {
                     "id": "peer-1",
                     "object": kind,
@@ -137,6 +160,11 @@ def create_peer_app(
             f"infer_request_queue_time_seconds_sum {state['queue_time_sum']}",
             f"infer_request_queue_time_seconds_count {state['queue_time_count']}",
         ]
+        if prefix_cache:
+            lines.append("# TYPE infer_prefix_cache_matches_total counter")
+            lines += [
+                f'infer_prefix_cache_matches_total{{kind="{k}"}} {n}' for k, n in state["matches"].items()
+            ]
         return PlainTextResponse("\n".join(lines) + "\n")
 
     return app

@@ -38,3 +38,13 @@ def vision_engine_config(tmp_path_factory):
     path = root / "engine.json"
     path.write_text(json.dumps(config.to_dict()))
     return path
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer(tmp_path_factory):
+    """The tokenizer of a random llama-3.2-1b checkpoint (no weights): its vocabulary spells each
+    of COMMON_WORDS as one token, as real tokenizers do (the tiny presets' spell bytes)."""
+    from tokenizers import Tokenizer
+
+    folder = make_random_checkpoint("llama-3.2-1b", tmp_path_factory.mktemp("words") / "ckpt", weights=False)
+    return Tokenizer.from_file(str(folder / "tokenizer.json"))

@@ -2,6 +2,7 @@
 + FastAPI streaming OpenAI SSE), checked against what the server itself saw."""
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import socket
@@ -18,7 +19,7 @@ from infer.bench.serving.cli import main as bench_main
 from infer.bench.serving.client import run_workload
 from infer.bench.serving.report import serve_markdown
 from infer.bench.serving.runner import benchmark_server
-from infer.bench.serving.workloads import WorkloadShape, make_workload
+from infer.bench.serving.workloads import SHAPES, WorkloadShape, make_workload
 
 _spec = importlib.util.spec_from_file_location("bench_peer", Path(__file__).with_name("bench_peer.py"))
 bench_peer = importlib.util.module_from_spec(_spec)
@@ -545,3 +546,197 @@ def test_serve_second_pass_finds_every_image_the_first_encoded(vision_engine_con
     table = md_path.read_text()
     assert "| pass | TTFT p50 x pass 1 | images encoded | images skipped | encoder ms/image |" in table
     assert f"| 2 | {later['ttft_p50_ratio_to_pass_1']:.2f} | 0 | {n} | - |" in table
+
+
+# W7's pattern, small: a 700-token system prompt (by the estimate; the tools' JSON is most of it),
+# tool results of 40-120 words, answers of 60-120 tokens (well above the estimate's allowance for
+# a turn's template and call, so that a cap check that forgot an answer would be seen).
+TINY_AGENT = WorkloadShape(
+    "agent",
+    output_tokens=(60, 120),
+    user_words=(4, 8),
+    system_prompt_tokens=700,
+    tool_result_tokens=(40, 120),
+    max_context_tokens=2500,
+    think_time_s=0.03,
+    requests_per_client=1,
+)
+
+
+def _peer_prompt_tokens(body: dict, preamble_tokens: int) -> int:
+    """A chat prompt's tokens as the peer counts them (bench_peer.py): its messages' words."""
+    return preamble_tokens + sum(len(message["content"].split()) for message in body["messages"])
+
+
+def test_agent_sessions_resend_the_conversation_pause_and_stop_before_the_cap():
+    """W7 against the peer, whose chat template adds 1200 tokens the client cannot see: each turn
+    is the previous turn's messages, the peer's reply (taken to have called the turn's tool) and
+    the tool result; every turn waits its think time after the previous reply; by the peer's own
+    counts no turn's context passes the cap (with the estimate's allowance for a turn's call and
+    template), and a session that stops before its planned turns does so because its next turn
+    would have passed it."""
+    # More than the estimate overcounts by the end of a plan (the JSON's punctuation, the
+    # template allowance of each turn), so that sessions meet the cap before their plan ends.
+    preamble = 1200
+    workload = make_workload("W7", shape=TINY_AGENT, concurrency=6)
+    app = bench_peer.create_peer_app(
+        first_token_delay_s=0.002, token_delay_s=0.0002, preamble_tokens=preamble
+    )
+    with ThreadedServer(app) as server:
+        run = asyncio.run(run_workload(workload, base_url=server.base_url, model="peer-model", warmup=False))
+    assert all(record.ok for record in run.records), [record.error for record in run.records]
+    sessions: dict[str, list[dict]] = {}
+    for body in app.state.peer["received"]:
+        sessions.setdefault(body["messages"][1]["content"], []).append(body)
+    cap = TINY_AGENT.max_context_tokens
+    stopped_early = 0
+    for request in workload.requests:
+        bodies = sessions[request.turns[0][1]["content"]]
+        assert bodies[0]["messages"] == list(request.turns[0])
+        assert [body["max_tokens"] for body in bodies] == list(request.turn_max_tokens[: len(bodies)])
+        for turn, (before, after) in enumerate(zip(bodies, bodies[1:], strict=False), start=1):
+            (result,) = request.turns[turn]
+            reply, tool = after["messages"][len(before["messages"]) :]
+            assert after["messages"][: len(before["messages"])] == before["messages"]
+            assert reply["content"] == "".join(f"t{i} " for i in range(before["max_tokens"]))
+            assert reply["tool_calls"][0]["function"] == result["call"]
+            assert tool == {
+                "role": "tool",
+                "tool_call_id": reply["tool_calls"][0]["id"],
+                "content": result["content"],
+            }
+        # A turn's context as the peer counts it, plus what the client's estimate allows for the
+        # turn's call and template wrapping beyond the tool result's words (none for turn 0).
+        allowances = [0] + [
+            num_tokens - len(result["content"].split())
+            for num_tokens, (result,) in zip(request.turn_num_tokens[1:], request.turns[1:], strict=True)
+        ]
+        for turn, body in enumerate(bodies):
+            assert _peer_prompt_tokens(body, preamble) + body["max_tokens"] + allowances[turn] <= cap
+        if len(bodies) < len(request.turns):
+            stopped_early += 1
+            # The next turn: the last prompt, its reply, the tool result, the answer.
+            (result,) = request.turns[len(bodies)]
+            words = len(result["content"].split())
+            allowance = allowances[len(bodies)]
+            last = bodies[-1]
+            next_context = (
+                _peer_prompt_tokens(last, preamble)
+                + last["max_tokens"]
+                + words
+                + request.turn_max_tokens[len(bodies)]
+            )
+            assert next_context + allowance > cap
+    assert stopped_early > 0  # the preamble the plan did not know of made some stop sooner
+    by_session = {}
+    for record in sorted(run.records, key=lambda record: record.turn):
+        by_session.setdefault(record.index, []).append(record)
+    for request in workload.requests:
+        turns = by_session[request.index]
+        assert len(turns) >= 3
+        for turn, (before, after) in enumerate(zip(turns, turns[1:], strict=False), start=1):
+            assert after.send_time - before.end_time >= request.turn_think_s[turn] - 1e-3  # clock rounding
+
+
+def test_cli_serve_w7_reports_each_turn_and_the_prefix_cache_matches(tmp_path):
+    """`infer bench serve --workload W7` against the peer playing a prefix cache of whole messages:
+    every session runs all its planned turns (the peer counts no more tokens than the plan); a
+    later turn reuses the previous turn's prompt; the first turn of session 0 was sent untimed
+    already (warm-up and probe), so only session 1's first turn misses; the report's match kinds
+    are what the peer counted over the timed turns."""
+    app = bench_peer.create_peer_app(first_token_delay_s=0.002, token_delay_s=0.0002, prefix_cache=True)
+    json_path, md_path = tmp_path / "run.json", tmp_path / "run.md"
+    with ThreadedServer(app) as server:
+        status = bench_main([
+            "serve", "--base-url", server.base_url, "--workload", "W7", "--concurrency", "2",
+            "--max-context-tokens", "8000", "--think-time-s", "0.01",
+            "--json", str(json_path), "--md", str(md_path),
+        ])  # fmt: skip
+    assert status == 0
+    report = json.loads(json_path.read_text())
+    assert (report["workload"]["max_context_tokens"], report["workload"]["think_time_s"]) == (8000, 0.01)
+    workload = make_workload(
+        "W7",
+        shape=dataclasses.replace(SHAPES["W7"], max_context_tokens=8000, think_time_s=0.01),
+        concurrency=2,
+    )
+    records = report["records"]
+    assert len(records) == report["workload"]["planned_turns"] == sum(len(r.turns) for r in workload.requests)
+    prompts = {(record["index"], record["turn"]): record["num_prompt_tokens"] for record in records}
+    for record in records:
+        if record["turn"] > 0:
+            assert record["num_cached_tokens"] == prompts[(record["index"], record["turn"] - 1)]
+    first_turns = sorted(
+        (record["index"], record["num_cached_tokens"]) for record in records if record["turn"] == 0
+    )
+    assert first_turns == [(0, prompts[(0, 0)]), (1, 0)]
+    stats = report["stats"]
+    assert stats["prefix_cache_matches"] == {"miss": 1, "prefix": len(records) - 1, "lcp": 0}
+    # And the untimed warm-up (a miss) and probe (a hit on it).
+    assert app.state.peer["matches"] == {"miss": 2, "prefix": len(records), "lcp": 0}
+    per_turn = stats["turns"]["per_turn"]
+    assert [one["requests"] for one in per_turn] == [
+        sum(1 for record in records if record["turn"] == turn) for turn in range(len(per_turn))
+    ]
+    later = [record["ttft_s"] for record in records if record["turn"] >= 2]
+    assert later and stats["turns"]["ttft_p50_turns_from_3_s"] == pytest.approx(statistics.median(later))
+    markdown = md_path.read_text()
+    assert f"TTFT p50 of turns >= 3: {1000 * statistics.median(later):.1f} ms" in markdown
+    assert f"interleave, so not per turn): miss 1, prefix {len(records) - 1}, lcp 0" in markdown
+    assert (
+        "| turn | requests | TTFT p50 (ms) | TTFT p99 (ms) | prompt tokens | computed | reused |" in markdown
+    )
+
+
+def test_agent_sessions_against_our_server_reuse_their_history_within_the_cap(tmp_path):
+    """W7's pattern on our server with the prefix cache, on the tiny vocabulary that spells words
+    byte by byte (4-5 tokens a word where the plan counts 1): the client scales its estimate by
+    what the server counted and ends each session before the cap; every turn reuses cached
+    tokens, a later turn at least the previous turn's prompt; none misses; the report's match
+    kinds are our server's /metrics over the timed turns, one admission each."""
+    import torch
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+    from infer.models.random_checkpoint import make_random_checkpoint
+    from infer.server.app import create_app
+
+    max_seq_len = 8192
+    checkpoint = make_random_checkpoint("llama-tiny", tmp_path / "llama-tiny", dtype=torch.float32)
+    hf_config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**hf_config, "max_position_embeddings": max_seq_len}))
+    config = EngineConfig(
+        model=str(checkpoint), device="cpu", max_batch_size=2, max_seq_len=max_seq_len,
+        use_chunked_prefill=True, use_prefix_caching=True,
+    )  # fmt: skip
+    cap = 5000
+    shape = dataclasses.replace(
+        TINY_AGENT,
+        output_tokens=(2, 4),
+        tool_result_tokens=(10, 30),
+        max_context_tokens=cap,
+        think_time_s=0.0,
+    )
+    workload = make_workload("W7", shape=shape, concurrency=2)
+    with ThreadedServer(create_app(lambda: Engine(config))) as server:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{server.base_url}/health").status_code != 200:
+            assert time.monotonic() < deadline, "our server did not become healthy in 60 s"
+            time.sleep(0.1)
+        report = asyncio.run(benchmark_server(workload, base_url=server.base_url, model=str(checkpoint)))
+    records = report["records"]
+    assert all(record["error"] is None for record in records), [record["error"] for record in records]
+    for request in workload.requests:
+        turns = sorted((r for r in records if r["index"] == request.index), key=lambda r: r["turn"])
+        assert [r["turn"] for r in turns] == list(range(len(turns)))
+        assert 3 <= len(turns) < len(request.turns)  # the plan, at a token a word, was far longer
+        contexts = [r["num_prompt_tokens"] + r["num_output_tokens"] for r in turns]
+        assert max(contexts) <= cap and contexts[-1] > cap - 400  # a turn here: ~100-250 tokens
+        # The first turns share the system prompt the untimed warm-up left; each later turn
+        # reuses at least the whole prompt of the turn before it.
+        assert turns[0]["num_cached_tokens"] > 0
+        for before, after in zip(turns, turns[1:], strict=False):
+            assert after["num_cached_tokens"] >= before["num_prompt_tokens"]
+    matches = report["stats"]["prefix_cache_matches"]
+    assert set(matches) == {"miss", "prefix", "supersequence", "lcp"}
+    assert sum(matches.values()) == len(records) and matches["miss"] == 0

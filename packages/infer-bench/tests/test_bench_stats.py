@@ -1,6 +1,7 @@
 """Statistics against independent oracles: numpy and the statistics module."""
 
 import math
+import random
 import statistics
 
 import numpy as np
@@ -10,7 +11,14 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from infer.bench.serving.client import RequestRecord, RunResult
-from infer.bench.serving.server_info import histogram_mean_between, memory_gauges, parse_prometheus_text
+from infer.bench.serving.report import turns_markdown
+from infer.bench.serving.server_info import (
+    PREFIX_CACHE_MATCHES,
+    counter_by_label_between,
+    histogram_mean_between,
+    memory_gauges,
+    parse_prometheus_text,
+)
 from infer.bench.serving.stats import percentile, run_stats, summarize
 from infer.bench.serving.workloads import make_workload
 from infer.server.metrics import ServerMetrics
@@ -156,3 +164,70 @@ def test_histogram_mean_between_two_scrapes_and_memory_gauges():
     assert (mean, count) == (pytest.approx(0.3), 2)
     assert histogram_mean_between(before, after, "absent_histogram") is None
     assert memory_gauges(after)["infer_kv_cache_total_bytes"] == 4096
+
+
+def test_turn_stats_match_a_brute_force_over_known_timings():
+    """Seeded sessions of 1-6 turns with known TTFTs, prompt and cached tokens (one failed turn):
+    per turn (numbered from 1) the requests, TTFT p50/p99 of the successful ones (numpy), prompt
+    tokens reused and computed; the TTFT p50 of turns 3 and later; and the markdown's rows."""
+    rng = random.Random(7)
+    records = []
+    for session in range(9):
+        for turn in range(rng.randint(1, 6)):
+            record = _record(session, 0.0, [rng.uniform(0.01, 2.0), 2.5], prompt_tokens=rng.randint(1, 999))
+            record.turn, record.num_cached_tokens = turn, rng.randint(0, record.num_prompt_tokens)
+            records.append(record)
+    records[5].error = "HTTP 500: boom"
+    stats = run_stats(RunResult(make_workload("W5"), 0.0, 3.0, records, ignore_eos_sent=True))
+    turns = stats["turns"]
+    assert [one["turn"] for one in turns["per_turn"]] == list(range(1, max(r.turn for r in records) + 2))
+    rows = []
+    for one in turns["per_turn"]:
+        everyone = [r for r in records if r.turn == one["turn"] - 1]
+        ok = [r for r in everyone if r.error is None]
+        ttft_ms = 1000 * np.array([r.first_token_time - r.send_time for r in ok])
+        prompt = sum(r.num_prompt_tokens for r in ok)
+        reused = sum(r.num_cached_tokens for r in ok)
+        assert (one["requests"], one["num_ok"]) == (len(everyone), len(ok))
+        assert 1000 * one["ttft_s"]["p50"] == pytest.approx(np.percentile(ttft_ms, 50))
+        assert 1000 * one["ttft_s"]["p99"] == pytest.approx(np.percentile(ttft_ms, 99))
+        assert (one["prompt_tokens"], one["reused_tokens"], one["computed_tokens"]) == (
+            prompt,
+            reused,
+            prompt - reused,
+        )
+        p50, p99 = np.percentile(ttft_ms, [50, 99])
+        cells = [one["turn"], len(everyone), f"{p50:.1f}", f"{p99:.1f}", prompt, prompt - reused, reused]
+        rows.append("| " + " | ".join(map(str, cells)) + " |")
+    later = [r.first_token_time - r.send_time for r in records if r.turn >= 2 and r.error is None]
+    assert turns["ttft_p50_turns_from_3_s"] == pytest.approx(np.median(later))
+    ok = [r for r in records if r.error is None]
+    reused = sum(r.num_cached_tokens for r in ok)
+    computed = sum(r.num_prompt_tokens for r in ok) - reused
+    markdown = turns_markdown(stats).splitlines()
+    assert markdown[0] == (
+        f"Whole run: {stats['output_tokens'] / 3.0:.1f} out tok/s, prefill {computed} tokens computed, "
+        f"{reused} reused; TTFT p50 of turns >= 3: {1000 * np.median(later):.1f} ms"
+    )
+    assert markdown[-len(rows) :] == rows
+
+
+def test_single_requests_have_no_turn_stats():
+    run = RunResult(
+        make_workload("W2"), 0.0, 1.0, [_record(0, 0.0, [0.1], prompt_tokens=4)], ignore_eos_sent=True
+    )
+    assert run_stats(run)["turns"] is None
+
+
+def test_prefix_cache_matches_between_two_scrapes_of_our_metrics():
+    """What each kind of our server's infer_prefix_cache_matches_total gained between scrapes."""
+    metrics = ServerMetrics()
+    metrics.prefix_cache_matches_total.set_total(4, kind="miss")
+    metrics.prefix_cache_matches_total.set_total(1, kind="prefix")
+    before = parse_prometheus_text(metrics.render())
+    for kind, total in {"miss": 6, "prefix": 10, "lcp": 3}.items():
+        metrics.prefix_cache_matches_total.set_total(total, kind=kind)
+    after = parse_prometheus_text(metrics.render())
+    gained = counter_by_label_between(before, after, *PREFIX_CACHE_MATCHES)
+    assert gained == {"miss": 2, "prefix": 9, "supersequence": 0, "lcp": 3}
+    assert counter_by_label_between(before, after, "absent_total", "kind") is None

@@ -1,22 +1,24 @@
-"""Workloads W1-W6: the same arguments give the same requests, and lengths stay in their ranges."""
+"""Workloads W1-W7: the same arguments give the same requests, and lengths stay in their ranges."""
 
 import base64
 import dataclasses
 import io
+import json
 
 import pytest
 from PIL import Image
 
+from infer.bench.serving.cli import main as bench_main
 from infer.bench.serving.workloads import SHAPES, make_workload, untimed_stand_in
 from infer.models.random_checkpoint import COMMON_WORDS
 
 
-@pytest.mark.parametrize("name", ["W1", "W2", "W3", "W6"])
+@pytest.mark.parametrize("name", ["W1", "W2", "W3", "W6", "W7"])
 def test_same_seed_gives_the_same_requests(name):
     assert make_workload(name, seed=3).requests == make_workload(name, seed=3).requests
 
 
-@pytest.mark.parametrize("name", ["W2", "W3", "W6"])
+@pytest.mark.parametrize("name", ["W2", "W3", "W6", "W7"])
 def test_another_seed_gives_other_requests(name):
     assert make_workload(name, seed=0).requests != make_workload(name, seed=1).requests
 
@@ -157,10 +159,105 @@ def test_a_negative_image_size_is_refused_by_name():
 
 
 def test_image_size_on_a_text_workload_is_refused_by_name(capsys):
-    from infer.bench.serving.cli import main as bench_main
-
     status = bench_main(
         ["serve", "--base-url", "http://127.0.0.1:9", "--workload", "W2", "--image-size", "64"]
     )
     assert status == 1
     assert "--image-size is for workloads with images (W6); W2 has none" in capsys.readouterr().err
+
+
+def _tokens(tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def test_w7_sessions_start_from_one_system_and_tools_prompt_and_grow_by_tool_results(word_tokenizer):
+    """One session per client; every session the same ~3000-token system prompt (tool
+    definitions as JSON, then words), a task, then tool results of 500-2000 tokens by a tokenizer
+    that spells each common word as one token, each answering a call to a tool the system prompt
+    defines; answers of 100-300 tokens."""
+    workload = make_workload("W7", concurrency=8)
+    assert workload.num_requests == 8 and workload.describe()["max_context_tokens"] == 32768
+    systems = {request.turns[0][0]["content"] for request in workload.requests}
+    assert len(systems) == 1
+    (system,) = systems
+    # Byte-level spellings of JSON keys cost the random vocabulary more than real ones (one or two
+    # tokens a key there): the prompt is 3000 tokens by the estimate and within a quarter above.
+    assert 3000 <= _tokens(word_tokenizer, system) <= 3750
+    header, tools_json, _ = system.split("\n", 2)
+    tools = {tool["function"]["name"]: tool["function"]["parameters"] for tool in json.loads(tools_json)}
+    assert header == "You may call these tools:" and len(tools) == 6
+    result_tokens = []
+    for request in workload.requests:
+        assert [message["role"] for message in request.turns[0]] == ["system", "user"]
+        assert request.turns[0][1]["content"].startswith(f"Session {request.index}: ")
+        assert len(request.turns) > 10  # a 32k context holds many turns of ~1.5k tokens
+        for (message,) in request.turns[1:]:
+            assert message["role"] == "tool"
+            result_tokens.append(_tokens(word_tokenizer, message["content"]))
+            arguments = json.loads(message["call"]["arguments"])
+            assert list(arguments) == tools[message["call"]["name"]]["required"]
+        assert all(100 <= tokens <= 300 for tokens in request.turn_max_tokens)
+        assert len(request.turn_max_tokens) == len(request.turn_think_s) == len(request.turns)
+    assert min(result_tokens) >= 500 and max(result_tokens) <= 2000
+    # Uniform over the range: both ends are reached to within 10%.
+    assert min(result_tokens) < 650 and max(result_tokens) > 1850
+
+
+@pytest.mark.parametrize("max_context_tokens", [32768, 8192])
+def test_w7_plans_sessions_that_fill_the_cap_by_less_than_a_turn(max_context_tokens):
+    """By the plan's own estimate (prompt tokens each turn adds, and the answers' max_tokens), a
+    session stays within the cap, and the room left is less than the largest turn could take."""
+    shape = dataclasses.replace(SHAPES["W7"], max_context_tokens=max_context_tokens)
+    workload = make_workload("W7", shape=shape, concurrency=8)
+    largest_turn = shape.tool_result_tokens[1] + shape.output_tokens[1] + 64  # + the call and template
+    for request in workload.requests:
+        context = sum(request.turn_num_tokens) + sum(request.turn_max_tokens)
+        assert max_context_tokens - largest_turn < context <= max_context_tokens
+        assert request.max_context_tokens == max_context_tokens
+
+
+def test_w7_think_times_are_seeded_exponential_draws_that_leave_the_rest_alone():
+    """The pause before each turn (none before the first): the same draws scaled by the mean, so
+    another mean changes nothing else; their mean is near the mean asked for; 0 is a closed loop."""
+    shapes = {mean: dataclasses.replace(SHAPES["W7"], think_time_s=mean) for mean in (0.0, 2.0, 4.0)}
+    runs = {mean: make_workload("W7", shape=shape, concurrency=8).requests for mean, shape in shapes.items()}
+    for request, closed, doubled in zip(runs[2.0], runs[0.0], runs[4.0], strict=True):
+        assert request.turns == closed.turns == doubled.turns
+        assert request.turn_max_tokens == closed.turn_max_tokens == doubled.turn_max_tokens
+        assert request.turn_think_s[0] == 0 and set(closed.turn_think_s) == {0.0}
+        assert doubled.turn_think_s == pytest.approx([2 * pause for pause in request.turn_think_s])
+    draws = [pause for request in runs[2.0] for pause in request.turn_think_s[1:]]
+    assert len(draws) > 100 and min(draws) > 0
+    # An exponential's mean over n draws has a standard deviation of mean / sqrt(n): 3 of them.
+    assert abs(sum(draws) / len(draws) - 2.0) < 3 * 2.0 / len(draws) ** 0.5
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"max_context_tokens": 2000}, "max_context_tokens 2000 is below a session's first turn"),
+        ({"think_time_s": -1.0}, "think_time_s must be >= 0"),
+        ({"tool_result_tokens": (0, 10)}, "tool_result_tokens range must satisfy 1 <= low"),
+    ],
+)
+def test_w7_bad_shapes_are_refused_by_name(change, message):
+    with pytest.raises(ValueError, match=message):
+        make_workload("W7", shape=dataclasses.replace(SHAPES["W7"], **change))
+
+
+def test_w7_flags_on_another_workload_are_refused_by_name(capsys):
+    status = bench_main(
+        ["serve", "--base-url", "http://127.0.0.1:9", "--workload", "W5", "--think-time-s", "1"]
+    )
+    assert status == 1
+    assert "--think-time-s is for agent sessions (W7); W5 has none" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["W5", "W7"])
+def test_engine_only_refuses_conversations_before_loading_anything(name, tmp_path, capsys):
+    """Their turns send the server's replies back as chat text: `bench serve` runs them. The
+    engine config is not even read (the file does not exist)."""
+    argv = ["engine-only", "--engine-config", str(tmp_path / "absent.json"), "--workload", name]
+    assert bench_main(argv) == 1
+    error = capsys.readouterr().err
+    assert f"{name} is a conversation workload" in error and "infer bench serve" in error

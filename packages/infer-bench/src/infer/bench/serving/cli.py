@@ -2,6 +2,8 @@
 
 infer bench serve --base-url URL [--model NAME] --workload W2 --concurrency 16 --seed 0
                   [--passes N] [--json OUT] [--md OUT]
+infer bench serve --base-url URL --workload W7 --concurrency 32 [--max-context-tokens 32768]
+                  [--think-time-s 2]
 infer bench matrix --model M [--device cuda --dtype bfloat16] --workloads W2,W3 --out DIR
 infer bench hf-baseline --model PATH --workload W2 --concurrency 64 [--json OUT]
 infer bench engine-only --engine-config FILE --workload W2 --concurrency 64 [--repeats 3] [--passes N]
@@ -130,6 +132,19 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--image-size", type=int, default=None, help="pixels per side of each image (W6: 896)"
     )
+    parser.add_argument(
+        "--max-context-tokens",
+        type=int,
+        default=None,
+        help="agent sessions end where their next turn would pass this context (W7: 32768)",
+    )
+    parser.add_argument(
+        "--think-time-s",
+        type=float,
+        default=None,
+        help="mean pause of an agent session before each turn, exponential and seeded; 0: a closed "
+        "loop (W7: 2)",
+    )
 
 
 def _add_passes_argument(parser: argparse.ArgumentParser) -> None:
@@ -163,6 +178,12 @@ def _workload(args, *, seed: int | None = None, num_requests: int | None = None)
         if not shape.image_size:
             raise ValueError(f"--image-size is for workloads with images (W6); {args.workload} has none")
         shape = dataclasses.replace(shape, image_size=args.image_size)
+    for flag, name in (("--max-context-tokens", "max_context_tokens"), ("--think-time-s", "think_time_s")):
+        value = getattr(args, name)
+        if value is not None:
+            if shape.kind != "agent":
+                raise ValueError(f"{flag} is for agent sessions (W7); {args.workload} has none")
+            shape = dataclasses.replace(shape, **{name: value})
     return make_workload(
         args.workload,
         concurrency=args.concurrency,
@@ -206,8 +227,13 @@ def _run_engine_only(args) -> int:
     from infer.engine.config import EngineConfig
     from infer.engine.engine import Engine
 
-    config = EngineConfig.from_file(args.engine_config)
     workload = _workload(args)
+    if workload.shape.is_conversation:
+        raise ValueError(
+            f"{args.workload} is a conversation workload: each turn sends the server's previous reply "
+            "back as text, which needs the chat route; run it with `infer bench serve`"
+        )
+    config = EngineConfig.from_file(args.engine_config)
     if args.repeats < 1 or args.passes < 1:
         raise ValueError(f"--repeats and --passes must be >= 1, got {args.repeats} and {args.passes}")
     engine = Engine(config)

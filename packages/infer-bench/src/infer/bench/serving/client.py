@@ -237,10 +237,15 @@ async def run_conversation(
 ) -> list[RequestRecord]:
     """The turns of one conversation, each sent when the previous reply has ended, with the
     whole conversation so far (the replies as the server gave them); one record per turn. A turn
-    that fails ends the conversation."""
+    that fails ends the conversation. An agent session (W7) pauses for each turn's think time
+    first, and ends where its next turn would pass its context cap (`passes_context_cap`)."""
     history: list[dict] = []
     records: list[RequestRecord] = []
     for turn, (messages, max_tokens) in enumerate(zip(request.turns, request.turn_max_tokens, strict=True)):
+        if turn and passes_context_cap(request, records):
+            break
+        if request.turn_think_s and request.turn_think_s[turn] > 0:
+            await asyncio.sleep(request.turn_think_s[turn])
         for message in messages:
             if message["role"] == "tool":
                 # The previous reply is taken to have called the tool this message answers.
@@ -260,6 +265,33 @@ async def run_conversation(
             break
         history.append({"role": "assistant", "content": "".join(reply)})
     return records
+
+
+def passes_context_cap(request: BenchRequest, records: list[RequestRecord]) -> bool:
+    """Whether the session's next turn (the one after `records`) would pass its context cap, by
+    the server's counts: the last turn's `usage.prompt_tokens` and output tokens, plus the new
+    turn's estimate (BenchRequest.turn_num_tokens) times `scale`, plus its max_tokens.
+
+    `scale` is the most server tokens per estimated token that a tool turn so far showed (what
+    the prompt grew by besides the reply, over the turn's estimate), before any the first turn's
+    prompt over its estimate, and at least 1: 1 where each word is a token (an estimate that
+    overcounts, as for JSON, is kept), about 4-5 on a byte-level vocabulary. The most, not the
+    last: a byte-level vocabulary's tokens per word vary with the words. Without the server's
+    counts the plan stands (workloads: the turns fit the cap by the estimate)."""
+    if request.max_context_tokens is None:
+        return False
+    prompts = [record.num_prompt_tokens for record in records]
+    if None in prompts:
+        return False
+    turn = len(records)
+    shown = [
+        (prompts[k] - prompts[k - 1] - records[k - 1].num_output_tokens) / request.turn_num_tokens[k]
+        for k in range(1, turn)
+    ] or [prompts[0] / request.turn_num_tokens[0]]
+    estimate = math.ceil(max(1.0, *shown) * request.turn_num_tokens[turn])
+    last = records[-1]
+    context = last.num_prompt_tokens + last.num_output_tokens + estimate + request.turn_max_tokens[turn]
+    return context > request.max_context_tokens
 
 
 def default_client_processes(concurrency: int) -> int:

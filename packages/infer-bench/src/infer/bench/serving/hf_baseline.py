@@ -45,7 +45,7 @@ def load_hf_model(model_path: str, *, device: str, dtype: str, attn_implementati
 
 def prompt_token_ids(workload: Workload, model_path: str) -> list[list[int]]:
     """Token ids of every request: as given for completions, chat-templated for chat workloads."""
-    if workload.shape.kind == "conversation":
+    if workload.shape.is_conversation:
         raise ValueError(
             f"{workload.name} is a conversation workload: each turn sends the server's previous reply, "
             "which a batch of independent prompts cannot; run it with `infer bench serve`"

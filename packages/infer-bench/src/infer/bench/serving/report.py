@@ -8,7 +8,7 @@ JSON layout of one `infer bench serve` run (runner.benchmark_server):
              (from --engine-config FILE, else /v1/models), memory gauges and raw /metrics after the run
   ignore_eos_sent, notes
   stats      see stats.py (each latency: count, mean, p50, p95, p99, in seconds); with --passes,
-             pass 1's
+             pass 1's; multi-turn runs (W5, W7) add `turns`, per turn and from turn 3 on
   probe      the idle-server prefill probe
   records    one per request: send/first-token/chunk/end times, tokens, finish reason, error
   later_passes  with --passes N > 1, passes 2..N: pass, stats, ttft_p50_ratio_to_pass_1, records
@@ -71,6 +71,41 @@ def _runs_table(report: dict) -> str:
     return markdown_table(header, rows)
 
 
+def turns_markdown(stats: dict) -> str:
+    """A multi-turn run: the whole run in a line (output tok/s, prompt tokens computed and
+    reused, the TTFT p50 of turns 3 and later), then a row per turn."""
+    turns, cache = stats["turns"], stats.get("prefix_cache")
+    prefill = (
+        f"prefill {cache['computed_tokens']} tokens computed, {cache['cached_tokens']} reused"
+        if cache
+        else "prefill computed / reused not reported by the server"
+    )
+    later = turns["ttft_p50_turns_from_3_s"]
+    lines = [
+        f"Whole run: {stats['output_tokens_per_s']:.1f} out tok/s, {prefill}; TTFT p50 of turns >= 3: "
+        + ("-" if later is None else f"{later * 1000:.1f} ms"),
+        "",
+    ]
+    header = ["turn", "requests", "TTFT p50 (ms)", "TTFT p99 (ms)", "prompt tokens", "computed", "reused"]
+    rows = [
+        [
+            str(one["turn"]),
+            str(one["requests"]),
+            _ms(one["ttft_s"], "p50"),
+            _ms(one["ttft_s"], "p99"),
+            str(one["prompt_tokens"]),
+            _count(one["computed_tokens"]),
+            _count(one["reused_tokens"]),
+        ]
+        for one in turns["per_turn"]
+    ]
+    return "\n".join([*lines, markdown_table(header, rows)])
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
 def serve_markdown(report: dict) -> str:
     """One run: what ran where, then a table row per pass."""
     workload = report["workload"]
@@ -103,6 +138,16 @@ def serve_markdown(report: dict) -> str:
             f"({100 * cache['hit_rate']:.1f}%), {cache['cached_tokens']} of {cache['prompt_tokens']} prompt "
             f"tokens served from it ({100 * cache['cached_share']:.1f}%)",
         ]
+    matches = stats.get("prefix_cache_matches")
+    if matches:
+        counts = ", ".join(f"{kind} {count}" for kind, count in matches.items())
+        lines += [
+            "",
+            "Prefix cache matches over the run (the server's /metrics; concurrent sessions' turns "
+            f"interleave, so not per turn): {counts}",
+        ]
+    if stats.get("turns"):
+        lines += ["", turns_markdown(stats)]
     memory = report["server"]["memory_after_run"]
     if memory:
         lines += [

@@ -107,6 +107,9 @@ def _pass_stats(run, samples_before: dict, samples_after: dict) -> dict:
         server_queue_time=queue_time,
         spec_decode=spec_decode_from_metrics(samples_before, samples_after),
         vision=vision_from_metrics(samples_before, samples_after),
+        prefix_cache_matches=server_info.counter_by_label_between(
+            samples_before, samples_after, *server_info.PREFIX_CACHE_MATCHES
+        ),
     )
 
 

@@ -59,6 +59,22 @@ def histogram_mean_between(before: dict, after: dict, name: str) -> tuple[float,
     return (after[sum_key] - before.get(sum_key, 0.0)) / count, int(count)
 
 
+def counter_by_label_between(before: dict, after: dict, name: str, label: str) -> dict[str, int] | None:
+    """What each series of counter `name` gained between two scrapes, by its `label`'s value
+    (e.g. infer_prefix_cache_matches_total by kind); None when the server has no such series."""
+    gained = {}
+    for key, value in after.items():
+        series, labels = key
+        values = dict(labels)
+        if series == name and label in values:
+            gained[values[label]] = int(value - before.get(key, 0.0))
+    return gained or None
+
+
+# Our server's prefix-cache admissions by match kind (infer.server.metrics).
+PREFIX_CACHE_MATCHES = ("infer_prefix_cache_matches_total", "kind")
+
+
 def memory_gauges(samples: dict) -> dict[str, float]:
     """Every sample whose name mentions memory or bytes (KV cache, weights, activations...)."""
     out = {}

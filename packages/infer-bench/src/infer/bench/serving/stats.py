@@ -21,6 +21,17 @@ Definitions (all from the client's clock):
                        /metrics (infer.bench.spec_decode); None when it does not speculate
   vision               what the server's vision tower did over the timed run and what its prefix
                        cache spared it, from its /metrics (infer.bench.vision); None without a tower
+  prefix_cache         what the server says its prefix cache served (usage.prompt_tokens_details
+                       .cached_tokens): requests that hit, prompt tokens reused (cached) and
+                       computed (prompt - cached); None when it says nothing
+  prefix_cache_matches admissions by what the prefix cache held of the request (our server's
+                       infer_prefix_cache_matches_total{kind} over the timed run: miss, prefix,
+                       supersequence, lcp); for the run as a whole, since the turns of concurrent
+                       sessions interleave and a scrape cannot tell them apart; None without it
+  turns                multi-turn runs (W5, W7): per turn (1: the first) the requests that got
+                       there, TTFT, prompt tokens reused and computed; and the TTFT p50 of turns
+                       3 and later (`ttft_p50_turns_from_3_s`), where a session's own history
+                       is most of the prompt; None for single requests
   queue_wait_s         from the server's queue-time histogram when /metrics has one (mean only);
                        else estimated per request as max(0, TTFT - unloaded prefill), where the
                        unloaded prefill time is the idle-server probe's TTFT scaled linearly by
@@ -86,10 +97,12 @@ def run_stats(
     server_queue_time: tuple[float, int] | None = None,
     spec_decode: dict | None = None,
     vision: dict | None = None,
+    prefix_cache_matches: dict[str, int] | None = None,
 ) -> dict:
     """Every statistic of one run as plain data (Summary fields inline), for the JSON report.
     `spec_decode`: the server's speculative-decoding figures over the run (infer.bench.spec_decode);
-    `vision`: its vision tower's (infer.bench.vision)."""
+    `vision`: its vision tower's (infer.bench.vision); `prefix_cache_matches`: its prefix cache's
+    admissions by match kind (server_info.counter_by_label_between)."""
     ok = [record for record in run.records if record.ok]
     output_tokens = sum(record.num_output_tokens for record in ok)
     prompt_tokens = sum(record.num_prompt_tokens or 0 for record in ok)
@@ -132,6 +145,8 @@ def run_stats(
         "e2e_s": e2e.as_dict() if e2e else None,
         "queue_wait_s": queue_wait,
         "prefix_cache": prefix_cache_stats(ok),
+        "prefix_cache_matches": prefix_cache_matches,
+        "turns": turn_stats(run.records),
     }
 
 
@@ -150,5 +165,33 @@ def prefix_cache_stats(records: list[RequestRecord]) -> dict | None:
         "hit_rate": hits / len(reported),
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached,
+        "computed_tokens": prompt_tokens - cached,
         "cached_share": cached / prompt_tokens if prompt_tokens else math.nan,
     }
+
+
+def turn_stats(records: list[RequestRecord]) -> dict | None:
+    """Per turn of a multi-turn run (see the module); None when every record is a first turn."""
+    if not any(record.turn for record in records):
+        return None
+    by_turn: dict[int, list[RequestRecord]] = {}
+    for record in records:
+        by_turn.setdefault(record.turn, []).append(record)
+    per_turn = []
+    for turn in sorted(by_turn):
+        ok = [record for record in by_turn[turn] if record.ok]
+        ttft = summarize([record.ttft_s for record in ok])
+        cache = prefix_cache_stats(ok)
+        per_turn.append(
+            {
+                "turn": turn + 1,
+                "requests": len(by_turn[turn]),
+                "num_ok": len(ok),
+                "ttft_s": ttft.as_dict() if ttft else None,
+                "prompt_tokens": sum(record.num_prompt_tokens or 0 for record in ok),
+                "reused_tokens": cache["cached_tokens"] if cache else None,
+                "computed_tokens": cache["computed_tokens"] if cache else None,
+            }
+        )
+    later = summarize([record.ttft_s for record in records if record.ok and record.turn >= 2])
+    return {"per_turn": per_turn, "ttft_p50_turns_from_3_s": later.p50 if later else None}

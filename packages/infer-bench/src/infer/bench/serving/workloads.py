@@ -1,4 +1,4 @@
-"""The benchmark workloads W1-W6: seeded request lists that any OpenAI-compatible server can run.
+"""The benchmark workloads W1-W7: seeded request lists that any OpenAI-compatible server can run.
 
 W1  one request: a 256-token prompt, 256 output tokens (latency of one stream).
 W2  mixed lengths: prompts of 32-1024 tokens and outputs of 64-256, uniform in each range.
@@ -18,6 +18,14 @@ W6  vision chat: one user message each, an image (a PNG `data:` URL of 896 x 896
     own per request) then a short question (8-16 words), outputs of 64-128 tokens. What the
     vision tower and the image-keyed prefix cache are for: `--passes 2` sends the same requests
     again, and the second pass should encode no image (infer.bench.vision).
+W7  agent sessions (the issue's "W6, agent sessions"; W6 was taken by vision): `concurrency`
+    sessions at once (8 or 32), each from one shared system-and-tools prompt of ~3000 tokens (tool
+    definitions as JSON, then instructions) and a task of 16-64 words, then turn after turn a tool
+    result of 500-2000 tokens, as W5's tool turns answer a call the previous reply is taken to
+    have made; answers of 100-300 tokens a turn. A session grows until its next turn would pass
+    `max_context_tokens` (32768), and pauses before each turn for a think time of its own
+    (exponential, mean `think_time_s`, 2 s; 0: a closed loop), so a server's cache must keep the
+    sessions that are idle. What a prefix cache holding many long, idle sessions is for.
 
 Completion prompts are token id lists (the server takes a list of ints as `prompt`), so their
 lengths are exact. The ids are uniform in [0, vocab_size); every supported family has at least
@@ -32,13 +40,26 @@ decodes and preprocesses a full-size image. The pixels are seeded; the PNG bytes
 encoding of them. The image comes before the question, so the text after it fills the image's
 last KV block and a prefix-cache hit can cover the whole image.
 
-A W5 request is a whole conversation: its client sends the turns one after another, each when
-the previous reply has ended, and every turn is timed as a request of its own.
+A W5 or W7 request is a whole conversation: its client sends the turns one after another, each
+when the previous reply has ended (W7: and its think time has passed), and every turn is timed as
+a request of its own.
+
+W7 sizes its text in tokens by `estimated_tokens`: one a word (each of COMMON_WORDS is one token
+in real tokenizers and in the random checkpoints' but the tiny presets', which spell words byte by
+byte) and one a punctuation mark (BPE vocabularies merge some, so JSON is overcounted), plus
+TEMPLATE_TOKENS_PER_MESSAGE for each message's chat-template wrapping. A tool result of n tokens
+is n words. A session's turns are planned with the estimate: one more while the next turn's
+context (every prompt token, and max_tokens for every answer) stays within the cap. While it
+runs, the client ends a session sooner where the server's own count says the next turn would
+pass the cap: the previous turn's `usage.prompt_tokens` and output tokens, plus the new turn's
+estimate (scaled where the server's tokenizer spells words in pieces) and max_tokens
+(client.passes_context_cap).
 
 Concurrency: a workload of `num_requests` requests is run by `concurrency` clients, each sending
 its next request when its previous one has finished (a closed loop), so at most `concurrency`
-requests are in flight. `num_requests` defaults to 2 x concurrency; with `num_requests ==
-concurrency` every request is sent at once ("N concurrent"). W1 is always 1 client, 1 request.
+requests are in flight. `num_requests` defaults to 2 x concurrency (W7: 1 x, a session per
+client); with `num_requests == concurrency` every request is sent at once ("N concurrent"). W1 is
+always 1 client, 1 request.
 
 Everything is drawn from `random.Random(seed)`: the same (name, concurrency, num_requests, seed)
 gives the same requests on every machine and Python version.
@@ -48,6 +69,7 @@ import base64
 import io
 import json
 import random
+import re
 from dataclasses import dataclass, field
 
 from infer.models.random_checkpoint import COMMON_WORDS
@@ -56,6 +78,19 @@ DEFAULT_VOCAB_SIZE = 32000
 REQUESTS_PER_CLIENT = 2
 # Cells per side of a W6 image (see the module docstring).
 IMAGE_GRID_CELLS = 8
+# W7: the tokens a chat template wraps a message in (role markers, separators), as the estimate
+# counts them: Llama 3 and ChatML spend 4-5; the rest is margin for a reply re-encoded as text.
+TEMPLATE_TOKENS_PER_MESSAGE = 8
+# W7's tools: (name, its one string parameter), described to the model as JSON in the system prompt.
+AGENT_TOOLS = (
+    ("search", "query"),
+    ("open", "path"),
+    ("run", "command"),
+    ("list", "path"),
+    ("fetch", "url"),
+    ("edit", "change"),
+)
+_TOKEN_PIECES = re.compile(r"\w+|[^\w\s]")
 
 
 @dataclass(frozen=True)
@@ -79,6 +114,20 @@ class WorkloadShape:
     # Chat: each request's user message starts with an image of image_size x image_size pixels
     # (0: no image).
     image_size: int = 0
+    # Agent sessions (kind "agent"): the shared system-and-tools prompt's tokens, each tool
+    # result's, the context a session must stay within, and the mean pause before each turn.
+    system_prompt_tokens: int = 0
+    tool_result_tokens: tuple[int, int] = (0, 0)
+    max_context_tokens: int = 0
+    think_time_s: float = 0.0
+    # num_requests by default: this many per client.
+    requests_per_client: int = REQUESTS_PER_CLIENT
+
+    @property
+    def is_conversation(self) -> bool:
+        """Each request is turns that send the server's replies back (W5, W7): no batch of
+        independent prompts can stand for it."""
+        return self.kind in ("conversation", "agent")
 
 
 SHAPES: dict[str, WorkloadShape] = {
@@ -103,6 +152,16 @@ SHAPES: dict[str, WorkloadShape] = {
         tool_turn_every=3,
     ),
     "W6": WorkloadShape("chat", output_tokens=(64, 128), user_words=(8, 16), image_size=896),
+    "W7": WorkloadShape(
+        "agent",
+        output_tokens=(100, 300),
+        user_words=(16, 64),
+        system_prompt_tokens=3000,
+        tool_result_tokens=(500, 2000),
+        max_context_tokens=32768,
+        think_time_s=2.0,
+        requests_per_client=1,
+    ),
 }
 # The concurrency levels the matrix runs for each workload.
 CONCURRENCY_LEVELS: dict[str, tuple[int, ...]] = {
@@ -113,6 +172,7 @@ CONCURRENCY_LEVELS: dict[str, tuple[int, ...]] = {
     "W4-decode": (16, 64),
     "W5": (16, 64),
     "W6": (16, 64),
+    "W7": (8, 32),
 }
 
 
@@ -129,6 +189,12 @@ class BenchRequest:
     # previous reply is taken to have made), and each turn's max_tokens (max_tokens: the first's).
     turns: tuple[tuple[dict, ...], ...] | None = None
     turn_max_tokens: tuple[int, ...] = ()
+    # An agent session (W7): the tokens each turn adds to the prompt besides the replies (by
+    # `estimated_tokens`, template wrapping included), the pause before each turn (the first's 0),
+    # and the context the session stays within (None: no cap).
+    turn_num_tokens: tuple[int, ...] = ()
+    turn_think_s: tuple[float, ...] = ()
+    max_context_tokens: int | None = None
 
     @property
     def endpoint(self) -> str:
@@ -166,6 +232,11 @@ class Workload:
             "turns_range": list(self.shape.turns),
             "tool_turn_every": self.shape.tool_turn_every,
             "image_size": self.shape.image_size,
+            "system_prompt_tokens": self.shape.system_prompt_tokens,
+            "tool_result_tokens_range": list(self.shape.tool_result_tokens),
+            "max_context_tokens": self.shape.max_context_tokens,
+            "think_time_s": self.shape.think_time_s,
+            "planned_turns": sum(len(r.turns or ()) for r in self.requests),
             "total_max_tokens": sum(sum(r.turn_max_tokens) or r.max_tokens for r in self.requests),
         }
 
@@ -181,7 +252,8 @@ def make_workload(
 ) -> Workload:
     """The requests of workload `name` (a key of SHAPES, or any name with an explicit `shape`).
 
-    `concurrency` defaults to the workload's first level; `num_requests` to 2 x concurrency (W1: 1).
+    `concurrency` defaults to the workload's first level; `num_requests` to
+    `shape.requests_per_client` x concurrency (W1: 1).
     """
     if shape is None:
         if name not in SHAPES:
@@ -195,7 +267,7 @@ def make_workload(
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if num_requests is None:
-        num_requests = 1 if name == "W1" else REQUESTS_PER_CLIENT * concurrency
+        num_requests = 1 if name == "W1" else shape.requests_per_client * concurrency
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     _check_range("output_tokens", shape.output_tokens, minimum=1)
@@ -236,8 +308,14 @@ def make_workload(
         _check_range("turns", shape.turns, minimum=1)
         system_prompt = _words(rng, shape.system_prompt_words)
         requests = [_conversation(rng, i, shape, system_prompt) for i in range(num_requests)]
+    elif shape.kind == "agent":
+        _check_agent_shape(shape)
+        system_prompt = _agent_system_prompt(rng, shape.system_prompt_tokens)
+        requests = [_agent_session(rng, i, shape, system_prompt) for i in range(num_requests)]
     else:
-        raise ValueError(f"workload kind must be 'completion', 'chat' or 'conversation', got {shape.kind!r}")
+        raise ValueError(
+            f"workload kind must be 'completion', 'chat', 'conversation' or 'agent', got {shape.kind!r}"
+        )
     return Workload(name=name, concurrency=concurrency, seed=seed, requests=requests, shape=shape)
 
 
@@ -254,6 +332,84 @@ def _conversation(rng: random.Random, index: int, shape: WorkloadShape, system_p
             turns.append((*system, user))
     max_tokens = tuple(rng.randint(*shape.output_tokens) for _ in turns)
     return BenchRequest(index=index, max_tokens=max_tokens[0], turns=tuple(turns), turn_max_tokens=max_tokens)
+
+
+def estimated_tokens(text: str) -> int:
+    """W7's token estimate of `text`: one a word, one a punctuation mark (see the module)."""
+    return len(_TOKEN_PIECES.findall(text))
+
+
+def _check_agent_shape(shape: WorkloadShape) -> None:
+    _check_range("user_words", shape.user_words, minimum=1)
+    _check_range("tool_result_tokens", shape.tool_result_tokens, minimum=1)
+    if shape.think_time_s < 0:
+        raise ValueError(f"think_time_s must be >= 0 (0: no pause), got {shape.think_time_s}")
+    if shape.max_context_tokens < 1:
+        raise ValueError(f"max_context_tokens must be >= 1, got {shape.max_context_tokens}")
+
+
+def _agent_system_prompt(rng: random.Random, num_tokens: int) -> str:
+    """The tool definitions as JSON, then instructions: words up to `num_tokens` by the estimate."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": _words(rng, rng.randint(12, 24)),
+                "parameters": {
+                    "type": "object",
+                    "properties": {parameter: {"type": "string", "description": _words(rng, 6)}},
+                    "required": [parameter],
+                },
+            },
+        }
+        for name, parameter in AGENT_TOOLS
+    ]
+    tools_section = "You may call these tools:\n" + json.dumps(tools) + "\n\n"
+    return tools_section + _words(rng, max(0, num_tokens - estimated_tokens(tools_section)))
+
+
+def _agent_session(rng: random.Random, index: int, shape: WorkloadShape, system_prompt: str) -> BenchRequest:
+    """Turn 0: the system prompt and a task; then tool results, planned while the next turn's
+    estimated context stays within the cap (see the module)."""
+    task = f"Session {index}: " + _words(rng, rng.randint(*shape.user_words))
+    turns = [({"role": "system", "content": system_prompt}, {"role": "user", "content": task})]
+    # The system and user messages, and the generation prompt.
+    num_tokens = [estimated_tokens(system_prompt) + estimated_tokens(task) + 3 * TEMPLATE_TOKENS_PER_MESSAGE]
+    max_tokens = [rng.randint(*shape.output_tokens)]
+    think_s = [0.0]
+    context = num_tokens[0] + max_tokens[0]
+    if context > shape.max_context_tokens:
+        raise ValueError(
+            f"max_context_tokens {shape.max_context_tokens} is below a session's first turn ({context} "
+            f"tokens by the estimate: the system prompt, a task and {max_tokens[0]} to answer); raise it"
+        )
+    while True:
+        name, parameter = rng.choice(AGENT_TOOLS)
+        call = {"name": name, "arguments": json.dumps({parameter: rng.choice(COMMON_WORDS)})}
+        result_tokens = rng.randint(*shape.tool_result_tokens)
+        result = {"role": "tool", "content": _words(rng, result_tokens), "call": call}
+        # The call, rendered in the previous reply's message, and the tool message.
+        added = result_tokens + estimated_tokens(json.dumps(call)) + 2 * TEMPLATE_TOKENS_PER_MESSAGE
+        answer_tokens = rng.randint(*shape.output_tokens)
+        # Drawn as a unit exponential and scaled: the other draws are the same at any mean.
+        pause_s = shape.think_time_s * rng.expovariate(1.0)
+        if context + added + answer_tokens > shape.max_context_tokens:
+            break
+        turns.append((result,))
+        num_tokens.append(added)
+        max_tokens.append(answer_tokens)
+        think_s.append(pause_s)
+        context += added + answer_tokens
+    return BenchRequest(
+        index=index,
+        max_tokens=max_tokens[0],
+        turns=tuple(turns),
+        turn_max_tokens=tuple(max_tokens),
+        turn_num_tokens=tuple(num_tokens),
+        turn_think_s=tuple(think_s),
+        max_context_tokens=shape.max_context_tokens,
+    )
 
 
 def untimed_stand_in(workload: Workload) -> Workload:
