@@ -18,6 +18,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from conformance.prefix_cache.two_tiers import two_tiers_keep_contents  # noqa: F401  (PFX-009)
 from conformance.state_machines import run_machine
 from infer.cache import BlockAllocator, LockError, MatchKind, PrefixTree
 

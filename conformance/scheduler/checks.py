@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from infer.cache import COPY, QUANTIZE, RESTORE, BlockAllocator, PrefixTree
+from infer.cache import COPY, OFFLOAD, RESTORE, BlockAllocator, PrefixTree
 from infer.cache.prefix_tree import TREE_OWNER
 from infer.engine.decision import RunnerOutput, ScheduleDecision
 from infer.engine.kv_manager import KVCacheManager
@@ -908,7 +908,7 @@ def assert_reads_own_tokens(sim: Simulation) -> None:
     position it attends to."""
     block_size = sim.case["block_size"]
     kv: dict[int, list[int | None]] = defaultdict(lambda: [None] * block_size)
-    int8_store: dict[int, list[int | None]] = defaultdict(lambda: [None] * block_size)  # by slot
+    stored: dict[int, list[int | None]] = defaultdict(lambda: [None] * block_size)  # by slot
     token_ids: dict[str, list[int]] = {}
     for decision, rows in zip(sim.decisions, replay(sim).rows, strict=True):
         step = decision.step
@@ -917,10 +917,10 @@ def assert_reads_own_tokens(sim: Simulation) -> None:
         for kind, source, target in decision.block_ops:
             if kind == COPY:
                 kv[target] = list(kv[source])
-            elif kind == QUANTIZE:
-                int8_store[target] = list(kv[source])
+            elif kind == OFFLOAD:
+                stored[target] = list(kv[source])
             elif kind == RESTORE:
-                kv[target] = list(int8_store[source])
+                kv[target] = list(stored[source])
             else:
                 raise AssertionError(f"step {step}: unknown block operation {kind!r} ({source} -> {target})")
         for row in rows:

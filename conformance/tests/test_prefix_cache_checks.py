@@ -113,6 +113,47 @@ class SplitsRunsAtSequenceEnds(PrefixTree):
                 node.children.pop(-1, None)
 
 
+class RestoresEveryBlockIntoTheFirst(PrefixTree):
+    """A warm whose restores all land in the first of the blocks it was given."""
+
+    def warm(self, match, blocks):
+        warmed, restores = super().warm(match, blocks)
+        return warmed, [(slot, restores[0][1]) for slot, _ in restores]
+
+
+class KeepsDroppedSlots(PrefixTree):
+    """A stored leaf that goes keeps its slot."""
+
+    def _remove(self, node):
+        slot = node.slot
+        super()._remove(node)
+        if slot is not None:
+            self.slots.allocate(1, self.owner)
+
+
+def two_tier_messages(broken, case: dict, *, says: str) -> list[str]:
+    from conformance.prefix_cache.two_tiers import TWO_TIER_TREES
+
+    TWO_TIER_TREES["Broken"] = broken
+    try:
+        return failure_messages(checks.two_tiers_keep_contents, case, "Broken", (says,))
+    finally:
+        del TWO_TIER_TREES["Broken"]
+
+
+@pytest.mark.parametrize(
+    ("broken", "says"),
+    [(RestoresEveryBlockIntoTheFirst, "shares block"), (KeepsDroppedSlots, "slots")],
+    ids=lambda value: value.__name__ if isinstance(value, type) else "",
+)
+def test_broken_two_tier_tree_fails_pfx_009(broken, says):
+    case = {"block_size": 2, "num_blocks": 6, "num_slots": 4, "min_tokens": 0, "max_examples": 200}
+    case["steps"] = 30
+    messages = two_tier_messages(broken, case, says=says)
+    assert messages, f"two_tiers_keep_contents passed {broken.__name__}"
+    assert any(says in message for message in messages), messages
+
+
 def assertion_messages(check, broken, case: dict, *, says: str) -> list[str]:
     """The AssertionErrors a check raises on the broken tree (`failure_messages`)."""
     checks.TREES["Broken"] = lambda allocator, block_size, max_blocks: broken(

@@ -4,7 +4,7 @@ takes, and the pool running quantize / restore / copy operations in order."""
 import pytest
 import torch
 
-from infer.cache import COPY, QUANTIZE, RESTORE, KVCacheShape, PagedKVPool, QuantizedKVStore
+from infer.cache import COPY, OFFLOAD, RESTORE, KVCacheShape, PagedKVPool, QuantizedKVStore
 from infer.cache.kv_quant import dequantize_int8, group_size_for, quantize_int8
 
 SHAPE = KVCacheShape(num_layers=2, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, block_size=4)
@@ -44,12 +44,12 @@ def test_an_int8_slot_takes_about_half_the_bytes_of_a_bf16_block():
 
 
 def test_a_quantized_block_restores_into_another_block_within_the_bound():
-    pool = PagedKVPool(SHAPE, num_blocks=4, num_quantized_slots=2)
+    pool = PagedKVPool(SHAPE, num_blocks=4, store=QuantizedKVStore(SHAPE, 2))
     for layer, (k_cache, v_cache) in enumerate(pool.kv_layers):
         k_cache[1] = kv_like(4, 2, 128, seed=layer)
         v_cache[1] = kv_like(4, 2, 128, seed=10 + layer)
     original = [(k[1].float().clone(), v[1].float().clone()) for k, v in pool.kv_layers]
-    pool.run_block_ops([(QUANTIZE, 1, 0)])
+    pool.run_block_ops([(OFFLOAD, 1, 0)])
     pool.kv_layers[0][0][1].zero_()  # the block goes to a new owner
     pool.run_block_ops([(RESTORE, 0, 3)])
     for (k_cache, v_cache), (k, v) in zip(pool.kv_layers, original, strict=True):
@@ -59,14 +59,14 @@ def test_a_quantized_block_restores_into_another_block_within_the_bound():
 
 
 def test_block_ops_run_in_order_when_a_slot_or_block_is_reused_within_a_step():
-    pool = PagedKVPool(SHAPE, num_blocks=4, num_quantized_slots=1)
+    pool = PagedKVPool(SHAPE, num_blocks=4, store=QuantizedKVStore(SHAPE, 1))
     k_cache = pool.kv_layers[0][0]
     for block in range(4):
         k_cache[block] = block + 1
     # Slot 0 holds block 0; it is restored into block 1, then takes block 2, which is restored
     # into block 3; then block 3 is copied over block 0. One batch per op would mix them up.
-    pool.run_block_ops([(QUANTIZE, 0, 0)])
-    pool.run_block_ops([(RESTORE, 0, 1), (QUANTIZE, 2, 0), (RESTORE, 0, 3), (COPY, 3, 0)])
+    pool.run_block_ops([(OFFLOAD, 0, 0)])
+    pool.run_block_ops([(RESTORE, 0, 1), (OFFLOAD, 2, 0), (RESTORE, 0, 3), (COPY, 3, 0)])
     assert [k_cache[block].float().mean().item() for block in range(4)] == [3, 1, 3, 3]
     # Copies of one kind in a row: the second reads what the first wrote.
     k_cache[0] = 7
@@ -76,19 +76,19 @@ def test_block_ops_run_in_order_when_a_slot_or_block_is_reused_within_a_step():
 
 def test_int8_ops_on_a_pool_without_slots_are_refused():
     pool = PagedKVPool(SHAPE, num_blocks=2)
-    with pytest.raises(ValueError, match="quantized slots"):
-        pool.run_block_ops([(QUANTIZE, 0, 0)])
+    with pytest.raises(ValueError, match="a pool with a store"):
+        pool.run_block_ops([(OFFLOAD, 0, 0)])
 
 
 @pytest.mark.gpu
 def test_on_cuda_a_bf16_block_round_trips_within_the_bound():
     shape = KVCacheShape(num_layers=1, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16, block_size=16)
-    pool = PagedKVPool(shape, num_blocks=4, device="cuda", num_quantized_slots=2)
+    pool = PagedKVPool(shape, num_blocks=4, device="cuda", store=QuantizedKVStore(shape, 2, "cuda"))
     k_cache, v_cache = pool.kv_layers[0]
     k_cache[2] = kv_like(16, 8, 64).to("cuda", torch.bfloat16)
     v_cache[2] = kv_like(16, 8, 64, seed=1).to("cuda", torch.bfloat16)
     before = [k_cache[2].float().clone(), v_cache[2].float().clone()]
-    pool.run_block_ops([(QUANTIZE, 2, 1), (RESTORE, 1, 0)])
+    pool.run_block_ops([(OFFLOAD, 2, 1), (RESTORE, 1, 0)])
     for cache, original in zip((k_cache, v_cache), before, strict=True):
         error = (cache[0].float() - original).abs().amax(-1)
         assert torch.all(error <= 0.01 * original.abs().amax(-1))

@@ -241,9 +241,7 @@ LONG = list(range(200, 212))  # 12 tokens: three full blocks
 def cold_tree(*sequences, num_blocks=16, num_slots=8, min_tokens=8):
     """A tree with an int8 store of `num_slots` slots, for sequences of `min_tokens` or more."""
     slots = BlockAllocator(num_slots)
-    tree, allocator = tree_with(
-        *sequences, num_blocks=num_blocks, slots=slots, quantize_min_tokens=min_tokens
-    )
+    tree, allocator = tree_with(*sequences, num_blocks=num_blocks, slots=slots, store_min_tokens=min_tokens)
     return tree, allocator, slots
 
 
@@ -254,21 +252,21 @@ def test_evict_moves_cold_blocks_of_long_sequences_to_int8_before_evicting_anyth
     # The least recently used blocks that qualify (the long sequence's, the deepest first) went
     # int8; nothing was evicted: the tree still matches every token.
     assert freed == blocks[:0:-1] and tree.num_evicted_blocks == 0
-    assert [block for block, _ in tree.take_quantized()] == freed and tree.take_quantized() == []
-    assert tree.num_blocks == 2 and tree.num_quantized_blocks == 2 == slots.num_used
+    assert [block for block, _ in tree.take_offloaded()] == freed and tree.take_offloaded() == []
+    assert tree.num_blocks == 2 and tree.num_stored_blocks == 2 == slots.num_used
     assert allocator.num_used == 2
     match = tree.match(LONG)
     assert match.num_matched == 12 and match.num_cold == 2
     # The short sequence never goes int8: once the long one's last block is, it is evicted.
     (short_block,) = tree.match([1, 2, 3, 4]).block_ids
     assert tree.evict(2) == [blocks[0], short_block]
-    assert tree.num_evicted_blocks == 1 and tree.num_quantized_blocks == 3 and allocator.num_used == 0
+    assert tree.num_evicted_blocks == 1 and tree.num_stored_blocks == 3 and allocator.num_used == 0
 
 
 def test_warm_restores_int8_blocks_into_the_given_blocks_and_frees_their_slots():
     tree, allocator, slots = cold_tree(LONG)
     tree.evict(3)
-    quantized_slots = {slot for _, slot in tree.take_quantized()}
+    quantized_slots = {slot for _, slot in tree.take_offloaded()}
     match = tree.match(LONG + [0])
     assert match.num_cold == 3 and match.num_tokens == 12
     tree.lock(match)
@@ -292,7 +290,7 @@ def test_full_slots_take_the_least_recently_used_int8_leaf_to_make_room():
     # LONG's first block is the least recently used: the oldest int8 leaf (LONG's last block)
     # makes room for it, so it goes int8 instead of being evicted.
     assert tree.evict(1) == [blocks[0]]
-    assert tree.num_quantized_blocks == 2 and tree.num_evicted_blocks == 0
+    assert tree.num_stored_blocks == 2 and tree.num_evicted_blocks == 0
     assert tree.match(LONG).num_matched == 8
 
 
@@ -304,5 +302,5 @@ def test_eviction_goes_through_int8_leaves_to_free_blocks():
     blocks = list(tree.match(LONG).block_ids)
     tree.evict(1)  # the last block goes int8: a leaf in a slot, in the way of its parent
     assert sorted(tree.clear()) == sorted(blocks[:2])
-    assert tree.num_blocks == tree.num_quantized_blocks == 0
+    assert tree.num_blocks == tree.num_stored_blocks == 0
     assert slots.num_used == 0 and allocator.num_used == 0

@@ -32,14 +32,14 @@ class Side:
     def __init__(self, num_slots: int):
         self.allocator = BlockAllocator(NUM_BLOCKS)
         slots = BlockAllocator(num_slots) if num_slots else None
-        self.tree = PrefixTree(self.allocator, BS, slots=slots, quantize_min_tokens=BS)
+        self.tree = PrefixTree(self.allocator, BS, slots=slots, store_min_tokens=BS)
         self.requests: dict[str, list] = {}
 
     def state(self):
         tree = self.tree
         return (
             tree.block_ids(), tree.num_locked_blocks, tree.num_evictable_blocks, self.allocator.num_free,
-            tree.num_quantized_blocks, tree.take_quantized(),
+            tree.num_stored_blocks, tree.take_offloaded(),
         )  # fmt: skip
 
 

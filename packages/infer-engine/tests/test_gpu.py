@@ -148,6 +148,35 @@ def test_prefix_cache_hits_give_the_recompute_tokens_in_bf16_up_to_a_near_tie(re
 
 
 @pytest.mark.gpu
+def test_hits_restored_from_the_host_tier_give_the_tokens_of_hits_kept_on_the_device(real_shape):
+    """Three 600-token conversations, then each one again with more: with a pool of 80 blocks and
+    a host tier, the older conversations go to pinned host memory and their follow-ups restore
+    them; with a pool of 400, they stay on the device. The host tier copies K/V bit for bit and
+    the steps are the same, so the greedy tokens are identical, not near ties."""
+    preset, loaded, _, _, _ = real_shape
+    generator = torch.Generator().manual_seed(2)
+    vocab = loaded.config.vocab_size
+    prompts = [torch.randint(0, vocab, (600,), generator=generator).tolist() for _ in range(3)]
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    settings = dict(use_chunked_prefill=True, prefill_chunk_size=256, use_prefix_caching=True)
+    engines = {
+        "device": real_shape_engine(loaded, **settings, num_gpu_blocks=400),
+        "host": real_shape_engine(loaded, **settings, num_gpu_blocks=80, kv_host_cache_gib=1.0),
+    }
+    answers = {}
+    for name, engine in engines.items():
+        first = [run_together(engine, [prompt], params)[0] for prompt in prompts]
+        follow_ups = [prompt + answer + [1, 2, 3] for prompt, answer in zip(prompts, first, strict=True)]
+        answers[name] = first + [run_together(engine, [prompt], params)[0] for prompt in follow_ups]
+    tree = engines["host"].core.prefix_tree
+    assert tree.num_restored_total > 0 and tree.num_evicted_blocks == 0
+    assert answers["host"] == answers["device"], f"{preset}: host-tier hits answered differently"
+    assert engines["host"].core.stats().prefix_cache_store == "host"
+    for engine in engines.values():
+        engine.shutdown()
+
+
+@pytest.mark.gpu
 def test_int8_prefix_cache_hits_on_the_gpu_agree_with_unquantized_hits(real_shape, capsys):
     """Three 600-token conversations in a pool of 80 blocks: the oldest go int8 when the third
     runs; each conversation then goes on, restoring its blocks. Random weights make every logit a
@@ -182,7 +211,7 @@ def test_int8_prefix_cache_hits_on_the_gpu_agree_with_unquantized_hits(real_shap
         follow_ups = [prompt + answer + [1, 2, 3] for prompt, answer in zip(prompts, first, strict=True)]
         answers[name] = [run_together(engine, [prompt], params)[0] for prompt in follow_ups]
     tree = engines["int8"].core.prefix_tree
-    assert tree.num_warmed_total > 0
+    assert tree.num_restored_total > 0
     pairs = list(zip(answers["int8"], answers["unquantized"], strict=True))
     first_token = sum(a[0] == b[0] for a, b in pairs) / len(pairs)
     parted = [
@@ -194,7 +223,7 @@ def test_int8_prefix_cache_hits_on_the_gpu_agree_with_unquantized_hits(real_shap
     with capsys.disabled():
         print(
             f"\n{preset}: int8 prefix-cache hits vs unquantized hits: first token {first_token:.0%}, "
-            f"{share:.0%} of tokens before they part ({tree.num_warmed_total} blocks restored)"
+            f"{share:.0%} of tokens before they part ({tree.num_restored_total} blocks restored)"
         )
     assert share >= 0.3
 

@@ -174,7 +174,7 @@ def test_a_failed_request_takes_back_what_it_gave_while_running():
 
 def int8_manager(num_blocks: int, num_slots: int) -> KVCacheManager:
     allocator = BlockAllocator(num_blocks)
-    tree = PrefixTree(allocator, BLOCK_SIZE, slots=BlockAllocator(num_slots), quantize_min_tokens=0)
+    tree = PrefixTree(allocator, BLOCK_SIZE, slots=BlockAllocator(num_slots), store_min_tokens=0)
     return KVCacheManager(allocator, BLOCK_SIZE, tree)
 
 
@@ -186,7 +186,7 @@ def test_blocks_short_move_cached_blocks_to_int8_and_a_hit_restores_them_first()
     other = Request("other", [5] * 48, SamplingParams())
     grow(manager, other, 48)  # one free block: two of the tree's go int8 for the other two
     ops = manager.take_block_ops()
-    assert [kind for kind, _, _ in ops] == ["quantize", "quantize"]
+    assert [kind for kind, _, _ in ops] == ["offload", "offload"]
     assert {block for _, block, _ in ops} <= set(other.block_ids)  # written only after the copies
     manager.free(other)
     second = Request("second", list(range(48)) + [1], SamplingParams())
@@ -195,7 +195,7 @@ def test_blocks_short_move_cached_blocks_to_int8_and_a_hit_restores_them_first()
     # The pool is all the tree's: other's blocks go int8 to make room for the restores, which
     # come after them in the step's order, into the blocks they freed.
     ops = manager.take_block_ops()
-    assert [kind for kind, _, _ in ops] == ["quantize", "quantize", "restore", "restore"]
+    assert [kind for kind, _, _ in ops] == ["offload", "offload", "restore", "restore"]
     assert {block for _, block, _ in ops[:2]} == {block for _, _, block in ops[2:]}
     assert second.block_ids[1:3] == [block for _, _, block in ops[2:]]
 
@@ -209,7 +209,7 @@ def test_a_hit_without_blocks_to_restore_into_reuses_what_lies_before_the_int8_b
     grow(manager, other, 48)  # holds 3 blocks until the end: no block is left to restore into
     second = Request("second", list(range(48)) + [1], SamplingParams())
     manager.acquire(second, manager.match(second))
-    assert second.num_computed_tokens == 16 and manager.prefix_tree.num_quantized_blocks == 2
+    assert second.num_computed_tokens == 16 and manager.prefix_tree.num_stored_blocks == 2
     assert "restore" not in [kind for kind, _, _ in manager.take_block_ops()]
     manager.free(second)
     manager.free(other)

@@ -133,13 +133,13 @@ def test_cold_blocks_go_int8_under_pressure_and_a_hit_restores_them(tiny_models,
     )
     cached = Engine(config, loaded_model=model.loaded)
     core = cached.core
-    assert core.kv_pool.num_blocks == 12 and core.kv_pool.quantized.num_slots >= 12
+    assert core.kv_pool.num_blocks == 12 and core.kv_pool.store.num_slots >= 12
     rng = random.Random(4)
     prompts = [[rng.randrange(vocab) for _ in range(24)] for _ in range(3)]
     for prompt in prompts:  # each leaves 7 blocks; the pool holds 12: the oldest go int8
         run(cached, [prompt], max_new_tokens=4)
     tree = core.prefix_tree
-    assert tree.num_quantized_blocks > 0 and tree.num_evicted_blocks == 0
+    assert tree.num_stored_blocks > 0 and tree.num_evicted_blocks == 0
     # Each earlier conversation goes on: a prefix hit on blocks restored from int8.
     follow_ups = [prompt + [rng.randrange(vocab) for _ in range(5)] for prompt in prompts]
     agreed = 0
@@ -148,7 +148,7 @@ def test_cold_blocks_go_int8_under_pressure_and_a_hit_restores_them(tiny_models,
         assert num_cached >= 24
         ((expected, _),) = run(plain, [prompt], max_new_tokens=6)
         agreed += tokens == expected
-    assert tree.num_warmed_total > 0
+    assert tree.num_restored_total > 0
     # int8 K/V is not bf16 K/V: greedy output may part at a near tie, but on these fp32 models
     # with 0.4% error per group it has not.
     assert agreed == len(follow_ups)
@@ -191,7 +191,7 @@ def test_int8_hits_on_the_default_model_agree_with_unquantized_hits(smollm2, cap
             for document in documents
         ]
     tree = quantized.core.prefix_tree
-    assert tree.num_warmed_total > 0 and tree.num_evicted_blocks == 0
+    assert tree.num_restored_total > 0 and tree.num_evicted_blocks == 0
     assert [cached for _, cached in outputs["int8"]] == [cached for _, cached in outputs["unquantized"]]
     pairs = [(a, b) for (a, _), (b, _) in zip(outputs["int8"], outputs["unquantized"], strict=True)]
     agreement = sum(a == b for a, b in pairs) / len(pairs)
@@ -341,6 +341,6 @@ def test_the_core_sends_the_cache_entries_once_a_second_and_when_it_falls_idle(t
     assert [(entry.start, entry.hits) for entry in (second, first)] == [(20, 0), (20, 0)]
     assert trunk.last_used_at == second.last_used_at > first.last_used_at
     assert trunk.created_at <= first.created_at < second.created_at <= time.time()
-    assert not any(entry.in_use or entry.int8_bytes for entry in entries)
+    assert not any(entry.in_use or entry.stored_bytes for entry in entries)
     assert engine.core.stats().prefix_cache_entries is None  # walked since it fell idle
     engine.shutdown()

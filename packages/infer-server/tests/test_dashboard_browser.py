@@ -21,6 +21,8 @@ import httpx
 import pytest
 from safetensors import safe_open
 
+from .test_app_kv_host import run_conversations, start_host_tier_server, tree_figures
+
 REPO = Path(__file__).resolve().parents[3]
 ARTIFACTS = REPO / "test-artifacts"
 WEATHER_TOOL = {
@@ -358,7 +360,7 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server, 
             entry["num_tokens"],
             entry["hits"],
         ]
-        assert float(row[2]) == pytest.approx((entry["bytes"] + entry["int8_bytes"]) / 1e3, abs=0.05)
+        assert float(row[2]) == pytest.approx((entry["bytes"] + entry["stored_bytes"]) / 1e3, abs=0.05)
     assert sum(entry["hits"] for entry in entries if entry["start"] == 0) >= 1  # the prefix was reused
     for kind, count in stats["prefix_cache_matches"].items():
         assert f"{kind}: {count}" in dom.tiles["match_kinds"]
@@ -370,6 +372,7 @@ def test_the_dashboard_renders_the_servers_statistics_in_a_real_browser(server, 
     assert "pressure" in dom.hidden  # the cache is far below its budget (here the KV pool)
     assert "spec_decode" in dom.hidden and stats["spec_decode"] is None  # the engine does not speculate
     assert "vision" in dom.hidden and stats["vision"] is None  # SmolLM2 has no vision tower
+    assert "kv_host" in dom.hidden and stats["kv_host"] is None  # the engine has no host KV tier
     used, pool = history["prefix_cache_bytes"][-1][1], history["kv_total_bytes"][-1][1]
     assert dom.tiles["cache_usage"].strip() == f"{100 * used / pool:.1f}%"
 
@@ -490,3 +493,35 @@ def test_the_vision_panel_shows_the_servers_figures(tmp_path):
     ]
     assert drawn == pytest.approx([1000 * r["vision_encoder_s"] for r in stats["requests"]])
     assert drawn[1] == 0.0 < drawn[0]  # the repeat's image came from the cache: the tower did not run
+
+
+def test_the_host_kv_tier_panel_shows_the_servers_figures(start_server, smollm2_loaded):
+    """A server with a host KV tier after conversations its KV pool cannot hold (test_app_kv_host):
+    the panel is shown, its tiles hold the bytes the engine's prefix tree moved, and its chart each
+    second's copies out of the pool and back into it, which add up to the totals."""
+    server = start_host_tier_server(start_server, smollm2_loaded.config)
+    run_conversations(server)
+    expected = tree_figures(server, smollm2_loaded.config)
+    dom = Dom()
+    dom.feed(browse(f"{server.base_url}/dashboard", "--dump-dom"))
+    stats = httpx.get(f"{server.base_url}/v1/stats").json()  # idle now: what the page showed
+    assert stats["kv_host"] == expected and expected["restored_bytes"] and expected["dropped_bytes"]
+    assert "kv_host" not in dom.hidden
+    assert dom.tiles["kv_host_used"] == f"{size(expected['bytes'])} of {size(expected['budget_bytes'])}"
+    assert dom.tiles["kv_host_blocks"] == str(expected["blocks"])
+    assert dom.tiles["kv_host_usage"] == f"{100 * expected['bytes'] / expected['budget_bytes']:.1f}%"
+    for name in ("offloaded", "restored", "dropped"):
+        assert dom.tiles[f"kv_host_{name}"] == size(expected[f"{name}_bytes"]), name
+    assert dom.tiles["kv_host_transfer_time"] == f"{1000 * expected['transfer_time_s']:.1f} ms"
+    chart = dom.charts["kv_host_traffic"]
+    circles = [a for t, a in chart["shapes"] if t == "circle"]
+    assert list(dom.legends["kv_host_traffic"]) == ["offloaded", "restored"]
+    for label in ("offloaded", "restored"):
+        drawn = [(int(a["data-x"]), float(a["data-value"])) for a in circles if a["data-series"] == label]
+        held = stats["history"][f"kv_host_{label}_bytes_per_s"][: len(drawn)]
+        # Every copy was made before the page read: the seconds since add only zeros.
+        assert drawn == [(second, pytest.approx(value / 1e6)) for second, value in held], label
+        assert sum(value for _, value in drawn) == pytest.approx(expected[f"{label}_bytes"] / 1e6), label
+        assert_reading(dom.legends["kv_host_traffic"][label][1], label, drawn[-1][1], "MB/s")
+    assert_axes(chart, "MB/s", "time (one point a second)", chart["axes"]["x"]["texts"][:-1],
+                [float(a["data-value"]) for a in circles])  # fmt: skip

@@ -173,6 +173,39 @@ def test_spec_decode_metrics_exist_only_once_enabled_with_a_sample_per_position(
     }
 
 
+KV_HOST_METRICS = {
+    "infer_kv_host_cache_bytes": "gauge",
+    "infer_kv_host_cache_budget_bytes": "gauge",
+    "infer_kv_host_offloaded_bytes_total": "counter",
+    "infer_kv_host_restored_bytes_total": "counter",
+    "infer_kv_host_dropped_bytes_total": "counter",
+    "infer_kv_host_transfer_seconds_total": "counter",
+}
+
+
+def test_kv_host_metrics_exist_only_once_enabled_and_mirror_the_cores_figures():
+    metrics = ServerMetrics()
+    assert not set(KV_HOST_METRICS) & set(check_exposition(metrics.render()))
+    metrics.enable_kv_host()
+    kinds = check_exposition(metrics.render())
+    assert {name: kinds[name] for name in KV_HOST_METRICS} == KV_HOST_METRICS
+    stats = EngineStats(
+        *[0] * 16, prefix_cache_store="host", kv_host_blocks=3, kv_host_bytes=3072,
+        kv_host_budget_bytes=8192, kv_host_offloaded_bytes_total=5120, kv_host_restored_bytes_total=2048,
+        kv_host_dropped_bytes_total=1024, kv_host_transfer_time_s_total=0.125,
+    )  # fmt: skip
+    metrics.update_kv_host(stats)
+    samples = parse(metrics.render())
+    assert {name: samples[name] for name in KV_HOST_METRICS} == {
+        "infer_kv_host_cache_bytes": [({}, 3072.0)],
+        "infer_kv_host_cache_budget_bytes": [({}, 8192.0)],
+        "infer_kv_host_offloaded_bytes_total": [({}, 5120.0)],
+        "infer_kv_host_restored_bytes_total": [({}, 2048.0)],
+        "infer_kv_host_dropped_bytes_total": [({}, 1024.0)],
+        "infer_kv_host_transfer_seconds_total": [({}, 0.125)],
+    }
+
+
 def test_a_mirrored_total_may_only_go_up():
     metrics = ServerMetrics()
     metrics.prefix_cache_matches_total.set_total(3, kind="lcp")

@@ -106,7 +106,7 @@ def test_cache_entries_are_the_latest_walk_with_their_ages_now():
         start=0,
         num_tokens=20,
         bytes=4096,
-        int8_bytes=0,
+        stored_bytes=0,
         hits=3,
         created_at=40.0,
         last_used_at=49.0,
@@ -217,3 +217,33 @@ def test_spec_decode_positions_are_padded_to_k_before_any_draft_reaches_them():
     assert summary["accepted_by_position"] == [0, 0, 0, 0]
     assert summary["drafted_by_position"] == [1, 1, 0, 0]
     assert (summary["acceptance_rate"], summary["mean_accepted_length"]) == (0.0, 1.0)
+
+
+def test_kv_host_is_null_without_the_tier_and_the_cores_figures_with_it():
+    stats = ServerStats(clock=lambda: 10.0)
+    stats.on_engine_stats(engine_stats(prefix_cache_store="int8"))
+    assert stats.snapshot()["kv_host"] is None
+    now = [30.4]
+    stats = ServerStats(clock=lambda: now[0])
+    stats.enable_kv_host()
+    assert stats.snapshot()["kv_host"] == {
+        "blocks": 0, "bytes": 0, "budget_bytes": 0, "offloaded_bytes": 0, "restored_bytes": 0,
+        "dropped_bytes": 0, "transfer_time_s": 0.0,
+    }  # fmt: skip
+    # The core's running totals after three steps, the third in the next second.
+    for now[0], held, offloaded, restored in [(30.4, 2, 2, 0), (30.8, 3, 5, 1), (31.2, 3, 6, 4)]:
+        stats.on_engine_stats(
+            engine_stats(
+                prefix_cache_store="host", kv_host_blocks=held, kv_host_bytes=100 * held,
+                kv_host_budget_bytes=400, kv_host_offloaded_bytes_total=100 * offloaded,
+                kv_host_restored_bytes_total=100 * restored, kv_host_dropped_bytes_total=100,
+                kv_host_transfer_time_s_total=0.25,
+            )
+        )  # fmt: skip
+    snapshot = stats.snapshot()
+    assert snapshot["kv_host"] == {
+        "blocks": 3, "bytes": 300, "budget_bytes": 400, "offloaded_bytes": 600, "restored_bytes": 400,
+        "dropped_bytes": 100, "transfer_time_s": 0.25,
+    }  # fmt: skip
+    assert snapshot["history"]["kv_host_offloaded_bytes_per_s"] == [[30, 500], [31, 100]]
+    assert snapshot["history"]["kv_host_restored_bytes_per_s"] == [[30, 100], [31, 300]]

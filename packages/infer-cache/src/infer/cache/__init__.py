@@ -11,9 +11,10 @@ from infer.cache.errors import (
     OwnerError,
     UnallocatedBlockError,
 )
+from infer.cache.host_store import HostKVStore
 from infer.cache.kv_pool import (
     COPY,
-    QUANTIZE,
+    OFFLOAD,
     RESTORE,
     PagedKVPool,
     kv_budget_from_free_memory,
@@ -26,7 +27,7 @@ from infer.cache.shape import KVCacheShape
 
 __all__ = [
     "COPY",
-    "QUANTIZE",
+    "OFFLOAD",
     "RESTORE",
     "INTERFACE_VERSION",
     "BlockAllocator",
@@ -35,6 +36,7 @@ __all__ = [
     "CacheFullError",
     "DoubleFreeError",
     "ForeignBlockError",
+    "HostKVStore",
     "KVCacheShape",
     "KVPool",
     "LockError",

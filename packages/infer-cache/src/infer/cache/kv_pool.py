@@ -8,8 +8,10 @@ The last block, `null_block` (= num_blocks), is reserved: the allocator lends on
 0..num_blocks-1, so no request ever owns it. Padding rows of a CUDA graph write their keys there
 (slot_mapping points at it), which keeps every real block clean without a branch in the kernel.
 
-With `num_quantized_slots`, the pool also has a QuantizedKVStore (kv_quant.py) where the prefix
-tree keeps cold blocks in int8; `run_block_ops` moves K/V between the two, and copies blocks.
+With a `store`, the pool has a second tier where the prefix tree keeps blocks it evicts: a
+QuantizedKVStore (kv_quant.py: int8, in a share of the device's memory or in the host's) or a
+HostKVStore (host_store.py: the pool's dtype in host memory). `run_block_ops` moves K/V between
+the pool and its store, and copies blocks.
 
 The "contiguous" (slotted) cache is not a separate class: it is
 `PagedKVPool(KVCacheShape(..., block_size=max_seq_len), num_blocks=max_batch_size)`, one block
@@ -19,13 +21,14 @@ per sequence.
 import torch
 
 from infer.cache.block_allocator import BlockAllocator
+from infer.cache.host_store import HostKVStore
 from infer.cache.kv_quant import QuantizedKVStore
 from infer.cache.shape import KVCacheShape
 
 # The block operations a step may need before its forward, each (kind, source, target):
 COPY = "copy"  # (COPY, block, block): copy-on-write of the block a prefix match ends inside
-QUANTIZE = "quantize"  # (QUANTIZE, block, slot): a cold block into the int8 store
-RESTORE = "restore"  # (RESTORE, slot, block): an int8 block back into the pool
+OFFLOAD = "offload"  # (OFFLOAD, block, slot): a block the tree evicts into the pool's store
+RESTORE = "restore"  # (RESTORE, slot, block): a stored block back into the pool
 
 
 class PagedKVPool:
@@ -37,7 +40,7 @@ class PagedKVPool:
         num_blocks: int,
         device: torch.device | str = "cpu",
         *,
-        num_quantized_slots: int = 0,
+        store: QuantizedKVStore | HostKVStore | None = None,
     ):
         if num_blocks < 1:
             raise ValueError(
@@ -54,7 +57,9 @@ class PagedKVPool:
             )
             for _ in range(shape.num_layers)
         ]
-        self.quantized = QuantizedKVStore(shape, num_quantized_slots, device) if num_quantized_slots else None
+        if store is not None and store.shape != shape:
+            raise ValueError(f"the store's blocks are {store.shape}, the pool's {shape}")
+        self.store = store
 
     @property
     def block_size(self) -> int:
@@ -71,7 +76,7 @@ class PagedKVPool:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_layers)
 
     def run_block_ops(self, ops) -> None:
-        """Runs (kind, source, target) operations (COPY, QUANTIZE, RESTORE) as if one by one, in
+        """Runs (kind, source, target) operations (COPY, OFFLOAD, RESTORE) as if one by one, in
         order: a slot or block freed by one may be reused by a later one. Consecutive operations
         of a kind go in one batch while none touches what another of the batch writes."""
         batch: list[tuple[int, int]] = []
@@ -90,15 +95,15 @@ class PagedKVPool:
         if kind == COPY:
             self.copy_blocks(pairs)
             return
-        if self.quantized is None:
-            raise ValueError(f"a {kind} needs a pool with quantized slots")
+        if kind not in (OFFLOAD, RESTORE):
+            raise ValueError(f"unknown block operation {kind!r}; known: {COPY}, {OFFLOAD}, {RESTORE}")
+        if self.store is None:
+            raise ValueError(f"a {kind} needs a pool with a store")
         sources, targets = (list(side) for side in zip(*pairs, strict=True))
-        if kind == QUANTIZE:
-            self.quantized.quantize(self.kv_layers, sources, targets)
-        elif kind == RESTORE:
-            self.quantized.restore(self.kv_layers, sources, targets)
+        if kind == OFFLOAD:
+            self.store.offload(self.kv_layers, sources, targets)
         else:
-            raise ValueError(f"unknown block operation {kind!r}; known: {COPY}, {QUANTIZE}, {RESTORE}")
+            self.store.restore(self.kv_layers, sources, targets)
 
     def copy_blocks(self, pairs) -> None:
         """Copies block `src` over block `dst` in every layer's K and V, for each (src, dst) in

@@ -48,20 +48,32 @@ class QuantizedKVStore:
     """`num_slots` int8 blocks of a pool's shape, each with its scales; `allocator` lends slots.
 
     Layout per layer: `(k, k_scales, v, v_scales)`, int8 `[num_slots, block_size, num_kv_heads,
-    head_dim]` and float32 `[num_slots, block_size, num_kv_heads, head_dim // group_size]`."""
+    head_dim]` and float32 `[num_slots, block_size, num_kv_heads, head_dim // group_size]`, on
+    `device`: the pool's (a share of its memory), or the host's with `on_host` (the host tier in
+    int8: blocks are quantized on the pool's device and then copied down, and back up before
+    they are dequantized)."""
 
-    def __init__(self, shape: KVCacheShape, num_slots: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        shape: KVCacheShape,
+        num_slots: int,
+        device: torch.device | str = "cpu",
+        *,
+        on_host: bool = False,
+        pin_memory: bool = False,
+    ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.shape = shape
         self.num_slots = num_slots
+        self.on_host = on_host
         self.group_size = group_size_for(shape.head_dim)
         self.allocator = BlockAllocator(num_slots)
         dims = (num_slots, shape.block_size, shape.num_kv_heads, shape.head_dim)
         scale_dims = (*dims[:-1], shape.head_dim // self.group_size)
         self.layers = [
             tuple(
-                torch.zeros(d, dtype=t, device=device)
+                torch.zeros(d, dtype=t, device=device, pin_memory=pin_memory)
                 for d, t in ((dims, torch.int8), (scale_dims, torch.float32)) * 2
             )
             for _ in range(shape.num_layers)
@@ -76,25 +88,27 @@ class QuantizedKVStore:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
 
-    def quantize(self, kv_layers, blocks: list[int], slots: list[int]) -> None:
+    def offload(self, kv_layers, blocks: list[int], slots: list[int]) -> None:
         """Stores the pool's `blocks` (kv_layers: the pool's (k, v) per layer) into `slots`."""
-        device = self.layers[0][0].device
-        block_ids = torch.tensor(blocks, dtype=torch.long).to(device, non_blocking=True)
+        pool_device, device = kv_layers[0][0].device, self.layers[0][0].device
+        block_ids = torch.tensor(blocks, dtype=torch.long).to(pool_device, non_blocking=True)
         slot_ids = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
         for (k_cache, v_cache), (k, k_scales, v, v_scales) in zip(kv_layers, self.layers, strict=True):
             for cache, values, scales in ((k_cache, k, k_scales), (v_cache, v, v_scales)):
                 q, s = quantize_int8(cache.index_select(0, block_ids), self.group_size)
-                values.index_copy_(0, slot_ids, q)
-                scales.index_copy_(0, slot_ids, s)
+                values.index_copy_(0, slot_ids, q.to(device))
+                scales.index_copy_(0, slot_ids, s.to(device))
 
     def restore(self, kv_layers, slots: list[int], blocks: list[int]) -> None:
         """Writes `slots`, dequantized, over the pool's `blocks`."""
-        device = self.layers[0][0].device
-        block_ids = torch.tensor(blocks, dtype=torch.long).to(device, non_blocking=True)
+        pool_device, device = kv_layers[0][0].device, self.layers[0][0].device
+        block_ids = torch.tensor(blocks, dtype=torch.long).to(pool_device, non_blocking=True)
         slot_ids = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
         for (k_cache, v_cache), (k, k_scales, v, v_scales) in zip(kv_layers, self.layers, strict=True):
             for cache, values, scales in ((k_cache, k, k_scales), (v_cache, v, v_scales)):
                 restored = dequantize_int8(
-                    values.index_select(0, slot_ids), scales.index_select(0, slot_ids), cache.dtype
+                    values.index_select(0, slot_ids).to(pool_device, non_blocking=True),
+                    scales.index_select(0, slot_ids).to(pool_device, non_blocking=True),
+                    cache.dtype,
                 )
                 cache.index_copy_(0, block_ids, restored)

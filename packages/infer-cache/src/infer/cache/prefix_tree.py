@@ -27,15 +27,17 @@ goes up by one, and a locked node is never evicted. `evict` frees unlocked leave
 used first (a parent whose last child went is a leaf in turn); `evict_idle` those not used for a
 while; `max_blocks` caps the tree after each insert.
 
-Cold blocks in int8 (with `slots`, the allocator of a QuantizedKVStore's slots). When the pool
-needs blocks, `evict` first quantizes the least recently used unlocked blocks of sequences of at
-least `quantize_min_tokens` tokens into free slots (evicting the least recently used int8 leaves
-when the slots are full), and only then evicts. The node stays in the tree with its slot instead
-of a block (`take_quantized` gives the (block, slot) copies to run, before the block's next
-owner writes it). A match reads int8 nodes like the others; `warm` moves them back into pool
-blocks before a request shares them, and gives the (slot, block) restores to run before anything
-reads them. Eviction for blocks takes leaves in blocks first, least recently used first, and int8
-leaves only when they stand in the way; `evict_idle` and `clear` take both kinds.
+A second tier (with `slots`, the allocator of the pool's store: int8 blocks on the device, or
+blocks in host memory; infer.cache.kv_pool). When the pool needs blocks, `evict` first offloads
+the least recently used unlocked blocks of sequences of at least `store_min_tokens` tokens into
+free slots (dropping the least recently used stored leaves when the slots are full), and only
+then evicts. The node stays in the tree with its slot instead of a block (`take_offloaded` gives
+the (block, slot) copies to run, before the block's next owner writes it), so the tree's LRU
+order spans both tiers. A match reads stored nodes like the others; `warm` moves them back into
+pool blocks before a request shares them, and gives the (slot, block) restores to run before
+anything reads them. Eviction for blocks takes leaves in blocks first, least recently used
+first, and stored leaves only when they stand in the way; `evict_idle` and `clear` take both
+kinds. Counted: blocks offloaded, restored, and stored ones dropped.
 
 What it holds, for people (`entries`): the runs of tokens between branches, each with its size,
 its hits (`count_hit`, once per request that reuses it) and when it was made and last used.
@@ -77,7 +79,7 @@ class _Node:
     # first token -> (token run -> child)
     children: dict[int, dict[tuple[int, ...], "_Node"]] = field(default_factory=dict)
     lock_count: int = 0
-    slot: int | None = None  # int8 storage: the node holds a slot of the store, not a block
+    slot: int | None = None  # the second tier: the node holds a slot of the store, not a block
     reach: int = 0  # the longest sequence inserted through this node, in tokens
     depth: int = 0  # tokens from the root to this node's end
     last_access: int = 0  # the tree's operation counter: LRU order without clock ties
@@ -113,7 +115,7 @@ class PrefixMatch:
     block_ids: tuple[int, ...] = ()
     copy_block: int | None = None
     copy_tokens: int = 0
-    # Nodes the reuse reads that are int8 now: `PrefixTree.warm` them before sharing.
+    # Nodes the reuse reads that are in the store now: `PrefixTree.warm` them before sharing.
     num_cold: int = 0
     # The nodes the reuse reads: the shared blocks', then the copy source's.
     _read: tuple[_Node, ...] = field(default=(), repr=False, compare=False)
@@ -132,13 +134,13 @@ MISS = PrefixMatch(MatchKind.MISS, 0, 0)
 class PrefixEntry:
     """A run of cached tokens with no branch inside (from `PrefixTree.entries`): tokens
     [start, start + num_tokens) of the sequences through it, in `num_blocks` pool blocks and
-    `num_int8_blocks` int8 slots. `hits`: reuses that read into it (or into a run below it);
+    `num_stored_blocks` slots of the store. `hits`: reuses that read into it (or into a run below it);
     times are the tree's clock."""
 
     start: int
     num_tokens: int
     num_blocks: int
-    num_int8_blocks: int
+    num_stored_blocks: int
     hits: int
     last_used_s: float
     created_s: float
@@ -155,7 +157,7 @@ class PrefixTree:
         max_blocks: int | None = None,
         clock=time.monotonic,
         slots: BlockAllocator | None = None,
-        quantize_min_tokens: int = 256,
+        store_min_tokens: int = 256,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -173,7 +175,7 @@ class PrefixTree:
         self._num_locked = 0  # nodes in blocks with lock_count > 0
         self.num_evicted_blocks = 0
         self.slots = slots
-        self.quantize_min_tokens = quantize_min_tokens
+        self.store_min_tokens = store_min_tokens
         self._cold: dict[int, _Node] = {}  # slot -> node
         # Eviction order, kept as the tree changes so that taking a block costs O(log n), not a
         # scan of the tree: heaps of (last_access, ..., block or slot) entries, pushed whenever a
@@ -181,11 +183,13 @@ class PrefixTree:
         # checked when popped (an entry whose node has changed or gone since is stale and
         # skipped). Entries hold ints only, which the garbage collector does not track.
         self._leaves: list = []  # unlocked leaves in blocks
-        self._cold_leaves: list = []  # unlocked int8 leaves
-        self._to_quantize: list = []  # unlocked nodes in blocks (with slots only)
-        self._quantized: list[tuple[int, int]] = []  # (block, slot) copies not taken yet
-        self.num_quantized_total = 0
-        self.num_warmed_total = 0
+        self._cold_leaves: list = []  # unlocked stored leaves
+        self._to_offload: list = []  # unlocked nodes in blocks (with slots only)
+        self._offloaded: list[tuple[int, int]] = []  # (block, slot) copies not taken yet
+        # Blocks offloaded into the store, restored from it, and stored ones dropped, so far.
+        self.num_offloaded_total = 0
+        self.num_restored_total = 0
+        self.num_dropped_total = 0
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -195,8 +199,8 @@ class PrefixTree:
         return len(self._nodes)
 
     @property
-    def num_quantized_blocks(self) -> int:
-        """Slots of the int8 store the tree holds."""
+    def num_stored_blocks(self) -> int:
+        """Slots of the store the tree holds."""
         return len(self._cold)
 
     @property
@@ -280,7 +284,7 @@ class PrefixTree:
         a run starts at a root or a branch and goes down while each node has one child, so that
         a shared system prompt is one entry and each conversation after it another. Parents come
         before their children. Reads only; walks every node (O(blocks held))."""
-        runs: list[list] = []  # [head, tail, parent index, blocks, int8 blocks, hits]
+        runs: list[list] = []  # [head, tail, parent index, blocks, stored blocks, hits]
         for root in self._roots.values():
             stack = [(child, -1) for child_runs in root.children.values() for child in child_runs.values()]
             while stack:
@@ -307,7 +311,7 @@ class PrefixTree:
                 start=head.depth - len(head.tokens),
                 num_tokens=tail.depth - head.depth + len(head.tokens),
                 num_blocks=blocks,
-                num_int8_blocks=cold,
+                num_stored_blocks=cold,
                 hits=hits,
                 # A use marks a node and every node above it: the head is the run's latest, and
                 # was made no later than anything below it.
@@ -353,12 +357,12 @@ class PrefixTree:
             match._read[min((num_tokens - 1) // self.block_size, len(match._read) - 1)].hits += 1
 
     def warm(self, match: PrefixMatch, blocks: Sequence[int]) -> tuple[PrefixMatch, list[tuple[int, int]]]:
-        """Moves the match's int8 nodes into `blocks` (match.num_cold of them, the tree's: taken
+        """Moves the match's stored nodes into `blocks` (match.num_cold of them, the tree's: taken
         from the allocator for `owner`), in order, freeing their slots. Returns the match as it
         reads now, and the (slot, block) restores to run before anything reads the blocks."""
         cold = [node for node in match._read if node.slot is not None]
         if len(cold) != len(blocks):
-            raise ValueError(f"the match reads {len(cold)} int8 blocks, got {len(blocks)} blocks for them")
+            raise ValueError(f"the match reads {len(cold)} stored blocks, got {len(blocks)} blocks for them")
         restores = []
         for node, block in zip(cold, blocks, strict=True):
             restores.append((node.slot, int(block)))
@@ -367,7 +371,7 @@ class PrefixTree:
             node.slot, node.block = None, int(block)
             self._nodes[node.block] = node
             self._num_locked += node.lock_count > 0
-        self.num_warmed_total += len(cold)
+        self.num_restored_total += len(cold)
         shared = match._read[: len(match.block_ids)]
         source = match._read[-1] if match.copy_tokens else None
         warmed = dataclasses.replace(
@@ -379,14 +383,14 @@ class PrefixTree:
         return warmed, restores
 
     def num_warm_blocks(self, match: PrefixMatch) -> int:
-        """How many of the match's shared blocks come before its first int8 one. Reads only."""
+        """How many of the match's shared blocks come before its first stored one. Reads only."""
         shared = match._read[: len(match.block_ids)]
         return next((i for i, node in enumerate(shared) if node.slot is not None), len(shared))
 
-    def take_quantized(self) -> list[tuple[int, int]]:
-        """The (block, slot) copies of the blocks quantized since the last call; forgets them."""
-        quantized, self._quantized = self._quantized, []
-        return quantized
+    def take_offloaded(self) -> list[tuple[int, int]]:
+        """The (block, slot) copies of the blocks offloaded since the last call; forgets them."""
+        offloaded, self._offloaded = self._offloaded, []
+        return offloaded
 
     def insert(
         self,
@@ -553,39 +557,39 @@ class PrefixTree:
                 self._remove(sibling)
 
     def evict(self, num_blocks: int) -> list[int]:
-        """Frees up to `num_blocks` unlocked pool blocks: with `slots`, by quantizing first (see
+        """Frees up to `num_blocks` unlocked pool blocks: with `slots`, by offloading first (see
         the module), then by evicting least recently used leaves; returns the blocks freed
         (fewer when fewer are unlocked)."""
-        freed = self._quantize_cold(num_blocks) if self.slots is not None else []
-        # Leaves in blocks first: an int8 leaf frees no block, only what is in its way does.
-        freed += self._evict_while(num_blocks - len(freed), lambda node: True, int8=False)
+        freed = self._offload_cold(num_blocks) if self.slots is not None else []
+        # Leaves in blocks first: a stored leaf frees no block, only what is in its way does.
+        freed += self._evict_while(num_blocks - len(freed), lambda node: True, stored=False)
         return freed + self._evict_while(num_blocks - len(freed), lambda node: True)
 
-    def _quantize_cold(self, num_blocks: int) -> list[int]:
+    def _offload_cold(self, num_blocks: int) -> list[int]:
         """Moves up to `num_blocks` least recently used unlocked blocks of long enough sequences
-        into int8 slots (of one insert, the same tick, the deepest first); returns the blocks
+        into the store's slots (of one insert, the same tick, the deepest first); returns the blocks
         freed."""
         freed: list[int] = []
-        while len(freed) < num_blocks and self._to_quantize:
-            entry = heapq.heappop(self._to_quantize)
+        while len(freed) < num_blocks and self._to_offload:
+            entry = heapq.heappop(self._to_offload)
             node = self._nodes.get(entry[-1])
             if node is None or node.lock_count or node.last_access != entry[0]:
                 continue
-            if node.reach < self.quantize_min_tokens:
+            if node.reach < self.store_min_tokens:
                 continue  # pushed again if a longer sequence goes through it
             if not self.slots.num_free and self._evict_one(self._cold_leaves, lambda n: True) is None:
-                heapq.heappush(self._to_quantize, entry)
+                heapq.heappush(self._to_offload, entry)
                 break
             (slot,) = self.slots.allocate(1, self.owner)
             block = node.block
-            self._quantized.append((block, slot))
+            self._offloaded.append((block, slot))
             del self._nodes[block]
             self.allocator.free([block], self.owner)
             node.slot, node.block = slot, -1 - slot
             self._cold[slot] = node
             self._note(node)
             freed.append(block)
-        self.num_quantized_total += len(freed)
+        self.num_offloaded_total += len(freed)
         return freed
 
     def evict_idle(self, idle_s: float) -> list[int]:
@@ -605,14 +609,14 @@ class PrefixTree:
                 discarded.append(block)
         return discarded
 
-    def _evict_while(self, num_blocks: float, wanted, *, int8: bool = True) -> list[int]:
+    def _evict_while(self, num_blocks: float, wanted, *, stored: bool = True) -> list[int]:
         """Evicts unlocked leaves, least recently used first, until `num_blocks` pool blocks are
-        freed or the next leaf is not `wanted` (the rest were used later); int8 leaves go on
-        the way, freeing slots, unless `int8` is False. Returns the blocks freed."""
+        freed or the next leaf is not `wanted` (the rest were used later); stored leaves go
+        on the way, freeing slots, unless `stored` is False. Returns the blocks freed."""
         evicted: list[int] = []
         while len(evicted) < num_blocks:
             heap = self._leaves
-            if int8 and self._top(self._cold_leaves) is not None:
+            if stored and self._top(self._cold_leaves) is not None:
                 top = self._top(heap)
                 if top is None or self._cold_leaves[0] < top:
                     heap = self._cold_leaves
@@ -639,7 +643,7 @@ class PrefixTree:
 
     def _evict_one(self, heap: list, wanted) -> int | None:
         """Evicts the least recently used valid leaf of `heap` if `wanted`; returns its block (a
-        negative number for an int8 leaf), or None when there is none or it is not wanted."""
+        negative number for a stored leaf), or None when there is none or it is not wanted."""
         entry = self._top(heap)
         if entry is None or not wanted(node := self._node_of(heap, entry)):
             return None
@@ -657,13 +661,13 @@ class PrefixTree:
             else:
                 heapq.heappush(self._leaves, (node.last_access, node.block))
         if self.slots is not None and node.slot is None:
-            heapq.heappush(self._to_quantize, (node.last_access, -node.depth, node.block))
-        if len(self._leaves) + len(self._cold_leaves) + len(self._to_quantize) > 8 * len(self._nodes) + 4096:
+            heapq.heappush(self._to_offload, (node.last_access, -node.depth, node.block))
+        if len(self._leaves) + len(self._cold_leaves) + len(self._to_offload) > 8 * len(self._nodes) + 4096:
             self._rebuild_heaps()
 
     def _rebuild_heaps(self) -> None:
         """Drops the stale entries (amortized: after ~8 pushes per node)."""
-        self._leaves, self._cold_leaves, self._to_quantize = [], [], []
+        self._leaves, self._cold_leaves, self._to_offload = [], [], []
         for node in [*self._nodes.values(), *self._cold.values()]:
             if node.lock_count:
                 continue
@@ -673,8 +677,8 @@ class PrefixTree:
                 else:
                     self._leaves.append((node.last_access, node.block))
             if self.slots is not None and node.slot is None:
-                self._to_quantize.append((node.last_access, -node.depth, node.block))
-        for heap in (self._leaves, self._cold_leaves, self._to_quantize):
+                self._to_offload.append((node.last_access, -node.depth, node.block))
+        for heap in (self._leaves, self._cold_leaves, self._to_offload):
             heapq.heapify(heap)
 
     def _remove(self, node: _Node) -> None:
@@ -690,13 +694,14 @@ class PrefixTree:
         if node.slot is not None:
             del self._cold[node.slot]
             self.slots.free([node.slot], self.owner)
+            self.num_dropped_total += 1
         else:
             del self._nodes[node.block]
             self.allocator.free([node.block], self.owner)
         self._note(parent)  # it may be a leaf now
 
     def clear(self) -> list[int]:
-        """Evicts every unlocked node, int8 ones too; returns the pool blocks freed."""
+        """Evicts every unlocked node, stored ones too; returns the pool blocks freed."""
         return self._evict_while(math.inf, lambda node: True)
 
 

@@ -69,5 +69,5 @@ class KVPool(Protocol):
     # Copies block src over block dst in every layer, for each (src, dst) (copy-on-write).
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
 
-    # Runs (kind, source, target) block operations in order: kv_pool.COPY, QUANTIZE, RESTORE.
+    # Runs (kind, source, target) block operations in order: kv_pool.COPY, OFFLOAD, RESTORE.
     def run_block_ops(self, ops: Sequence[tuple[str, int, int]]) -> None: ...

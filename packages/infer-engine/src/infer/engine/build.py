@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.cache import (
+    HostKVStore,
     KVCacheShape,
     PagedKVPool,
     PrefixTree,
@@ -222,8 +223,10 @@ def _build_prefix_tree(config: EngineConfig, kv_pool: PagedKVPool) -> PrefixTree
         kv_pool.allocator,
         kv_pool.block_size,
         max_blocks=max_blocks,
-        slots=kv_pool.quantized.allocator if kv_pool.quantized is not None else None,
-        quantize_min_tokens=config.prefix_cache_quantize_min_tokens,
+        slots=kv_pool.store.allocator if kv_pool.store is not None else None,
+        # Any block is cheaper to copy back from the host than to recompute; int8 costs accuracy,
+        # which only long sequences are worth.
+        store_min_tokens=config.prefix_cache_quantize_min_tokens if config.prefix_cache_kv_bits else 0,
     )
 
 
@@ -390,12 +393,31 @@ def _build_kv_pool(
         agreed = torch.tensor([num_blocks], device=device)
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
         num_blocks = int(agreed.item())
-    num_slots = 0
-    if config.prefix_cache_kv_bits is not None:
+    store = None
+    if config.kv_host_cache_gib is not None:
+        store = _host_store(config, shape, device)
+    elif config.prefix_cache_kv_bits is not None:
         # The int8 store's share of the same memory: fewer blocks, and slots in their bytes.
         num_store_blocks = round(num_blocks * config.prefix_cache_quantized_fraction)
         num_slots = num_store_blocks * shape.bytes_per_block() // QuantizedKVStore.bytes_per_slot(shape)
         num_blocks -= num_store_blocks
+        store = QuantizedKVStore(shape, num_slots, device) if num_slots else None
     if num_blocks < 1:
         raise EngineConfigError(f"the KV pool would hold {num_blocks} blocks; give it more memory")
-    return PagedKVPool(shape, num_blocks=num_blocks, device=device, num_quantized_slots=num_slots)
+    return PagedKVPool(shape, num_blocks=num_blocks, device=device, store=store)
+
+
+def _host_store(config: EngineConfig, shape: KVCacheShape, device: torch.device):
+    """The host tier: kv_host_cache_gib of host memory in blocks of the pool's dtype, or of int8
+    with prefix_cache_kv_bits; pinned for a CUDA pool, so that copies need not wait."""
+    budget = int(config.kv_host_cache_gib * 2**30)
+    int8 = config.prefix_cache_kv_bits is not None
+    num_slots = budget // (QuantizedKVStore if int8 else HostKVStore).bytes_per_slot(shape)
+    if num_slots < 1:
+        raise EngineConfigError(
+            f"kv_host_cache_gib={config.kv_host_cache_gib} holds no block of {shape.bytes_per_block()} bytes"
+        )
+    pin = device.type == "cuda"
+    if int8:
+        return QuantizedKVStore(shape, num_slots, "cpu", on_host=True, pin_memory=pin)
+    return HostKVStore(shape, num_slots, pin_memory=pin)

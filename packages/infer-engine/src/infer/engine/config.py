@@ -177,6 +177,12 @@ class EngineConfig:
     prefix_cache_quantize_min_tokens: int = _flag(
         256, "with prefix_cache_kv_bits, only blocks of cached sequences this long or longer go int8"
     )
+    kv_host_cache_gib: float | None = _flag(
+        None,
+        "GiB of host memory (pinned on CUDA) that keeps the prefix-cache blocks the device pool "
+        "evicts, restored on a hit instead of recomputed; with prefix_cache_kv_bits 8 they are kept "
+        "in int8 there (about half the bytes); None: off",
+    )
     quantization: str | None = _flag(
         None,
         "Linear weights in 8 bits: int8 (per output channel) or fp8 (128x128 blocks); None: as the "
@@ -295,6 +301,15 @@ class EngineConfig:
                 raise EngineConfigError(
                     "prefix_cache_kv_bits=8 stores prefix-cache blocks; set use_prefix_caching=True "
                     "or prefix_cache_kv_bits=None"
+                )
+        host = self.kv_host_cache_gib
+        if host is not None:
+            if isinstance(host, bool) or not isinstance(host, int | float) or not host > 0:
+                raise EngineConfigError(f"kv_host_cache_gib must be a number > 0 or None, got {host!r}")
+            if self.use_prefix_caching is False:
+                raise EngineConfigError(
+                    "kv_host_cache_gib keeps prefix-cache blocks; set use_prefix_caching=True or "
+                    "kv_host_cache_gib=None"
                 )
         share = self.prefix_cache_quantized_fraction
         if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share < 1:

@@ -69,8 +69,9 @@ class ScheduleDecision:
     preempted_request_ids: frozenset[str] = frozenset()
     # (kind, source, target) KV block operations to run, in order, before the forward
     # (infer.cache.kv_pool): COPY a new request's copy of the cached block its prefix match ends
-    # inside (copy-on-write); QUANTIZE a cold prefix-cache block into an int8 slot, whose block
-    # a new owner may write in this step; RESTORE an int8 slot into a block a match shares.
+    # inside (copy-on-write); OFFLOAD a prefix-cache block the tree evicts into a slot of the
+    # pool's store (int8, or host memory), whose block a new owner may write in this step;
+    # RESTORE a stored slot into a block a match shares.
     block_ops: tuple[tuple[str, int, int], ...] = ()
     # Scheduled tokens that are prompt (or recompute) work: all but decodes of a sampled token.
     num_prompt_tokens: int = 0
@@ -110,3 +111,6 @@ class RunnerOutput:
     spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Per request whose images the vision tower encoded in this step: (images, seconds).
     images_encoded: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # Seconds the offloads and restores of the prefix cache's store took (device time on CUDA),
+    # of this step or earlier ones not reported yet.
+    store_transfer_s: float = 0.0

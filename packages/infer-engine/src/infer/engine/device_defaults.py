@@ -89,7 +89,11 @@ def resolve(config: EngineConfig, *, cuda_capability: tuple[int, int] | None) ->
     on_cuda = capability is not None
     continuous = config.batching_mode == "continuous"
     paged = config.kv_cache_backend == "paged"
-    prefix_needed = config.prefix_cache_kv_bits is not None or config.prefix_cache_shadow_rate > 0
+    prefix_needed = (
+        config.prefix_cache_kv_bits is not None
+        or config.kv_host_cache_gib is not None
+        or config.prefix_cache_shadow_rate > 0
+    )
 
     # name -> (on by default here, the reason when not)
     automatic: dict[str, tuple[bool, str]] = {}

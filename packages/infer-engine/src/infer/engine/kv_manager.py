@@ -10,17 +10,17 @@ With a prefix tree (`use_prefix_caching`), a request admitted with no blocks sta
 tree holds of its tokens: `match` finds it (all but the last known token at most, which is
 computed to give logits), `acquire` shares the match's whole blocks, locks it in the tree, and
 takes a block of its own for the block the match ends inside, whose copy waits in
-`take_block_ops` for the step's decision (the runner runs those before the forward). With an
-int8 store for cold blocks, the tree quantizes instead of evicting when blocks run short, and a
-match that reads int8 blocks is first restored into blocks of the tree's (operations of the
-decision too, in the order they were made). While a request runs, `cache_computed` gives the
-tree its whole computed prompt blocks after each prefill chunk, so that requests admitted later
-with the same start (a burst of users of one system prompt) reuse them at once; the request
-locks what it gave, as if it had matched it. When a request leaves, `free` gives its computed
-tokens to the tree (its blocks gain the tree's reference) before the request drops its own.
-Blocks only the tree holds are the free list's reserve: `allocate` evicts the tree's least
-recently used unlocked blocks when the free list is short, so `num_free_blocks` counts them as
-free.
+`take_block_ops` for the step's decision (the runner runs those before the forward). With a
+second tier for what it evicts (the pool's store: int8 blocks, or host memory), the tree offloads
+instead of evicting when blocks run short, and a match that reads stored blocks is first restored
+into blocks of the tree's (operations of the decision too, in the order they were made). While a
+request runs, `cache_computed` gives the tree its whole computed prompt blocks after each prefill
+chunk, so that requests admitted later with the same start (a burst of users of one system
+prompt) reuse them at once; the request locks what it gave, as if it had matched it. When a
+request leaves, `free` gives its computed tokens to the tree (its blocks gain the tree's
+reference) before the request drops its own. Blocks only the tree holds are the free list's
+reserve: `allocate` evicts the tree's least recently used unlocked blocks when the free list is
+short, so `num_free_blocks` counts them as free.
 
 Which calls change the cache: `match` reads only; `acquire`, `cache_computed`, `allocate`,
 `rollback`, `release` and `free` change the allocator, the tree and `request.block_ids`
@@ -31,7 +31,7 @@ everyday signal to preempt, not an error.
 
 from collections import Counter
 
-from infer.cache import COPY, MISS, QUANTIZE, RESTORE, BlockAllocator, PrefixMatch, PrefixTree
+from infer.cache import COPY, MISS, OFFLOAD, RESTORE, BlockAllocator, PrefixMatch, PrefixTree
 from infer.engine.request import Request
 
 
@@ -56,6 +56,8 @@ class KVCacheManager:
         # Matches by kind at admission.
         self.match_counts: Counter[str] = Counter()
         self._kinds: dict[str, str] = {}  # the kind counted at each running request's admission
+        # Seconds the runner spent moving blocks to and from the pool's store (RunnerOutput's).
+        self.store_transfer_s = 0.0
 
     @property
     def num_blocks(self) -> int:
@@ -135,8 +137,8 @@ class KVCacheManager:
         return True
 
     def _warm(self, request: Request, match: PrefixMatch) -> PrefixMatch:
-        """The locked match with its int8 blocks restored into blocks of the tree's; without the
-        blocks for that, the locked match of what lies before its first int8 block."""
+        """The locked match with its stored blocks restored into blocks of the tree's; without the
+        blocks for that, the locked match of what lies before its first stored block."""
         tree = self.prefix_tree
         blocks = self._take(match.num_cold, tree.owner)
         if blocks is not None:
@@ -144,7 +146,7 @@ class KVCacheManager:
             self._ops.extend((RESTORE, slot, block) for slot, block in restores)
             return match
         tree.unlock(match)
-        # Whole blocks (no copy source to read), within the shared ones: so none of them is int8.
+        # Whole blocks (no copy source to read), within the shared ones: so none of them is stored.
         num_warm = tree.num_warm_blocks(match) * self.block_size
         match = tree.match(request.cache_key_ids, max_tokens=num_warm, salt=request.cache_salt)
         tree.lock(match)
@@ -166,7 +168,7 @@ class KVCacheManager:
         taken, self._matches[request_id] = tree.extend(
             self._held(request_id), tokens, request.block_ids[:num_blocks], salt=request.cache_salt, end=False
         )
-        self._take_quantized()  # when the insert went over max_blocks
+        self._take_offloaded()  # when the insert went over max_blocks
         self._given.setdefault(request_id, []).extend(taken)
         self._num_given_blocks[request_id] = num_blocks
 
@@ -184,7 +186,7 @@ class KVCacheManager:
 
     def take_block_ops(self) -> tuple[tuple[str, int, int], ...]:
         """The block operations made since the last call (copies and restores for the acquired
-        matches, the tree's int8 stores), in order, for this step's decision; forgets them."""
+        matches, the tree's offloads), in order, for this step's decision; forgets them."""
         ops, self._ops = tuple(self._ops), []
         return ops
 
@@ -219,11 +221,11 @@ class KVCacheManager:
         short = num_blocks - self.allocator.num_free
         if short > 0:
             self.prefix_tree.evict(short)
-            self._take_quantized()
+            self._take_offloaded()
         return self.allocator.allocate(num_blocks, owner)
 
-    def _take_quantized(self) -> None:
-        self._ops.extend((QUANTIZE, block, slot) for block, slot in self.prefix_tree.take_quantized())
+    def _take_offloaded(self) -> None:
+        self._ops.extend((OFFLOAD, block, slot) for block, slot in self.prefix_tree.take_offloaded())
 
     def rollback(self, request: Request, num_tokens: int) -> list[int]:
         """Forgets the last `num_tokens` computed tokens (rejected draft tokens, later) and frees
@@ -275,6 +277,6 @@ class KVCacheManager:
                 # Inserts the whole sequence and gives up the request's lock, in one walk.
                 blocks = request.block_ids[: self.blocks_for_tokens(len(tokens))]
                 tree.extend(held, tokens, blocks, salt=request.cache_salt, end=True, lock=False)
-                self._take_quantized()
+                self._take_offloaded()
         self.allocator.free(request.block_ids, request.request_id)
         request.block_ids = []

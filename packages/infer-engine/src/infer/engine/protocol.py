@@ -131,6 +131,18 @@ class EngineStats:
     prefix_cache_quantized_bytes: int = 0
     prefix_cache_quantized_total: int = 0
     prefix_cache_restored_total: int = 0
+    # The second tier, if any: "int8" (prefix_cache_kv_bits), "host" (kv_host_cache_gib) or
+    # "host int8" (both); with a host tier, the blocks and bytes it holds, its budget, and the
+    # bytes offloaded to it, restored from it and dropped from it so far.
+    prefix_cache_store: str | None = None
+    kv_host_blocks: int = 0
+    kv_host_bytes: int = 0
+    kv_host_budget_bytes: int = 0
+    kv_host_offloaded_bytes_total: int = 0
+    kv_host_restored_bytes_total: int = 0
+    kv_host_dropped_bytes_total: int = 0
+    # Device time of the steps' offloads and restores (queued before each step's forward).
+    kv_host_transfer_time_s_total: float = 0.0
     # Shadow re-runs without the cache (prefix_cache_shadow_rate), and those whose tokens differed.
     prefix_cache_shadow_runs: int = 0
     prefix_cache_shadow_divergences: int = 0
@@ -179,14 +191,14 @@ class EngineStats:
 class PrefixCacheEntry:
     """One run of the prefix cache's tokens between branches (infer.cache.PrefixEntry), as a
     person reads it: tokens [start, start + num_tokens) of the sequences through it; `bytes` of
-    KV blocks and `int8_bytes` of int8 slots; `hits`, requests that reused part of it (or of a
-    run below it); when it was made and last used (Unix seconds); `in_use` while a running
-    request reads it (it cannot be evicted then)."""
+    KV blocks and `stored_bytes` in the pool's store (int8 slots, or host memory); `hits`,
+    requests that reused part of it (or of a run below it); when it was made and last used (Unix
+    seconds); `in_use` while a running request reads it (it cannot be evicted then)."""
 
     start: int
     num_tokens: int
     bytes: int
-    int8_bytes: int
+    stored_bytes: int
     hits: int
     created_at: float
     last_used_at: float

@@ -23,6 +23,7 @@ id from `last_sampled`, the device copy of that step's tokens (`resolve_pending_
 """
 
 import dataclasses
+import time
 from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from infer.cache import COPY
 from infer.engine.cuda_graphs import StepGraphs
 from infer.engine.decision import RunnerOutput, ScheduleDecision, TokenLogprobs
 from infer.engine.image_encoder import ImageEncoder, StepImages
@@ -172,6 +174,8 @@ class ModelRunner:
         self._host_tokens = torch.zeros((2, max_batch_size), dtype=torch.long, pin_memory=pinned)
         self._num_launched = 0
         self._launched: deque[_LaunchedStep] = deque()
+        # Offloads and restores queued and not yet reported: CUDA events (start, end), or seconds.
+        self._store_timings: deque = deque()
         self.graphs = None
         if use_cuda_graphs:
             self.graphs = StepGraphs(
@@ -256,9 +260,9 @@ class ModelRunner:
             for request in decision.new_requests:
                 prompt_ids = request.token_ids[: request.num_prompt_tokens]
                 self.image_encoder.add(request.request_id, request.images, prompt_ids)
-        # Prefix-cache block copies, int8 stores and restores, queued before the forward that
-        # reads or overwrites those blocks.
-        self.kv_pool.run_block_ops(decision.block_ops)
+        # Prefix-cache block copies, offloads and restores, queued before the forward that reads
+        # or overwrites those blocks.
+        self._run_block_ops(decision.block_ops)
         if decision.new_requests or decision.finished_request_ids or decision.preempted_request_ids:
             self._sampling = None
         if decision.is_empty:
@@ -403,6 +407,38 @@ class ModelRunner:
             top_logprobs=top_logprobs,
         )
 
+    def _run_block_ops(self, ops) -> None:
+        """Runs the step's block operations; those that move blocks to or from the pool's store are
+        timed (device time on CUDA), for RunnerOutput.store_transfer_s."""
+        if not any(kind != COPY for kind, _, _ in ops):
+            self.kv_pool.run_block_ops(ops)
+            return
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.kv_pool.run_block_ops(ops)
+            end.record()
+            self._store_timings.append((start, end))
+        else:
+            started_s = time.perf_counter()
+            self.kv_pool.run_block_ops(ops)
+            self._store_timings.append(time.perf_counter() - started_s)
+
+    def _store_transfer_s(self) -> float:
+        """Seconds of the timed block operations done by now (a later step's, still queued behind
+        this one's forward, waits for a later collect rather than for the device)."""
+        seconds = 0.0
+        while self._store_timings:
+            timing = self._store_timings[0]
+            if isinstance(timing, tuple):
+                start, end = timing
+                if not end.query():
+                    break
+                timing = start.elapsed_time(end) / 1000
+            seconds += timing
+            self._store_timings.popleft()
+        return seconds
+
     def collect(self) -> RunnerOutput:
         """The output of the oldest launched step not collected yet; waits for its tokens."""
         launched = self._launched.popleft()
@@ -427,6 +463,7 @@ class ModelRunner:
             ),
             logprobs=launched.logprobs.entries() if launched.logprobs is not None else {},
             images_encoded=launched.images.encoded_seconds() if launched.images is not None else {},
+            store_transfer_s=self._store_transfer_s(),
         )
 
     def _read(self, launched: _LaunchedStep) -> list[int]:

@@ -363,6 +363,7 @@ class Scheduler:
 
         After a failed forward, call fail() instead."""
         sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
+        self.kv_manager.store_transfer_s += runner_output.store_transfer_s
         for request_id, (num_images, seconds) in runner_output.images_encoded.items():
             self.image_counts.num_encoded += num_images
             self.image_counts.encoder_s += seconds

@@ -90,6 +90,7 @@ class EngineLoop:
         self.failure: str | None = None
         self._speculates = False  # True once the speculative-decoding metrics exist (start)
         self._sees = False  # True once the vision metrics exist (start: a vision-language model)
+        self._offloads = False  # True once the host-tier metrics exist (start: kv_host_cache_gib)
 
     def start(self) -> None:
         speculative = self.engine.config.speculative
@@ -100,6 +101,10 @@ class EngineLoop:
             self.metrics.enable_vision()
             self.stats.enable_vision()
             self._sees = True
+        if self.engine.config.kv_host_cache_gib is not None:
+            self.metrics.enable_kv_host()
+            self.stats.enable_kv_host()
+            self._offloads = True
         if self.engine.config.data_parallel_size > 1:
             self.metrics.enable_replicas(self.engine.config.data_parallel_size)
         self._update_gauges()
@@ -203,6 +208,8 @@ class EngineLoop:
             metrics.update_spec_decode(stats)
         if self._sees:
             metrics.update_vision(stats)
+        if self._offloads:
+            metrics.update_kv_host(stats)
         if (replica_stats := self.engine.replica_stats()) is not None:
             alive = self.engine.replicas_alive()
             metrics.update_replicas(replica_stats, alive, self.engine.num_routed_by_prefix())

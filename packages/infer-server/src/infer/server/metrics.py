@@ -493,6 +493,43 @@ class ServerMetrics:
         self.vision_image_tokens_reused_total.set_total(stats.vision_image_tokens_reused)
         self.vision_encoder_seconds_total.set_total(stats.vision_encoder_time_s)
 
+    def enable_kv_host(self) -> None:
+        """Registers the host-memory KV tier's gauges and counters: they exist only on a server
+        whose engine has one (kv_host_cache_gib)."""
+        registry = self.registry
+        self.kv_host_cache_bytes = registry.gauge(
+            "infer_kv_host_cache_bytes",
+            "Host-memory bytes holding prefix-cache blocks the device KV pool evicted.",
+        )
+        self.kv_host_cache_budget_bytes = registry.gauge(
+            "infer_kv_host_cache_budget_bytes", "The host KV tier's size in bytes (kv_host_cache_gib)."
+        )
+        self.kv_host_offloaded_bytes_total = registry.counter(
+            "infer_kv_host_offloaded_bytes_total",
+            "KV bytes copied from the device pool to host memory as the pool evicted their blocks.",
+        )
+        self.kv_host_restored_bytes_total = registry.counter(
+            "infer_kv_host_restored_bytes_total",
+            "KV bytes copied back from host memory into the device pool for a prefix-cache hit.",
+        )
+        self.kv_host_dropped_bytes_total = registry.counter(
+            "infer_kv_host_dropped_bytes_total",
+            "KV bytes the full host tier dropped (its least recently used blocks): gone from both tiers.",
+        )
+        self.kv_host_transfer_seconds_total = registry.counter(
+            "infer_kv_host_transfer_seconds_total",
+            "Seconds of the copies to and from host memory (device time on CUDA).",
+        )
+
+    def update_kv_host(self, stats) -> None:
+        """Mirrors the core's host-tier figures (EngineStats.kv_host_*)."""
+        self.kv_host_cache_bytes.set(stats.kv_host_bytes)
+        self.kv_host_cache_budget_bytes.set(stats.kv_host_budget_bytes)
+        self.kv_host_offloaded_bytes_total.set_total(stats.kv_host_offloaded_bytes_total)
+        self.kv_host_restored_bytes_total.set_total(stats.kv_host_restored_bytes_total)
+        self.kv_host_dropped_bytes_total.set_total(stats.kv_host_dropped_bytes_total)
+        self.kv_host_transfer_seconds_total.set_total(stats.kv_host_transfer_time_s_total)
+
     def enable_replicas(self, num_replicas: int) -> None:
         """Registers each data-parallel replica's gauges and counters (label replica="0".."N-1"):
         they exist only on a server with data_parallel_size > 1, whose unlabelled metrics are the

@@ -12,7 +12,8 @@ chart needs, per request and per second:
   for a fraction of it still shows), the newest `window_s`.
   Series: running and waiting requests, KV bytes used and total, prefix-cache bytes and budget,
   generated tokens per second, disconnects per second, the prefix cache's admissions by match
-  kind and evicted bytes per second, and the % of the memory roofline that
+  kind and evicted bytes per second, the bytes offloaded to and restored from the host KV tier
+  per second (0 without one), and the % of the memory roofline that
   decoding reached in each second (bytes the decode steps read over their time, over the copy
   bandwidth the engine measured at start-up: infer.engine.roofline).
 - The prefix cache's entries (runs of tokens between branches of its tree), as the engine last
@@ -21,6 +22,9 @@ chart needs, per request and per second:
   that verified drafts, draft tokens, accepted tokens, and by draft position), the acceptance rate
   and mean accepted length they give (infer.engine.spec_decode.SpecDecodeCounts), and both per
   second in the history (seconds in which drafts were verified).
+- The host KV tier, while the engine has one (kv_host_cache_gib; null otherwise): the blocks and
+  bytes it holds, its budget, and the core's totals of bytes offloaded, restored and dropped and
+  of seconds spent copying.
 - Memory, as the engine last read it (infer.engine.memory): the weights, the KV pool (used and
   total) and the device memory in use, whose rest beyond weights and KV pool is `other_bytes`
   (activations, CUDA graphs, the allocator's; on a CPU everything else the process holds).
@@ -133,13 +137,26 @@ GAUGE_SERIES = (
     "prefix_cache_budget_bytes",
 )
 # The prefix cache's admissions by match kind (what it held of each request taken in: a hit
-# rate per second) and its evictions, per second, from the core's running totals.
+# rate per second), its evictions, and the host tier's copies each way, per second, from the
+# core's running totals.
 MATCH_KINDS = ("miss", "prefix", "supersequence", "lcp")
 CACHE_RATE_SERIES = (
     *(f"prefix_cache_{kind}_per_s" for kind in MATCH_KINDS),
     "prefix_cache_evicted_bytes_per_s",
+    "kv_host_offloaded_bytes_per_s",
+    "kv_host_restored_bytes_per_s",
 )
 RATE_SERIES = ("generated_tokens_per_s", "disconnects_per_s", *CACHE_RATE_SERIES)
+# /v1/stats' "kv_host" section: its names and the EngineStats fields they show.
+KV_HOST_FIELDS = {
+    "blocks": "kv_host_blocks",
+    "bytes": "kv_host_bytes",
+    "budget_bytes": "kv_host_budget_bytes",
+    "offloaded_bytes": "kv_host_offloaded_bytes_total",
+    "restored_bytes": "kv_host_restored_bytes_total",
+    "dropped_bytes": "kv_host_dropped_bytes_total",
+    "transfer_time_s": "kv_host_transfer_time_s_total",
+}
 # Derived in snapshot() from what the decode steps read and took in each second.
 ROOFLINE_SERIES = "memory_roofline_percent"
 # Derived in snapshot() from the drafts verified in each second.
@@ -169,6 +186,9 @@ class ServerStats:
         # JSON only when asked for) and how many there were.
         self.prefix_cache_entries: tuple = ()
         self.prefix_cache_num_entries = 0
+        # Where the prefix cache keeps what the device pool evicts: "int8", "host", "host int8", or
+        # None (EngineStats.prefix_cache_store).
+        self.prefix_cache_store: str | None = None
         # Decode steps: bytes read and seconds taken in each second, and the core's totals so far.
         self._decode_bytes = History(window_s)
         self._decode_seconds = History(window_s)
@@ -182,6 +202,8 @@ class ServerStats:
         self.spec_decode: SpecDecodeCounts | None = None
         # The vision tower's totals (EngineStats.vision_*); None for a model without one.
         self.vision: dict | None = None
+        # The host KV tier's figures (EngineStats.kv_host_*); None without one.
+        self.kv_host: dict | None = None
         self.spec_decode_num_speculative_tokens = 0
         self._spec_decode_seconds = {name: History(window_s) for name in ("rows", "drafted", "accepted")}
 
@@ -209,6 +231,12 @@ class ServerStats:
             self.vision = dict.fromkeys(("encoder_runs", "encoder_skipped", "image_tokens_reused"), 0)
             self.vision["encoder_time_s"] = 0.0
 
+    def enable_kv_host(self) -> None:
+        """The engine has a host KV tier: its figures are shown (from 0)."""
+        with self._lock:
+            self.kv_host = dict.fromkeys(KV_HOST_FIELDS, 0)
+            self.kv_host["transfer_time_s"] = 0.0
+
     def on_engine_stats(self, stats) -> None:
         """The core's state after a step (infer.engine.protocol.EngineStats)."""
         now = self.clock()
@@ -231,6 +259,7 @@ class ServerStats:
                 self._decode_bytes.add(now, totals[0] - self._decode_totals[0])
                 self._decode_seconds.add(now, totals[1] - self._decode_totals[1])
                 self._decode_totals = totals
+            self.prefix_cache_store = stats.prefix_cache_store
             if stats.prefix_cache_entries is not None:
                 self.prefix_cache_entries = stats.prefix_cache_entries
                 self.prefix_cache_num_entries = stats.prefix_cache_num_entries
@@ -240,6 +269,8 @@ class ServerStats:
                     for kind in MATCH_KINDS
                 },
                 "prefix_cache_evicted_bytes_per_s": stats.prefix_cache_evicted_bytes,
+                "kv_host_offloaded_bytes_per_s": stats.kv_host_offloaded_bytes_total,
+                "kv_host_restored_bytes_per_s": stats.kv_host_restored_bytes_total,
             }
             for name, total in cache_totals.items():
                 self.history[name].add(now, total - self._cache_totals[name])
@@ -253,6 +284,8 @@ class ServerStats:
                     "image_tokens_reused": stats.vision_image_tokens_reused,
                     "encoder_time_s": stats.vision_encoder_time_s,
                 }
+            if self.kv_host is not None:
+                self.kv_host = {name: getattr(stats, field) for name, field in KV_HOST_FIELDS.items()}
             for name in ("generated_tokens_per_s", "disconnects_per_s"):  # a point for every second the
                 self.history[name].add(now, 0)  # engine ran, 0 if nothing happened
 
@@ -315,14 +348,14 @@ class ServerStats:
             self.records[index] = dataclasses.replace(record, finish_reason=finish_reason)
 
     def snapshot(self) -> dict:
-        """GET /v1/stats: {"time", "totals", "finish_reasons", "prefix_cache_matches",
-        "prefix_cache_num_entries", "prefix_cache_entries" (most recently used first, with their
-        age and idle time now), "copy_bandwidth_bytes_per_s", "memory" (memory_of; null before
-        the first step), "spec_decode" (null while the engine does not speculate), "vision" (the
-        vision tower's runs, skips, reused image tokens and seconds; null for a model without
-        one), "replicas"
-        (each data-parallel replica's state; null with one core; the totals are their sums), "requests"
-        (oldest first), "history": {series: [[unix_second, value], ...]}}."""
+        """GET /v1/stats: {"time", "totals", "finish_reasons", "prefix_cache_matches", "prefix_cache_store",
+        "prefix_cache_num_entries", "prefix_cache_entries" (most recently used first, with their age and
+        idle time now), "copy_bandwidth_bytes_per_s", "memory" (memory_of; null before the first step),
+        "spec_decode" (null while the engine does not speculate), "vision" (the vision tower's runs, skips,
+        reused image tokens and seconds; null for a model without one), "kv_host" (the host KV tier's
+        blocks and bytes held, budget, bytes offloaded, restored and dropped, and seconds copying; null
+        without one), "replicas" (each data-parallel replica's state; null with one core; the totals are
+        their sums), "requests" (oldest first), "history": {series: [[unix_second, value], ...]}}."""
         with self._lock:
             now = self.clock()
             history = {name: history.as_list() for name, history in self.history.items()}
@@ -333,6 +366,7 @@ class ServerStats:
                 "totals": dict(self.totals),
                 "finish_reasons": dict(self.finish_reasons),
                 "prefix_cache_matches": dict(self.prefix_cache_matches),
+                "prefix_cache_store": self.prefix_cache_store,
                 "prefix_cache_num_entries": self.prefix_cache_num_entries,
                 "prefix_cache_entries": [
                     {**asdict(entry), "age_s": now - entry.created_at, "idle_s": now - entry.last_used_at}
@@ -342,6 +376,7 @@ class ServerStats:
                 "memory": self.memory,
                 "spec_decode": self._spec_decode_summary(),
                 "vision": self.vision,
+                "kv_host": self.kv_host,
                 "replicas": self.replicas,
                 "requests": [asdict(record) for record in self.records],
                 "history": history,

@@ -60,13 +60,41 @@ class PrefixCacheObserver(StepObserver):
             prefix_cache_budget_bytes=(tree.max_blocks or 0) * block_bytes,
             prefix_cache_evicted_blocks=tree.num_evicted_blocks,
             prefix_cache_evicted_bytes=tree.num_evicted_blocks * block_bytes,
-            prefix_cache_quantized_blocks=tree.num_quantized_blocks,
-            prefix_cache_quantized_bytes=tree.num_quantized_blocks
-            * QuantizedKVStore.bytes_per_slot(self.kv_pool.shape),
-            prefix_cache_quantized_total=tree.num_quantized_total,
-            prefix_cache_restored_total=tree.num_warmed_total,
+            **self.store_stats(),
             **self.entries(),
         )
+
+    def store_stats(self) -> dict:
+        """The second tier's counters: int8 (prefix_cache_quantized_*) and host memory
+        (kv_host_*); a host tier in int8 counts in both."""
+        store, tree = self.kv_pool.store, self.tree
+        if store is None:
+            return {}
+        slot_bytes = self._slot_bytes()
+        int8 = isinstance(store, QuantizedKVStore)
+        stats = {"prefix_cache_store": " ".join(["host"] * store.on_host + ["int8"] * int8)}
+        if int8:
+            stats.update(
+                prefix_cache_quantized_blocks=tree.num_stored_blocks,
+                prefix_cache_quantized_bytes=tree.num_stored_blocks * slot_bytes,
+                prefix_cache_quantized_total=tree.num_offloaded_total,
+                prefix_cache_restored_total=tree.num_restored_total,
+            )
+        if store.on_host:
+            stats.update(
+                kv_host_blocks=tree.num_stored_blocks,
+                kv_host_bytes=tree.num_stored_blocks * slot_bytes,
+                kv_host_budget_bytes=store.num_slots * slot_bytes,
+                kv_host_offloaded_bytes_total=tree.num_offloaded_total * slot_bytes,
+                kv_host_restored_bytes_total=tree.num_restored_total * slot_bytes,
+                kv_host_dropped_bytes_total=tree.num_dropped_total * slot_bytes,
+                kv_host_transfer_time_s_total=self.kv_manager.store_transfer_s,
+            )
+        return stats
+
+    def _slot_bytes(self) -> int:
+        store = self.kv_pool.store
+        return type(store).bytes_per_slot(self.kv_pool.shape) if store is not None else 0
 
     def entries(self) -> dict:
         """The tree's entries when a walk is due, else nothing. A walk is due once a second while
@@ -85,7 +113,7 @@ class PrefixCacheObserver(StepObserver):
         self._entries_idle_walked = idle
         entries.sort(key=lambda entry: entry.last_used_s, reverse=True)
         block_bytes = self.kv_pool.shape.bytes_per_block()
-        slot_bytes = QuantizedKVStore.bytes_per_slot(self.kv_pool.shape)
+        slot_bytes = self._slot_bytes()
         unix = time.time() - now  # monotonic -> Unix seconds
         return dict(
             prefix_cache_num_entries=len(entries),
@@ -94,7 +122,7 @@ class PrefixCacheObserver(StepObserver):
                     start=entry.start,
                     num_tokens=entry.num_tokens,
                     bytes=entry.num_blocks * block_bytes,
-                    int8_bytes=entry.num_int8_blocks * slot_bytes,
+                    stored_bytes=entry.num_stored_blocks * slot_bytes,
                     hits=entry.hits,
                     created_at=unix + entry.created_s,
                     last_used_at=unix + entry.last_used_s,

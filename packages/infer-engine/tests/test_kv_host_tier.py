@@ -1,0 +1,127 @@
+"""The host tier (kv_host_cache_gib) through the engine, on the CPU with a pool small enough to
+evict: conversations the device pool cannot hold go to host memory, come back on a hit, and the
+greedy tokens are those of an engine without any cache (the oracle: every token recomputed), for
+the three architectures. No block leaks across the tiers: the pool holds only the tree's blocks
+when idle, the store only its slots."""
+
+import random
+
+import pytest
+
+from infer.cache import HostKVStore, QuantizedKVStore
+from infer.engine import Engine, EngineConfig
+from infer.engine.config import EngineConfigError
+
+from .test_prefix_cache import SETTINGS, run
+
+SMALL_POOL = {**SETTINGS, "num_gpu_blocks": 12}
+GIB_FOR_SLOTS = 1 / 1024  # 1 MiB: hundreds of the tiny models' blocks
+
+
+def conversations(vocab: int, seed: int = 4) -> tuple[list[list[int]], list[list[int]]]:
+    """Three prompts of 24 tokens (7 blocks of 4 each with their answers: the pool holds 12),
+    then each one again with 5 more tokens: hits on what the pool had to give up."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(24)] for _ in range(3)]
+    return prompts, [prompt + [rng.randrange(vocab) for _ in range(5)] for prompt in prompts]
+
+
+def assert_no_leak(engine: Engine) -> None:
+    core = engine.core
+    tree, pool = core.prefix_tree, core.kv_pool
+    assert pool.allocator.num_used == tree.num_blocks and tree.num_locked_blocks == 0
+    assert pool.store.allocator.num_used == tree.num_stored_blocks
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny", "gemma3-tiny"])
+def test_evicted_conversations_come_back_from_host_memory_with_the_uncached_tokens(tiny_models, name):
+    model = tiny_models[name]
+    plain = Engine(EngineConfig(**SMALL_POOL), loaded_model=model.loaded)
+    tiered = Engine(
+        EngineConfig(**SMALL_POOL, use_prefix_caching=True, kv_host_cache_gib=GIB_FOR_SLOTS),
+        loaded_model=model.loaded,
+    )
+    assert isinstance(tiered.core.kv_pool.store, HostKVStore)
+    prompts, follow_ups = conversations(model.loaded.config.vocab_size)
+    for prompt in prompts:
+        ((tokens, _),) = run(tiered, [prompt], max_new_tokens=4)
+        assert tokens == run(plain, [prompt], max_new_tokens=4)[0][0]
+    tree = tiered.core.prefix_tree
+    assert tree.num_stored_blocks > 0 and tree.num_evicted_blocks == 0
+    for prompt in follow_ups:
+        ((tokens, num_cached),) = run(tiered, [prompt], max_new_tokens=6)
+        assert num_cached >= 24, f"{num_cached} prompt tokens from the cache"
+        assert tokens == run(plain, [prompt], max_new_tokens=6)[0][0]
+    assert tree.num_restored_total > 0 and tree.num_evicted_blocks == 0
+    assert_no_leak(tiered)
+    stats = tiered.core.stats()
+    block_bytes = tiered.core.kv_pool.shape.bytes_per_block()
+    assert stats.prefix_cache_store == "host"
+    assert stats.kv_host_bytes == tree.num_stored_blocks * block_bytes
+    assert stats.kv_host_offloaded_bytes_total == tree.num_offloaded_total * block_bytes > 0
+    assert stats.kv_host_restored_bytes_total == tree.num_restored_total * block_bytes > 0
+    assert stats.kv_host_budget_bytes == tiered.core.kv_pool.store.num_slots * block_bytes
+    assert stats.kv_host_transfer_time_s_total > 0
+    for engine in (plain, tiered):
+        engine.shutdown()
+
+
+def test_a_full_host_tier_drops_its_oldest_blocks_and_the_tokens_stay_right(tiny_models):
+    model = tiny_models["llama-tiny"]
+    block_bytes = None
+    plain = Engine(EngineConfig(**SMALL_POOL), loaded_model=model.loaded)
+    probe = Engine(EngineConfig(**SMALL_POOL, use_prefix_caching=True), loaded_model=model.loaded)
+    block_bytes = probe.core.kv_pool.shape.bytes_per_block()
+    probe.shutdown()
+    config = EngineConfig(**SMALL_POOL, use_prefix_caching=True, kv_host_cache_gib=4 * block_bytes / 2**30)
+    tiered = Engine(config, loaded_model=model.loaded)
+    assert tiered.core.kv_pool.store.num_slots == 4
+    prompts, follow_ups = conversations(model.loaded.config.vocab_size, seed=5)
+    for prompt in prompts:
+        run(tiered, [prompt], max_new_tokens=4)
+    for prompt in follow_ups:
+        ((tokens, _),) = run(tiered, [prompt], max_new_tokens=6)
+        assert tokens == run(plain, [prompt], max_new_tokens=6)[0][0]
+    tree = tiered.core.prefix_tree
+    assert tree.num_dropped_total > 0 and tree.num_stored_blocks <= 4
+    assert tiered.core.stats().kv_host_dropped_bytes_total == tree.num_dropped_total * block_bytes
+    assert_no_leak(tiered)
+    for engine in (plain, tiered):
+        engine.shutdown()
+
+
+def test_with_kv_bits_the_host_tier_keeps_blocks_in_int8(tiny_models):
+    model = tiny_models["qwen3-tiny"]
+    config = EngineConfig(
+        **SMALL_POOL, use_prefix_caching=True, kv_host_cache_gib=GIB_FOR_SLOTS, prefix_cache_kv_bits=8,
+        prefix_cache_quantize_min_tokens=16,
+    )  # fmt: skip
+    tiered = Engine(config, loaded_model=model.loaded)
+    store = tiered.core.kv_pool.store
+    # The device pool keeps all its blocks: the int8 slots are the host's.
+    assert isinstance(store, QuantizedKVStore) and store.on_host and tiered.core.kv_pool.num_blocks == 12
+    assert store.layers[0][0].device.type == "cpu"
+    prompts, follow_ups = conversations(model.loaded.config.vocab_size, seed=6)
+    for prompt in prompts:
+        run(tiered, [prompt], max_new_tokens=4)
+    for prompt in follow_ups:
+        ((_, num_cached),) = run(tiered, [prompt], max_new_tokens=6)
+        assert num_cached >= 24
+    stats = tiered.core.stats()
+    assert stats.prefix_cache_store == "host int8"
+    assert stats.prefix_cache_restored_total > 0 and stats.kv_host_restored_bytes_total > 0
+    assert_no_leak(tiered)
+    tiered.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"kv_host_cache_gib": 0}, "kv_host_cache_gib must be a number > 0"),
+        ({"kv_host_cache_gib": True}, "kv_host_cache_gib must be a number > 0"),
+        ({"kv_host_cache_gib": 1, "use_prefix_caching": False}, "set use_prefix_caching=True"),
+    ],
+)
+def test_host_tier_settings_that_cannot_work_are_refused(settings, message):
+    with pytest.raises(EngineConfigError, match=message):
+        EngineConfig(**settings)
