@@ -1,8 +1,9 @@
 """PFX-009: the prefix tree over two tiers (a pool and a store it offloads into), against a model
 of what every block and slot holds.
 
-The model runs the tree's block operations on token contents, as the pool runs them on K/V: an
-insert writes a sequence's tokens into its blocks, `take_offloaded` copies a block into a slot
+The model runs the tree's block operations on contents, as the pool runs them on K/V. A block's
+content is the whole token path it ends (as its K/V depends on every token before it, so no two
+nodes hold the same): an insert writes each of its blocks' paths, `take_offloaded` copies a block into a slot
 (and the block's next owner overwrites it), `warm` copies slots back into blocks. Then:
 - a match, warmed, shares blocks (and a copy source) that hold exactly the tokens it reuses: a
   restored block is what was offloaded, through any number of trips;
@@ -22,7 +23,7 @@ from infer.cache import BlockAllocator, PrefixTree
 TWO_TIER_TREES: dict[str, type] = {"PrefixTree": PrefixTree}
 TOKENS = st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=10)
 # Written over a block whose tree node went to the store: the next owner's K/V.
-OVERWRITTEN = -1
+OVERWRITTEN = (-1,)
 
 
 def two_tiers_keep_contents(case: dict, impl: str | None) -> None:
@@ -40,8 +41,8 @@ def _machine(tree_class: type, case: dict) -> type:
             self.tree = tree_class(
                 self.allocator, size, slots=self.slots, store_min_tokens=case["min_tokens"]
             )
-            self.blocks: dict[int, list[int]] = {}  # what each pool block holds
-            self.stored: dict[int, list[int]] = {}  # what each slot holds
+            self.blocks: dict[int, tuple[int, ...]] = {}  # the path each pool block holds
+            self.stored: dict[int, tuple[int, ...]] = {}  # the path each slot holds
             self.locked: list = []  # (match, the blocks it shared when locked)
             self.num_requests = 0
 
@@ -50,8 +51,8 @@ def _machine(tree_class: type, case: dict) -> type:
             block is then free, and its next owner overwrites it."""
             for block, slot in self.tree.take_offloaded():
                 assert self.allocator.refcount(block) == 0, f"offloaded block {block} is still held"
-                self.stored[slot] = list(self.blocks[block])
-                self.blocks[block] = [OVERWRITTEN] * size
+                self.stored[slot] = self.blocks[block]
+                self.blocks[block] = OVERWRITTEN
 
         def take(self, num: int, owner: str) -> list[int] | None:
             if num > self.allocator.num_free:
@@ -69,7 +70,7 @@ def _machine(tree_class: type, case: dict) -> type:
             if blocks is None:
                 return
             for index, block in enumerate(blocks):
-                self.blocks[block] = list(tokens[index * size : (index + 1) * size])
+                self.blocks[block] = tuple(tokens[: (index + 1) * size])
             self.tree.insert(tokens, blocks)
             self.run_offloads()
             self.allocator.free_owner(owner)
@@ -88,16 +89,15 @@ def _machine(tree_class: type, case: dict) -> type:
                 m, restores = self.tree.warm(m, blocks)
                 for slot, block in restores:
                     assert self.slots.refcount(slot) == 0, f"slot {slot} restored but still held"
-                    self.blocks[block] = list(self.stored[slot])
+                    self.blocks[block] = self.stored[slot]
             for index, block in enumerate(m.block_ids):
-                want = list(query[index * size : (index + 1) * size])
+                want = tuple(query[: (index + 1) * size])
                 assert self.blocks[block] == want, (
                     f"match({query}) shares block {block} holding {self.blocks[block]}, not {want}"
                 )
             if m.copy_block is not None:
-                start = len(m.block_ids) * size
-                held = self.blocks[m.copy_block][: m.copy_tokens]
-                assert held == list(query[start : m.num_tokens]), (
+                held = self.blocks[m.copy_block][: m.num_tokens]
+                assert held == tuple(query[: m.num_tokens]), (
                     f"match({query}) copies block {m.copy_block} holding {self.blocks[m.copy_block]}"
                 )
             if lock:
