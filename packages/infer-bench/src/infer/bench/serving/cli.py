@@ -236,7 +236,8 @@ def _run_engine_only(args) -> int:
     config = EngineConfig.from_file(args.engine_config)
     if args.repeats < 1 or args.passes < 1:
         raise ValueError(f"--repeats and --passes must be >= 1, got {args.repeats} and {args.passes}")
-    engine = Engine(config)
+    # Replicas are processes of their own (Engine.spawn); one core runs in this process.
+    engine = Engine.spawn(config) if config.data_parallel_size > 1 else Engine(config)
     # As the engine process does after start-up: what start-up built stays out of the garbage
     # collector's scans, so a run pays the collections that serving itself causes.
     gc.collect()
