@@ -161,6 +161,28 @@ def test_evict_idle_frees_what_was_not_used_for_the_ttl():
     assert tree.match([5, 6, 7, 8]).num_tokens == 4
 
 
+def test_with_a_host_store_sessions_idle_past_the_ttl_leave_the_pool_for_the_store_and_stay():
+    now = [0.0]
+    slots = BlockAllocator(8)
+    tree, allocator = tree_with(clock=lambda: now[0], slots=slots, store_min_tokens=0, idle_to_store=True)
+    insert(tree, [1, 2, 3, 4, 9], "a")
+    now[0] = 100.0
+    insert(tree, [5, 6, 7, 8], "b")
+    now[0] = 130.0
+    idle = tree.match([1, 2, 3, 4, 9])
+    freed = tree.evict_idle(60.0)
+    # The idle session's blocks left the pool, the deepest first, into slots; nothing was evicted.
+    assert sorted(freed) == sorted([*idle.block_ids, idle.copy_block])
+    assert sorted(block for block, _ in tree.take_offloaded()) == sorted(freed)
+    assert tree.num_evicted_blocks == 0 and tree.num_stored_blocks == 2 == slots.num_used
+    assert tree.match([1, 2, 3, 4, 9]).num_matched == 5 and tree.match([5, 6, 7, 8]).num_cold == 0
+    # Idle in the store for longer still: it stays, until the store needs its slots.
+    now[0] = 1000.0
+    tree.evict_idle(60.0)
+    assert tree.match([1, 2, 3, 4, 9]).num_matched == 5 and tree.num_dropped_total == 0
+    assert allocator.num_used == tree.num_blocks == 0
+
+
 def test_entries_are_the_shared_system_prompt_and_each_conversation_after_it():
     now = [10.0]
     tree, _ = tree_with(clock=lambda: now[0])

@@ -5,6 +5,7 @@ the three architectures. No block leaks across the tiers: the pool holds only th
 when idle, the store only its slots."""
 
 import random
+import time
 
 import pytest
 
@@ -85,6 +86,28 @@ def test_a_full_host_tier_drops_its_oldest_blocks_and_the_tokens_stay_right(tiny
     tree = tiered.core.prefix_tree
     assert tree.num_dropped_total > 0 and tree.num_stored_blocks <= 4
     assert tiered.core.stats().kv_host_dropped_bytes_total == tree.num_dropped_total * block_bytes
+    assert_no_leak(tiered)
+    for engine in (plain, tiered):
+        engine.shutdown()
+
+
+def test_a_session_idle_past_the_ttl_goes_to_host_memory_and_its_next_turn_restores_it(tiny_models):
+    model = tiny_models["gemma3-tiny"]
+    plain = Engine(EngineConfig(**SETTINGS), loaded_model=model.loaded)
+    config = EngineConfig(
+        **SETTINGS, use_prefix_caching=True, kv_host_cache_gib=GIB_FOR_SLOTS, prefix_cache_ttl_s=0.05
+    )
+    tiered = Engine(config, loaded_model=model.loaded)
+    (prompt, other, _), (follow_up, _, _) = conversations(model.loaded.config.vocab_size, seed=7)
+    run(tiered, [prompt], max_new_tokens=4)
+    tree = tiered.core.prefix_tree
+    held = tree.num_blocks
+    time.sleep(1.1)  # past the TTL, and past the period the engine evicts idle entries at
+    run(tiered, [other], max_new_tokens=4)  # its steps evict the idle session: into the store
+    assert tree.num_stored_blocks >= held and tree.num_evicted_blocks == 0
+    ((tokens, num_cached),) = run(tiered, [follow_up], max_new_tokens=6)
+    assert num_cached >= 24 and tree.num_restored_total > 0
+    assert tokens == run(plain, [follow_up], max_new_tokens=6)[0][0]
     assert_no_leak(tiered)
     for engine in (plain, tiered):
         engine.shutdown()

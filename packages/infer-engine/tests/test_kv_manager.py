@@ -178,6 +178,28 @@ def int8_manager(num_blocks: int, num_slots: int) -> KVCacheManager:
     return KVCacheManager(allocator, BLOCK_SIZE, tree)
 
 
+def test_blocks_idle_past_the_ttl_go_to_a_host_store_with_their_offloads_in_the_next_decision():
+    now = [0.0]
+    allocator = BlockAllocator(8)
+    tree = PrefixTree(
+        allocator, BLOCK_SIZE, clock=lambda: now[0], slots=BlockAllocator(8), store_min_tokens=0,
+        idle_to_store=True,
+    )  # fmt: skip
+    manager = KVCacheManager(allocator, BLOCK_SIZE, tree)
+    first = Request("first", list(range(48)), SamplingParams())
+    grow(manager, first, 48)
+    blocks = list(first.block_ids)
+    manager.free(first)
+    manager.take_block_ops()
+    now[0] = 100.0
+    manager.evict_idle(60.0)
+    # The blocks are free now, for anyone the next decision admits: their copies must run first.
+    ops = manager.take_block_ops()
+    assert [kind for kind, _, _ in ops] == ["offload"] * 3
+    assert sorted(block for _, block, _ in ops) == sorted(blocks)
+    assert allocator.num_used == 0 and tree.num_stored_blocks == 3
+
+
 def test_blocks_short_move_cached_blocks_to_int8_and_a_hit_restores_them_first():
     manager = int8_manager(num_blocks=4, num_slots=8)
     first = Request("first", list(range(48)), SamplingParams())

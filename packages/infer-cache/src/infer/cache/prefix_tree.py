@@ -158,6 +158,7 @@ class PrefixTree:
         clock=time.monotonic,
         slots: BlockAllocator | None = None,
         store_min_tokens: int = 256,
+        idle_to_store: bool = False,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -176,6 +177,9 @@ class PrefixTree:
         self.num_evicted_blocks = 0
         self.slots = slots
         self.store_min_tokens = store_min_tokens
+        # evict_idle moves idle blocks into the store and leaves stored ones there (a store in
+        # host memory: what it is for is the sessions that went idle).
+        self.idle_to_store = idle_to_store and slots is not None
         self._cold: dict[int, _Node] = {}  # slot -> node
         # Eviction order, kept as the tree changes so that taking a block costs O(log n), not a
         # scan of the tree: heaps of (last_access, ..., block or slot) entries, pushed whenever a
@@ -565,10 +569,10 @@ class PrefixTree:
         freed += self._evict_while(num_blocks - len(freed), lambda node: True, stored=False)
         return freed + self._evict_while(num_blocks - len(freed), lambda node: True)
 
-    def _offload_cold(self, num_blocks: int) -> list[int]:
+    def _offload_cold(self, num_blocks: float, wanted=lambda node: True) -> list[int]:
         """Moves up to `num_blocks` least recently used unlocked blocks of long enough sequences
-        into the store's slots (of one insert, the same tick, the deepest first); returns the blocks
-        freed."""
+        into the store's slots (of one insert, the same tick, the deepest first), until the next is
+        not `wanted`; returns the blocks freed."""
         freed: list[int] = []
         while len(freed) < num_blocks and self._to_offload:
             entry = heapq.heappop(self._to_offload)
@@ -577,6 +581,9 @@ class PrefixTree:
                 continue
             if node.reach < self.store_min_tokens:
                 continue  # pushed again if a longer sequence goes through it
+            if not wanted(node):  # the rest were used later
+                heapq.heappush(self._to_offload, entry)
+                break
             if not self.slots.num_free and self._evict_one(self._cold_leaves, lambda n: True) is None:
                 heapq.heappush(self._to_offload, entry)
                 break
@@ -593,8 +600,12 @@ class PrefixTree:
         return freed
 
     def evict_idle(self, idle_s: float) -> list[int]:
-        """Frees every unlocked block not used for `idle_s` seconds (leaves first); returns them."""
+        """Frees every unlocked block not used for `idle_s` seconds (leaves first); returns them.
+        With `idle_to_store`, moves them into the store instead (`take_offloaded`), and what the
+        store holds leaves it only when the store is full."""
         cutoff = self._clock() - idle_s
+        if self.idle_to_store:
+            return self._offload_cold(math.inf, lambda node: node.last_access_s < cutoff)
         return self._evict_while(math.inf, lambda node: node.last_access_s < cutoff)
 
     def discard(self, block_ids: Sequence[int]) -> list[int]:

@@ -227,6 +227,8 @@ def _build_prefix_tree(config: EngineConfig, kv_pool: PagedKVPool) -> PrefixTree
         # Any block is cheaper to copy back from the host than to recompute; int8 costs accuracy,
         # which only long sequences are worth.
         store_min_tokens=config.prefix_cache_quantize_min_tokens if config.prefix_cache_kv_bits else 0,
+        # Sessions idle past the TTL leave the device for the host tier, and leave that last.
+        idle_to_store=kv_pool.store is not None and kv_pool.store.on_host,
     )
 
 

@@ -224,6 +224,12 @@ class KVCacheManager:
             self._take_offloaded()
         return self.allocator.allocate(num_blocks, owner)
 
+    def evict_idle(self, idle_s: float) -> None:
+        """The tree's entries idle for `idle_s` seconds leave the pool (for the store, with a host
+        tier: their offloads go into the next decision, before any new owner writes the blocks)."""
+        self.prefix_tree.evict_idle(idle_s)
+        self._take_offloaded()
+
     def _take_offloaded(self) -> None:
         self._ops.extend((OFFLOAD, block, slot) for block, slot in self.prefix_tree.take_offloaded())
 

@@ -47,7 +47,7 @@ class PrefixCacheObserver(StepObserver):
     ) -> list[EngineOutput]:
         if started_s - self._last_idle_eviction_s >= IDLE_EVICTION_PERIOD_S:
             self._last_idle_eviction_s = started_s
-            self.tree.evict_idle(self.ttl_s)
+            self.kv_manager.evict_idle(self.ttl_s)
         return outputs
 
     def stats(self) -> dict:
