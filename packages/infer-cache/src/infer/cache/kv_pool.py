@@ -18,6 +18,10 @@ The "contiguous" (slotted) cache is not a separate class: it is
 per sequence.
 """
 
+import enum
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 
 from infer.cache.block_allocator import BlockAllocator
@@ -25,10 +29,24 @@ from infer.cache.host_store import HostKVStore
 from infer.cache.kv_quant import QuantizedKVStore
 from infer.cache.shape import KVCacheShape
 
-# The block operations a step may need before its forward, each (kind, source, target):
-COPY = "copy"  # (COPY, block, block): copy-on-write of the block a prefix match ends inside
-OFFLOAD = "offload"  # (OFFLOAD, block, slot): a block the tree evicts into the pool's store
-RESTORE = "restore"  # (RESTORE, slot, block): a stored block back into the pool
+
+class BlockOpKind(enum.StrEnum):
+    """What a block operation does (a str: it compares and prints as its value)."""
+
+    COPY = "copy"  # block -> block: copy-on-write of the block a prefix match ends inside
+    OFFLOAD = "offload"  # block -> slot: a block the tree evicts, into the pool's store
+    RESTORE = "restore"  # slot -> block: a stored block back into the pool
+
+
+COPY, OFFLOAD, RESTORE = BlockOpKind.COPY, BlockOpKind.OFFLOAD, BlockOpKind.RESTORE
+
+
+class BlockOp(NamedTuple):
+    """One of the block operations a step may need before its forward (ScheduleDecision's)."""
+
+    kind: BlockOpKind
+    source: int  # a block (COPY, OFFLOAD) or a slot of the store (RESTORE)
+    target: int  # a block (COPY, RESTORE) or a slot of the store (OFFLOAD)
 
 
 class PagedKVPool:
@@ -75,8 +93,8 @@ class PagedKVPool:
         """Bytes of every K and V tensor, the null block included."""
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_layers)
 
-    def run_block_ops(self, ops) -> None:
-        """Runs (kind, source, target) operations (COPY, OFFLOAD, RESTORE) as if one by one, in
+    def run_block_ops(self, ops: Sequence[BlockOp]) -> None:
+        """Runs BlockOps (COPY, OFFLOAD, RESTORE) as if one by one, in
         order: a slot or block freed by one may be reused by a later one. Consecutive operations
         of a kind go in one batch while none touches what another of the batch writes."""
         batch: list[tuple[int, int]] = []

@@ -6,11 +6,14 @@ no code checks `isinstance` against these: they document the contract and type t
 """
 
 from collections.abc import Collection, Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from infer.cache.shape import KVCacheShape
+
+if TYPE_CHECKING:
+    from infer.cache.kv_pool import BlockOp
 
 
 @runtime_checkable
@@ -69,5 +72,5 @@ class KVPool(Protocol):
     # Copies block src over block dst in every layer, for each (src, dst) (copy-on-write).
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
 
-    # Runs (kind, source, target) block operations in order: kv_pool.COPY, OFFLOAD, RESTORE.
-    def run_block_ops(self, ops: Sequence[tuple[str, int, int]]) -> None: ...
+    # Runs kv_pool.BlockOps (COPY, OFFLOAD, RESTORE) in order.
+    def run_block_ops(self, ops: Sequence["BlockOp"]) -> None: ...

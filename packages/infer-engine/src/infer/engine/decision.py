@@ -10,6 +10,7 @@ preemption) comes whole as a `NewRequest`; one it holds comes as a `RunningReque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from infer.cache import BlockOp
 from infer.engine.images import PromptImage
 from infer.engine.sampling_params import SamplingParams
 
@@ -67,12 +68,12 @@ class ScheduleDecision:
     # Requests preempted (blocks freed, requeued) in this decision: rows to drop; they come back
     # later as NewRequest with every token they had, and recompute their KV.
     preempted_request_ids: frozenset[str] = frozenset()
-    # (kind, source, target) KV block operations to run, in order, before the forward
+    # KV block operations (infer.cache.BlockOp) to run, in order, before the forward
     # (infer.cache.kv_pool): COPY a new request's copy of the cached block its prefix match ends
     # inside (copy-on-write); OFFLOAD a prefix-cache block the tree evicts into a slot of the
     # pool's store (int8, or host memory), whose block a new owner may write in this step;
     # RESTORE a stored slot into a block a match shares.
-    block_ops: tuple[tuple[str, int, int], ...] = ()
+    block_ops: tuple[BlockOp, ...] = ()
     # Scheduled tokens that are prompt (or recompute) work: all but decodes of a sampled token.
     num_prompt_tokens: int = 0
     # Speculative decoding: the draft tokens a decoding request runs after its last token (its

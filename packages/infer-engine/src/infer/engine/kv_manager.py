@@ -31,7 +31,7 @@ everyday signal to preempt, not an error.
 
 from collections import Counter
 
-from infer.cache import COPY, MISS, OFFLOAD, RESTORE, BlockAllocator, PrefixMatch, PrefixTree
+from infer.cache import COPY, MISS, OFFLOAD, RESTORE, BlockAllocator, BlockOp, PrefixMatch, PrefixTree
 from infer.engine.request import Request
 
 
@@ -51,8 +51,8 @@ class KVCacheManager:
         # Per running request: whole blocks given to the tree so far, and those the tree took.
         self._num_given_blocks: dict[str, int] = {}
         self._given: dict[str, list[int]] = {}
-        # (kind, source, target) block operations for the next decision, in order.
-        self._ops: list[tuple[str, int, int]] = []
+        # Block operations for the next decision, in order.
+        self._ops: list[BlockOp] = []
         # Matches by kind at admission.
         self.match_counts: Counter[str] = Counter()
         self._kinds: dict[str, str] = {}  # the kind counted at each running request's admission
@@ -133,7 +133,7 @@ class KVCacheManager:
         self._matches[request.request_id] = match
         tree.count_hit(match, num_reused)
         if copy is not None:
-            self._ops.append((COPY, *copy))
+            self._ops.append(BlockOp(COPY, *copy))
         return True
 
     def _warm(self, request: Request, match: PrefixMatch) -> PrefixMatch:
@@ -143,7 +143,7 @@ class KVCacheManager:
         blocks = self._take(match.num_cold, tree.owner)
         if blocks is not None:
             match, restores = tree.warm(match, blocks)
-            self._ops.extend((RESTORE, slot, block) for slot, block in restores)
+            self._ops.extend(BlockOp(RESTORE, slot, block) for slot, block in restores)
             return match
         tree.unlock(match)
         # Whole blocks (no copy source to read), within the shared ones: so none of them is stored.
@@ -184,7 +184,7 @@ class KVCacheManager:
             return MISS
         return match
 
-    def take_block_ops(self) -> tuple[tuple[str, int, int], ...]:
+    def take_block_ops(self) -> tuple[BlockOp, ...]:
         """The block operations made since the last call (copies and restores for the acquired
         matches, the tree's offloads), in order, for this step's decision; forgets them."""
         ops, self._ops = tuple(self._ops), []
@@ -231,7 +231,7 @@ class KVCacheManager:
         self._take_offloaded()
 
     def _take_offloaded(self) -> None:
-        self._ops.extend((OFFLOAD, block, slot) for block, slot in self.prefix_tree.take_offloaded())
+        self._ops.extend(BlockOp(OFFLOAD, block, slot) for block, slot in self.prefix_tree.take_offloaded())
 
     def rollback(self, request: Request, num_tokens: int) -> list[int]:
         """Forgets the last `num_tokens` computed tokens (rejected draft tokens, later) and frees
@@ -278,7 +278,7 @@ class KVCacheManager:
             if not cache and given:
                 tree.discard(given)
             if self._ops:  # a copy into a block of a request that leaves before its step
-                self._ops = [op for op in self._ops if op[0] != COPY or op[2] not in request.block_ids]
+                self._ops = [op for op in self._ops if op.kind != COPY or op.target not in request.block_ids]
             if insert:
                 # Inserts the whole sequence and gives up the request's lock, in one walk.
                 blocks = request.block_ids[: self.blocks_for_tokens(len(tokens))]

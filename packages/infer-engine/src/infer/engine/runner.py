@@ -410,7 +410,7 @@ class ModelRunner:
     def _run_block_ops(self, ops) -> None:
         """Runs the step's block operations; those that move blocks to or from the pool's store are
         timed (device time on CUDA), for RunnerOutput.store_transfer_s."""
-        if not any(kind != COPY for kind, _, _ in ops):
+        if all(op.kind == COPY for op in ops):
             self.kv_pool.run_block_ops(ops)
             return
         if self.device.type == "cuda":
