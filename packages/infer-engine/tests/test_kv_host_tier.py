@@ -113,6 +113,29 @@ def test_a_session_idle_past_the_ttl_goes_to_host_memory_and_its_next_turn_resto
         engine.shutdown()
 
 
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny", "gemma3-tiny"])
+def test_preempted_requests_resume_from_host_memory_with_the_uncached_tokens(tiny_models, name):
+    """Four requests decoding at once in a pool too small for them: a preempted request leaves
+    its tokens to the tree, which the others' growth pushes into host memory; it resumes from
+    there. The tokens are the uncached engine's."""
+    model = tiny_models[name]
+    small = {**SETTINGS, "num_gpu_blocks": 14}
+    plain = Engine(EngineConfig(**small), loaded_model=model.loaded)
+    tiered = Engine(
+        EngineConfig(**small, use_prefix_caching=True, kv_host_cache_gib=GIB_FOR_SLOTS),
+        loaded_model=model.loaded,
+    )
+    rng = random.Random(5)
+    prompts = [[rng.randrange(model.loaded.config.vocab_size) for _ in range(10)] for _ in range(4)]
+    tokens = [tokens for tokens, _ in run(tiered, prompts, max_new_tokens=16)]
+    tree = tiered.core.prefix_tree
+    assert tiered.stats().num_preempted > 0 and tree.num_restored_total > 0
+    assert tokens == [tokens for tokens, _ in run(plain, prompts, max_new_tokens=16)]
+    assert_no_leak(tiered)
+    for engine in (plain, tiered):
+        engine.shutdown()
+
+
 def test_with_kv_bits_the_host_tier_keeps_blocks_in_int8(tiny_models):
     model = tiny_models["qwen3-tiny"]
     config = EngineConfig(
