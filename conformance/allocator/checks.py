@@ -18,6 +18,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from conformance.allocator.stores import store_round_trips  # noqa: F401  (ALLOC-017)
 from conformance.state_machines import run_machine
 from infer.cache import (
     BlockAllocator,
