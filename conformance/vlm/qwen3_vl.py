@@ -93,9 +93,12 @@ def reference_processor():
     )
 
 
-def transformers_inputs(pixels: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pixel_values, image_grid_thw) of our pixels, in transformers' patch layout."""
-    patches, grids = zip(*(patchify(p, PATCH, MERGE, TEMPORAL) for p in pixels), strict=True)
+def transformers_inputs(
+    pixels: list[torch.Tensor], patch: int = PATCH, merge: int = MERGE, temporal: int = TEMPORAL
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values, image_grid_thw) of our pixels, in transformers' patch layout (the tiny
+    checkpoint's patches unless told another tower's)."""
+    patches, grids = zip(*(patchify(p, patch, merge, temporal) for p in pixels), strict=True)
     return torch.cat(patches), torch.tensor(grids)
 
 

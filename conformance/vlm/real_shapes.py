@@ -108,19 +108,14 @@ def _reference_inputs(reference, family: _Family, prompt: list[int], num_images:
         if pixels:
             inputs["pixel_values"] = torch.stack(pixels).to(family.device, family.dtype)
         return inputs
-    from infer.models.qwen3_vl_vision import patchify
+    from conformance.vlm.qwen3_vl import transformers_inputs
 
     inputs = {"input_ids": ids, "mm_token_type_ids": (ids == family.image_token).int()}
     if pixels:
-        patches, grids = zip(
-            *(
-                patchify(p, vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size)
-                for p in pixels
-            ),
-            strict=True,
-        )
-        inputs["pixel_values"] = torch.cat(patches).to(family.device, family.dtype)
-        inputs["image_grid_thw"] = torch.tensor(grids, device=family.device)
+        patch, merge = vision.patch_size, vision.spatial_merge_size
+        pixel_values, grids = transformers_inputs(pixels, patch, merge, vision.temporal_patch_size)
+        inputs["pixel_values"] = pixel_values.to(family.device, family.dtype)
+        inputs["image_grid_thw"] = grids.to(family.device)
     return inputs
 
 
