@@ -641,9 +641,9 @@ def test_agent_sessions_resend_the_conversation_pause_and_stop_before_the_cap():
 def test_cli_serve_w7_reports_each_turn_and_the_prefix_cache_matches(tmp_path):
     """`infer bench serve --workload W7` against the peer playing a prefix cache of whole messages:
     every session runs all its planned turns (the peer counts no more tokens than the plan); a
-    later turn reuses the previous turn's prompt; the first turn of session 0 was sent untimed
-    already (warm-up and probe), so only session 1's first turn misses; the report's match kinds
-    are what the peer counted over the timed turns."""
+    later turn reuses the previous turn's prompt; the first agent session's first turn was sent
+    untimed already (warm-up and probe), so only the second agent session's first turn misses; the
+    report's match kinds are what the peer counted over the timed turns."""
     app = bench_peer.create_peer_app(first_token_delay_s=0.002, token_delay_s=0.0002, prefix_cache=True)
     json_path, md_path = tmp_path / "run.json", tmp_path / "run.md"
     with ThreadedServer(app) as server:
