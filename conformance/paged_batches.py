@@ -54,6 +54,7 @@ def paged_batch(pool: PagedKVPool, rows: Sequence[PagedRow]) -> ForwardBatch:
         positions=torch.tensor([p for ps in positions for p in ps], dtype=torch.long, device=device),
         attention=attention,
         kv_layers=pool.kv_layers,
+        kv_scales=pool.kv_scales,
     )
 
 

@@ -216,3 +216,7 @@ def _pair(folder: Path, dtype: str, device: str):
     ours = load_causal_lm(folder, dtype=torch_dtype, device=device)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation="eager")
     return ours, reference.to(device).eval(), AutoTokenizer.from_pretrained(folder)
+
+
+# PAR-023/024's check, in a module of its own (it reads this one's helpers).
+from conformance.parity.fp8_kv import fp8_kv_cache  # noqa: E402, F401

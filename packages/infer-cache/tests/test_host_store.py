@@ -18,14 +18,20 @@ def filled_pool(device: str, dtype=torch.bfloat16, num_blocks: int = 8, num_slot
     store = HostKVStore(shape, num_slots, pin_memory=device == "cuda")
     pool = PagedKVPool(shape, num_blocks, device, store=store)
     generator = torch.Generator().manual_seed(0)
-    for k, v in pool.kv_layers:
-        k.copy_(torch.randn(k.shape, generator=generator).to(dtype))
-        v.copy_(torch.randn(v.shape, generator=generator).to(dtype))
+    for t in (t.view(torch.uint8) for layer in pool.layer_tensors for t in layer):  # random bytes
+        t.copy_(torch.randint(0, 256, t.shape, generator=generator, dtype=torch.uint8))
     return pool
 
 
 def blocks_of(pool: PagedKVPool, blocks: list[int]) -> list[torch.Tensor]:
-    return [torch.stack([torch.stack((k[b], v[b])) for k, v in pool.kv_layers]).cpu() for b in blocks]
+    """Each block's bytes: every layer's K and V, and an fp8 pool's scales."""
+    return [
+        torch.cat([t.view(torch.uint8)[b].flatten() for layer in pool.layer_tensors for t in layer]).cpu()
+        for b in blocks
+    ]
+
+
+DTYPES = [torch.bfloat16, torch.float8_e4m3fn]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -34,14 +40,15 @@ def blocks_of(pool: PagedKVPool, blocks: list[int]) -> list[torch.Tensor]:
     [[0, 1, 2, 3], [5, 3, 0, 1], [2, 3, 4, 5]],
     ids=["one-run", "scattered", "a-run-past-zero"],
 )
-def test_blocks_restored_from_host_memory_are_the_blocks_offloaded(device, slots):
-    pool = filled_pool(device)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
+def test_blocks_restored_from_host_memory_are_the_blocks_offloaded(device, slots, dtype):
+    pool = filled_pool(device, dtype)
     blocks = [6, 1, 4, 2]
     before = blocks_of(pool, blocks)
     pool.run_block_ops([(OFFLOAD, block, slot) for block, slot in zip(blocks, slots, strict=True)])
-    for k, v in pool.kv_layers:  # the blocks' next owners write them
-        k[blocks] = 0
-        v[blocks] = 0
+    for layer in pool.layer_tensors:  # the blocks' next owners write them
+        for t in layer:
+            t.view(torch.uint8)[blocks] = 0
     targets = [0, 3, 5, 7]
     pool.run_block_ops([(RESTORE, slot, block) for slot, block in zip(slots, targets, strict=True)])
     for block, want, got in zip(targets, before, blocks_of(pool, targets), strict=True):
@@ -49,11 +56,12 @@ def test_blocks_restored_from_host_memory_are_the_blocks_offloaded(device, slots
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_block_ops_keep_their_order_when_blocks_and_slots_are_taken_again(device):
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp8"])
+def test_block_ops_keep_their_order_when_blocks_and_slots_are_taken_again(device, dtype):
     """One step's operations: block 2 goes to slot 0; slot 0 comes back into block 5; block 5 is
     copied into block 2 (copy-on-write of a match); block 3 then reuses slot 0. Every read sees
     what the operations before it wrote."""
-    pool = filled_pool(device, num_slots=1)
+    pool = filled_pool(device, dtype, num_slots=1)
     original = blocks_of(pool, [2, 3])
     pool.run_block_ops([(OFFLOAD, 2, 0), (RESTORE, 0, 5), (COPY, 5, 2), (OFFLOAD, 3, 0), (RESTORE, 0, 6)])
     got = blocks_of(pool, [5, 2, 6])

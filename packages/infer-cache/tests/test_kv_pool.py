@@ -9,6 +9,7 @@ from infer.cache import (
     KVCacheShape,
     KVPool,
     PagedKVPool,
+    QuantizedKVStore,
     kv_budget_from_free_memory,
     num_blocks_for_memory,
 )
@@ -122,3 +123,39 @@ def test_copy_blocks_copies_every_layer_and_touches_nothing_else():
             assert torch.equal(cache[3], old[1]) and torch.equal(cache[0], old[4])
             for untouched in (1, 2, 4, 5):
                 assert torch.equal(cache[untouched], old[untouched])
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_an_fp8_pool_holds_a_scale_byte_per_vector_and_twice_the_tokens_less_those():
+    """kv_fp8's format: head_dim one-byte values and one scale byte per token, layer and head."""
+    bf16 = KVCacheShape(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_size=16)
+    fp8 = KVCacheShape(num_layers=32, num_kv_heads=8, head_dim=128, dtype=FP8, block_size=16)
+    assert fp8.bytes_per_token() == 2 * 32 * 8 * (128 + 1)
+    budget = 1 << 30
+    ratio = num_blocks_for_memory(fp8, budget) / num_blocks_for_memory(bf16, budget)
+    assert ratio == pytest.approx(256 / 129, rel=0.01)
+    pool = PagedKVPool(KVCacheShape(2, 3, 8, FP8, 4), num_blocks=5)
+    assert [tuple(s.shape) for pair in pool.kv_scales for s in pair] == [(6, 4, 3)] * 4
+    assert all(s.dtype == torch.uint8 for pair in pool.kv_scales for s in pair)
+    assert pool.kv_bytes == 6 * pool.shape.bytes_per_block()
+    assert [len(layer) for layer in pool.layer_tensors] == [4, 4]
+
+
+def test_copy_blocks_of_an_fp8_pool_copies_the_scales_with_the_values():
+    pool = PagedKVPool(KVCacheShape(2, 3, 8, FP8, 4), num_blocks=5)
+    generator = torch.Generator().manual_seed(0)
+    for t in (t.view(torch.uint8) for layer in pool.layer_tensors for t in layer):
+        t.copy_(torch.randint(0, 256, t.shape, generator=generator, dtype=torch.uint8))
+    before = [t.view(torch.uint8).clone() for layer in pool.layer_tensors for t in layer]
+    pool.copy_blocks([(1, 3), (4, 0)])
+    for old, t in zip(before, (t for layer in pool.layer_tensors for t in layer), strict=True):
+        expected = old.clone()
+        expected[3], expected[0] = old[1], old[4]
+        assert torch.equal(t.view(torch.uint8), expected)
+
+
+def test_the_int8_store_refuses_an_fp8_pool():
+    with pytest.raises(ValueError, match="1 byte an element already"):
+        QuantizedKVStore(KVCacheShape(2, 3, 8, FP8, 4), num_slots=2)

@@ -97,6 +97,15 @@ def test_unexpected_tensor_is_named(broken_copy):
         load_causal_lm(folder)
 
 
+def test_static_kv_cache_scales_are_read_past(broken_copy):
+    """vLLM's fp8 KV scales: our fp8 cache computes its own per token, so they are not needed."""
+    folder, tensors = broken_copy
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.25)
+    save_file(tensors, folder / "model.safetensors")
+    assert "model.layers.0.self_attn.k_scale" not in dict(load_causal_lm(folder).named_parameters())
+
+
 def test_wrong_shape_names_tensor_and_both_shapes(broken_copy):
     folder, tensors = broken_copy
     name = "model.layers.0.mlp.down_proj.weight"

@@ -161,10 +161,12 @@ def test_the_memory_is_the_latest_steps_and_other_is_what_is_in_use_beyond_weigh
             engine_stats(
                 weights_bytes=500, kv_bytes_used=40, kv_bytes_total=300, memory_device="cuda",
                 memory_used_bytes=used, memory_reserved_bytes=1200, memory_total_bytes=8000,
+                kv_cache_dtype="float8_e4m3fn", kv_tokens_total=6,
             )
         )  # fmt: skip
     assert stats.snapshot()["memory"] == {
         "device": "cuda", "weights_bytes": 500, "kv_used_bytes": 40, "kv_total_bytes": 300,
+        "kv_cache_dtype": "float8_e4m3fn", "kv_total_tokens": 6, "kv_tokens_per_gib": 6 * 2**30 // 300,
         "used_bytes": 1000, "reserved_bytes": 1200, "total_bytes": 8000, "other_bytes": 200,
     }  # fmt: skip
     stats.on_engine_stats(engine_stats(weights_bytes=500, kv_bytes_total=300))  # nothing measured

@@ -1,8 +1,8 @@
 """HostKVStore: KV blocks in host memory, where the prefix tree keeps what the device pool evicts.
 
-A slot holds one block of the pool, every layer's K and V, in the pool's dtype, bit for bit:
-`[num_slots, num_layers, 2, block_size, num_kv_heads, head_dim]`, one slot contiguous, so moving
-a block is one copy whatever the layer count. With a CUDA pool the memory is pinned, and both
+A slot holds one block of the pool, every layer's K and V (and an fp8 pool's scale bytes), bit
+for bit, as bytes: `[num_slots, bytes_per_block]`, one slot contiguous, so moving a block is one
+copy whatever the layer count. With a CUDA pool the memory is pinned, and both
 directions are queued on the device's stream without waiting for it (pinned memory is what lets a
 device-to-host copy return before it lands): an offload gathers the blocks on the device and
 copies each slot down; a restore copies the slots up and scatters them into the blocks. The
@@ -35,8 +35,9 @@ class HostKVStore:
         self.shape = shape
         self.num_slots = num_slots
         self.allocator = BlockAllocator(num_slots)
-        dims = (num_slots, shape.num_layers, 2, shape.block_size, shape.num_kv_heads, shape.head_dim)
-        self.slots = torch.empty(dims, dtype=shape.dtype, pin_memory=pin_memory)
+        self.slots = torch.empty(
+            (num_slots, shape.bytes_per_block()), dtype=torch.uint8, pin_memory=pin_memory
+        )
 
     @staticmethod
     def bytes_per_slot(shape: KVCacheShape) -> int:
@@ -46,32 +47,37 @@ class HostKVStore:
     def nbytes(self) -> int:
         return self.slots.numel() * self.slots.element_size()
 
-    def offload(self, kv_layers, blocks: list[int], slots: list[int]) -> None:
-        """Copies the pool's `blocks` (kv_layers: the pool's (k, v) per layer) into `slots`."""
+    def offload(self, layer_tensors, blocks: list[int], slots: list[int]) -> None:
+        """Copies the pool's `blocks` into `slots` (layer_tensors: PagedKVPool.layer_tensors, the
+        pool's (k, v) per layer and an fp8 pool's scales)."""
         for at in range(0, len(blocks), STAGED_BLOCKS):
-            self._offload(kv_layers, blocks[at : at + STAGED_BLOCKS], slots[at : at + STAGED_BLOCKS])
+            self._offload(layer_tensors, blocks[at : at + STAGED_BLOCKS], slots[at : at + STAGED_BLOCKS])
 
-    def restore(self, kv_layers, slots: list[int], blocks: list[int]) -> None:
+    def restore(self, layer_tensors, slots: list[int], blocks: list[int]) -> None:
         """Writes `slots` over the pool's `blocks`."""
         for at in range(0, len(blocks), STAGED_BLOCKS):
-            self._restore(kv_layers, slots[at : at + STAGED_BLOCKS], blocks[at : at + STAGED_BLOCKS])
+            self._restore(layer_tensors, slots[at : at + STAGED_BLOCKS], blocks[at : at + STAGED_BLOCKS])
 
-    def _offload(self, kv_layers, blocks: list[int], slots: list[int]) -> None:
-        block_ids = torch.tensor(blocks, dtype=torch.long).to(kv_layers[0][0].device, non_blocking=True)
-        # [n, num_layers, 2, block_size, heads, head_dim] on the device: one copy a run of slots.
-        staged = torch.stack([torch.stack((k[block_ids], v[block_ids]), 1) for k, v in kv_layers], 1)
+    def _offload(self, layer_tensors, blocks: list[int], slots: list[int]) -> None:
+        block_ids = torch.tensor(blocks, dtype=torch.long).to(layer_tensors[0][0].device, non_blocking=True)
+        # [n, bytes_per_block] on the device: one copy a run of slots.
+        staged = torch.cat(
+            [t.view(torch.uint8)[block_ids].flatten(1) for layer in layer_tensors for t in layer], 1
+        )
         for start, end, first in _runs(slots):
             self.slots[first : first + end - start].copy_(staged[start:end], non_blocking=True)
 
-    def _restore(self, kv_layers, slots: list[int], blocks: list[int]) -> None:
-        device = kv_layers[0][0].device
-        staged = torch.empty((len(slots), *self.slots.shape[1:]), dtype=self.slots.dtype, device=device)
+    def _restore(self, layer_tensors, slots: list[int], blocks: list[int]) -> None:
+        device = layer_tensors[0][0].device
+        staged = torch.empty((len(slots), self.slots.shape[1]), dtype=self.slots.dtype, device=device)
         for start, end, first in _runs(slots):
             staged[start:end].copy_(self.slots[first : first + end - start], non_blocking=True)
         block_ids = torch.tensor(blocks, dtype=torch.long).to(device, non_blocking=True)
-        for layer, (k, v) in enumerate(kv_layers):
-            k.index_copy_(0, block_ids, staged[:, layer, 0])
-            v.index_copy_(0, block_ids, staged[:, layer, 1])
+        # As bytes (a view of the same memory): index_copy_ has no fp8 kernels.
+        tensors = [t.view(torch.uint8) for layer in layer_tensors for t in layer]
+        sizes = [t[0].numel() for t in tensors]
+        for t, part in zip(tensors, staged.split(sizes, 1), strict=True):
+            t.index_copy_(0, block_ids, part.view(len(blocks), *t.shape[1:]))
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:

@@ -4,6 +4,11 @@ Layout per layer, `(k_cache, v_cache)`, each `[num_blocks + 1, block_size, num_k
 head_dim]`, zero-initialised: the layout `infer.models.ForwardBatch.kv_layers` documents. Token t
 of a sequence lives in block `block_table[t // block_size]` at offset `t % block_size`.
 
+An fp8 pool (`shape.dtype` float8_e4m3fn, infer.kernels.kv_fp8) holds besides, per layer,
+`kv_scales`: `(k_scales, v_scales)`, uint8 `[num_blocks + 1, block_size, num_kv_heads]`, each
+vector's scale byte. A block's scales move with its values: `layer_tensors` names both, and
+every block operation moves what it names.
+
 The last block, `null_block` (= num_blocks), is reserved: the allocator lends only
 0..num_blocks-1, so no request ever owns it. Padding rows of a CUDA graph write their keys there
 (slot_mapping points at it), which keeps every real block clean without a branch in the kernel.
@@ -75,9 +80,26 @@ class PagedKVPool:
             )
             for _ in range(shape.num_layers)
         ]
+        self.kv_scales = None
+        if shape.is_fp8:
+            self.kv_scales = [
+                (
+                    torch.zeros(dims[:3], dtype=torch.uint8, device=device),
+                    torch.zeros(dims[:3], dtype=torch.uint8, device=device),
+                )
+                for _ in range(shape.num_layers)
+            ]
         if store is not None and store.shape != shape:
             raise ValueError(f"the store's blocks are {store.shape}, the pool's {shape}")
         self.store = store
+
+    @property
+    def layer_tensors(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer, every tensor that holds its blocks (block first): (k, v), and an fp8 pool's
+        (k_scales, v_scales) after them."""
+        if self.kv_scales is None:
+            return list(self.kv_layers)
+        return [(*kv, *scales) for kv, scales in zip(self.kv_layers, self.kv_scales, strict=True)]
 
     @property
     def block_size(self) -> int:
@@ -90,8 +112,8 @@ class PagedKVPool:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of every K and V tensor, the null block included."""
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_layers)
+        """Bytes of every K and V tensor (and fp8 scales), the null block included."""
+        return sum(t.numel() * t.element_size() for layer in self.layer_tensors for t in layer)
 
     def run_block_ops(self, ops: Sequence[BlockOp]) -> None:
         """Runs BlockOps (COPY, OFFLOAD, RESTORE) as if one by one, in
@@ -119,9 +141,9 @@ class PagedKVPool:
             raise ValueError(f"a {kind} needs a pool with a store")
         sources, targets = (list(side) for side in zip(*pairs, strict=True))
         if kind == OFFLOAD:
-            self.store.offload(self.kv_layers, sources, targets)
+            self.store.offload(self.layer_tensors, sources, targets)
         else:
-            self.store.restore(self.kv_layers, sources, targets)
+            self.store.restore(self.layer_tensors, sources, targets)
 
     def copy_blocks(self, pairs) -> None:
         """Copies block `src` over block `dst` in every layer's K and V, for each (src, dst) in
@@ -138,9 +160,10 @@ class PagedKVPool:
         device = self.kv_layers[0][0].device
         src_ids = torch.tensor(src, dtype=torch.long).to(device, non_blocking=True)
         dst_ids = torch.tensor(dst, dtype=torch.long).to(device, non_blocking=True)
-        for k_cache, v_cache in self.kv_layers:
-            k_cache.index_copy_(0, dst_ids, k_cache.index_select(0, src_ids))
-            v_cache.index_copy_(0, dst_ids, v_cache.index_select(0, src_ids))
+        for layer in self.layer_tensors:
+            for t in layer:
+                t = t.view(torch.uint8)  # the same memory: index_copy_ has no fp8 kernels
+                t.index_copy_(0, dst_ids, t.index_select(0, src_ids))
 
 
 def num_blocks_for_memory(shape: KVCacheShape, kv_bytes_budget: int) -> int:

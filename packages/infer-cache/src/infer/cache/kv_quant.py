@@ -64,6 +64,8 @@ class QuantizedKVStore:
     ):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if shape.is_fp8:
+            raise ValueError("an fp8 pool's blocks are 1 byte an element already; int8 would not shrink them")
         self.shape = shape
         self.num_slots = num_slots
         self.on_host = on_host

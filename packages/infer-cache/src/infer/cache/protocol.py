@@ -65,6 +65,11 @@ class KVPool(Protocol):
     @property
     def kv_layers(self) -> Sequence[tuple[torch.Tensor, torch.Tensor]]: ...
 
+    # Per layer (k_scales, v_scales) of an fp8 cache (uint8 [num_blocks + 1, block_size,
+    # num_kv_heads], infer.kernels.kv_fp8); None for any other dtype.
+    @property
+    def kv_scales(self) -> Sequence[tuple[torch.Tensor, torch.Tensor]] | None: ...
+
     # Bytes held by every K and V tensor together.
     @property
     def kv_bytes(self) -> int: ...

@@ -1,13 +1,17 @@
 """KVCacheShape: the geometry of one model's KV cache, and the memory arithmetic on it.
 
 One token's KV is a K and a V vector per layer and KV head: 2 * num_layers * num_kv_heads *
-head_dim elements of `dtype`. A block is `block_size` tokens, the unit a pool lends out.
+head_dim elements of `dtype`, and with the fp8 cache (float8_e4m3fn, infer.kernels.kv_fp8) one
+scale byte per vector besides. A block is `block_size` tokens, the unit a pool lends out.
 """
 
 import operator
 from dataclasses import dataclass
 
 import torch
+
+# The fp8 cache's values (infer.kernels.kv_fp8 holds the format; this package imports only torch).
+FP8_DTYPE = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -25,9 +29,15 @@ class KVCacheShape:
         if not hasattr(self.dtype, "itemsize"):
             raise ValueError(f"dtype must be a torch.dtype such as torch.bfloat16, got {self.dtype!r}")
 
+    @property
+    def is_fp8(self) -> bool:
+        """Values in float8_e4m3fn, each vector with a scale byte (infer.kernels.kv_fp8)."""
+        return self.dtype == FP8_DTYPE
+
     def bytes_per_token(self) -> int:
-        """K and V of one token, every layer and KV head."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """K and V of one token, every layer and KV head (with their scale bytes in fp8)."""
+        vector_bytes = self.head_dim * self.dtype.itemsize + (1 if self.is_fp8 else 0)
+        return 2 * self.num_layers * self.num_kv_heads * vector_bytes
 
     def bytes_per_block(self) -> int:
         return self.bytes_per_token() * self.block_size

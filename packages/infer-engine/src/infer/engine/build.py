@@ -317,12 +317,21 @@ def _draft_proposer(config, draft, draft_shape, num_blocks: int, device, max_seq
 
 
 def _kv_cache_shape(config: EngineConfig, model, max_seq_len: int) -> KVCacheShape:
-    """Blocks of block_size tokens (paged) or of max_seq_len (contiguous)."""
+    """Blocks of block_size tokens (paged) or of max_seq_len (contiguous), in the model's dtype or
+    fp8 (kv_cache_dtype; CUDA only: the kernels that read and write it are Triton's)."""
+    dtype = model.dtype
+    if config.kv_cache_dtype != "auto":
+        if next(model.parameters()).device.type != "cuda":
+            raise EngineConfigError(
+                f"kv_cache_dtype {config.kv_cache_dtype!r} needs a CUDA device (the fp8 kernels are "
+                "Triton's); on a CPU use kv_cache_dtype 'auto'"
+            )
+        dtype = torch.float8_e4m3fn
     return KVCacheShape(
         num_layers=model.config.num_layers,
         num_kv_heads=model.num_kv_heads,  # a tensor-parallel rank's share
         head_dim=model.config.head_dim,
-        dtype=model.dtype,
+        dtype=dtype,
         block_size=config.block_size if config.kv_cache_backend == "paged" else max_seq_len,
     )
 

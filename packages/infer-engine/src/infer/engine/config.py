@@ -28,6 +28,8 @@ from infer.models.quantization import QUANTIZATION_METHODS
 DTYPES = ("auto", *TORCH_DTYPES)
 # contiguous: one block of max_seq_len per sequence (the paged pool with block_size = max_seq_len).
 KV_CACHE_BACKENDS = ("contiguous", "paged")
+# vLLM's names: fp8 is e4m3 (infer.kernels.kv_fp8).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 BATCHING_MODES = ("static", "continuous")
 SCHEDULER_POLICIES = ("fcfs", "prefill_first", "decode_round_robin")
 DATA_PARALLEL_ROUTINGS = ("cache_aware", "round_robin")
@@ -91,6 +93,13 @@ class EngineConfig:
         "paged: blocks of block_size tokens taken as sequences grow; "
         "contiguous: one block of max_seq_len per sequence",
         choices=KV_CACHE_BACKENDS,
+    )
+    kv_cache_dtype: str = _flag(
+        "auto",
+        "the KV cache's dtype, as vLLM's --kv-cache-dtype: auto (the model's) or fp8 (e4m3, each "
+        "token's vector of each layer and head with a power-of-two scale computed as it is written: "
+        "about twice the tokens in the same memory; CUDA only)",
+        choices=KV_CACHE_DTYPES,
     )
     block_size: int = _flag(16, "tokens per KV block (paged backend)")
     num_gpu_blocks: int | None = _flag(
@@ -285,6 +294,18 @@ class EngineConfig:
             if not isinstance(value, bool) and not (value is None and name in AUTO_FLAGS):
                 raise EngineConfigError(f"{name} must be true or false, got {value!r}")
         _check_choice(self, "kv_cache_backend", KV_CACHE_BACKENDS)
+        _check_choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
+        if self.kv_cache_dtype != "auto":
+            if self.device == "cpu":
+                raise EngineConfigError(
+                    f"kv_cache_dtype {self.kv_cache_dtype!r} needs a CUDA device (the fp8 kernels are "
+                    "Triton's); on a CPU use kv_cache_dtype 'auto'"
+                )
+            if self.prefix_cache_kv_bits is not None:
+                raise EngineConfigError(
+                    f"kv_cache_dtype {self.kv_cache_dtype!r} stores a byte an element already; "
+                    "prefix_cache_kv_bits=8 would not shrink its blocks: set one of them"
+                )
         _check_choice(self, "batching_mode", BATCHING_MODES)
         _check_choice(self, "scheduler_policy", SCHEDULER_POLICIES)
         if self.prefix_cache_max_bytes is not None:

@@ -90,6 +90,7 @@ class StepGraphs:
         model: torch.nn.Module,
         kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
         *,
+        kv_scales: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
         max_batch_size: int,
         max_seq_len: int,
         max_num_batched_tokens: int,
@@ -105,6 +106,7 @@ class StepGraphs:
         self.model = model
         self.last_sampled = last_sampled
         self.kv_layers = kv_layers
+        self.kv_scales = kv_scales
         self.max_seq_len = max_seq_len
         self.block_size = block_size
         self.null_block = null_block
@@ -260,6 +262,7 @@ class StepGraphs:
             positions=self.positions[:batch_size],
             attention=metadata,
             kv_layers=self.kv_layers,
+            kv_scales=self.kv_scales,
         )
 
     # -- mixed steps ---------------------------------------------------------------------------
@@ -344,6 +347,7 @@ class StepGraphs:
             positions=self.positions[:num_tokens],
             attention=metadata,
             kv_layers=self.kv_layers,
+            kv_scales=self.kv_scales,
             logits_indices=self.logits_indices[:num_rows],
         )
 

@@ -148,6 +148,8 @@ class EngineCore:
             kv_usage_ratio=allocator.usage_ratio,
             kv_bytes_used=allocator.num_used * self.kv_pool.shape.bytes_per_block(),
             kv_bytes_total=self.kv_pool.kv_bytes,
+            kv_cache_dtype=str(self.kv_pool.shape.dtype).removeprefix("torch."),
+            kv_tokens_total=self.kv_pool.num_blocks * self.kv_pool.block_size,
             weights_bytes=self.weights_bytes,
             **self.device_memory.stats(),
         )

@@ -131,6 +131,10 @@ class EngineStats:
     prefix_cache_quantized_bytes: int = 0
     prefix_cache_quantized_total: int = 0
     prefix_cache_restored_total: int = 0
+    # The pool's dtype ("bfloat16", "float8_e4m3fn", ...) and the tokens it holds in all
+    # (kv_bytes_total holds them: with fp8 about twice bf16's per byte).
+    kv_cache_dtype: str = ""
+    kv_tokens_total: int = 0
     # The second tier, if any: "int8" (prefix_cache_kv_bits), "host" (kv_host_cache_gib) or
     # "host int8" (both); with a host tier, the blocks and bytes it holds, its budget, and the
     # bytes offloaded to it, restored from it and dropped from it so far.

@@ -86,7 +86,9 @@ class DecodeTraffic:
         if model.lm_head.weight is not embedding:  # an untied table: a step reads a row per token
             weight_bytes -= embedding.numel() * embedding.element_size()
         config = model.config
-        layer_bytes = 2 * config.num_kv_heads * config.head_dim * kv_dtype.itemsize
+        # An fp8 cache's vectors carry a scale byte each (infer.kernels.kv_fp8).
+        vector_bytes = config.head_dim * kv_dtype.itemsize + (kv_dtype == torch.float8_e4m3fn)
+        layer_bytes = 2 * config.num_kv_heads * vector_bytes
         by_window: dict[int | None, int] = {}
         for layer in range(config.num_layers):
             window = config.sliding_window_for_layer(layer)

@@ -143,6 +143,7 @@ class ModelRunner:
         self.model = model
         self.kv_pool = kv_pool
         self.kv_layers = kv_pool.kv_layers
+        self.kv_scales = kv_pool.kv_scales
         self.device = next(model.parameters()).device
         self.kernel_policy = kernel_policy or KernelPolicy(self.device)
         apply_kernel_policy(model, self.kernel_policy)
@@ -181,6 +182,7 @@ class ModelRunner:
             self.graphs = StepGraphs(
                 model,
                 self.kv_layers,
+                kv_scales=self.kv_scales,
                 max_batch_size=max_batch_size,
                 max_seq_len=max_seq_len,
                 max_num_batched_tokens=max_num_batched_tokens or max_seq_len,
@@ -554,6 +556,7 @@ class ModelRunner:
             positions=device(step.positions),
             attention=metadata,
             kv_layers=self.kv_layers,
+            kv_scales=self.kv_scales,
             logits_indices=device(logits_indices),
             image_embeds=images.embeds if images is not None else None,
             image_token_indices=device(images.token_indices) if images is not None else None,

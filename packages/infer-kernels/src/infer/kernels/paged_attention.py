@@ -56,8 +56,10 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, num_sms, use_triton
+from infer.kernels.kv_fp8 import dequantize_fp8_ref, fp8_scale, is_fp8
 from infer.kernels.native_cpu import load_native
 from infer.kernels.pdl import await_inputs, launch_options
+from infer.kernels.store_kv import check_fp8_scales
 
 # tl.dot needs every dim to be at least 16: the query heads of a group (1-8) are padded to it.
 _MIN_DOT = 16
@@ -85,6 +87,17 @@ _DECODE_STAGES = 2
 # probs x v stays in tf32: bf16 would round the probabilities, and llama-3.2-1b decoded 4.6% slower
 # with it (docs/benchmarks/generation.md#decode-attention).
 _DECODE_NATIVE_QK = True
+# An fp8 cache's decode is bound by the work a key takes, not by its bytes: its dots run in
+# fp16 (k and v converted from e4m3 in one instruction a pair, q from bf16 exactly), and a loop
+# step takes 16 KiB of keys (128 of 128 dims) rather than bf16's 32 keys. At llama-3.1-8b's heads,
+# 64 rows, on an H200 that took fp8's decode attention from 1.32x to 1.12x bf16's time at 1,024
+# keys a row and from 1.45x to 1.12x at 16,384 (docs/benchmarks/kv-cache.md#fp8-decode-attention);
+# other head sizes take the same bytes a step, unmeasured.
+_FP8_F16_DOTS = True
+_FP8_DECODE_TILE_BYTES = 16384
+# Overrides for kernels-bench/kv_fp8_decode.py's sweep (None: the rule above, bf16's stages).
+_FP8_DECODE_BLOCK_N = None
+_FP8_DECODE_STAGES = None
 # Extend (BLOCK_M queries, BLOCK_N keys, warps, stages) for head_dim <= 128, the fastest of a
 # sweep on an H100 (Llama 3.2 1B heads, bf16): about 1.7x the time of torch's flash SDPA on
 # contiguous K/V, against 3x for 64/64/4 warps.
@@ -127,7 +140,21 @@ def _key_tile(
     slots = _key_slots(table_row, keys_at, in_range, BLOCK_SIZE)
     k_ptrs = k_base + slots[:, None] * k_stride_slot + dims[None, :]
     v_ptrs = v_base + slots[:, None] * v_stride_slot + dims[None, :]
-    return keys_at, visible, k_ptrs, v_ptrs
+    return keys_at, visible, slots, k_ptrs, v_ptrs
+
+
+@triton.jit
+def _key_scales(k_scale_base, v_scale_base, slots, visible, num_kv_heads, FP8: tl.constexpr):
+    """With FP8: the float32 scales of a tile's keys and values (kv_fp8; `*_scale_base`: the
+    scale bytes of the program's KV head, `num_kv_heads` apart from slot to slot). Without:
+    1.0, and nothing is read."""
+    if FP8:
+        k_scales = fp8_scale(tl.load(k_scale_base + slots * num_kv_heads, mask=visible, other=0))
+        v_scales = fp8_scale(tl.load(v_scale_base + slots * num_kv_heads, mask=visible, other=0))
+    else:
+        k_scales = 1.0
+        v_scales = 1.0
+    return k_scales, v_scales
 
 
 @triton.jit
@@ -135,6 +162,8 @@ def _attend_tile(
     q,
     k,
     v,
+    k_scales,
+    v_scales,
     visible,
     running_max,
     denominator,
@@ -142,20 +171,51 @@ def _attend_tile(
     scale,
     DOT_PRECISION: tl.constexpr,
     NATIVE_QK: tl.constexpr,
+    FP8: tl.constexpr,
+    F16: tl.constexpr,
 ):
     """The online softmax's update by one tile of keys (`visible`: the tile's keys in view).
-    NATIVE_QK: q and k as they are (bf16/fp16), as in the extend kernel."""
-    if NATIVE_QK:
-        scores = tl.dot(q, tl.trans(k))
-    else:
-        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+    NATIVE_QK: q and k as they are (bf16/fp16), as in the extend kernel. FP8: k and v are e4m3
+    with a scale per key (`_key_scales`), applied to the scores and the values (`F16`: see
+    `_scores` and `_weighted_values`)."""
+    scores = _scores(q, k, DOT_PRECISION, NATIVE_QK, FP8, F16)
+    if FP8:
+        scores = scores * k_scales[None, :]
     scores = tl.where(visible[None, :], scores * scale, float("-inf"))
     tile_max = tl.maximum(running_max, tl.max(scores, 1))
     rescale = tl.exp(running_max - tile_max)
     probs = tl.exp(scores - tile_max[:, None])
     denominator = denominator * rescale + tl.sum(probs, 1)
-    acc = acc * rescale[:, None] + tl.dot(probs, v.to(tl.float32), input_precision=DOT_PRECISION)
+    acc = acc * rescale[:, None] + _weighted_values(probs, v, v_scales, DOT_PRECISION, FP8, F16)
     return tile_max, denominator, acc
+
+
+@triton.jit
+def _scores(q, k, DOT_PRECISION: tl.constexpr, NATIVE_QK: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr):
+    """q . k of a tile, unscaled. An e4m3 k converts exactly to q's bf16/fp16 first, or with F16
+    to fp16 (one instruction a pair), q with it (bf16 holds fewer bits than fp16)."""
+    if NATIVE_QK:
+        if FP8 and F16:
+            scores = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))
+        else:
+            if FP8:
+                k = k.to(q.dtype)
+            scores = tl.dot(q, tl.trans(k))
+    else:
+        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+    return scores
+
+
+@triton.jit
+def _weighted_values(probs, v, v_scales, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr):
+    """probs x v of a tile (fp32). FP8: v's scales applied, to the probabilities, or with F16 to
+    v dequantized in fp16, then multiplied in fp16 (as many mantissa bits as tf32)."""
+    if FP8 and F16:
+        values = v.to(tl.float16) * v_scales[:, None].to(tl.float16)
+        return tl.dot(probs.to(tl.float16), values)
+    if FP8:
+        probs = probs * v_scales[None, :]
+    return tl.dot(probs, v.to(tl.float32), input_precision=DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["block_table_stride", "num_splits"])
@@ -171,6 +231,8 @@ def _decode_split_kernel(
     block_table_ptr,
     q_stride_token,
     q_stride_head,
+    k_scale_ptr,
+    v_scale_ptr,
     k_stride_slot,
     k_stride_head,
     v_stride_slot,
@@ -181,6 +243,7 @@ def _decode_split_kernel(
     num_splits,
     scale,
     sliding_window,
+    num_kv_heads,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -191,6 +254,8 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NATIVE_QK: tl.constexpr,
+    FP8: tl.constexpr,
+    F16: tl.constexpr,
     PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -220,17 +285,19 @@ def _decode_split_kernel(
     table_row = block_table_ptr + row * block_table_stride
     k_base = k_ptr + kv_head * k_stride_head
     v_base = v_ptr + kv_head * v_stride_head
-    # The split's first tile.
-    keys_at, visible, k_ptrs, v_ptrs = _key_tile(
+    k_scale_base = k_scale_ptr + kv_head
+    v_scale_base = v_scale_ptr + kv_head
+    # The split's first tile. An fp8 cache reads it after the wait, scales and all.
+    keys_at, visible, slots, k_ptrs, v_ptrs = _key_tile(
         start, end, first, table_row, k_base, v_base, k_stride_slot, v_stride_slot, dims, BLOCK_N, BLOCK_SIZE
     )
-    if PDL:
+    if PDL and not FP8:
         older = visible & (keys_at < seq_len - 1)
         k = tl.load(k_ptrs, mask=older[:, None] & dim_mask[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=older[:, None] & dim_mask[None, :], other=0.0)
     await_inputs(PDL)
     if start < end:
-        if PDL:
+        if PDL and not FP8:
             # This token's key and value, where the tile holds them: a load of one row.
             newest = (visible & (keys_at == seq_len - 1))[:, None] & dim_mask[None, :]
             k = tl.where(newest, tl.load(k_ptrs, mask=newest, other=0.0), k)
@@ -238,6 +305,7 @@ def _decode_split_kernel(
         else:
             k = tl.load(k_ptrs, mask=visible[:, None] & dim_mask[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=visible[:, None] & dim_mask[None, :], other=0.0)
+        k_scales, v_scales = _key_scales(k_scale_base, v_scale_base, slots, visible, num_kv_heads, FP8)
         q = tl.load(
             q_ptr + row * q_stride_token + q_heads[:, None] * q_stride_head + dims[None, :],
             mask=head_mask[:, None] & dim_mask[None, :],
@@ -246,10 +314,11 @@ def _decode_split_kernel(
         if not NATIVE_QK:
             q = q.to(tl.float32)
         running_max, denominator, acc = _attend_tile(
-            q, k, v, visible, running_max, denominator, acc, scale, DOT_PRECISION, NATIVE_QK
-        )
+            q, k, v, k_scales, v_scales, visible, running_max, denominator, acc, scale, DOT_PRECISION,
+            NATIVE_QK, FP8, F16,
+        )  # fmt: skip
         for tile_start in range(start + BLOCK_N, end, BLOCK_N):
-            _, visible, k_ptrs, v_ptrs = _key_tile(
+            _, visible, slots, k_ptrs, v_ptrs = _key_tile(
                 tile_start,
                 end,
                 first,
@@ -265,9 +334,11 @@ def _decode_split_kernel(
             load_mask = visible[:, None] & dim_mask[None, :]
             k = tl.load(k_ptrs, mask=load_mask, other=0.0)
             v = tl.load(v_ptrs, mask=load_mask, other=0.0)
+            k_scales, v_scales = _key_scales(k_scale_base, v_scale_base, slots, visible, num_kv_heads, FP8)
             running_max, denominator, acc = _attend_tile(
-                q, k, v, visible, running_max, denominator, acc, scale, DOT_PRECISION, NATIVE_QK
-            )
+                q, k, v, k_scales, v_scales, visible, running_max, denominator, acc, scale, DOT_PRECISION,
+                NATIVE_QK, FP8, F16,
+            )  # fmt: skip
 
     store_mask = head_mask[:, None] & dim_mask[None, :]
     if SINGLE_SPLIT:
@@ -339,6 +410,8 @@ def _extend_kernel(
     block_table_ptr,
     q_stride_token,
     q_stride_head,
+    k_scale_ptr,
+    v_scale_ptr,
     k_stride_slot,
     k_stride_head,
     v_stride_slot,
@@ -351,6 +424,7 @@ def _extend_kernel(
     lookahead_ptr,
     scale,
     sliding_window,
+    num_kv_heads,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
@@ -362,6 +436,8 @@ def _extend_kernel(
     DOT_PRECISION: tl.constexpr,
     NATIVE_QK: tl.constexpr,
     USE_TILE_MAP: tl.constexpr,
+    FP8: tl.constexpr,
+    F16: tl.constexpr,
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
@@ -412,6 +488,8 @@ def _extend_kernel(
         kv_head = head // GROUP
         k_base = k_ptr + kv_head * k_stride_head
         v_base = v_ptr + kv_head * v_stride_head
+        k_scale_base = k_scale_ptr + kv_head
+        v_scale_base = v_scale_ptr + kv_head
 
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         denominator = tl.zeros([BLOCK_M], tl.float32)
@@ -423,6 +501,7 @@ def _extend_kernel(
             load_mask = in_range[:, None] & dim_mask[None, :]
             k = tl.load(k_base + slots[:, None] * k_stride_slot + dims[None, :], mask=load_mask, other=0.0)
             v = tl.load(v_base + slots[:, None] * v_stride_slot + dims[None, :], mask=load_mask, other=0.0)
+            k_scales, v_scales = _key_scales(k_scale_base, v_scale_base, slots, in_range, num_kv_heads, FP8)
             if HAS_LOOKAHEAD:
                 visible = keys_at[None, :] <= sees_up_to[:, None]
             else:
@@ -431,10 +510,9 @@ def _extend_kernel(
             # the window (the caller's promise), so each of its tokens still sees its first.
             if HAS_WINDOW:
                 visible &= keys_at[None, :] > positions[:, None] - sliding_window
-            if NATIVE_QK:
-                scores = tl.dot(q, tl.trans(k))
-            else:
-                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+            scores = _scores(q, k, DOT_PRECISION, NATIVE_QK, FP8, F16)
+            if FP8:
+                scores = scores * k_scales[None, :]
             scores = tl.where(visible, scores * scale, float("-inf"))
             tile_max = tl.maximum(running_max, tl.max(scores, 1))
             # With a window a query may see no key of a tile yet (max still -inf): subtract 0
@@ -443,7 +521,7 @@ def _extend_kernel(
             rescale = tl.exp(running_max - safe_max)
             probs = tl.exp(scores - safe_max[:, None])
             denominator = denominator * rescale + tl.sum(probs, 1)
-            acc = acc * rescale[:, None] + tl.dot(probs, v.to(tl.float32), input_precision=DOT_PRECISION)
+            acc = acc * rescale[:, None] + _weighted_values(probs, v, v_scales, DOT_PRECISION, FP8, F16)
             running_max = tile_max
 
         # Padded query rows (past the row's end) saw nothing: divide by 1, they are not stored.
@@ -505,13 +583,23 @@ def _launch(
     sliding_window,
     extend_tiles,
     lookahead,
+    k_scales,
+    v_scales,
     pdl,
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     dim_pad = max(_MIN_DOT, triton.next_power_of_2(head_dim))
+    fp8 = k_scales is not None
     common = dict(
+        # Any pointer without scales: the kernels do not read them then.
+        k_scale_ptr=k_scales if fp8 else k_cache,
+        v_scale_ptr=v_scales if fp8 else v_cache,
+        num_kv_heads=num_kv_heads,
+        FP8=fp8,
+        # fp16 dots only on CUDA (the interpreter takes the fp32 paths, as for NATIVE_QK).
+        F16=fp8 and _FP8_F16_DOTS and q.is_cuda,
         k_stride_slot=k_cache.stride(1),
         k_stride_head=k_cache.stride(2),
         v_stride_slot=v_cache.stride(1),
@@ -529,6 +617,10 @@ def _launch(
     seq_lens = seq_lens.contiguous()
     if num_decode_rows:
         block_n = _DECODE_BLOCK_N if dim_pad <= 64 else _DECODE_BLOCK_N // 2
+        stages = _DECODE_STAGES
+        if fp8:
+            block_n = _FP8_DECODE_BLOCK_N or max(32, min(128, _FP8_DECODE_TILE_BYTES // dim_pad))
+            stages = _FP8_DECODE_STAGES or stages
         num_splits = decode_num_splits(num_decode_rows, num_kv_heads, max_seq_len)
         programs = num_decode_rows * num_kv_heads * num_splits
         one_wave = programs <= num_sms(q.device)
@@ -556,7 +648,7 @@ def _launch(
             SINGLE_SPLIT=num_splits == 1,
             NATIVE_QK=_DECODE_NATIVE_QK and q.is_cuda and q.dtype != torch.float32,
             num_warps=_ONE_WAVE_DECODE_WARPS if one_wave else _DECODE_WARPS,
-            num_stages=_DECODE_STAGES,
+            num_stages=stages,
             **common,
             **launch_options(q, pdl),
         )
@@ -632,10 +724,13 @@ def paged_attention_ref(
     out: torch.Tensor | None = None,
     extend_tiles: torch.Tensor | None = None,
     lookahead: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference (and CPU path): per row, gather its keys through the block table and run one
     grouped matmul over all its queries, masked softmax in fp32. Reads lengths on the host, so
-    `extend_tiles` (a launch plan) changes nothing here."""
+    `extend_tiles` (a launch plan) changes nothing here. An fp8 cache's keys and values are
+    dequantized with their scales (kv_fp8.dequantize_fp8_ref) once gathered."""
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -651,8 +746,8 @@ def paged_attention_ref(
         key_positions = torch.arange(seq_len, device=q.device)
         # Exactly the row's keys (a contiguous pool's one block may be far longer than the row).
         slots = block_tables[b, key_positions // block_size].long() * block_size + key_positions % block_size
-        keys = k_flat.index_select(0, slots).float()  # [S, Hkv, D]
-        values = v_flat.index_select(0, slots).float()
+        keys = _gather(k_flat, k_scales, slots)  # [S, Hkv, D] fp32
+        values = _gather(v_flat, v_scales, slots)
         # [Hkv, G * L, D]: the group's query heads and the row's queries share one matmul.
         grouped_q = q[start:end].float().view(query_len, num_kv_heads, group, head_dim)
         grouped_q = grouped_q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * query_len, head_dim)
@@ -667,6 +762,15 @@ def paged_attention_ref(
         rows_out = torch.matmul(scores.softmax(dim=-1), values.transpose(0, 1)[:, None])  # [Hkv, G, L, D]
         result[start:end] = rows_out.permute(2, 0, 1, 3).reshape(query_len, num_q_heads, head_dim).to(q.dtype)
     return result
+
+
+def _gather(flat_cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """The cache rows at `slots`, in fp32 (an fp8 cache's with the scales of those slots)."""
+    rows = flat_cache.index_select(0, slots)
+    if scales is None:
+        return rows.float()
+    row_scales = scales.view(-1, flat_cache.shape[1]).index_select(0, slots)
+    return dequantize_fp8_ref(rows, row_scales, torch.float32)
 
 
 def paged_attention_cpu(
@@ -825,9 +929,14 @@ def _check(
     sliding_window,
     extend_tiles,
     lookahead,
+    k_scales,
+    v_scales,
 ) -> None:
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_dtype(name, t)
+    check_dtype("q", q)
+    if not is_fp8(k_cache.dtype):
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check_dtype(name, t)
+    check_fp8_scales(k_cache, v_cache, k_scales, v_scales)
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, query_start_loc=query_start_loc)
     tensors.update(seq_lens=seq_lens, block_tables=block_tables)
     if out is not None:
@@ -852,9 +961,13 @@ def _check(
             f"q must be [N, q_heads, head_dim] and k_cache [num_blocks, block_size, kv_heads, head_dim], "
             f"got {tuple(q.shape)} and {tuple(k_cache.shape)}"
         )
-    if v_cache.shape != k_cache.shape or not q.dtype == k_cache.dtype == v_cache.dtype:
+    if (
+        v_cache.shape != k_cache.shape
+        or v_cache.dtype != k_cache.dtype
+        or (q.dtype != k_cache.dtype and not is_fp8(k_cache.dtype))
+    ):
         raise ValueError(
-            f"k_cache and v_cache must match each other and q's dtype: {tuple(k_cache.shape)} "
+            f"k_cache and v_cache must match each other and q's dtype (or be fp8): {tuple(k_cache.shape)} "
             f"{k_cache.dtype}, {tuple(v_cache.shape)} {v_cache.dtype}, q {q.dtype}"
         )
     if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
@@ -919,6 +1032,8 @@ def paged_attention(
     native: bool = True,
     pdl: bool = False,
     lookahead: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q `[N, Hq, D]`, the tokens of B rows back to back (`query_start_loc` `[B+1]`), against
     each row's keys 0..seq_lens[b]-1 in the caches `[num_blocks, block_size, Hkv, D]` through
@@ -948,6 +1063,10 @@ def paged_attention(
     kernel reads the table. `native` (CPU only): decode rows may take decode_attention_cpu.c
     (`paged_attention_cpu`). `pdl` (CUDA): launch with programmatic dependent launch
     (infer.kernels.pdl).
+
+    float8_e4m3fn caches (infer.kernels.kv_fp8, as `store_kv` writes them) come with their scale
+    bytes `k_scales`, `v_scales` (uint8 `[num_blocks, block_size, Hkv]`); q and the output stay
+    in their own dtype. On a CPU they take the reference.
     """
     kwargs = dict(
         query_start_loc=query_start_loc,
@@ -960,10 +1079,13 @@ def paged_attention(
         sliding_window=sliding_window,
         extend_tiles=extend_tiles,
         lookahead=lookahead,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
     _check(q, k_cache, v_cache, out, **kwargs)
     if not use_triton(q):
-        if q.device.type == "cpu":
+        if q.device.type == "cpu" and k_scales is None:
+            del kwargs["k_scales"], kwargs["v_scales"]
             return paged_attention_cpu(
                 q, k_cache, v_cache, out=out, decode_key_slots=decode_key_slots, native=native, **kwargs
             )

@@ -9,7 +9,8 @@ holds; the kernel, not this module, splits decode rows from extend rows.
 One writer of the KV cache per backend:
 - CUDA: the layer's rotation kernel (`rope` or `qk_norm_rope` with `store=`) writes k and v on
   its way out (`kv_store` says where; one kernel fewer per layer), and `attention` is called
-  with `kv_stored=True`;
+  with `kv_stored=True`; but an fp8 cache (`ForwardBatch.kv_scales`) is written by `store_kv`,
+  which quantizes (infer.kernels.kv_fp8);
 - a CPU, through PyTorch: `store_kv`, here (`kv_store` gives None there: the CPU rotation takes
   rows gathered once a forward, and a store is an op of its own either way);
 - a CPU decode step on the C decoder stack (infer.models.cpu_stack, chosen by the engine's
@@ -31,8 +32,8 @@ from infer.models.forward_batch import ForwardBatch
 def kv_store(v: torch.Tensor, batch: ForwardBatch, layer_idx: int) -> KVStore | None:
     """Where this layer's new keys and `v` go in the cache, for the op that writes the rotated
     keys; None without a cache, and on a CPU, where the store is an op of its own either way
-    (`attention` then calls `store_kv`)."""
-    if batch.kv_layers is None or v.device.type == "cpu":
+    (`attention` then calls `store_kv`), and for an fp8 cache, which `store_kv` quantizes."""
+    if batch.kv_layers is None or v.device.type == "cpu" or batch.kv_scales is not None:
         return None
     k_cache, v_cache = batch.kv_layers[layer_idx]
     return KVStore(v, k_cache, v_cache, batch.attention.slot_mapping)
@@ -63,8 +64,9 @@ def attention(
         )
     metadata = batch.attention
     k_cache, v_cache = batch.kv_layers[layer_idx]
+    k_scales, v_scales = batch.kv_scales[layer_idx] if batch.kv_scales is not None else (None, None)
     if not kv_stored:
-        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        store_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scales=k_scales, v_scales=v_scales)
     return paged_attention(
         q,
         k_cache,
@@ -82,6 +84,8 @@ def attention(
         lookahead=metadata.lookahead,
         native=native_cpu_kernels,
         pdl=pdl,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
 
 

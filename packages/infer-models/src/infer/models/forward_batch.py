@@ -68,6 +68,9 @@ class ForwardBatch:
     # Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
     # None: no cache, each row attends to its own tokens of this batch only.
     kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # Per layer (k_scales, v_scales) of float8_e4m3fn caches, uint8 [num_blocks, block_size,
+    # num_kv_heads] (infer.kernels.kv_fp8); None for caches of any other dtype.
+    kv_scales: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
     # [R] int64 indices into the N tokens whose logits the caller wants (None: all).
     logits_indices: torch.Tensor | None = None
     # Images (vision-language models): `image_embeds` [M, hidden] (the projector's output, not

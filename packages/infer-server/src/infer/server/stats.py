@@ -441,13 +441,19 @@ def memory_of(stats) -> dict:
     `weights_bytes`, `kv_used_bytes`, `kv_total_bytes`, `used_bytes` (CUDA: allocated; CPU: the
     process's resident set), `reserved_bytes` (CUDA: held by the allocator; 0 on a CPU),
     `total_bytes` (the device's, or the machine's RAM), and `other_bytes`: in use beyond the
-    weights and the whole KV pool (None where nothing was measured)."""
+    weights and the whole KV pool (None where nothing was measured). The pool: `kv_cache_dtype`,
+    the tokens it holds (`kv_total_tokens`) and so `kv_tokens_per_gib` (fp8 about twice bf16's)."""
     used = stats.memory_used_bytes
     return {
         "device": stats.memory_device,
         "weights_bytes": stats.weights_bytes,
         "kv_used_bytes": stats.kv_bytes_used,
         "kv_total_bytes": stats.kv_bytes_total,
+        "kv_cache_dtype": stats.kv_cache_dtype,
+        "kv_total_tokens": stats.kv_tokens_total,
+        "kv_tokens_per_gib": (
+            round(stats.kv_tokens_total * 2**30 / stats.kv_bytes_total) if stats.kv_bytes_total else None
+        ),
         "used_bytes": used,
         "reserved_bytes": stats.memory_reserved_bytes,
         "total_bytes": stats.memory_total_bytes,
