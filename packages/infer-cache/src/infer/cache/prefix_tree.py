@@ -13,12 +13,7 @@ writes only positions after them. The block where the match ends inside is never
 request copies its first tokens into a block of its own (`PrefixMatch.copy_block`,
 copy-on-write), because it will write the rest of that block.
 
-What a match is (counted apart by the engine):
-- prefix: the reused tokens are a whole sequence the tree holds (the request extends it, or is it);
-- supersequence: the request's tokens all lie inside a longer sequence the tree holds;
-- lcp: they part inside a sequence (same system prompt, another question; an edited last turn).
-Every kind reuses the same shared blocks, so a match always takes the most tokens the tree
-agrees on; the kind only names where the match ended.
+What a match is, and its kinds (prefix, supersequence, lcp): infer.cache.prefix_match.
 
 Memory. The tree holds each of its blocks with one reference in the pool's BlockAllocator (owner
 `owner`). A request that reuses a match takes its own references to the shared blocks and
@@ -40,7 +35,8 @@ first, and stored leaves only when they stand in the way; `evict_idle` and `clea
 kinds. Counted: blocks offloaded, restored, and stored ones dropped.
 
 What it holds, for people (`entries`): the runs of tokens between branches, each with its size,
-its hits (`count_hit`, once per request that reuses it) and when it was made and last used.
+its hits (`count_hit`, once per request that reuses it) and when it was made and last used
+(infer.cache.prefix_entries). The nodes themselves are infer.cache.prefix_node's.
 
 Which calls change the tree: `match` and `entries` read only (not even the LRU clock); `lock`,
 `unlock`, `count_hit`, `insert`, `evict`, `evict_idle`, `discard` and `warm` change it. A call
@@ -48,103 +44,19 @@ that raises has changed nothing.
 """
 
 import dataclasses
-import enum
 import heapq
 import itertools
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from infer.cache.block_allocator import BlockAllocator
 from infer.cache.errors import LockError
+from infer.cache.prefix_entries import PrefixEntry, prefix_entries
+from infer.cache.prefix_match import MISS, MatchKind, PrefixMatch
+from infer.cache.prefix_node import Node
 
 TREE_OWNER = "prefix-cache"
-
-
-class MatchKind(enum.Enum):
-    MISS = "miss"
-    PREFIX = "prefix"
-    SUPERSEQUENCE = "supersequence"
-    LCP = "lcp"
-
-
-# slots: a node is one object (no __dict__), since a tree holds one per cached block and every
-# object the engine keeps alive lengthens Python's garbage collections.
-@dataclass(eq=False, slots=True)
-class _Node:
-    tokens: tuple[int, ...]
-    block: int
-    parent: "_Node | None"
-    # first token -> (token run -> child)
-    children: dict[int, dict[tuple[int, ...], "_Node"]] = field(default_factory=dict)
-    lock_count: int = 0
-    slot: int | None = None  # the second tier: the node holds a slot of the store, not a block
-    reach: int = 0  # the longest sequence inserted through this node, in tokens
-    depth: int = 0  # tokens from the root to this node's end
-    last_access: int = 0  # the tree's operation counter: LRU order without clock ties
-    last_access_s: float = 0.0
-    created_s: float = 0.0
-    # Reuses whose last token is in this node (and in nodes evicted below it since): a run's
-    # hits are the sum over its subtree (see PrefixTree.entries).
-    hits: int = 0
-    # Offsets (1..len(tokens)) at which an inserted sequence ended in this node.
-    # (A frozenset: most nodes end nothing, and share the one empty frozenset.)
-    ends: frozenset[int] = frozenset()
-
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    def child_runs(self, first_token: int) -> dict[tuple[int, ...], "_Node"]:
-        return self.children.get(first_token, {})
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """What the tree holds of a token sequence (from `PrefixTree.match`).
-
-    `num_tokens` tokens are reused: the `block_ids` (whole blocks, shared read only) and then
-    `copy_tokens` tokens at the start of `copy_block`, which the request copies into a block of
-    its own. `num_matched` is how far the tree agreed before `max_tokens` capped the reuse.
-    """
-
-    kind: MatchKind
-    num_tokens: int
-    num_matched: int
-    block_ids: tuple[int, ...] = ()
-    copy_block: int | None = None
-    copy_tokens: int = 0
-    # Nodes the reuse reads that are in the store now: `PrefixTree.warm` them before sharing.
-    num_cold: int = 0
-    # The nodes the reuse reads: the shared blocks', then the copy source's.
-    _read: tuple[_Node, ...] = field(default=(), repr=False, compare=False)
-
-    @property
-    def _last_node(self) -> _Node | None:
-        """The deepest node the reuse reads: what lock() and unlock() walk up from (None when
-        nothing is reused)."""
-        return self._read[-1] if self._read else None
-
-
-MISS = PrefixMatch(MatchKind.MISS, 0, 0)
-
-
-@dataclass(frozen=True)
-class PrefixEntry:
-    """A run of cached tokens with no branch inside (from `PrefixTree.entries`): tokens
-    [start, start + num_tokens) of the sequences through it, in `num_blocks` pool blocks and
-    `num_stored_blocks` slots of the store. `hits`: reuses that read into it (or into a run below it);
-    times are the tree's clock."""
-
-    start: int
-    num_tokens: int
-    num_blocks: int
-    num_stored_blocks: int
-    hits: int
-    last_used_s: float
-    created_s: float
-    in_use: bool  # a running request reads it: it cannot be evicted now
 
 
 class PrefixTree:
@@ -170,8 +82,8 @@ class PrefixTree:
         self.max_blocks = max_blocks
         self._clock = clock
         # One root per cache salt (None: no salt): sequences under different salts never meet.
-        self._roots: dict[str | None, _Node] = {}
-        self._nodes: dict[int, _Node] = {}  # block -> node
+        self._roots: dict[str | None, Node] = {}
+        self._nodes: dict[int, Node] = {}  # block -> node
         self._tick = itertools.count(1)
         self._num_locked = 0  # nodes in blocks with lock_count > 0
         self.num_evicted_blocks = 0
@@ -180,7 +92,7 @@ class PrefixTree:
         # evict_idle moves idle blocks into the store and leaves stored ones there (a store in
         # host memory: what it is for is the sessions that went idle).
         self.idle_to_store = idle_to_store and slots is not None
-        self._cold: dict[int, _Node] = {}  # slot -> node
+        self._cold: dict[int, Node] = {}  # slot -> node
         # Eviction order, kept as the tree changes so that taking a block costs O(log n), not a
         # scan of the tree: heaps of (last_access, ..., block or slot) entries, pushed whenever a
         # node may have become a candidate (created, used, unlocked, its last child gone) and
@@ -230,7 +142,7 @@ class PrefixTree:
         if max_tokens is not None and max_tokens < 0:
             raise ValueError(f"max_tokens must be None or >= 0, got {max_tokens}")
         size = self.block_size
-        path: list[_Node] = []  # wholly matched nodes
+        path: list[Node] = []  # wholly matched nodes
         node, depth = self._roots.get(salt), 0
         if node is None:
             return MISS
@@ -283,48 +195,10 @@ class PrefixTree:
             return MatchKind.PREFIX
         return MatchKind.SUPERSEQUENCE if num_matched == len(tokens) else MatchKind.LCP
 
-    def entries(self) -> list["PrefixEntry"]:
-        """The runs of cached tokens, one per edge of the radix tree that the block trie spells:
-        a run starts at a root or a branch and goes down while each node has one child, so that
-        a shared system prompt is one entry and each conversation after it another. Parents come
-        before their children. Reads only; walks every node (O(blocks held))."""
-        runs: list[list] = []  # [head, tail, parent index, blocks, stored blocks, hits]
-        for root in self._roots.values():
-            stack = [(child, -1) for child_runs in root.children.values() for child in child_runs.values()]
-            while stack:
-                head, parent = stack.pop()
-                node, blocks, cold, hits = head, 0, 0, 0
-                while True:
-                    blocks += node.slot is None
-                    cold += node.slot is not None
-                    hits += node.hits
-                    if len(node.children) != 1:
-                        break
-                    (child_runs,) = node.children.values()
-                    if len(child_runs) != 1:
-                        break
-                    (node,) = child_runs.values()
-                index = len(runs)
-                runs.append([head, node, parent, blocks, cold, hits])
-                stack.extend((c, index) for child_runs in node.children.values() for c in child_runs.values())
-        for run in reversed(runs):  # children after parents: sum hits up the tree
-            if run[2] >= 0:
-                runs[run[2]][5] += run[5]
-        return [
-            PrefixEntry(
-                start=head.depth - len(head.tokens),
-                num_tokens=tail.depth - head.depth + len(head.tokens),
-                num_blocks=blocks,
-                num_stored_blocks=cold,
-                hits=hits,
-                # A use marks a node and every node above it: the head is the run's latest, and
-                # was made no later than anything below it.
-                last_used_s=head.last_access_s,
-                created_s=head.created_s,
-                in_use=head.lock_count > 0,
-            )
-            for head, tail, _, blocks, cold, hits in runs
-        ]
+    def entries(self) -> list[PrefixEntry]:
+        """The runs of cached tokens between branches, parents before their children
+        (infer.cache.prefix_entries). Reads only; walks every node (O(blocks held))."""
+        return prefix_entries(self._roots.values())
 
     # -- changing --------------------------------------------------------------------------------
 
@@ -460,8 +334,8 @@ class PrefixTree:
             return [], held if lock else None
         # Walk what the tree holds below `held`; the blocks from the first miss on are new.
         chunks = [tokens[i : i + size] for i in range(start, num_blocks * size, size)]
-        path: list[_Node] = []
-        root = self._roots.get(salt) or _Node((), -1, None)
+        path: list[Node] = []
+        root = self._roots.get(salt) or Node((), -1, None)
         node = top if top is not None else root
         for chunk in chunks:
             child = self._holder(node, chunk)
@@ -483,7 +357,7 @@ class PrefixTree:
         self._roots[salt] = root
         for chunk, block in zip(chunks[len(path) :], new_blocks, strict=True):
             runs = node.children.setdefault(chunk[0], {})
-            child = _Node(chunk, block, node, depth=node.depth + len(chunk), created_s=now)
+            child = Node(chunk, block, node, depth=node.depth + len(chunk), created_s=now)
             runs[chunk] = child
             self._nodes[block] = child
             if len(runs) > 1:
@@ -538,7 +412,7 @@ class PrefixTree:
             self.evict(len(self._nodes) - self.max_blocks)
         return new_blocks, match
 
-    def _holder(self, node: _Node, chunk: tuple[int, ...]) -> _Node | None:
+    def _holder(self, node: Node, chunk: tuple[int, ...]) -> Node | None:
         """The child of `node` that holds `chunk`'s tokens: the same run, or for a partial chunk a
         sibling that holds these tokens and more."""
         runs = node.child_runs(chunk[0])
@@ -547,7 +421,7 @@ class PrefixTree:
             child = next((c for c in runs.values() if c.tokens[: len(chunk)] == chunk), None)
         return child
 
-    def _absorb_shorter_siblings(self, node: _Node, runs: dict) -> None:
+    def _absorb_shorter_siblings(self, node: Node, runs: dict) -> None:
         """Shorter (partial, so leaf) siblings whose tokens start `node`'s are redundant now: their
         sequence ends move to `node`, and the unlocked ones go (their blocks freed)."""
         for sibling in list(runs.values()):
@@ -649,7 +523,7 @@ class PrefixTree:
             heapq.heappop(heap)
         return None
 
-    def _node_of(self, heap: list, entry: tuple) -> _Node | None:
+    def _node_of(self, heap: list, entry: tuple) -> Node | None:
         return (self._cold if heap is self._cold_leaves else self._nodes).get(entry[-1])
 
     def _evict_one(self, heap: list, wanted) -> int | None:
@@ -662,7 +536,7 @@ class PrefixTree:
         self._remove(node)
         return node.block
 
-    def _note(self, node: _Node) -> None:
+    def _note(self, node: Node) -> None:
         """Pushes the node's entries where it is a candidate now (see _leaves)."""
         if node.parent is None or node.lock_count:
             return
@@ -692,7 +566,7 @@ class PrefixTree:
         for heap in (self._leaves, self._cold_leaves, self._to_offload):
             heapq.heapify(heap)
 
-    def _remove(self, node: _Node) -> None:
+    def _remove(self, node: Node) -> None:
         parent = node.parent
         runs = parent.children[node.tokens[0]]
         del runs[node.tokens]
