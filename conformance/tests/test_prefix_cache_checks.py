@@ -58,13 +58,13 @@ class UnlocksBelowZero(PrefixTree):
 class EvictsLockedLeaves(PrefixTree):
     def _evict_while(self, num_blocks, wanted, **options):
         saved = {}
-        for node in self._nodes.values():
+        for node in self.pool_tier.nodes.values():
             saved[id(node)], node.lock_count = node.lock_count, 0
             self._note(node)
         try:
             return super()._evict_while(num_blocks, wanted, **options)
         finally:
-            for node in self._nodes.values():
+            for node in self.pool_tier.nodes.values():
                 node.lock_count = saved[id(node)]
 
 
@@ -103,13 +103,13 @@ class SplitsRunsAtSequenceEnds(PrefixTree):
     """A sequence ending inside a chain (an earlier turn of a conversation) starts a new run."""
 
     def entries(self):
-        for node in self._nodes.values():
+        for node in self.pool_tier.nodes.values():
             if node.ends and len(node.children) == 1:
                 node.children = {**node.children, -1: {}}  # a second key: looks like a branch
         try:
             return super().entries()
         finally:
-            for node in self._nodes.values():
+            for node in self.pool_tier.nodes.values():
                 node.children.pop(-1, None)
 
 
@@ -128,7 +128,7 @@ class KeepsDroppedSlots(PrefixTree):
         slot = node.slot
         super()._remove(node)
         if slot is not None:
-            self.slots.allocate(1, self.owner)
+            self.store_tier.allocator.allocate(1, self.owner)
 
 
 def two_tier_messages(broken, case: dict, *, says: str) -> list[str]:

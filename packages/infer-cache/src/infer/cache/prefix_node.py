@@ -1,9 +1,10 @@
-"""Node: one block of the prefix tree (infer.cache.prefix_tree), shared by the tree and its
-report (infer.cache.prefix_entries).
+"""Node: one block of the prefix tree (infer.cache.prefix_tree), shared by the tree, its tiers
+(infer.cache.prefix_tiers) and its report (infer.cache.prefix_entries).
 
 A node holds the token ids of one KV block and where their K/V is: a pool block (`block`), or,
 offloaded to the second tier, a slot of the pool's store (`slot`, with `block` = -1 - slot). The
-tree links nodes, counts their locks and keeps their LRU order (`last_access`).
+tree links nodes, counts their locks and marks their use (`last_access`: the one LRU order, which
+every tier's heaps are keyed by).
 """
 
 from dataclasses import dataclass, field

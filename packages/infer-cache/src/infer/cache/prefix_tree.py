@@ -22,41 +22,41 @@ goes up by one, and a locked node is never evicted. `evict` frees unlocked leave
 used first (a parent whose last child went is a leaf in turn); `evict_idle` those not used for a
 while; `max_blocks` caps the tree after each insert.
 
-A second tier (with `slots`, the allocator of the pool's store: int8 blocks on the device, or
-blocks in host memory; infer.cache.kv_pool). When the pool needs blocks, `evict` first offloads
-the least recently used unlocked blocks of sequences of at least `store_min_tokens` tokens into
-free slots (dropping the least recently used stored leaves when the slots are full), and only
-then evicts. The node stays in the tree with its slot instead of a block (`take_offloaded` gives
-the (block, slot) copies to run, before the block's next owner writes it), so the tree's LRU
-order spans both tiers. A match reads stored nodes like the others; `warm` moves them back into
-pool blocks before a request shares them, and gives the (slot, block) restores to run before
-anything reads them. Eviction for blocks takes leaves in blocks first, least recently used
-first, and stored leaves only when they stand in the way; `evict_idle` and `clear` take both
-kinds. Counted: blocks offloaded, restored, and stored ones dropped.
-
-What it holds, for people (`entries`): the runs of tokens between branches, each with its size,
-its hits (`count_hit`, once per request that reuses it) and when it was made and last used
-(infer.cache.prefix_entries). The nodes themselves are infer.cache.prefix_node's.
+Layers. This module is the trie: how its nodes (infer.cache.prefix_node) are matched, inserted,
+locked and evicted. Where a node's K/V is belongs to its tier (infer.cache.prefix_tiers): the
+pool's blocks, and with `slots` (the allocator of the pool's store: int8 blocks on the device, or
+blocks in host memory) the store's slots. A node offloaded into the store stays in the tree with
+a slot instead of a block, so one LRU order spans both tiers: when the pool needs blocks, `evict`
+first has the store tier offload the least recently used unlocked blocks of sequences of at
+least `store_min_tokens` tokens (`take_offloaded` gives the copies to run), and only then evicts
+leaves in blocks, least recently used first, and stored leaves only when they stand in the way;
+`evict_idle` and `clear` take both kinds. A match reads stored nodes like the others; `warm`
+moves them back into pool blocks before a request shares them. What the tree holds, for people
+(`entries`: the runs of tokens between branches), is infer.cache.prefix_entries.
 
 Which calls change the tree: `match` and `entries` read only (not even the LRU clock); `lock`,
-`unlock`, `count_hit`, `insert`, `evict`, `evict_idle`, `discard` and `warm` change it. A call
-that raises has changed nothing.
+`unlock`, `count_hit`, `insert`, `extend`, `evict`, `evict_idle`, `clear`, `discard` and `warm`
+change it. A call that raises has changed nothing.
 """
 
 import dataclasses
-import heapq
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from infer.cache.block_allocator import BlockAllocator
 from infer.cache.errors import LockError
 from infer.cache.prefix_entries import PrefixEntry, prefix_entries
 from infer.cache.prefix_match import MISS, MatchKind, PrefixMatch
 from infer.cache.prefix_node import Node
+from infer.cache.prefix_tiers import PoolTier, StoreTier, Tier
 
 TREE_OWNER = "prefix-cache"
+
+
+def _everything(node: Node) -> bool:
+    return True
 
 
 class PrefixTree:
@@ -83,41 +83,45 @@ class PrefixTree:
         self._clock = clock
         # One root per cache salt (None: no salt): sequences under different salts never meet.
         self._roots: dict[str | None, Node] = {}
-        self._nodes: dict[int, Node] = {}  # block -> node
         self._tick = itertools.count(1)
         self._num_locked = 0  # nodes in blocks with lock_count > 0
         self.num_evicted_blocks = 0
-        self.slots = slots
-        self.store_min_tokens = store_min_tokens
-        # evict_idle moves idle blocks into the store and leaves stored ones there (a store in
-        # host memory: what it is for is the sessions that went idle).
-        self.idle_to_store = idle_to_store and slots is not None
-        self._cold: dict[int, Node] = {}  # slot -> node
-        # Eviction order, kept as the tree changes so that taking a block costs O(log n), not a
-        # scan of the tree: heaps of (last_access, ..., block or slot) entries, pushed whenever a
-        # node may have become a candidate (created, used, unlocked, its last child gone) and
-        # checked when popped (an entry whose node has changed or gone since is stale and
-        # skipped). Entries hold ints only, which the garbage collector does not track.
-        self._leaves: list = []  # unlocked leaves in blocks
-        self._cold_leaves: list = []  # unlocked stored leaves
-        self._to_offload: list = []  # unlocked nodes in blocks (with slots only)
-        self._offloaded: list[tuple[int, int]] = []  # (block, slot) copies not taken yet
-        # Blocks offloaded into the store, restored from it, and stored ones dropped, so far.
-        self.num_offloaded_total = 0
-        self.num_restored_total = 0
-        self.num_dropped_total = 0
+        # Where the nodes' K/V is (infer.cache.prefix_tiers): the pool's blocks, then the store's.
+        self.pool_tier = PoolTier(allocator, owner)
+        self.store_tier: StoreTier | None = None
+        self._tiers: tuple[Tier, ...] = (self.pool_tier,)
+        if slots is not None:
+            self.store_tier = StoreTier(
+                slots, owner, self.pool_tier, store_min_tokens=store_min_tokens, idle_to_store=idle_to_store
+            )
+            self._tiers = (self.pool_tier, self.store_tier)
 
     # -- reading ---------------------------------------------------------------------------------
 
     @property
     def num_blocks(self) -> int:
         """Pool blocks the tree holds."""
-        return len(self._nodes)
+        return len(self.pool_tier.nodes)
 
     @property
     def num_stored_blocks(self) -> int:
         """Slots of the store the tree holds."""
-        return len(self._cold)
+        return len(self.store_tier.nodes) if self.store_tier else 0
+
+    @property
+    def num_offloaded_total(self) -> int:
+        """Blocks offloaded into the store so far (the store tier counts them, and the next two)."""
+        return self.store_tier.num_offloaded_total if self.store_tier else 0
+
+    @property
+    def num_restored_total(self) -> int:
+        """Blocks restored from the store so far."""
+        return self.store_tier.num_restored_total if self.store_tier else 0
+
+    @property
+    def num_dropped_total(self) -> int:
+        """Stored blocks dropped (evicted from the store) so far."""
+        return self.store_tier.num_dropped_total if self.store_tier else 0
 
     @property
     def num_locked_blocks(self) -> int:
@@ -127,10 +131,10 @@ class PrefixTree:
     def num_evictable_blocks(self) -> int:
         """Blocks `evict` could free now: every unlocked node in a block (a locked node's ancestors
         are locked too, so the unlocked ones all become leaves as eviction goes on)."""
-        return len(self._nodes) - self._num_locked
+        return len(self.pool_tier.nodes) - self._num_locked
 
     def block_ids(self) -> list[int]:
-        return sorted(self._nodes)
+        return sorted(self.pool_tier.nodes)
 
     def match(
         self, token_ids: Sequence[int], max_tokens: int | None = None, *, salt: str | None = None
@@ -241,15 +245,8 @@ class PrefixTree:
         cold = [node for node in match._read if node.slot is not None]
         if len(cold) != len(blocks):
             raise ValueError(f"the match reads {len(cold)} stored blocks, got {len(blocks)} blocks for them")
-        restores = []
-        for node, block in zip(cold, blocks, strict=True):
-            restores.append((node.slot, int(block)))
-            self.slots.free([node.slot], self.owner)
-            del self._cold[node.slot]
-            node.slot, node.block = None, int(block)
-            self._nodes[node.block] = node
-            self._num_locked += node.lock_count > 0
-        self.num_restored_total += len(cold)
+        restores = self.store_tier.restore(cold, blocks) if cold else []
+        self._num_locked += sum(node.lock_count > 0 for node in cold)
         shared = match._read[: len(match.block_ids)]
         source = match._read[-1] if match.copy_tokens else None
         warmed = dataclasses.replace(
@@ -267,8 +264,7 @@ class PrefixTree:
 
     def take_offloaded(self) -> list[tuple[int, int]]:
         """The (block, slot) copies of the blocks offloaded since the last call; forgets them."""
-        offloaded, self._offloaded = self._offloaded, []
-        return offloaded
+        return self.store_tier.take_offloaded() if self.store_tier else []
 
     def insert(
         self,
@@ -346,7 +342,7 @@ class PrefixTree:
         num_held_blocks = start // size + len(path)
         new_blocks = [int(block) for block in block_ids[num_held_blocks:num_blocks]]
         for block in new_blocks:
-            if block in self._nodes:
+            if block in self.pool_tier.nodes:
                 raise ValueError(f"block {block} already holds other tokens in the tree")
             if self.allocator.refcount(block) == 0:
                 raise ValueError(f"block {block} is free; insert the blocks that hold the tokens")
@@ -359,7 +355,7 @@ class PrefixTree:
             runs = node.children.setdefault(chunk[0], {})
             child = Node(chunk, block, node, depth=node.depth + len(chunk), created_s=now)
             runs[chunk] = child
-            self._nodes[block] = child
+            self.pool_tier.nodes[block] = child
             if len(runs) > 1:
                 self._absorb_shorter_siblings(child, runs)
             path.append(child)
@@ -408,8 +404,8 @@ class PrefixTree:
                 held.num_cold + sum(node.slot is not None for node in path),
                 read,
             )
-        if self.max_blocks is not None and len(self._nodes) > self.max_blocks:
-            self.evict(len(self._nodes) - self.max_blocks)
+        if self.max_blocks is not None and self.num_blocks > self.max_blocks:
+            self.evict(self.num_blocks - self.max_blocks)
         return new_blocks, match
 
     def _holder(self, node: Node, chunk: tuple[int, ...]) -> Node | None:
@@ -434,53 +430,29 @@ class PrefixTree:
             if not sibling.lock_count:
                 self._remove(sibling)
 
+    # -- evicting ------------------------------------------------------------------------------
+
     def evict(self, num_blocks: int) -> list[int]:
         """Frees up to `num_blocks` unlocked pool blocks: with `slots`, by offloading first (see
         the module), then by evicting least recently used leaves; returns the blocks freed
         (fewer when fewer are unlocked)."""
-        freed = self._offload_cold(num_blocks) if self.slots is not None else []
+        freed = self._offload(num_blocks) if self.store_tier is not None else []
         # Leaves in blocks first: a stored leaf frees no block, only what is in its way does.
-        freed += self._evict_while(num_blocks - len(freed), lambda node: True, stored=False)
-        return freed + self._evict_while(num_blocks - len(freed), lambda node: True)
-
-    def _offload_cold(self, num_blocks: float, wanted=lambda node: True) -> list[int]:
-        """Moves up to `num_blocks` least recently used unlocked blocks of long enough sequences
-        into the store's slots (of one insert, the same tick, the deepest first), until the next is
-        not `wanted`; returns the blocks freed."""
-        freed: list[int] = []
-        while len(freed) < num_blocks and self._to_offload:
-            entry = heapq.heappop(self._to_offload)
-            node = self._nodes.get(entry[-1])
-            if node is None or node.lock_count or node.last_access != entry[0]:
-                continue
-            if node.reach < self.store_min_tokens:
-                continue  # pushed again if a longer sequence goes through it
-            if not wanted(node):  # the rest were used later
-                heapq.heappush(self._to_offload, entry)
-                break
-            if not self.slots.num_free and self._evict_one(self._cold_leaves, lambda n: True) is None:
-                heapq.heappush(self._to_offload, entry)
-                break
-            (slot,) = self.slots.allocate(1, self.owner)
-            block = node.block
-            self._offloaded.append((block, slot))
-            del self._nodes[block]
-            self.allocator.free([block], self.owner)
-            node.slot, node.block = slot, -1 - slot
-            self._cold[slot] = node
-            self._note(node)
-            freed.append(block)
-        self.num_offloaded_total += len(freed)
-        return freed
+        freed += self._evict_while(num_blocks - len(freed), _everything, tiers=(self.pool_tier,))
+        return freed + self._evict_while(num_blocks - len(freed), _everything)
 
     def evict_idle(self, idle_s: float) -> list[int]:
         """Frees every unlocked block not used for `idle_s` seconds (leaves first); returns them.
         With `idle_to_store`, moves them into the store instead (`take_offloaded`), and what the
         store holds leaves it only when the store is full."""
         cutoff = self._clock() - idle_s
-        if self.idle_to_store:
-            return self._offload_cold(math.inf, lambda node: node.last_access_s < cutoff)
+        if self.store_tier is not None and self.store_tier.idle_to_store:
+            return self._offload(math.inf, lambda node: node.last_access_s < cutoff)
         return self._evict_while(math.inf, lambda node: node.last_access_s < cutoff)
+
+    def clear(self) -> list[int]:
+        """Evicts every unlocked node, stored ones too; returns the pool blocks freed."""
+        return self._evict_while(math.inf, _everything)
 
     def discard(self, block_ids: Sequence[int]) -> list[int]:
         """Takes these blocks out of the tree where they are unlocked leaves, the last first (the
@@ -488,83 +460,61 @@ class PrefixTree:
         returns those taken out. A block someone else's match has locked since stays."""
         discarded = []
         for block in reversed(block_ids):
-            node = self._nodes.get(block)
+            node = self.pool_tier.nodes.get(block)
             if node is not None and node.is_leaf and not node.lock_count:
                 self._remove(node)
                 discarded.append(block)
         return discarded
 
-    def _evict_while(self, num_blocks: float, wanted, *, stored: bool = True) -> list[int]:
-        """Evicts unlocked leaves, least recently used first, until `num_blocks` pool blocks are
-        freed or the next leaf is not `wanted` (the rest were used later); stored leaves go
-        on the way, freeing slots, unless `stored` is False. Returns the blocks freed."""
+    def _offload(self, num_blocks: float, wanted=_everything) -> list[int]:
+        """The store tier's `offload`: the tree evicts its least recently used stored leaf when
+        the store needs a slot, and notes each node moved."""
+        store = self.store_tier
+
+        def drop_oldest() -> bool:
+            return self._evict_one((store,), _everything) is not None
+
+        return store.offload(num_blocks, wanted, drop_oldest=drop_oldest, note=self._note)
+
+    def _evict_while(self, num_blocks: float, wanted, *, tiers: Iterable[Tier] | None = None) -> list[int]:
+        """Evicts unlocked leaves of `tiers` (None: all), least recently used first across them,
+        until `num_blocks` pool blocks are freed or the next leaf is not `wanted` (the rest were
+        used later); a stored leaf goes on the way, freeing a slot. Returns the blocks freed."""
         evicted: list[int] = []
         while len(evicted) < num_blocks:
-            heap = self._leaves
-            if stored and self._top(self._cold_leaves) is not None:
-                top = self._top(heap)
-                if top is None or self._cold_leaves[0] < top:
-                    heap = self._cold_leaves
-            block = self._evict_one(heap, wanted)
-            if block is None:
+            node = self._evict_one(self._tiers if tiers is None else tiers, wanted)
+            if node is None:
                 break
-            if block >= 0:
-                evicted.append(block)
+            if node.slot is None:
+                evicted.append(node.block)
         self.num_evicted_blocks += len(evicted)
         return evicted
 
-    def _top(self, heap: list) -> tuple | None:
-        """The heap's least recently used valid leaf entry (stale ones popped), or None."""
-        while heap:
-            entry = heap[0]
-            node = self._node_of(heap, entry)
-            if node is not None and node.is_leaf and not node.lock_count and node.last_access == entry[0]:
-                return entry
-            heapq.heappop(heap)
-        return None
-
-    def _node_of(self, heap: list, entry: tuple) -> Node | None:
-        return (self._cold if heap is self._cold_leaves else self._nodes).get(entry[-1])
-
-    def _evict_one(self, heap: list, wanted) -> int | None:
-        """Evicts the least recently used valid leaf of `heap` if `wanted`; returns its block (a
-        negative number for a stored leaf), or None when there is none or it is not wanted."""
-        entry = self._top(heap)
-        if entry is None or not wanted(node := self._node_of(heap, entry)):
+    def _evict_one(self, tiers: Iterable[Tier], wanted) -> Node | None:
+        """Evicts the least recently used unlocked leaf of `tiers` if `wanted`; returns it, or None
+        when there is none or it is not wanted."""
+        oldest = [(entry, tier) for tier in tiers if (entry := tier.oldest_leaf()) is not None]
+        if not oldest:
             return None
-        heapq.heappop(heap)
+        entry, tier = min(oldest, key=lambda pair: pair[0])  # on a tie, the first tier's
+        node = tier.nodes[entry[-1]]
+        if not wanted(node):
+            return None
+        tier.pop_leaf()
         self._remove(node)
-        return node.block
+        return node
 
     def _note(self, node: Node) -> None:
-        """Pushes the node's entries where it is a candidate now (see _leaves)."""
+        """Pushes the node's entries where it is a candidate now (see Tier.leaves)."""
         if node.parent is None or node.lock_count:
             return
-        if node.is_leaf:
-            if node.slot is not None:
-                heapq.heappush(self._cold_leaves, (node.last_access, node.slot))
-            else:
-                heapq.heappush(self._leaves, (node.last_access, node.block))
-        if self.slots is not None and node.slot is None:
-            heapq.heappush(self._to_offload, (node.last_access, -node.depth, node.block))
-        if len(self._leaves) + len(self._cold_leaves) + len(self._to_offload) > 8 * len(self._nodes) + 4096:
-            self._rebuild_heaps()
-
-    def _rebuild_heaps(self) -> None:
-        """Drops the stale entries (amortized: after ~8 pushes per node)."""
-        self._leaves, self._cold_leaves, self._to_offload = [], [], []
-        for node in [*self._nodes.values(), *self._cold.values()]:
-            if node.lock_count:
-                continue
-            if node.is_leaf:
-                if node.slot is not None:
-                    self._cold_leaves.append((node.last_access, node.slot))
-                else:
-                    self._leaves.append((node.last_access, node.block))
-            if self.slots is not None and node.slot is None:
-                self._to_offload.append((node.last_access, -node.depth, node.block))
-        for heap in (self._leaves, self._cold_leaves, self._to_offload):
-            heapq.heapify(heap)
+        for tier in self._tiers:
+            tier.note(node)
+        if sum(tier.num_entries for tier in self._tiers) > 8 * len(self.pool_tier.nodes) + 4096:
+            # Drops the stale entries (amortized: after ~8 pushes per node).
+            every = [held for tier in self._tiers for held in tier.nodes.values()]
+            for tier in self._tiers:
+                tier.rebuild(every)
 
     def _remove(self, node: Node) -> None:
         parent = node.parent
@@ -576,18 +526,8 @@ class PrefixTree:
             parent.hits += node.hits  # the reuses that reached it reached its parent's run too
         if parent.parent is None and not parent.children:  # an empty root: its salt is gone
             del self._roots[next(salt for salt, root in self._roots.items() if root is parent)]
-        if node.slot is not None:
-            del self._cold[node.slot]
-            self.slots.free([node.slot], self.owner)
-            self.num_dropped_total += 1
-        else:
-            del self._nodes[node.block]
-            self.allocator.free([node.block], self.owner)
+        (self.pool_tier if node.slot is None else self.store_tier).release(node)
         self._note(parent)  # it may be a leaf now
-
-    def clear(self) -> list[int]:
-        """Evicts every unlocked node, stored ones too; returns the pool blocks freed."""
-        return self._evict_while(math.inf, lambda node: True)
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
