@@ -125,11 +125,11 @@ def blocks_per_sequence(case: dict, impl: str) -> None:
             )
             request.num_computed_tokens += 1
         expected = -(-num_tokens // block_size)
-        assert len(request.block_ids) == expected, (
-            f"{num_tokens} tokens hold {len(request.block_ids)} blocks, "
-            f"expected ceil(n / block_size) = {expected}"
+        block_ids = list(kv_manager.block_ids("seq"))
+        assert len(block_ids) == expected, (
+            f"{num_tokens} tokens hold {len(block_ids)} blocks, expected ceil(n / block_size) = {expected}"
         )
-        assert allocator.owned_by("seq") == request.block_ids and allocator.num_free == 0
+        assert allocator.owned_by("seq") == block_ids and allocator.num_free == 0
 
 
 def _run(case: dict, impl: str, clause: str) -> None:

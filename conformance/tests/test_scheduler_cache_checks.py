@@ -129,12 +129,13 @@ class _SharingKVCacheManager(checks.RecordingKVCacheManager):
 
     def acquire(self, request, match):
         acquired = super().acquire(request, match)
-        copies = [op for op in self._ops if op[0] == COPY and op[2] in request.block_ids]
+        blocks = self._blocks.get(request.request_id, [])
+        copies = [op for op in self._ops if op[0] == COPY and op[2] in blocks]
         for _, source, target in copies:
             self._ops.remove((COPY, source, target))
             self.allocator.free([target], request.request_id)
             self.allocator.share([source], request.request_id)
-            request.block_ids[request.block_ids.index(target)] = source
+            blocks[blocks.index(target)] = source
             self._sharing.add(request.request_id)
         return acquired
 

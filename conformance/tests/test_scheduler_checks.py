@@ -35,9 +35,7 @@ class NeverForcesDecodes(Scheduler):
 
 class LeaksOnFinish(Scheduler):
     def finish(self, request_id, *, cache=True):
-        request = self.get(request_id)
-        if request is not None:
-            request.block_ids = []  # forgets its blocks instead of freeing them
+        self.kv_manager._blocks.pop(request_id, None)  # forgets its blocks instead of freeing them
         return super().finish(request_id, cache=cache)
 
 
@@ -77,7 +75,8 @@ class AcceptsAnything(Scheduler):
 class PreemptsOldest(Scheduler):
     def _preemption_victim(self, request, plan):
         for candidate in self._running:
-            if candidate.block_ids and candidate.request_id not in plan.num_scheduled_tokens:
+            holds_blocks = bool(self.kv_manager.block_ids(candidate.request_id))
+            if holds_blocks and candidate.request_id not in plan.num_scheduled_tokens:
                 return candidate
         return None
 

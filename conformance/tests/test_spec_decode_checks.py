@@ -69,7 +69,8 @@ class DropsRolledBackBlocks(Scheduler):
         for request_id in decision.spec_token_ids:
             request = self.get(request_id)
             if request is not None:
-                del request.block_ids[-(-request.num_computed_tokens // self.kv_manager.block_size) :]
+                blocks = self.kv_manager._blocks.get(request_id, [])
+                del blocks[-(-request.num_computed_tokens // self.kv_manager.block_size) :]
         return outputs
 
 

@@ -31,8 +31,8 @@ def grow(manager: KVCacheManager, r: Request, num_tokens: int) -> list[int] | No
 def test_a_request_holds_exactly_ceil_tokens_over_block_size_blocks(num_tokens):
     manager, r = make_manager(), request()
     grow(manager, r, num_tokens)
-    assert len(r.block_ids) == -(-num_tokens // BLOCK_SIZE)
-    assert manager.allocator.owned_by("r") == r.block_ids
+    assert len(manager.block_ids("r")) == -(-num_tokens // BLOCK_SIZE)
+    assert manager.allocator.owned_by("r") == list(manager.block_ids("r"))
 
 
 def test_a_block_is_taken_only_when_a_token_crosses_a_block_boundary():
@@ -52,7 +52,7 @@ def test_allocate_returns_none_and_changes_nothing_when_the_pool_is_short():
     grow(manager, holder, 2 * BLOCK_SIZE)
     grow(manager, r, 1)
     assert manager.allocate(r, 2 * BLOCK_SIZE) is None
-    assert (r.block_ids, r.num_computed_tokens) == ([2], 1)
+    assert (manager.block_ids("r"), r.num_computed_tokens) == ((2,), 1)
     assert manager.num_free_blocks == 0
     assert manager.allocator.owned_by("r") == [2]
 
@@ -61,7 +61,7 @@ def test_free_returns_every_block_and_empties_block_ids():
     manager, r = make_manager(num_blocks=8), request()
     grow(manager, r, 5 * BLOCK_SIZE)
     manager.free(r)
-    assert r.block_ids == []
+    assert manager.block_ids("r") == ()
     assert manager.num_free_blocks == 8
     assert manager.allocator.audit([]) == []
 
@@ -70,17 +70,26 @@ def test_rollback_forgets_tokens_and_frees_the_blocks_they_alone_needed():
     manager, r = make_manager(), request()
     grow(manager, r, 2 * BLOCK_SIZE + 3)
     freed = manager.rollback(r, 4)
-    assert (r.num_computed_tokens, len(r.block_ids)) == (2 * BLOCK_SIZE - 1, 2)
-    assert manager.allocator.refcount(freed[0]) == 0
+    assert r.num_computed_tokens == 2 * BLOCK_SIZE - 1
+    assert len(manager.block_ids("r")) == 2
+    assert manager.allocator.owned_by("r") == list(manager.block_ids("r"))
+    assert len(freed) == 1 and manager.allocator.refcount(freed[0]) == 0
     with pytest.raises(ValueError, match="can roll back 0..31"):
         manager.rollback(r, 32)
+
+
+def test_rolling_back_every_token_frees_every_block():
+    manager, r = make_manager(num_blocks=8), request()
+    grow(manager, r, BLOCK_SIZE + 1)
+    assert len(manager.rollback(r, BLOCK_SIZE + 1)) == 2
+    assert manager.block_ids("r") == () and manager.num_free_blocks == 8
 
 
 def test_without_a_prefix_tree_match_finds_nothing():
     manager, r = make_manager(), request(prompt_tokens=40)
     assert manager.match(r).num_tokens == 0
     manager.acquire(r, manager.match(r))
-    assert r.block_ids == [] and r.num_computed_tokens == 0
+    assert manager.block_ids("r") == () and r.num_computed_tokens == 0
     assert manager.num_free_blocks == manager.num_blocks
 
 
@@ -100,9 +109,10 @@ def test_a_finished_request_leaves_its_computed_tokens_and_the_next_one_takes_th
     manager.acquire(second, manager.match(second))
     # 32 tokens in two shared blocks, 8 copied into a block of its own.
     assert second.num_computed_tokens == second.num_cached_tokens == 40
-    assert second.block_ids[:2] == list(manager.prefix_tree.match(list(range(32))).block_ids)
+    blocks = manager.block_ids("second")
+    assert blocks[:2] == manager.prefix_tree.match(list(range(32))).block_ids
     ((kind, source, target),) = manager.take_block_ops()
-    assert kind == "copy" and target == second.block_ids[2] and source not in second.block_ids
+    assert kind == "copy" and target == blocks[2] and source not in blocks
     assert manager.match_counts["prefix"] == 1
     # The match (shared blocks and the copy's source) is locked: none of it can be evicted
     # while the request runs, so only the free list counts.
@@ -129,7 +139,7 @@ def test_release_undoes_an_admission_that_did_not_happen():
     manager.acquire(second, manager.match(second))
     assert second.num_computed_tokens == 19 and manager.match_counts["prefix"] == 1
     manager.release(second)
-    assert second.block_ids == [] and second.num_computed_tokens == 0
+    assert manager.block_ids("second") == () and second.num_computed_tokens == 0
     assert manager.take_block_ops() == () and manager.match_counts["prefix"] == 0
     assert manager.prefix_tree.num_locked_blocks == 0 and manager.allocator.num_used == 2
 
@@ -147,15 +157,16 @@ def test_a_running_request_gives_its_computed_prompt_blocks_to_the_next_one():
     grow(manager, first, 24)  # one prefill chunk: one whole block and 8 tokens
     manager.cache_computed(first)
     tree = manager.prefix_tree
-    assert tree.block_ids() == first.block_ids[:1]
+    assert tree.block_ids() == list(manager.block_ids("first")[:1])
     # The tree's blocks are first's too: locked while it runs, so none is counted free.
     assert tree.num_locked_blocks == 1 and manager.num_free_blocks == manager.allocator.num_free
     grow(manager, first, 16)
     manager.cache_computed(first)
-    assert tree.block_ids() == sorted(first.block_ids[:2]) and tree.num_locked_blocks == 2
+    assert tree.block_ids() == sorted(manager.block_ids("first")[:2]) and tree.num_locked_blocks == 2
     second = Request("second", list(range(40)) + [1], SamplingParams())
     manager.acquire(second, manager.match(second))
-    assert second.num_computed_tokens == 32 and second.block_ids == first.block_ids[:2]
+    assert second.num_computed_tokens == 32
+    assert manager.block_ids("second") == manager.block_ids("first")[:2]
     assert manager.match_counts["lcp"] == 1  # first has not ended there: no prefix of anything
     manager.free(first)
     manager.free(second)
@@ -188,7 +199,7 @@ def test_blocks_idle_past_the_ttl_go_to_a_host_store_with_their_offloads_in_the_
     manager = KVCacheManager(allocator, BLOCK_SIZE, tree)
     first = Request("first", list(range(48)), SamplingParams())
     grow(manager, first, 48)
-    blocks = list(first.block_ids)
+    blocks = list(manager.block_ids("first"))
     manager.free(first)
     manager.take_block_ops()
     now[0] = 100.0
@@ -209,7 +220,7 @@ def test_blocks_short_move_cached_blocks_to_int8_and_a_hit_restores_them_first()
     grow(manager, other, 48)  # one free block: two of the tree's go int8 for the other two
     ops = manager.take_block_ops()
     assert [kind for kind, _, _ in ops] == ["offload", "offload"]
-    assert {block for _, block, _ in ops} <= set(other.block_ids)  # written only after the copies
+    assert {block for _, block, _ in ops} <= set(manager.block_ids("other"))  # written only after the copies
     manager.free(other)
     second = Request("second", list(range(48)) + [1], SamplingParams())
     manager.acquire(second, manager.match(second))
@@ -219,7 +230,7 @@ def test_blocks_short_move_cached_blocks_to_int8_and_a_hit_restores_them_first()
     ops = manager.take_block_ops()
     assert [kind for kind, _, _ in ops] == ["offload", "offload", "restore", "restore"]
     assert {block for _, block, _ in ops[:2]} == {block for _, _, block in ops[2:]}
-    assert second.block_ids[1:3] == [block for _, _, block in ops[2:]]
+    assert list(manager.block_ids("second")[1:3]) == [block for _, _, block in ops[2:]]
 
 
 def test_a_hit_without_blocks_to_restore_into_reuses_what_lies_before_the_int8_blocks():

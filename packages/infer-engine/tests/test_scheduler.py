@@ -4,7 +4,7 @@ suite, specs/scheduler (pytest conformance -k SCHED)."""
 
 import pytest
 
-from infer.cache import BlockAllocator
+from infer.cache import BlockAllocator, PrefixTree
 from infer.engine.decision import RunnerOutput, ScheduleDecision
 from infer.engine.kv_manager import KVCacheManager
 from infer.engine.protocol import FinishReason
@@ -78,7 +78,7 @@ def test_blocks_are_taken_as_the_request_grows_not_for_max_new_tokens_up_front()
         decision = run_step(scheduler)
         gains[decision.running_requests[0].num_computed_tokens] = decision.running_requests[0].new_block_ids
     assert {at: blocks for at, blocks in gains.items() if blocks} == {32: (2,)}
-    assert len(r.block_ids) == 3
+    assert scheduler.kv_manager.block_ids("r") == (0, 1, 2)
 
 
 def test_a_new_request_carries_all_its_blocks_and_then_only_the_new_ones_are_sent():
@@ -103,6 +103,41 @@ def test_unseeded_requests_get_the_engine_seed_mixed_with_their_arrival_index():
     assert run_step(scheduler).new_requests[0].generator_seed == 3 * 1_000_003 + 5
 
 
+def cached_scheduler() -> Scheduler:
+    allocator = BlockAllocator(64)
+    kv_manager = KVCacheManager(allocator, 16, PrefixTree(allocator, 16))
+    return Scheduler(kv_manager=kv_manager, max_seq_len=1024, max_batch_size=4, max_num_batched_tokens=64)
+
+
+def test_tokens_a_new_request_reuses_from_the_prefix_cache_count_as_computed_and_cached():
+    scheduler = cached_scheduler()
+    scheduler.add(request("first", 40))
+    run_to_completion(scheduler)  # its 40 prompt tokens go to the tree
+    second = request("second", 48)
+    scheduler.add(second)
+    decision = run_step(scheduler)
+    (new,) = decision.new_requests
+    # Two shared blocks and a copy of the 8 tokens the match ends inside: 8 tokens left to compute.
+    assert (new.num_computed_tokens, second.num_cached_tokens) == (40, 40)
+    assert decision.num_scheduled_tokens == {"second": 8}
+    assert new.block_ids == scheduler.kv_manager.block_ids("second") and len(new.block_ids) == 3
+
+
+def test_a_prefix_cache_hit_that_cannot_start_this_step_counts_nothing_until_it_does():
+    scheduler = cached_scheduler()
+    scheduler.add(request("first", 40))
+    run_to_completion(scheduler)
+    scheduler.add(Request("other", [7] * 40, SamplingParams(temperature=0.0, max_new_tokens=4)))
+    late = request("late", 80)  # 40 tokens from the cache, 40 to compute: 24 are left of the budget
+    scheduler.add(late)
+    assert run_step(scheduler).num_scheduled_tokens == {"other": 40}
+    assert (late.state, late.num_computed_tokens, late.num_cached_tokens) == (RequestState.WAITING, 0, 0)
+    assert scheduler.kv_manager.block_ids("late") == ()
+    decision = run_step(scheduler)
+    assert decision.num_scheduled_tokens == {"other": 1, "late": 40}
+    assert (decision.new_requests[0].num_computed_tokens, late.num_cached_tokens) == (40, 40)
+
+
 # -- preemption -----------------------------------------------------------------------------
 
 
@@ -116,7 +151,11 @@ def test_the_most_recently_admitted_request_is_preempted_when_blocks_run_out():
     decision = run_step(scheduler)  # old needs a third block for token 32
     assert decision.preempted_request_ids == {"recent"}
     assert decision.num_scheduled_tokens == {"old": 1}
-    assert (recent.state, recent.block_ids, recent.num_computed_tokens) == (RequestState.PREEMPTED, [], 0)
+    assert (recent.state, scheduler.kv_manager.block_ids("recent"), recent.num_computed_tokens) == (
+        RequestState.PREEMPTED,
+        (),
+        0,
+    )
     assert recent.num_preemptions == 1
     assert [r.request_id for r in scheduler.waiting] == ["recent", "newcomer"]  # ahead of the newcomer
 

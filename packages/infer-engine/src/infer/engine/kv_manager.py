@@ -1,10 +1,11 @@
 """KVCacheManager: all the scheduler knows of KV memory.
 
-A request's blocks grow with its tokens: token i lives in `request.block_ids[i // block_size]`,
-so a request holding n computed (or about to be computed) tokens holds exactly
-ceil(n / block_size) blocks, and a new block is taken only when a token crosses a block boundary
-(specs/allocator ALLOC-013). The owner of every block is the request id, so the allocator's
-`audit` finds the blocks of requests that are gone.
+The manager holds each request's blocks, by request id: token i lives in
+`block_ids(request_id)[i // block_size]`. They grow with its tokens, so a request holding n
+computed (or about to be computed) tokens holds exactly ceil(n / block_size) blocks, and a new
+block is taken only when a token crosses a block boundary (specs/allocator ALLOC-013). The owner
+of every block is the request id, so the allocator's `audit` finds the blocks of requests that
+are gone.
 
 With a prefix tree (`use_prefix_caching`), a request admitted with no blocks starts from what the
 tree holds of its tokens: `match` finds it (all but the last known token at most, which is
@@ -22,11 +23,11 @@ reference) before the request drops its own. Blocks only the tree holds are the 
 reserve: `allocate` evicts the tree's least recently used unlocked blocks when the free list is
 short, so `num_free_blocks` counts them as free.
 
-Which calls change the cache: `match` reads only; `acquire`, `cache_computed`, `allocate`,
-`rollback`, `release` and `free` change the allocator, the tree and `request.block_ids`
-(rollback also `num_computed_tokens`). A call that cannot be served changes no request:
-`allocate` answers None instead of raising, because running out of blocks is the scheduler's
-everyday signal to preempt, not an error.
+Which calls change the cache: `match`, `block_ids` and `num_new_blocks` read only; `acquire`,
+`cache_computed`, `allocate`, `rollback`, `release` and `free` change the allocator, the tree and
+the blocks held for the request (acquire, rollback and release also its `num_computed_tokens`).
+A call that cannot be served changes no request: `allocate` answers None instead of raising,
+because running out of blocks is the scheduler's everyday signal to preempt, not an error.
 """
 
 from collections import Counter
@@ -46,6 +47,8 @@ class KVCacheManager:
         self.allocator = allocator
         self.block_size = block_size
         self.prefix_tree = prefix_tree
+        # Each request's KV blocks in order, while it holds any: token i lives in block i // block_size.
+        self._blocks: dict[str, list[int]] = {}
         # The locked match of each request that reused one or gave blocks, until it leaves.
         self._matches: dict[str, PrefixMatch] = {}
         # Per running request: whole blocks given to the tree so far, and those the tree took.
@@ -77,16 +80,21 @@ class KVCacheManager:
         """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
         return -(-num_tokens // self.block_size)
 
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The request's KV blocks in order (token i lives in block i // block_size); () while it
+        holds none: waiting, preempted, or gone. Reads only."""
+        return tuple(self._blocks.get(request_id, ()))
+
     def num_new_blocks(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> int:
         """Blocks `allocate` would take for these tokens (0 when the request's last block has room).
         Reads only."""
         total = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        return max(0, self.blocks_for_tokens(total) - len(request.block_ids))
+        return max(0, self.blocks_for_tokens(total) - len(self._blocks.get(request.request_id, ())))
 
     def match(self, request: Request) -> PrefixMatch:
         """What the prefix tree holds of the request's known tokens, all but the last at most.
         MISS without a tree, or for a request that holds blocks already. Reads only."""
-        if self.prefix_tree is None or request.block_ids or request.bypass_prefix_cache:
+        if self.prefix_tree is None or self._blocks.get(request.request_id) or request.bypass_prefix_cache:
             return MISS
         tokens = request.cache_key_ids
         return self.prefix_tree.match(tokens, max_tokens=len(tokens) - 1, salt=request.cache_salt)
@@ -103,7 +111,7 @@ class KVCacheManager:
         self.match_counts[match.kind.value] += 1
         if not match.num_tokens:
             return True
-        if request.block_ids:
+        if self._blocks.get(request.request_id):
             raise ValueError(
                 f"{request.request_id!r} holds blocks; only a request starting afresh takes a match"
             )
@@ -124,7 +132,7 @@ class KVCacheManager:
             tree.unlock(match)
             return True
         self.allocator.share(match.block_ids, request.request_id)
-        request.block_ids = [*match.block_ids, *([copy[1]] if copy else [])]
+        self._blocks[request.request_id] = [*match.block_ids, *([copy[1]] if copy else [])]
         request.num_computed_tokens = num_reused
         if not request.num_preemptions:
             # What usage reports: prompt tokens of its first admission (a resumed request also
@@ -165,8 +173,9 @@ class KVCacheManager:
         if num_blocks <= self._num_given_blocks.get(request_id, 0):
             return
         tokens = tokens[: num_blocks * self.block_size]
+        blocks = self._blocks[request_id][:num_blocks]
         taken, self._matches[request_id] = tree.extend(
-            self._held(request_id), tokens, request.block_ids[:num_blocks], salt=request.cache_salt, end=False
+            self._held(request_id), tokens, blocks, salt=request.cache_salt, end=False
         )
         self._take_offloaded()  # when the insert went over max_blocks
         self._given.setdefault(request_id, []).extend(taken)
@@ -193,7 +202,7 @@ class KVCacheManager:
     def allocate(
         self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0
     ) -> list[int] | None:
-        """Grows `request.block_ids` to cover num_computed_tokens + num_new_tokens +
+        """Grows the request's blocks to cover num_computed_tokens + num_new_tokens +
         num_lookahead_tokens tokens and returns the blocks added ([] when none was needed),
         evicting from the prefix tree when the free list is short.
 
@@ -210,7 +219,8 @@ class KVCacheManager:
         )
         if new_block_ids is None:
             return None
-        request.block_ids.extend(new_block_ids)
+        if new_block_ids:
+            self._blocks.setdefault(request.request_id, []).extend(new_block_ids)
         return new_block_ids
 
     def _take(self, num_blocks: int, owner: str) -> list[int] | None:
@@ -242,10 +252,13 @@ class KVCacheManager:
                 f"{request.request_id!r}, got {num_tokens}"
             )
         request.num_computed_tokens -= num_tokens
+        blocks = self._blocks.get(request.request_id, [])
         keep = self.blocks_for_tokens(request.num_computed_tokens)
-        freed = request.block_ids[keep:]
+        freed = blocks[keep:]
         self.allocator.free(freed, request.request_id)
-        del request.block_ids[keep:]
+        del blocks[keep:]
+        if not blocks:
+            self._blocks.pop(request.request_id, None)
         return freed
 
     def release(self, request: Request) -> None:
@@ -260,10 +273,11 @@ class KVCacheManager:
             request.num_cached_tokens = 0
 
     def free(self, request: Request, *, cache: bool = True) -> None:
-        """Every block of the request back to the pool; `request.block_ids` is then empty. With a
-        prefix tree and `cache`, its computed tokens whose ids are known go to the tree first (a
-        failed forward's request passes cache=False: its K/V may be wrong, so what it gave while
-        running is discarded too)."""
+        """Every block of the request back to the pool; it then holds none. With a prefix tree
+        and `cache`, its computed tokens whose ids are known go to the tree first (a failed
+        forward's request passes cache=False: its K/V may be wrong, so what it gave while running
+        is discarded too)."""
+        blocks = self._blocks.pop(request.request_id, [])
         tree = self.prefix_tree
         if tree is not None:
             self._kinds.pop(request.request_id, None)
@@ -278,11 +292,10 @@ class KVCacheManager:
             if not cache and given:
                 tree.discard(given)
             if self._ops:  # a copy into a block of a request that leaves before its step
-                self._ops = [op for op in self._ops if op.kind != COPY or op.target not in request.block_ids]
+                self._ops = [op for op in self._ops if op.kind != COPY or op.target not in blocks]
             if insert:
                 # Inserts the whole sequence and gives up the request's lock, in one walk.
-                blocks = request.block_ids[: self.blocks_for_tokens(len(tokens))]
-                tree.extend(held, tokens, blocks, salt=request.cache_salt, end=True, lock=False)
+                computed = blocks[: self.blocks_for_tokens(len(tokens))]
+                tree.extend(held, tokens, computed, salt=request.cache_salt, end=True, lock=False)
                 self._take_offloaded()
-        self.allocator.free(request.block_ids, request.request_id)
-        request.block_ids = []
+        self.allocator.free(blocks, request.request_id)

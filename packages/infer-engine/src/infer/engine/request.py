@@ -58,8 +58,9 @@ class RequestState(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """The scheduler owns the counters and block ids; the engine core sets stop_token_ids, and
-    state, finish_reason and error when a request ends."""
+    """The scheduler owns the counters (its KVCacheManager holds the request's KV blocks, by
+    request id); the engine core sets stop_token_ids, and state, finish_reason and error when a
+    request ends."""
 
     request_id: str
     prompt_ids: list[int]
@@ -81,9 +82,6 @@ class Request:
     # The request's token count when the draft model last drafted for it (0: never, or not since
     # a preemption): the tokens after it are what the draft would catch up on before drafting.
     num_tokens_drafted: int = 0
-    # The request's KV blocks in order: token i lives in block_ids[i // block_size]. Grows as
-    # tokens are scheduled; empty while waiting, after a preemption and once finished.
-    block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     # The step of the latest admission (the first, or the one after a preemption).
     admitted_step: int | None = None
@@ -149,6 +147,5 @@ class Request:
         return (
             f"Request({self.request_id!r}, {self.state.value}, prompt={self.num_prompt_tokens}, "
             f"computed={self.num_computed_tokens}, generated={len(self.output_ids)}, "
-            f"pending={self.num_pending_tokens}, "
-            f"blocks={len(self.block_ids)})"
+            f"pending={self.num_pending_tokens})"
         )

@@ -625,10 +625,11 @@ class Scheduler:
         """The most recently admitted running request that holds blocks and is not scheduled in
         this step; `request` itself when none is more recent than it. None when `request` holds no
         blocks either (a static batch member not started yet): it just waits."""
+        block_ids = self.kv_manager.block_ids
         for candidate in reversed(self._running):
             if candidate is request:
-                return request if request.block_ids else None
-            if candidate.block_ids and candidate.request_id not in plan.num_scheduled_tokens:
+                return request if block_ids(request.request_id) else None
+            if block_ids(candidate.request_id) and candidate.request_id not in plan.num_scheduled_tokens:
                 return candidate
         raise AssertionError(f"{request.request_id!r} is served but not running")
 
@@ -731,7 +732,7 @@ class Scheduler:
                         num_prompt_tokens=request.num_prompt_tokens,
                         sampling=request.params,
                         generator_seed=self._generator_seed(request),
-                        block_ids=tuple(request.block_ids),
+                        block_ids=self.kv_manager.block_ids(request_id),
                         num_computed_tokens=request.num_computed_tokens,
                         images=request.images,
                     )
