@@ -128,7 +128,7 @@ class _SharingKVCacheManager(checks.RecordingKVCacheManager):
         self._sharing: set[str] = set()
 
     def acquire(self, request, match):
-        acquired = super().acquire(request, match)
+        num_reused = super().acquire(request, match)
         blocks = self._blocks.get(request.request_id, [])
         copies = [op for op in self._ops if op[0] == COPY and op[2] in blocks]
         for _, source, target in copies:
@@ -137,7 +137,7 @@ class _SharingKVCacheManager(checks.RecordingKVCacheManager):
             self.allocator.share([source], request.request_id)
             blocks[blocks.index(target)] = source
             self._sharing.add(request.request_id)
-        return acquired
+        return num_reused
 
     def cache_computed(self, request):
         if request.request_id not in self._sharing:

@@ -66,11 +66,12 @@ def test_free_returns_every_block_and_empties_block_ids():
     assert manager.allocator.audit([]) == []
 
 
-def test_rollback_forgets_tokens_and_frees_the_blocks_they_alone_needed():
+def test_rollback_frees_the_blocks_the_remaining_tokens_no_longer_need():
     manager, r = make_manager(), request()
     grow(manager, r, 2 * BLOCK_SIZE + 3)
     freed = manager.rollback(r, 4)
-    assert r.num_computed_tokens == 2 * BLOCK_SIZE - 1
+    assert r.num_computed_tokens == 2 * BLOCK_SIZE + 3  # the caller (the scheduler) moves it
+    r.num_computed_tokens -= 4
     assert len(manager.block_ids("r")) == 2
     assert manager.allocator.owned_by("r") == list(manager.block_ids("r"))
     assert len(freed) == 1 and manager.allocator.refcount(freed[0]) == 0
@@ -88,8 +89,8 @@ def test_rolling_back_every_token_frees_every_block():
 def test_without_a_prefix_tree_match_finds_nothing():
     manager, r = make_manager(), request(prompt_tokens=40)
     assert manager.match(r).num_tokens == 0
-    manager.acquire(r, manager.match(r))
-    assert manager.block_ids("r") == () and r.num_computed_tokens == 0
+    assert manager.acquire(r, manager.match(r)) == 0
+    assert manager.block_ids("r") == ()
     assert manager.num_free_blocks == manager.num_blocks
 
 
@@ -106,9 +107,9 @@ def test_a_finished_request_leaves_its_computed_tokens_and_the_next_one_takes_th
     manager.free(first)
     assert manager.allocator.num_used == 3 == manager.prefix_tree.num_blocks  # 40 tokens, the tree's
     second = Request("second", list(range(40)) + [9, 9], SamplingParams())
-    manager.acquire(second, manager.match(second))
     # 32 tokens in two shared blocks, 8 copied into a block of its own.
-    assert second.num_computed_tokens == second.num_cached_tokens == 40
+    assert manager.acquire(second, manager.match(second)) == 40
+    assert second.num_computed_tokens == second.num_cached_tokens == 0  # the scheduler counts them
     blocks = manager.block_ids("second")
     assert blocks[:2] == manager.prefix_tree.match(list(range(32))).block_ids
     ((kind, source, target),) = manager.take_block_ops()
@@ -136,10 +137,9 @@ def test_release_undoes_an_admission_that_did_not_happen():
     grow(manager, first, 20)
     manager.free(first)
     second = Request("second", list(range(20)), SamplingParams())
-    manager.acquire(second, manager.match(second))
-    assert second.num_computed_tokens == 19 and manager.match_counts["prefix"] == 1
+    assert manager.acquire(second, manager.match(second)) == 19 and manager.match_counts["prefix"] == 1
     manager.release(second)
-    assert manager.block_ids("second") == () and second.num_computed_tokens == 0
+    assert manager.block_ids("second") == ()
     assert manager.take_block_ops() == () and manager.match_counts["prefix"] == 0
     assert manager.prefix_tree.num_locked_blocks == 0 and manager.allocator.num_used == 2
 
@@ -164,8 +164,7 @@ def test_a_running_request_gives_its_computed_prompt_blocks_to_the_next_one():
     manager.cache_computed(first)
     assert tree.block_ids() == sorted(manager.block_ids("first")[:2]) and tree.num_locked_blocks == 2
     second = Request("second", list(range(40)) + [1], SamplingParams())
-    manager.acquire(second, manager.match(second))
-    assert second.num_computed_tokens == 32
+    assert manager.acquire(second, manager.match(second)) == 32
     assert manager.block_ids("second") == manager.block_ids("first")[:2]
     assert manager.match_counts["lcp"] == 1  # first has not ended there: no prefix of anything
     manager.free(first)
@@ -223,8 +222,7 @@ def test_blocks_short_move_cached_blocks_to_int8_and_a_hit_restores_them_first()
     assert {block for _, block, _ in ops} <= set(manager.block_ids("other"))  # written only after the copies
     manager.free(other)
     second = Request("second", list(range(48)) + [1], SamplingParams())
-    manager.acquire(second, manager.match(second))
-    assert second.num_computed_tokens == 48
+    assert manager.acquire(second, manager.match(second)) == 48
     # The pool is all the tree's: other's blocks go int8 to make room for the restores, which
     # come after them in the step's order, into the blocks they freed.
     ops = manager.take_block_ops()
@@ -241,8 +239,7 @@ def test_a_hit_without_blocks_to_restore_into_reuses_what_lies_before_the_int8_b
     other = Request("other", [5] * 48, SamplingParams())
     grow(manager, other, 48)  # holds 3 blocks until the end: no block is left to restore into
     second = Request("second", list(range(48)) + [1], SamplingParams())
-    manager.acquire(second, manager.match(second))
-    assert second.num_computed_tokens == 16 and manager.prefix_tree.num_stored_blocks == 2
+    assert manager.acquire(second, manager.match(second)) == 16 and manager.prefix_tree.num_stored_blocks == 2
     assert "restore" not in [kind for kind, _, _ in manager.take_block_ops()]
     manager.free(second)
     manager.free(other)

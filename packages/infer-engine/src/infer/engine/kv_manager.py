@@ -25,9 +25,11 @@ short, so `num_free_blocks` counts them as free.
 
 Which calls change the cache: `match`, `block_ids` and `num_new_blocks` read only; `acquire`,
 `cache_computed`, `allocate`, `rollback`, `release` and `free` change the allocator, the tree and
-the blocks held for the request (acquire, rollback and release also its `num_computed_tokens`).
-A call that cannot be served changes no request: `allocate` answers None instead of raising,
-because running out of blocks is the scheduler's everyday signal to preempt, not an error.
+the blocks held for the request. None of them writes the request: the scheduler alone moves its
+`num_computed_tokens`, from what they return (`acquire` the tokens reused, `rollback` the blocks
+freed for the tokens it forgets; after `release`, or a preemption's `free`, none is computed). A
+call that cannot be served changes nothing: `allocate` answers None instead of raising, because
+running out of blocks is the scheduler's everyday signal to preempt, not an error.
 """
 
 from collections import Counter
@@ -99,18 +101,18 @@ class KVCacheManager:
         tokens = request.cache_key_ids
         return self.prefix_tree.match(tokens, max_tokens=len(tokens) - 1, salt=request.cache_salt)
 
-    def acquire(self, request: Request, match: PrefixMatch) -> bool:
+    def acquire(self, request: Request, match: PrefixMatch) -> int:
         """The request (holding no blocks) starts from `match`: it shares the match's whole
         blocks, locks the match, and gets a block of its own for the block the match ends inside
         (copied before its first forward; without a free block it reuses the whole blocks only).
-        Sets num_computed_tokens to the tokens reused. Returns whether there is anything for
-        `release` to undo (False without a prefix tree)."""
+        Returns the tokens reused, which the caller counts as computed (0 without a prefix tree).
+        `release` undoes it."""
         if self.prefix_tree is None or request.bypass_prefix_cache:
-            return False
+            return 0
         self._kinds[request.request_id] = match.kind.value
         self.match_counts[match.kind.value] += 1
         if not match.num_tokens:
-            return True
+            return 0
         if self._blocks.get(request.request_id):
             raise ValueError(
                 f"{request.request_id!r} holds blocks; only a request starting afresh takes a match"
@@ -120,7 +122,7 @@ class KVCacheManager:
         if match.num_cold:
             match = self._warm(request, match)
             if not match.num_tokens:
-                return True
+                return 0
         num_reused = len(match.block_ids) * self.block_size
         copy = None
         if match.copy_block is not None:
@@ -130,19 +132,14 @@ class KVCacheManager:
                 num_reused = match.num_tokens
         if num_reused == 0:
             tree.unlock(match)
-            return True
+            return 0
         self.allocator.share(match.block_ids, request.request_id)
         self._blocks[request.request_id] = [*match.block_ids, *([copy[1]] if copy else [])]
-        request.num_computed_tokens = num_reused
-        if not request.num_preemptions:
-            # What usage reports: prompt tokens of its first admission (a resumed request also
-            # reuses its own outputs, and its prompt was answered for already).
-            request.num_cached_tokens = min(num_reused, request.num_prompt_tokens)
         self._matches[request.request_id] = match
         tree.count_hit(match, num_reused)
         if copy is not None:
             self._ops.append(BlockOp(COPY, *copy))
-        return True
+        return num_reused
 
     def _warm(self, request: Request, match: PrefixMatch) -> PrefixMatch:
         """The locked match with its stored blocks restored into blocks of the tree's; without the
@@ -244,16 +241,16 @@ class KVCacheManager:
         self._ops.extend(BlockOp(OFFLOAD, block, slot) for block, slot in self.prefix_tree.take_offloaded())
 
     def rollback(self, request: Request, num_tokens: int) -> list[int]:
-        """Forgets the last `num_tokens` computed tokens (rejected draft tokens, later) and frees
-        the blocks the remaining ones no longer need; returns the freed block ids."""
+        """Frees the blocks that the request's computed tokens but the last `num_tokens` (rejected
+        draft tokens, later) no longer need, and returns them: the caller then takes `num_tokens`
+        off its num_computed_tokens."""
         if not 0 <= num_tokens <= request.num_computed_tokens:
             raise ValueError(
                 f"can roll back 0..{request.num_computed_tokens} computed tokens of "
                 f"{request.request_id!r}, got {num_tokens}"
             )
-        request.num_computed_tokens -= num_tokens
         blocks = self._blocks.get(request.request_id, [])
-        keep = self.blocks_for_tokens(request.num_computed_tokens)
+        keep = self.blocks_for_tokens(request.num_computed_tokens - num_tokens)
         freed = blocks[keep:]
         self.allocator.free(freed, request.request_id)
         del blocks[keep:]
@@ -263,14 +260,13 @@ class KVCacheManager:
 
     def release(self, request: Request) -> None:
         """Undoes `acquire` (and any allocate since) for a request that is not admitted after all:
-        nothing goes to the tree, num_computed_tokens is 0 again."""
+        nothing goes to the tree; the caller counts none of its tokens computed again. Without an
+        acquire to undo (no prefix tree, or a request that bypasses it) it does nothing."""
         kind = self._kinds.pop(request.request_id, None)
-        if kind is not None:  # not admitted: its match is counted when it is
-            self.match_counts[kind] -= 1
+        if kind is None:
+            return
+        self.match_counts[kind] -= 1  # not admitted: its match is counted when it is
         self.free(request, cache=False)
-        request.num_computed_tokens = 0
-        if not request.num_preemptions:
-            request.num_cached_tokens = 0
 
     def free(self, request: Request, *, cache: bool = True) -> None:
         """Every block of the request back to the pool; it then holds none. With a prefix tree

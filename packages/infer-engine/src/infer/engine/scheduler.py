@@ -3,7 +3,9 @@
 Plain data out (`infer.engine.decision.ScheduleDecision`), no tensors, so the scheduler runs in
 tests against a fake runner (conformance/scheduler/checks.py). A request is
 `num_computed_tokens` chasing `num_tokens` (prompt + sampled tokens); the scheduler only ever
-decides "run n more tokens of this request". The loop, with the engine or a simulation driving:
+decides "run n more tokens of this request", and it alone moves num_computed_tokens (the
+KVCacheManager holds the request's blocks and says what its calls reused or freed). The loop,
+with the engine or a simulation driving:
 
     scheduler.add(request)                    # rejected at once if it can never fit
     decision = scheduler.schedule()           # admits, takes blocks, preempts, plans the step
@@ -663,13 +665,12 @@ class Scheduler:
             if request.num_pending_tokens:
                 return  # preempted with a token on its way (async scheduling): resumed with it
             # What the prefix cache holds of its tokens counts as computed (undone if it waits).
-            acquired = self.kv_manager.acquire(request, self.kv_manager.match(request))
+            self._count_reused(request, self.kv_manager.acquire(request, self.kv_manager.match(request)))
             num_tokens = self._num_tokens_to_schedule(request, plan)
             # Continuous batching admits only requests that start this step; a static batch is
             # admitted whole and its members start as the budget allows.
             if num_tokens == 0 and not self.static_batches:
-                if acquired:
-                    self.kv_manager.release(request)
+                self._release(request)
                 return
             new_block_ids: list[int] = []
             if num_tokens > 0:
@@ -678,8 +679,7 @@ class Scheduler:
                 lookahead = self._lookahead(request, num_tokens)
                 num_blocks = self.kv_manager.num_new_blocks(request, num_tokens, lookahead)
                 if num_blocks + self._blocks_for_unserved_decoders(plan) > self.kv_manager.num_free_blocks:
-                    if acquired:
-                        self.kv_manager.release(request)
+                    self._release(request)
                     return
                 new_block_ids = self.kv_manager.allocate(request, num_tokens, lookahead)
             self._waiting.popleft()
@@ -692,6 +692,21 @@ class Scheduler:
             self._running.append(request)
             if num_tokens > 0:
                 plan.add(request, num_tokens, new_block_ids)
+
+    def _count_reused(self, request: Request, num_reused: int) -> None:
+        """The `num_reused` tokens a waiting request took from the prefix cache count as computed."""
+        request.num_computed_tokens = num_reused
+        if num_reused and not request.num_preemptions:
+            # What usage reports: prompt tokens of its first admission (a resumed request also
+            # reuses its own outputs, and its prompt was answered for already).
+            request.num_cached_tokens = min(num_reused, request.num_prompt_tokens)
+
+    def _release(self, request: Request) -> None:
+        """Undoes `_count_reused` and the acquire behind it: the request waits, nothing computed."""
+        self.kv_manager.release(request)
+        request.num_computed_tokens = 0
+        if not request.num_preemptions:
+            request.num_cached_tokens = 0
 
     def _blocks_for_unserved_decoders(self, plan: _StepPlan) -> int:
         return sum(
