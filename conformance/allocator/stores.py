@@ -6,8 +6,9 @@ random lists of COPY, OFFLOAD and RESTORE operations through `run_block_ops`, ea
 one step's. The model is a dict of what every block and slot should hold, updated one operation
 at a time (so a slot or block that one operation frees and a later one takes again is
 modelled as the step must run it). After each list, every block and slot the model knows equals
-it: bit for bit for a store in the pool's dtype (host memory), and within the int8 bound for a
-QuantizedKVStore (a restored element within 1% of its group's largest magnitude).
+it: bit for bit for a store in the pool's dtype (host memory: a block is its bytes, every
+layer's K and V and an fp8 pool's scales), and within the int8 bound for a QuantizedKVStore (a
+restored element within 1% of its group's largest magnitude).
 """
 
 import torch
@@ -28,9 +29,11 @@ from infer.cache import (
 from infer.cache.kv_quant import group_size_for
 
 SHAPE = KVCacheShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16, block_size=4)
+FP8_SHAPE = KVCacheShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float8_e4m3fn, block_size=4)
 STORES = {
-    "host": lambda num_slots: HostKVStore(SHAPE, num_slots),
-    "int8": lambda num_slots: QuantizedKVStore(SHAPE, num_slots),
+    "host": (SHAPE, HostKVStore),
+    "host-fp8": (FP8_SHAPE, HostKVStore),
+    "int8": (SHAPE, QuantizedKVStore),
 }
 
 
@@ -39,24 +42,40 @@ def store_round_trips(case: dict, impl: str | None) -> None:
 
 
 def _machine(case: dict) -> type:
-    num_blocks, num_slots, exact = case["num_blocks"], case["num_slots"], case["store"] == "host"
+    num_blocks, num_slots = case["num_blocks"], case["num_slots"]
+    shape, store = STORES[case["store"]]
+    exact = store is HostKVStore
 
     class StoreMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            self.pool = PagedKVPool(SHAPE, num_blocks, store=STORES[case["store"]](num_slots))
+            self.pool = PagedKVPool(shape, num_blocks, store=store(shape, num_slots))
             self.generator = torch.Generator().manual_seed(0)
-            # What each block and slot holds: [num_layers, 2, block_size, heads, head_dim] each.
+            # What each block and slot holds: a block's bytes (exact stores), or its values
+            # [num_layers, 2, block_size, heads, head_dim] (int8).
             self.blocks: dict[int, torch.Tensor] = {}
             self.slots: dict[int, torch.Tensor] = {}
 
         def block(self, block: int) -> torch.Tensor:
+            if exact:
+                return torch.cat([t.view(torch.uint8)[block].flatten() for t in self.tensors()])
             return torch.stack([torch.stack((k[block], v[block])) for k, v in self.pool.kv_layers])
+
+        def tensors(self) -> list[torch.Tensor]:
+            return [t for layer in self.pool.layer_tensors for t in layer]
 
         @rule(block=st.integers(0, num_blocks - 1))
         def write(self, block):
-            """A new owner's forward writes the block."""
-            values = torch.randn(self.block(block).shape, generator=self.generator).to(SHAPE.dtype)
+            """A new owner's forward writes the block (random bytes, or random values for int8)."""
+            if exact:
+                for t in self.tensors():
+                    target = t.view(torch.uint8)[block]
+                    target.copy_(
+                        torch.randint(0, 256, target.shape, generator=self.generator, dtype=torch.uint8)
+                    )
+                self.blocks[block] = self.block(block)
+                return
+            values = torch.randn(self.block(block).shape, generator=self.generator).to(shape.dtype)
             for layer, (k, v) in enumerate(self.pool.kv_layers):
                 k[block], v[block] = values[layer, 0], values[layer, 1]
             self.blocks[block] = values

@@ -126,6 +126,8 @@ def test_the_replicas_statistics_add_up():
         spec_decode_num_speculative_tokens=2,
         memory_device="cpu",
         decode_time_s_total=2.0,
+        kv_cache_dtype="float8_e4m3fn",
+        kv_tokens_total=64,
     )
     two = stats(
         num_running=1,
@@ -137,10 +139,13 @@ def test_the_replicas_statistics_add_up():
         spec_decode_num_speculative_tokens=2,
         memory_device="cpu",
         decode_time_s_total=4.0,
+        kv_cache_dtype="float8_e4m3fn",
+        kv_tokens_total=32,
     )
     total = sum_stats([one, two])
     assert (total.num_running, total.num_finished, total.kv_bytes_used) == (3, 12, 400)
     assert total.kv_usage_ratio == 0.2
+    assert (total.kv_cache_dtype, total.kv_tokens_total) == ("float8_e4m3fn", 96)
     assert total.prefix_cache_matches == {"miss": 4, "prefix": 1, "lcp": 2}
     assert total.spec_decode_accepted_by_position == (5, 3) and total.spec_decode_num_speculative_tokens == 2
     assert total.memory_device == "cpu" and total.decode_time_s_total == 3.0

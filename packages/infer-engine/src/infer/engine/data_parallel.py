@@ -323,7 +323,12 @@ class DataParallelClient:
 
 # How each EngineStats field of the replicas combines into the frontend's one core's: counters,
 # gauges and rates add up (the replicas run side by side); these do not.
-_SAME_IN_EVERY_REPLICA = {"memory_device", "spec_decode_num_speculative_tokens", "prefix_cache_store"}
+_SAME_IN_EVERY_REPLICA = {
+    "memory_device",
+    "spec_decode_num_speculative_tokens",
+    "prefix_cache_store",
+    "kv_cache_dtype",
+}
 _MEAN = {"decode_time_s_total"}  # side by side: the bytes add up over the same stretch of time
 
 
