@@ -7,6 +7,7 @@ by any bound the case names.
 """
 
 import atexit
+import collections
 import functools
 import shutil
 import tempfile
@@ -199,11 +200,26 @@ def _checkpoint(case: dict) -> Path:
     return fetch_model(case["model"])
 
 
-@functools.cache
+# Random checkpoints written by this process, most recently used last; past _KEPT_CHECKPOINTS the
+# oldest is deleted. Real shapes take gigabytes each, and every pytest-xdist worker writes its own:
+# kept for the whole run they filled the 64 GiB disk of the GPU machine. A clause walks its cases
+# checkpoint by checkpoint, so two cover a clause's case and the next.
+_KEPT_CHECKPOINTS = 2
+_checkpoints: collections.OrderedDict[tuple[str, str], Path] = collections.OrderedDict()
+
+
 def _random_checkpoint(preset: str, dtype: str) -> Path:
+    key = (preset, dtype)
+    if key in _checkpoints:
+        _checkpoints.move_to_end(key)
+        return _checkpoints[key]
     folder = Path(tempfile.mkdtemp(prefix=f"parity-{preset}-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return make_random_checkpoint(preset, folder, dtype=getattr(torch, dtype))
+    _checkpoints[key] = make_random_checkpoint(preset, folder, dtype=getattr(torch, dtype))
+    while len(_checkpoints) > _KEPT_CHECKPOINTS:
+        _, oldest = _checkpoints.popitem(last=False)
+        shutil.rmtree(oldest, ignore_errors=True)
+    return _checkpoints[key]
 
 
 # Two pairs at most in memory: each clause walks its cases model by model.

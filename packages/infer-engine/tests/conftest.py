@@ -12,6 +12,14 @@ from infer.models.random_checkpoint import make_random_checkpoint
 TINY_PRESETS = ["llama-tiny", "qwen3-tiny", "gemma3-tiny"]
 
 
+def drop_weight_files(folder) -> None:
+    """Deletes a checkpoint folder's weight files once its model is loaded on the device: nothing
+    reads them again, and a real shape's take gigabytes in every pytest-xdist worker that loads
+    it (with the tests' other checkpoints they filled the GPU machine's 64 GiB disk)."""
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+
+
 class ModelUnderTest:
     """Our loaded model, an engine over it (on demand), the recompute oracle, and transformers'
     model (on demand)."""

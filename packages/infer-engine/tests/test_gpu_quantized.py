@@ -20,6 +20,7 @@ from infer.models.kernel_policy import KernelPolicy, apply_kernel_policy
 from infer.models.load import load_model
 from infer.models.random_checkpoint import make_random_checkpoint
 
+from .conftest import drop_weight_files
 from .test_gpu import assert_equal_up_to_a_near_tie, run_together
 
 PRESET = "llama-3.2-1b"
@@ -55,6 +56,7 @@ def quantized(request, tmp_path_factory):
         quantization=None if at_load else method,
     )
     loaded = load_model(folder, dtype=torch.bfloat16, device="cuda", quantization=method if at_load else None)
+    drop_weight_files(folder)
     assert loaded.model.quantization.method == method
     return request.param, loaded
 

@@ -13,6 +13,7 @@ from infer.engine.config import EngineConfigError
 from infer.models.load import load_model
 from infer.models.random_checkpoint import make_random_checkpoint
 
+from .conftest import drop_weight_files
 from .test_gpu import run_together
 
 
@@ -42,7 +43,9 @@ def llama_1b(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     folder = make_random_checkpoint("llama-3.2-1b", tmp_path_factory.mktemp("llama"), dtype=torch.bfloat16)
-    return load_model(folder, dtype=torch.bfloat16, device="cuda")
+    loaded = load_model(folder, dtype=torch.bfloat16, device="cuda")
+    drop_weight_files(folder)
+    return loaded
 
 
 def engine_of(loaded, **settings) -> Engine:
