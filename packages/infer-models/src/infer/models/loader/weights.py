@@ -35,8 +35,8 @@ _LISTED_PROBLEMS = 10
 # weights alone (w8a16), so these are not read.
 ACTIVATION_SCALE_SUFFIXES = (".input_scale", ".input_zero_point")
 # A checkpoint's static fp8 KV-cache scales (vLLM's k_scale / v_scale per attention layer): read
-# past, since the fp8 cache computes a scale per token and head as it writes (infer.kernels.kv_fp8),
-# which a static scale could only match.
+# past. The fp8 cache computes a scale per token and head as it writes (infer.kernels.kv_fp8),
+# at least as close to each vector as one scale for the whole layer.
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
 CPU_ALIGNMENT = 64
 
