@@ -19,7 +19,10 @@ from infer.kernels.kv_fp8 import quantize_fp8_ref
 
 HEADS, KV_HEADS, HEAD_DIM, ROWS, BLOCK_SIZE, LAYERS = 32, 8, 128, 64, 16, 8
 module = importlib.import_module("infer.kernels.paged_attention")
-VARIANT_KNOBS = ("_FP8_F16_DOTS", "_FP8_DECODE_BLOCK_N", "_FP8_DECODE_STAGES")
+# The fp8 kernel's knobs `--variants` sets: its dots, the keys a loop step (as bytes of fp8
+# keys: 4 KiB is 32 keys of 128 dims), and the decode kernel's pipeline stages (bf16's are timed
+# before the sweep and the defaults put back after it).
+VARIANT_KNOBS = ("_FP8_F16_DOTS", "_FP8_DECODE_TILE_BYTES", "_DECODE_STAGES")
 
 
 def caches(seq_len: int, fp8: bool):
@@ -88,11 +91,8 @@ def main() -> None:
         print(f"| {seq_len} | {bf16:.1f} | {fp8:.1f} | {fp8 / bf16:.2f} |", flush=True)
         if args.variants and seq_len in (1024, 16384):
             for f16, block_n, stages in itertools.product((False, True), (32, 64, 128), (2, 3)):
-                module._FP8_F16_DOTS, module._FP8_DECODE_BLOCK_N, module._FP8_DECODE_STAGES = (
-                    f16,
-                    block_n,
-                    stages,
-                )
+                module._FP8_F16_DOTS, module._DECODE_STAGES = f16, stages
+                module._FP8_DECODE_TILE_BYTES = block_n * HEAD_DIM
                 us = attention_us(seq_len, fp8_caches, flush)
                 print(
                     f"|   f16 {f16} keys {block_n} stages {stages} | | {us:.1f} | {us / bf16:.2f} |",

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from infer.cache import KVCacheShape
+
 # Large enough that no cache holds it (the H100's L2 is 50 MB; a CPU's L3 up to a few hundred MB
 # on big servers is rare on the machines this runs on) and small enough to borrow at start-up.
 COPY_BYTES = {"cuda": 256 * 2**20, "cpu": 128 * 2**20}
@@ -86,9 +88,8 @@ class DecodeTraffic:
         if model.lm_head.weight is not embedding:  # an untied table: a step reads a row per token
             weight_bytes -= embedding.numel() * embedding.element_size()
         config = model.config
-        # An fp8 cache's vectors carry a scale byte each (infer.kernels.kv_fp8).
-        vector_bytes = config.head_dim * kv_dtype.itemsize + (kv_dtype == torch.float8_e4m3fn)
-        layer_bytes = 2 * config.num_kv_heads * vector_bytes
+        # A token's K and V in one layer, as the pool stores them (an fp8 cache's scale bytes too).
+        layer_bytes = KVCacheShape(1, config.num_kv_heads, config.head_dim, kv_dtype, 1).bytes_per_token()
         by_window: dict[int | None, int] = {}
         for layer in range(config.num_layers):
             window = config.sliding_window_for_layer(layer)

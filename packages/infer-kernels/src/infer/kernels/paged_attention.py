@@ -95,9 +95,6 @@ _DECODE_NATIVE_QK = True
 # other head sizes take the same bytes a step, unmeasured.
 _FP8_F16_DOTS = True
 _FP8_DECODE_TILE_BYTES = 16384
-# Overrides for kernels-bench/kv_fp8_decode.py's sweep (None: the rule above, bf16's stages).
-_FP8_DECODE_BLOCK_N = None
-_FP8_DECODE_STAGES = None
 # Extend (BLOCK_M queries, BLOCK_N keys, warps, stages) for head_dim <= 128, the fastest of a
 # sweep on an H100 (Llama 3.2 1B heads, bf16): about 1.7x the time of torch's flash SDPA on
 # contiguous K/V, against 3x for 64/64/4 warps.
@@ -617,10 +614,8 @@ def _launch(
     seq_lens = seq_lens.contiguous()
     if num_decode_rows:
         block_n = _DECODE_BLOCK_N if dim_pad <= 64 else _DECODE_BLOCK_N // 2
-        stages = _DECODE_STAGES
         if fp8:
-            block_n = _FP8_DECODE_BLOCK_N or max(32, min(128, _FP8_DECODE_TILE_BYTES // dim_pad))
-            stages = _FP8_DECODE_STAGES or stages
+            block_n = max(32, min(128, _FP8_DECODE_TILE_BYTES // dim_pad))
         num_splits = decode_num_splits(num_decode_rows, num_kv_heads, max_seq_len)
         programs = num_decode_rows * num_kv_heads * num_splits
         one_wave = programs <= num_sms(q.device)
@@ -648,7 +643,7 @@ def _launch(
             SINGLE_SPLIT=num_splits == 1,
             NATIVE_QK=_DECODE_NATIVE_QK and q.is_cuda and q.dtype != torch.float32,
             num_warps=_ONE_WAVE_DECODE_WARPS if one_wave else _DECODE_WARPS,
-            num_stages=stages,
+            num_stages=_DECODE_STAGES,
             **common,
             **launch_options(q, pdl),
         )
