@@ -17,8 +17,9 @@ import uvicorn
 
 from infer.bench.serving.cli import main as bench_main
 from infer.bench.serving.client import run_workload
-from infer.bench.serving.report import serve_markdown
+from infer.bench.serving.report import duration_line, serve_markdown
 from infer.bench.serving.runner import benchmark_server
+from infer.bench.serving.stats import run_stats
 from infer.bench.serving.workloads import SHAPES, WorkloadShape, make_workload
 
 _spec = importlib.util.spec_from_file_location("bench_peer", Path(__file__).with_name("bench_peer.py"))
@@ -97,6 +98,49 @@ def test_records_match_what_the_server_sent_and_received(client_processes):
     assert run.probe is not None and run.probe.num_output_tokens == 1
     # Single gaps jitter either way with scheduling; their median cannot sit below the sleep.
     assert statistics.median(gap for r in run.records for gap in r.itl_s) >= TOKEN_DELAY_S * 0.8
+
+
+# What a send may come after the worker's look at the clock: the two are a few Python lines apart
+# with no await between, so only a descheduled thread makes it more than microseconds.
+SEND_AFTER_CHECK_S = 0.01
+
+
+@pytest.mark.parametrize("client_processes", [1, 2], ids=["one-process", "two-processes"])
+def test_a_time_cap_stops_taking_requests_and_lets_those_in_flight_end(client_processes):
+    """A 0.3 s cap on a closed loop of 40 requests of about 50 ms each (4 workers: about 0.5 s
+    without it): no request is sent after the cap, the ones in flight at it end and are counted,
+    the indices taken are the first ones, the rest are counted as not started; the peer saw
+    exactly the requests that have records. With two client processes the deadline reaches them
+    through shared memory."""
+    duration_s = 0.3
+    workload = make_workload("tiny", shape=TINY_COMPLETIONS, concurrency=4, num_requests=40, vocab_size=100)
+    app, server = _peer()
+    with server:
+        run = asyncio.run(
+            run_workload(
+                workload,
+                base_url=server.base_url,
+                model="peer-model",
+                warmup=False,
+                client_processes=client_processes,
+                duration_s=duration_s,
+            )
+        )
+    deadline = run.start_time + duration_s
+    started = len(run.records)
+    assert 0 < started < workload.num_requests
+    assert len(app.state.peer["received"]) == started
+    assert sorted(record.index for record in run.records) == list(range(started))
+    assert all(record.send_time <= deadline + SEND_AFTER_CHECK_S for record in run.records)
+    assert all(record.ok for record in run.records), [record.error for record in run.records]
+    # Those in flight at the cap ran to their end, and the run's end is the last of them.
+    assert any(record.end_time > deadline for record in run.records)
+    assert run.end_time >= max(record.end_time for record in run.records)
+    assert run.duration_s == duration_s
+    stopped = {"requests_not_started": workload.num_requests - started, "sessions_cut_short": 0}
+    assert run.stopped_by_duration == stopped
+    stats = run_stats(run)
+    assert (stats["duration_s"], stats["stopped_by_duration"]) == (duration_s, stopped)
 
 
 def test_one_request_per_client_sends_all_at_once():
@@ -638,6 +682,56 @@ def test_agent_sessions_resend_the_conversation_pause_and_stop_before_the_cap():
             assert after.send_time - before.end_time >= request.turn_think_s[turn] - 1e-3  # clock rounding
 
 
+def test_a_time_cap_cuts_agent_sessions_short_without_waiting_out_their_pauses():
+    """Agent sessions of 4 or more planned turns, each pausing 0.15 s before a turn, under a
+    0.4 s cap (2 at once, 8 sessions): no turn is sent after the cap; a session stops where its
+    next pause would end past the cap, without taking it, so the run ends with the last reply; a
+    worker whose session stopped before the cap starts the next session's first turn (which has
+    no pause). By what the peer received, the sessions with fewer turns than planned are those
+    the result counts as cut short (the peer counts no more tokens than the plan, so none meets
+    its context cap), and those it never saw are the ones not started."""
+    think_s, duration_s = 0.15, 0.4
+    workload = make_workload("W7", shape=TINY_AGENT, concurrency=2, num_requests=8)
+    assert min(len(request.turns) for request in workload.requests) >= 4
+    paused = [
+        dataclasses.replace(request, turn_think_s=(0.0,) + (think_s,) * (len(request.turns) - 1))
+        for request in workload.requests
+    ]
+    workload = dataclasses.replace(workload, requests=paused)
+    app = bench_peer.create_peer_app(first_token_delay_s=0.002, token_delay_s=0.0002)
+    with ThreadedServer(app) as server:
+        run = asyncio.run(
+            run_workload(
+                workload, base_url=server.base_url, model="peer-model", warmup=False, duration_s=duration_s
+            )
+        )
+    deadline = run.start_time + duration_s
+    assert all(record.ok for record in run.records), [record.error for record in run.records]
+    assert all(record.send_time <= deadline + SEND_AFTER_CHECK_S for record in run.records)
+    sessions: dict[str, int] = {}
+    for body in app.state.peer["received"]:
+        sessions[body["messages"][1]["content"]] = sessions.get(body["messages"][1]["content"], 0) + 1
+    sent = [sessions.get(request.turns[0][1]["content"], 0) for request in workload.requests]
+    assert sum(sent) == len(run.records)
+    cut_short = sum(
+        1 for request, turns in zip(workload.requests, sent, strict=True) if 0 < turns < len(request.turns)
+    )
+    not_started = sent.count(0)
+    assert cut_short >= 2 and not_started >= 1
+    assert run.stopped_by_duration == {"requests_not_started": not_started, "sessions_cut_short": cut_short}
+    # Each session stopped for its next pause: its last reply's end plus the pause passes the cap.
+    last_ends: dict[int, float] = {}
+    for record in run.records:
+        last_ends[record.index] = max(last_ends.get(record.index, 0.0), record.end_time)
+    assert all(end + think_s > deadline for end in last_ends.values())
+    # Nothing waits after the last reply (a session that slept its pause out would end the run
+    # 0.15 s after its last reply).
+    assert run.end_time - max(last_ends.values()) < think_s / 2
+    assert duration_line(run_stats(run), "agent") == (
+        f"Stopped at the 0.4 s cap: {not_started} requests not started, {cut_short} sessions cut short"
+    )
+
+
 def test_cli_serve_w7_reports_each_turn_and_the_prefix_cache_matches(tmp_path):
     """`infer bench serve --workload W7` against the peer playing a prefix cache of whole messages:
     every session runs all its planned turns (the peer counts no more tokens than the plan); a
@@ -740,3 +834,33 @@ def test_agent_sessions_against_our_server_reuse_their_history_within_the_cap(tm
     matches = report["stats"]["prefix_cache_matches"]
     assert set(matches) == {"miss", "prefix", "supersequence", "lcp"}
     assert sum(matches.values()) == len(records) and matches["miss"] == 0
+
+
+def test_cli_serve_caps_the_run_and_says_what_it_left_out(tmp_path, capsys):
+    """`--duration-s 0` is refused before any request goes out (nothing listens at the URL); a cap
+    of 0.3 s on W2 (requests of 0.3-1.3 s against the peer) reaches the run through the runner:
+    the report carries it and counts what it left out, and the markdown says so."""
+    assert bench_main(["serve", "--base-url", "http://127.0.0.1:9", "--duration-s", "0"]) == 1
+    assert "--duration-s must be > 0, got 0.0" in capsys.readouterr().err
+    _, server = _peer()
+    json_path, md_path = tmp_path / "run.json", tmp_path / "run.md"
+    with server:
+        status = bench_main([
+            "serve", "--base-url", server.base_url, "--workload", "W2", "--concurrency", "2",
+            "--num-requests", "8", "--vocab-size", "50", "--duration-s", "0.3",
+            "--json", str(json_path), "--md", str(md_path),
+        ])  # fmt: skip
+    assert status == 0
+    report = json.loads(json_path.read_text())
+    stats = report["stats"]
+    not_started = 8 - len(report["records"])
+    assert not_started > 0 and stats["num_ok"] == len(report["records"])
+    assert stats["duration_s"] == 0.3
+    assert stats["stopped_by_duration"] == {"requests_not_started": not_started, "sessions_cut_short": 0}
+    assert f"Stopped at the 0.3 s cap: {not_started} requests not started\n" in md_path.read_text()
+
+
+def test_a_time_cap_must_be_positive():
+    workload = make_workload("tiny", shape=TINY_COMPLETIONS, concurrency=1, num_requests=1, vocab_size=100)
+    with pytest.raises(ValueError, match="duration_s must be > 0"):
+        asyncio.run(run_workload(workload, base_url="http://127.0.0.1:9", model="m", duration_s=0))

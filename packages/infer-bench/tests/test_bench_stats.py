@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from infer.bench.serving.client import RequestRecord, RunResult
-from infer.bench.serving.report import turns_markdown
+from infer.bench.serving.report import duration_line, turns_markdown
 from infer.bench.serving.server_info import (
     PREFIX_CACHE_MATCHES,
     counter_by_label_between,
@@ -217,6 +217,38 @@ def test_single_requests_have_no_turn_stats():
         make_workload("W2"), 0.0, 1.0, [_record(0, 0.0, [0.1], prompt_tokens=4)], ignore_eos_sent=True
     )
     assert run_stats(run)["turns"] is None
+
+
+def test_a_time_cap_counts_sessions_it_cut_short_not_those_that_met_their_context_cap():
+    """Five W7 sessions under a cap, each planned for more than one turn: one ran a turn whose
+    prompt alone fills the context cap (it stopped for the cap), one ran a turn of 10 prompt
+    tokens and stopped (for the time cap), one's turn failed (a failure ends a session), two
+    never started. Without a cap, nothing is counted."""
+    workload = make_workload("W7", concurrency=5)
+    assert all(len(request.turns) > 1 for request in workload.requests)
+    cap = workload.requests[0].max_context_tokens
+    records = [
+        _record(0, 0.0, [0.1], prompt_tokens=cap),
+        _record(1, 0.0, [0.1], prompt_tokens=10),
+        _record(2, 0.0, [], prompt_tokens=10, error="HTTP 500: boom"),
+    ]
+    run = RunResult(workload, 0.0, 1.0, records, ignore_eos_sent=True, duration_s=300.0)
+    stats = run_stats(run)
+    assert stats["duration_s"] == 300.0
+    assert stats["stopped_by_duration"] == {"requests_not_started": 2, "sessions_cut_short": 1}
+    assert duration_line(stats, "agent") == (
+        "Stopped at the 300 s cap: 2 requests not started, 1 sessions cut short"
+    )
+    uncapped = run_stats(RunResult(workload, 0.0, 1.0, records, ignore_eos_sent=True))
+    assert (uncapped["duration_s"], uncapped["stopped_by_duration"]) == (None, None)
+
+
+def test_a_time_cap_that_left_nothing_out_says_so():
+    workload = make_workload("W2", concurrency=2, num_requests=2)
+    records = [_record(index, 0.0, [0.1, 0.2], prompt_tokens=4) for index in range(2)]
+    stats = run_stats(RunResult(workload, 0.0, 0.3, records, ignore_eos_sent=True, duration_s=0.5))
+    assert stats["stopped_by_duration"] == {"requests_not_started": 0, "sessions_cut_short": 0}
+    assert duration_line(stats, "completion") == "Ran within the 0.5 s cap: every request started"
 
 
 def test_prefix_cache_matches_between_two_scrapes_of_our_metrics():

@@ -3,7 +3,7 @@
 infer bench serve --base-url URL [--model NAME] --workload W2 --concurrency 16 --seed 0
                   [--passes N] [--json OUT] [--md OUT]
 infer bench serve --base-url URL --workload W7 --concurrency 32 [--max-context-tokens 32768]
-                  [--think-time-s 2]
+                  [--think-time-s 2] [--duration-s 300]
 infer bench matrix --model M [--device cuda --dtype bfloat16] --workloads W2,W3 --out DIR
 infer bench hf-baseline --model PATH --workload W2 --concurrency 64 [--json OUT]
 infer bench engine-only --engine-config FILE --workload W2 --concurrency 64 [--repeats 3] [--passes N]
@@ -13,6 +13,11 @@ ones: pass 1 meets a server that has seen none of their images (the untimed warm
 send other images: workloads.untimed_stand_in), passes 2..N send the same requests again, which a
 prefix cache serves from what pass 1 left. Each pass is reported with its TTFT p50 over pass 1's,
 and, on a vision-language model, the images the tower encoded and those the cache spared it.
+
+--duration-s D (serve) caps each timed run at D seconds from its start, so that setups which
+would take long to finish (W7 with the prefix cache off recomputes every turn's whole context)
+stop at the same point: after it no request or turn starts, and what is in flight ends and is
+counted. The report says what the cap left out (client.py has the rules).
 """
 
 import argparse
@@ -38,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-config", type=Path, default=None, help="EngineConfig file the server runs, to record"
     )
     serve.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
+    serve.add_argument(
+        "--duration-s",
+        type=float,
+        default=None,
+        help="time cap on the timed run: after D s no request or turn starts, in-flight ones finish "
+        "(default: none)",
+    )
     serve.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
     serve.add_argument("--no-records", action="store_true", help="leave per-request records out of the JSON")
     _add_passes_argument(serve)
@@ -198,6 +210,8 @@ def _run_serve(args) -> int:
     from infer.bench.serving.report import serve_markdown, write_json
     from infer.bench.serving.runner import benchmark_server
 
+    if args.duration_s is not None and not args.duration_s > 0:
+        raise ValueError(f"--duration-s must be > 0, got {args.duration_s}")
     report = asyncio.run(
         benchmark_server(
             _workload(args),
@@ -209,6 +223,7 @@ def _run_serve(args) -> int:
             include_records=not args.no_records,
             client_processes=args.client_processes,
             passes=args.passes,
+            duration_s=args.duration_s,
         )
     )
     markdown = serve_markdown(report)

@@ -29,6 +29,15 @@ per STREAMS_PER_PROCESS streams), their workers taking requests from the same qu
 process reading 64 streams at about 14k events a second was busy all of an H100 run, so it, not
 the server, set the pace. Every process times on the same clock (`time.perf_counter`, the
 system's monotonic clock on Linux and macOS).
+
+A time cap (`duration_s`, `infer bench serve --duration-s`) cuts every setup off at the same point:
+it counts from the start of the timed run, and after it no worker takes a new request and no
+conversation starts a new turn; an agent session whose think time would end past it stops
+without pausing. What is in flight then runs to its end and is counted as usual (nothing is
+cancelled), so the run's end is still the last stream's. The result counts what the cap left
+out (RunResult.stopped_by_duration): requests never started, and conversations cut short
+(stopped for the cap before their last planned turn and before their context cap). The client
+processes get the cap as an absolute deadline on the same clock.
 """
 
 import asyncio
@@ -130,10 +139,35 @@ class RunResult:
     probe: RequestRecord | None = None
     notes: list[str] = field(default_factory=list)
     client_processes: int = 1
+    duration_s: float | None = None  # the time cap on the timed run (None: none)
 
     @property
     def wall_s(self) -> float:
         return self.end_time - self.start_time
+
+    @property
+    def stopped_by_duration(self) -> dict | None:
+        """What the time cap left out (None without a cap): `requests_not_started`, the workload's
+        requests (a conversation: the whole of it) of which no turn was sent, and
+        `sessions_cut_short`, conversations that stopped for the cap before their last planned turn
+        and before their context cap (a failed turn ends a conversation too; it is not counted)."""
+        if self.duration_s is None:
+            return None
+        by_index: dict[int, list[RequestRecord]] = {}
+        for record in sorted(self.records, key=lambda record: record.turn):
+            by_index.setdefault(record.index, []).append(record)
+        cut_short = sum(
+            1
+            for request in self.workload.requests
+            if request.turns is not None
+            and 0 < len(turns := by_index.get(request.index, [])) < len(request.turns)
+            and all(record.ok for record in turns)
+            and not passes_context_cap(request, turns)
+        )
+        return {
+            "requests_not_started": len(self.workload.requests) - len(by_index),
+            "sessions_cut_short": cut_short,
+        }
 
 
 def request_body(
@@ -233,19 +267,30 @@ def _names_ignore_eos(record: RequestRecord) -> bool:
 
 
 async def run_conversation(
-    client: httpx.AsyncClient, request: BenchRequest, model: str, ignore_eos: bool
+    client: httpx.AsyncClient,
+    request: BenchRequest,
+    model: str,
+    ignore_eos: bool,
+    deadline: float = math.inf,
 ) -> list[RequestRecord]:
     """The turns of one conversation, each sent when the previous reply has ended, with the
     whole conversation so far (the replies as the server gave them); one record per turn. A turn
     that fails ends the conversation. An agent session (W7) pauses for each turn's think time
-    first, and ends where its next turn would pass its context cap (`passes_context_cap`)."""
+    first, and ends where its next turn would pass its context cap (`passes_context_cap`).
+    `deadline` (`time.perf_counter()` seconds): no turn is sent after it, and a pause that would
+    end past it is not taken; the conversation stops there."""
     history: list[dict] = []
     records: list[RequestRecord] = []
     for turn, (messages, max_tokens) in enumerate(zip(request.turns, request.turn_max_tokens, strict=True)):
         if turn and passes_context_cap(request, records):
             break
-        if request.turn_think_s and request.turn_think_s[turn] > 0:
-            await asyncio.sleep(request.turn_think_s[turn])
+        think_s = request.turn_think_s[turn] if request.turn_think_s else 0.0
+        if time.perf_counter() + think_s > deadline:
+            break
+        if think_s > 0:
+            await asyncio.sleep(think_s)
+            if time.perf_counter() > deadline:
+                break  # the pause overran its end, past the deadline
         for message in messages:
             if message["role"] == "tool":
                 # The previous reply is taken to have called the tool this message answers.
@@ -312,16 +357,18 @@ async def _client_loops(
     concurrency: int,
     model: str,
     ignore_eos: bool,
+    deadline: float = math.inf,
 ) -> list[RequestRecord]:
     """`concurrency` workers, each sending the request of the next index `take_index` gives when
-    its previous one has finished, until the indices run past the requests."""
+    its previous one has finished, until the indices run past the requests or the time
+    (`time.perf_counter()`) passes `deadline`; a worker takes no index after it."""
     records: list[RequestRecord] = []
 
     async def client_loop() -> None:
-        while (index := take_index()) < len(requests):
+        while time.perf_counter() <= deadline and (index := take_index()) < len(requests):
             request = requests[index]
             if request.turns is not None:
-                records.extend(await run_conversation(client, request, model, ignore_eos))
+                records.extend(await run_conversation(client, request, model, ignore_eos, deadline))
                 continue
             record, _ = await stream_request(
                 client, request, request_body(request, model, ignore_eos=ignore_eos)
@@ -343,14 +390,18 @@ async def run_workload(
     api_key: str | None = None,
     before_timed_run: Callable[[], Awaitable[None]] | None = None,
     client_processes: int | None = None,
+    duration_s: float | None = None,
 ) -> RunResult:
     """Runs `workload` against the server at `base_url` (e.g. http://127.0.0.1:8000).
 
     `before_timed_run` is awaited after the warm-up and probe, just before the timed requests
     (the runner scrapes /metrics there, so server-side counters cover the timed requests only).
     `client_processes`: how many processes read the timed streams (None: one per
-    STREAMS_PER_PROCESS of the concurrency; 1: this one).
+    STREAMS_PER_PROCESS of the concurrency; 1: this one). `duration_s`: the time cap on the timed
+    run (see the module; None: none).
     """
+    if duration_s is not None and not duration_s > 0:
+        raise ValueError(f"duration_s must be > 0 (None: no cap), got {duration_s}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     num_processes = min(
         client_processes or default_client_processes(workload.concurrency), workload.concurrency
@@ -371,7 +422,7 @@ async def run_workload(
                 if before_timed_run is not None:
                     await before_timed_run()
                 start = time.perf_counter()
-                records = await asyncio.to_thread(timed.run)
+                records = await asyncio.to_thread(timed.run, _deadline(start, duration_s))
             finally:
                 timed.close()
             end = max([start] + [record.end_time for record in records])
@@ -380,7 +431,13 @@ async def run_workload(
                 await before_timed_run()
             start = time.perf_counter()
             records = await _client_loops(
-                client, workload.requests, itertools.count().__next__, workload.concurrency, model, ignore_eos
+                client,
+                workload.requests,
+                itertools.count().__next__,
+                workload.concurrency,
+                model,
+                ignore_eos,
+                _deadline(start, duration_s),
             )
             end = time.perf_counter()
     records.sort(key=lambda record: record.index)
@@ -393,7 +450,12 @@ async def run_workload(
         probe=probe,
         notes=notes,
         client_processes=num_processes,
+        duration_s=duration_s,
     )
+
+
+def _deadline(start: float, duration_s: float | None) -> float:
+    return math.inf if duration_s is None else start + duration_s
 
 
 class _ProcessPool:
@@ -403,6 +465,8 @@ class _ProcessPool:
     def __init__(self, workload: Workload, num_processes: int, client_args: tuple):
         context = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
         self._next_index = context.Value("q", 0)
+        # The time cap's deadline on the `time.perf_counter()` clock, the same in every process.
+        self._deadline = context.Value("d", math.inf)
         self._ready = context.Barrier(num_processes + 1)
         self._go = context.Event()
         self._results = context.Queue()
@@ -414,6 +478,7 @@ class _ProcessPool:
                     workload.requests,
                     base + (i < extra),
                     self._next_index,
+                    self._deadline,
                     self._ready,
                     self._go,
                     self._results,
@@ -429,7 +494,9 @@ class _ProcessPool:
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         self._ready.wait(timeout_s)
 
-    def run(self) -> list[RequestRecord]:
+    def run(self, deadline: float = math.inf) -> list[RequestRecord]:
+        """Lets the processes go, their workers taking no request after `deadline`."""
+        self._deadline.value = deadline
         self._go.set()
         records: list[RequestRecord] = []
         for _ in self._processes:
@@ -455,7 +522,18 @@ class _ProcessPool:
 
 
 def _client_process(
-    requests, concurrency, next_index, ready, go, results, base_url, headers, model, ignore_eos, timeout_s
+    requests,
+    concurrency,
+    next_index,
+    deadline,
+    ready,
+    go,
+    results,
+    base_url,
+    headers,
+    model,
+    ignore_eos,
+    timeout_s,
 ):
     """One client process: its share of the workers, on requests from the shared counter."""
 
@@ -469,7 +547,9 @@ def _client_process(
         async with _client(base_url, headers, concurrency, timeout_s) as client:
             ready.wait()
             go.wait()
-            return await _client_loops(client, requests, take_index, concurrency, model, ignore_eos)
+            return await _client_loops(
+                client, requests, take_index, concurrency, model, ignore_eos, deadline.value
+            )
 
     try:
         results.put(asyncio.run(main()))

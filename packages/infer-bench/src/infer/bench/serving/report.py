@@ -8,7 +8,8 @@ JSON layout of one `infer bench serve` run (runner.benchmark_server):
              (from --engine-config FILE, else /v1/models), memory gauges and raw /metrics after the run
   ignore_eos_sent, notes
   stats      see stats.py (each latency: count, mean, p50, p95, p99, in seconds); with --passes,
-             pass 1's; multi-turn runs (W5, W7) add `turns`, per turn and from turn 3 on
+             pass 1's; multi-turn runs (W5, W7) add `turns`, per turn and from turn 3 on;
+             `duration_s` (--duration-s) and `stopped_by_duration`, what that time cap left out
   probe      the idle-server prefill probe
   records    one per request: send/first-token/chunk/end times, tokens, finish reason, error
   later_passes  with --passes N > 1, passes 2..N: pass, stats, ttft_p50_ratio_to_pass_1, records
@@ -102,6 +103,20 @@ def turns_markdown(stats: dict) -> str:
     return "\n".join([*lines, markdown_table(header, rows)])
 
 
+def duration_line(stats: dict, workload_kind: str) -> str:
+    """What a run with a time cap left out (conversation workloads: sessions cut short too)."""
+    stopped = stats["stopped_by_duration"]
+    cap = f"{stats['duration_s']:g} s cap"
+    if not any(stopped.values()):
+        return f"Ran within the {cap}: every request started" + (
+            ", no session cut short" if workload_kind in ("conversation", "agent") else ""
+        )
+    left_out = f"{stopped['requests_not_started']} requests not started"
+    if workload_kind in ("conversation", "agent"):
+        left_out += f", {stopped['sessions_cut_short']} sessions cut short"
+    return f"Stopped at the {cap}: {left_out}"
+
+
 def _count(value: int | None) -> str:
     return "-" if value is None else str(value)
 
@@ -146,6 +161,10 @@ def serve_markdown(report: dict) -> str:
             "Prefix cache matches over the run (the server's /metrics; concurrent sessions' turns "
             f"interleave, so not per turn): {counts}",
         ]
+    later = report.get("later_passes", [])
+    for number, one in enumerate([stats, *(one["stats"] for one in later)], start=1):
+        if one.get("duration_s") is not None:
+            lines += ["", f"Pass {number}: " * bool(later) + duration_line(one, workload["kind"])]
     if stats.get("turns"):
         lines += ["", turns_markdown(stats)]
     memory = report["server"]["memory_after_run"]

@@ -28,12 +28,14 @@ async def benchmark_server(
     include_records: bool = True,
     client_processes: int | None = None,
     passes: int = 1,
+    duration_s: float | None = None,
 ) -> dict:
     """Runs `workload` against `base_url` and returns the full report (see report.py for its layout).
 
     `model` None: the first model that GET /v1/models lists. `client_processes`: see run_workload.
     `passes`: the timed requests run this many times over, the warm-up and probe before the first
     only; the report's stats and records are pass 1's, `later_passes` holds the others'.
+    `duration_s`: the time cap on each pass's timed run (see client.py; None: none).
     """
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
@@ -51,6 +53,7 @@ async def benchmark_server(
                 warmup=number == 1,
                 before_timed_run=functools.partial(_scrape_into, client, before),
                 client_processes=client_processes,
+                duration_s=duration_s,
             )
             ignore_eos = run.ignore_eos_sent  # as the warm-up found the server takes it
             after = await server_info.fetch_server_info(client)

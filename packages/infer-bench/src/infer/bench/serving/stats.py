@@ -32,6 +32,12 @@ Definitions (all from the client's clock):
                        there, TTFT, prompt tokens reused and computed; and the TTFT p50 of turns
                        3 and later (`ttft_p50_turns_from_3_s`), where a session's own history
                        is most of the prompt; None for single requests
+  duration_s           the time cap on the timed run (`--duration-s`; None: none), counted from
+                       its start: after it no request or turn starts, what is in flight ends
+  stopped_by_duration  what the cap left out: `requests_not_started` (a conversation of which no
+                       turn was sent counts as one) and `sessions_cut_short` (conversations that
+                       stopped for the cap before their last planned turn and their context cap);
+                       None without a cap
   queue_wait_s         from the server's queue-time histogram when /metrics has one (mean only);
                        else estimated per request as max(0, TTFT - unloaded prefill), where the
                        unloaded prefill time is the idle-server probe's TTFT scaled linearly by
@@ -147,6 +153,8 @@ def run_stats(
         "prefix_cache": prefix_cache_stats(ok),
         "prefix_cache_matches": prefix_cache_matches,
         "turns": turn_stats(run.records),
+        "duration_s": run.duration_s,
+        "stopped_by_duration": run.stopped_by_duration,
     }
 
 
