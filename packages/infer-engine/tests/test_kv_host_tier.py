@@ -10,10 +10,10 @@ import time
 import pytest
 
 from infer.cache import HostKVStore, QuantizedKVStore
-from infer.engine import Engine, EngineConfig
+from infer.engine import Engine, EngineConfig, SamplingParams
 from infer.engine.config import EngineConfigError
 
-from .test_prefix_cache import SETTINGS, run
+from .test_prefix_cache import GREEDY, SETTINGS, run
 
 SMALL_POOL = {**SETTINGS, "num_gpu_blocks": 12}
 GIB_FOR_SLOTS = 1 / 1024  # 1 MiB: hundreds of the tiny models' blocks
@@ -25,6 +25,11 @@ def conversations(vocab: int, seed: int = 4) -> tuple[list[list[int]], list[list
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(24)] for _ in range(3)]
     return prompts, [prompt + [rng.randrange(vocab) for _ in range(5)] for prompt in prompts]
+
+
+def num_computed(engine: Engine, request_id: str) -> int:
+    request = engine.core.scheduler.get(request_id)  # None until a step takes it in
+    return 0 if request is None else request.num_computed_tokens
 
 
 def assert_no_leak(engine: Engine) -> None:
@@ -108,6 +113,42 @@ def test_a_session_idle_past_the_ttl_goes_to_host_memory_and_its_next_turn_resto
     ((tokens, num_cached),) = run(tiered, [follow_up], max_new_tokens=6)
     assert num_cached >= 24 and tree.num_restored_total > 0
     assert tokens == run(plain, [follow_up], max_new_tokens=6)[0][0]
+    assert_no_leak(tiered)
+    for engine in (plain, tiered):
+        engine.shutdown()
+
+
+def test_a_hit_on_host_blocks_waits_for_device_blocks_rather_than_recomputing(tiny_models):
+    """A follow-up whose conversation is in host memory arrives while another request holds the
+    pool: it waits until blocks are free to restore into and reuses its whole conversation, rather
+    than starting at once and recomputing what host memory holds (which takes as many blocks)."""
+    model = tiny_models["llama-tiny"]
+    plain = Engine(EngineConfig(**SMALL_POOL), loaded_model=model.loaded)
+    tiered = Engine(
+        EngineConfig(**SMALL_POOL, use_prefix_caching=True, kv_host_cache_gib=GIB_FOR_SLOTS),
+        loaded_model=model.loaded,
+    )
+    (prompt, other, _), (follow_up, _, _) = conversations(model.loaded.config.vocab_size, seed=8)
+    run(tiered, [prompt], max_new_tokens=4)
+    run(tiered, [other + other[:12]], max_new_tokens=4)  # 36 + 3 tokens: the prompt goes to host
+    tree = tiered.core.prefix_tree
+    assert tree.num_stored_blocks >= 5
+    params = SamplingParams(max_new_tokens=8, **GREEDY)
+    busy = tiered.add_request([token + 1 for token in other + other[:12]], params)
+    while num_computed(tiered, busy) < 36:
+        tiered.step()
+    # The busy request holds 9 of the 12 blocks and grows to 11: too few for the stored ones.
+    waiting = tiered.add_request(follow_up, params)
+    tokens, cached, steps_waited = [], None, 0
+    while tiered.has_work():
+        steps_waited += num_computed(tiered, waiting) == 0
+        for output in tiered.step():
+            assert output.error is None, output.error
+            if output.request_id == waiting and output.token_id is not None:
+                tokens.append(output.token_id)
+                cached = output.cached_tokens if cached is None else cached
+    assert steps_waited > 1 and cached >= 24, (steps_waited, cached)
+    assert tokens == run(plain, [follow_up], max_new_tokens=8)[0][0]
     assert_no_leak(tiered)
     for engine in (plain, tiered):
         engine.shutdown()

@@ -231,17 +231,35 @@ def test_blocks_short_move_cached_blocks_to_int8_and_a_hit_restores_them_first()
     assert list(manager.block_ids("second")[1:3]) == [block for _, _, block in ops[2:]]
 
 
-def test_a_hit_without_blocks_to_restore_into_reuses_what_lies_before_the_int8_blocks():
+def test_a_hit_without_blocks_to_restore_into_waits_and_changes_nothing():
+    """Recomputing the stored tokens would take as many blocks as restoring them: the request
+    waits (None) until blocks are free, then restores them all."""
     manager = int8_manager(num_blocks=4, num_slots=8)
     first = Request("first", list(range(48)), SamplingParams())
     grow(manager, first, 48)
     manager.free(first)
     other = Request("other", [5] * 48, SamplingParams())
     grow(manager, other, 48)  # holds 3 blocks until the end: no block is left to restore into
+    manager.take_block_ops()
     second = Request("second", list(range(48)) + [1], SamplingParams())
-    assert manager.acquire(second, manager.match(second)) == 16 and manager.prefix_tree.num_stored_blocks == 2
-    assert "restore" not in [kind for kind, _, _ in manager.take_block_ops()]
-    manager.free(second)
+    tree = manager.prefix_tree
+    before = (
+        tree.num_stored_blocks,
+        tree.num_locked_blocks,
+        manager.allocator.num_used,
+        dict(manager.match_counts),
+    )
+    assert manager.acquire(second, manager.match(second)) is None
+    assert manager.take_block_ops() == ()
+    after = (
+        tree.num_stored_blocks,
+        tree.num_locked_blocks,
+        manager.allocator.num_used,
+        dict(manager.match_counts),
+    )
+    assert after == before and manager.block_ids("second") == ()
     manager.free(other)
-    assert manager.prefix_tree.num_locked_blocks == 0
-    assert manager.allocator.num_used == manager.prefix_tree.num_blocks
+    assert manager.acquire(second, manager.match(second)) == 48
+    assert [kind for kind, _, _ in manager.take_block_ops()].count("restore") == 2
+    manager.free(second)
+    assert tree.num_locked_blocks == 0

@@ -257,11 +257,6 @@ class PrefixTree:
         )
         return warmed, restores
 
-    def num_warm_blocks(self, match: PrefixMatch) -> int:
-        """How many of the match's shared blocks come before its first stored one. Reads only."""
-        shared = match._read[: len(match.block_ids)]
-        return next((i for i, node in enumerate(shared) if node.slot is not None), len(shared))
-
     def take_offloaded(self) -> list[tuple[int, int]]:
         """The (block, slot) copies of the blocks offloaded since the last call; forgets them."""
         return self.store_tier.take_offloaded() if self.store_tier else []

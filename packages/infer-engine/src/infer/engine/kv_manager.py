@@ -14,7 +14,8 @@ takes a block of its own for the block the match ends inside, whose copy waits i
 `take_block_ops` for the step's decision (the runner runs those before the forward). With a
 second tier for what it evicts (the pool's store: int8 blocks, or host memory), the tree offloads
 instead of evicting when blocks run short, and a match that reads stored blocks is first restored
-into blocks of the tree's (operations of the decision too, in the order they were made). While a
+into blocks of the tree's (operations of the decision too, in the order they were made); while
+too few blocks are free for that, the request waits rather than recompute what is stored. While a
 request runs, `cache_computed` gives the tree its whole computed prompt blocks after each prefill
 chunk, so that requests admitted later with the same start (a burst of users of one system
 prompt) reuse them at once; the request locks what it gave, as if it had matched it. When a
@@ -101,28 +102,34 @@ class KVCacheManager:
         tokens = request.cache_key_ids
         return self.prefix_tree.match(tokens, max_tokens=len(tokens) - 1, salt=request.cache_salt)
 
-    def acquire(self, request: Request, match: PrefixMatch) -> int:
+    def acquire(self, request: Request, match: PrefixMatch) -> int | None:
         """The request (holding no blocks) starts from `match`: it shares the match's whole
         blocks, locks the match, and gets a block of its own for the block the match ends inside
         (copied before its first forward; without a free block it reuses the whole blocks only).
-        Returns the tokens reused, which the caller counts as computed (0 without a prefix tree).
-        `release` undoes it."""
+        Returns the tokens reused, which the caller counts as computed (0 without a prefix tree);
+        None, changing nothing, when the match has stored blocks and too few blocks are free to
+        restore them: the request waits for them (recomputing those tokens would take as many
+        blocks, and the compute besides). `release` undoes it."""
         if self.prefix_tree is None or request.bypass_prefix_cache:
             return 0
-        self._kinds[request.request_id] = match.kind.value
-        self.match_counts[match.kind.value] += 1
-        if not match.num_tokens:
-            return 0
-        if self._blocks.get(request.request_id):
+        if match.num_tokens and self._blocks.get(request.request_id):
             raise ValueError(
                 f"{request.request_id!r} holds blocks; only a request starting afresh takes a match"
             )
         tree = self.prefix_tree
-        tree.lock(match)  # first: evicting for the copy must not take the match's own blocks
-        if match.num_cold:
-            match = self._warm(request, match)
-            if not match.num_tokens:
-                return 0
+        if match.num_tokens:
+            tree.lock(match)  # first: evicting for the copy must not take the match's own blocks
+            if match.num_cold:
+                restored = self._take(match.num_cold, tree.owner)
+                if restored is None:
+                    tree.unlock(match)
+                    return None
+                match, restores = tree.warm(match, restored)
+                self._ops.extend(BlockOp(RESTORE, slot, block) for slot, block in restores)
+        self._kinds[request.request_id] = match.kind.value
+        self.match_counts[match.kind.value] += 1
+        if not match.num_tokens:
+            return 0
         num_reused = len(match.block_ids) * self.block_size
         copy = None
         if match.copy_block is not None:
@@ -140,22 +147,6 @@ class KVCacheManager:
         if copy is not None:
             self._ops.append(BlockOp(COPY, *copy))
         return num_reused
-
-    def _warm(self, request: Request, match: PrefixMatch) -> PrefixMatch:
-        """The locked match with its stored blocks restored into blocks of the tree's; without the
-        blocks for that, the locked match of what lies before its first stored block."""
-        tree = self.prefix_tree
-        blocks = self._take(match.num_cold, tree.owner)
-        if blocks is not None:
-            match, restores = tree.warm(match, blocks)
-            self._ops.extend(BlockOp(RESTORE, slot, block) for slot, block in restores)
-            return match
-        tree.unlock(match)
-        # Whole blocks (no copy source to read), within the shared ones: so none of them is stored.
-        num_warm = tree.num_warm_blocks(match) * self.block_size
-        match = tree.match(request.cache_key_ids, max_tokens=num_warm, salt=request.cache_salt)
-        tree.lock(match)
-        return match
 
     def cache_computed(self, request: Request) -> None:
         """Gives the tree the request's whole computed blocks whose token ids are known (call

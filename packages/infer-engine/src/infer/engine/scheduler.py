@@ -665,7 +665,10 @@ class Scheduler:
             if request.num_pending_tokens:
                 return  # preempted with a token on its way (async scheduling): resumed with it
             # What the prefix cache holds of its tokens counts as computed (undone if it waits).
-            self._count_reused(request, self.kv_manager.acquire(request, self.kv_manager.match(request)))
+            num_reused = self.kv_manager.acquire(request, self.kv_manager.match(request))
+            if num_reused is None:
+                return  # its stored blocks wait for free ones to come back to
+            self._count_reused(request, num_reused)
             num_tokens = self._num_tokens_to_schedule(request, plan)
             # Continuous batching admits only requests that start this step; a static batch is
             # admitted whole and its members start as the budget allows.
