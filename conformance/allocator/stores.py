@@ -44,12 +44,18 @@ def store_round_trips(case: dict, impl: str | None) -> None:
 def _machine(case: dict) -> type:
     num_blocks, num_slots = case["num_blocks"], case["num_slots"]
     shape, store = STORES[case["store"]]
+    device = case.get("device", "cpu")
     exact = store is HostKVStore
 
     class StoreMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
-            self.pool = PagedKVPool(shape, num_blocks, store=store(shape, num_slots))
+            if device == "cuda":  # pinned host memory: the copies run on the store's own streams
+                self.pool = PagedKVPool(
+                    shape, num_blocks, device, store=store(shape, num_slots, pin_memory=True)
+                )
+            else:
+                self.pool = PagedKVPool(shape, num_blocks, store=store(shape, num_slots))
             self.generator = torch.Generator().manual_seed(0)
             # What each block and slot holds: a block's bytes (exact stores), or its values
             # [num_layers, 2, block_size, heads, head_dim] (int8).
@@ -58,7 +64,7 @@ def _machine(case: dict) -> type:
 
         def block(self, block: int) -> torch.Tensor:
             if exact:
-                return torch.cat([t.view(torch.uint8)[block].flatten() for t in self.tensors()])
+                return torch.cat([t.view(torch.uint8)[block].flatten() for t in self.tensors()]).cpu()
             return torch.stack([torch.stack((k[block], v[block])) for k, v in self.pool.kv_layers])
 
         def tensors(self) -> list[torch.Tensor]:
@@ -125,6 +131,7 @@ def _machine(case: dict) -> type:
                         f"block {block} is off by more than the int8 bound"
                     )
             if exact:
+                self.pool.store.synchronize()  # a host reader waits for the copies in flight
                 for slot, want in self.slots.items():
                     got = self.pool.store.slots[slot]
                     assert torch.equal(got, want), f"slot {slot} is not the block offloaded into it"

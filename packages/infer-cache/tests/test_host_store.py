@@ -70,9 +70,11 @@ def test_block_ops_keep_their_order_when_blocks_and_slots_are_taken_again(device
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_many_blocks_move_through_the_staging_buffer_in_batches(device, monkeypatch):
-    monkeypatch.setattr("infer.cache.host_store.STAGED_BLOCKS", 3)
+def test_many_blocks_move_through_the_staging_buffers_in_batches(device, monkeypatch):
+    """Seven blocks in batches of 3 through a ring of two staging buffers, one used again."""
+    monkeypatch.setattr("infer.cache.host_store.STAGING_BUFFERS", 2)
     pool = filled_pool(device, dtype=torch.float32, num_blocks=8, num_slots=8)
+    pool.store.staged_blocks = 3
     blocks = [7, 6, 5, 4, 3, 2, 1]
     before = blocks_of(pool, blocks)
     pool.run_block_ops([(OFFLOAD, block, slot) for slot, block in enumerate(blocks)])
@@ -81,6 +83,48 @@ def test_many_blocks_move_through_the_staging_buffer_in_batches(device, monkeypa
         v.zero_()
     pool.run_block_ops([(RESTORE, slot, block) for slot, block in enumerate(blocks)])
     for want, got in zip(before, blocks_of(pool, blocks), strict=True):
+        assert torch.equal(got, want)
+
+
+# About 0.1-0.5 s of GPU clock cycles: far longer than the copies and the launches around them.
+SLEEP_CYCLES = 500_000_000
+
+
+@pytest.mark.gpu
+def test_an_offload_leaves_the_steps_stream_once_the_blocks_are_gathered():
+    """The copy down to host memory runs on the store's offload stream: held up there (a long
+    sleep queued first), it does not hold up the step's stream, whose next writes to the blocks
+    still leave the slots what was offloaded."""
+    pool = filled_pool("cuda")
+    offload_stream, _ = pool.store.copy_streams(pool.kv_layers[0][0].device)
+    blocks = [6, 1, 4]
+    before = blocks_of(pool, blocks)
+    offload_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(offload_stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    pool.run_block_ops([(OFFLOAD, block, slot) for slot, block in enumerate(blocks)])
+    for layer in pool.layer_tensors:  # the blocks' next owners write them
+        for t in layer:
+            t.view(torch.uint8)[blocks] = 0
+    torch.cuda.current_stream().synchronize()
+    assert not offload_stream.query(), "the step's stream waited for the copy to host memory"
+    pool.store.synchronize()
+    for slot, want in enumerate(before):
+        assert torch.equal(pool.store.slots[slot], want)
+
+
+@pytest.mark.gpu
+def test_a_restore_held_up_on_its_stream_is_waited_for_before_the_blocks_are_read():
+    pool = filled_pool("cuda")
+    _, restore_stream = pool.store.copy_streams(pool.kv_layers[0][0].device)
+    blocks = [6, 1, 4]
+    before = blocks_of(pool, blocks)
+    pool.run_block_ops([(OFFLOAD, block, slot) for slot, block in enumerate(blocks)])
+    restore_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(restore_stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    pool.run_block_ops([(RESTORE, slot, block) for slot, block in enumerate([0, 3, 5])])
+    for want, got in zip(before, blocks_of(pool, [0, 3, 5]), strict=True):  # read on the step's stream
         assert torch.equal(got, want)
 
 

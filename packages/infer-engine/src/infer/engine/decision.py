@@ -112,6 +112,7 @@ class RunnerOutput:
     spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Per request whose images the vision tower encoded in this step: (images, seconds).
     images_encoded: dict[str, tuple[int, float]] = field(default_factory=dict)
-    # Seconds the offloads and restores of the prefix cache's store took (device time on CUDA),
-    # of this step or earlier ones not reported yet.
+    # Seconds the step's stream spent on the offloads and restores of the prefix cache's store
+    # (device time on CUDA: with a host tier, its gathers, scatters and waits for restores; the
+    # copies over the bus overlap the forwards), of this step or earlier ones not reported yet.
     store_transfer_s: float = 0.0

@@ -145,7 +145,8 @@ class EngineStats:
     kv_host_offloaded_bytes_total: int = 0
     kv_host_restored_bytes_total: int = 0
     kv_host_dropped_bytes_total: int = 0
-    # Device time of the steps' offloads and restores (queued before each step's forward).
+    # The steps' stream time in offloads and restores, before each forward (decision.py's
+    # store_transfer_s): what the steps waited for the host tier.
     kv_host_transfer_time_s_total: float = 0.0
     # Shadow re-runs without the cache (prefix_cache_shadow_rate), and those whose tokens differed.
     prefix_cache_shadow_runs: int = 0

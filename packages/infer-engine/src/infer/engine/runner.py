@@ -411,7 +411,9 @@ class ModelRunner:
 
     def _run_block_ops(self, ops) -> None:
         """Runs the step's block operations; those that move blocks to or from the pool's store are
-        timed (device time on CUDA), for RunnerOutput.store_transfer_s."""
+        timed on the step's stream (device time on CUDA: a host tier's copies over the bus run on
+        streams of their own, and what is timed is what the step waits for), for
+        RunnerOutput.store_transfer_s."""
         if all(op.kind == COPY for op in ops):
             self.kv_pool.run_block_ops(ops)
             return

@@ -518,7 +518,8 @@ class ServerMetrics:
         )
         self.kv_host_transfer_seconds_total = registry.counter(
             "infer_kv_host_transfer_seconds_total",
-            "Seconds of the copies to and from host memory (device time on CUDA).",
+            "Seconds the steps spent on copies to and from host memory (device time on CUDA; the copies "
+            "over the bus overlap the forwards, only the steps' share counts).",
         )
 
     def update_kv_host(self, stats) -> None:
