@@ -120,6 +120,9 @@ def test_a_restore_held_up_on_its_stream_is_waited_for_before_the_blocks_are_rea
     blocks = [6, 1, 4]
     before = blocks_of(pool, blocks)
     pool.run_block_ops([(OFFLOAD, block, slot) for slot, block in enumerate(blocks)])
+    # Once first: a kernel's first launch loads its module, which waits for the whole device
+    # (the restore stream's sleep too) and would hide a missing wait.
+    pool.run_block_ops([(RESTORE, 0, 7)])
     restore_stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(restore_stream):
         torch.cuda._sleep(SLEEP_CYCLES)
