@@ -99,6 +99,7 @@ def test_an_offload_leaves_the_steps_stream_once_the_blocks_are_gathered():
     offload_stream, _ = pool.store.copy_streams(pool.kv_layers[0][0].device)
     blocks = [6, 1, 4]
     before = blocks_of(pool, blocks)
+    pool.run_block_ops([(OFFLOAD, 0, 5)])  # once first: a first launch waits for the whole device
     offload_stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(offload_stream):
         torch.cuda._sleep(SLEEP_CYCLES)
