@@ -13,6 +13,7 @@ from infer.server.cli import main
         (["bench", "matrix", "--help"], "--server-command"),
         (["bench", "hf-baseline", "--help"], "--attn-implementation"),
         (["bench", "engine-only", "--help"], "--repeats"),
+        (["bench", "compare", "--help"], "--names"),
         (["bench", "generate", "--help"], "--compare-hf"),  # infer.bench.cli
         (["profile", "--help"], "--row-limit"),
     ],

@@ -3,7 +3,7 @@ command); the `infer` command of infer-server hands them here.
 
 infer profile [--model M] [--out DIR]                            torch.profiler trace + top ops
 infer bench generate [--model M] [--workload copy] [--json OUT]  one request: W1 (256 + 256) or copy
-infer bench serve | matrix | hf-baseline | engine-only ...       the serving benchmark (serving/cli.py)
+infer bench serve | matrix | hf-baseline | engine-only | compare ...  the serving benchmark (serving/cli.py)
 """
 
 import argparse
@@ -11,7 +11,7 @@ import logging
 import sys
 
 # `infer bench NAME` for these goes to the serving benchmark; `bench generate` is parsed here.
-SERVING_BENCHMARKS = ("serve", "matrix", "hf-baseline", "engine-only")
+SERVING_BENCHMARKS = ("serve", "matrix", "hf-baseline", "engine-only", "compare")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""`infer bench serve | matrix | hf-baseline` (argv[0] names the subcommand).
+"""`infer bench serve | matrix | hf-baseline | engine-only | compare` (argv[0] names the subcommand).
 
 infer bench serve --base-url URL [--model NAME] --workload W2 --concurrency 16 --seed 0
                   [--passes N] [--json OUT] [--md OUT]
@@ -7,6 +7,7 @@ infer bench serve --base-url URL --workload W7 --concurrency 32 [--max-context-t
 infer bench matrix --model M [--device cuda --dtype bfloat16] --workloads W2,W3 --out DIR
 infer bench hf-baseline --model PATH --workload W2 --concurrency 64 [--json OUT]
 infer bench engine-only --engine-config FILE --workload W2 --concurrency 64 [--repeats 3] [--passes N]
+infer bench compare A.json B.json [C.json ...] [--names off,device,host] [--json OUT] [--md OUT]
 
 --passes N (serve, engine-only) times the same requests N times over, as a cold pass and warm
 ones: pass 1 meets a server that has seen none of their images (the untimed warm-up and probe
@@ -18,6 +19,11 @@ and, on a vision-language model, the images the tower encoded and those the cach
 would take long to finish (W7 with the prefix cache off recomputes every turn's whole context)
 stop at the same point: after it no request or turn starts, and what is in flight ends and is
 counted. The report says what the cap left out (client.py has the rules).
+
+compare takes `serve --json` reports of one multi-turn workload and seed on several server setups
+(the first: the baseline) and sets their TTFT side by side on the (session, turn) pairs of turns
+>= 3 that every setup completed: under a time cap a slow setup reaches fewer, earlier turns, so
+each run's own "TTFT p50 of turns >= 3" covers other turns (compare.py).
 """
 
 import argparse
@@ -128,6 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     engine_only.add_argument("--json", dest="json_path", type=Path)
     engine_only.add_argument("--md", dest="md_path", type=Path)
     engine_only.set_defaults(run=_run_engine_only)
+
+    compare = commands.add_parser(
+        "compare", help="serve reports of one workload on several setups, on the turns all completed"
+    )
+    compare.add_argument(
+        "reports", type=Path, nargs="+", help="`infer bench serve --json` files; the first is the baseline"
+    )
+    compare.add_argument(
+        "--names", default=None, help="comma-separated, one per report (default: the file names' stems)"
+    )
+    compare.add_argument("--json", dest="json_path", type=Path, help="write the comparison here")
+    compare.add_argument("--md", dest="md_path", type=Path, help="write the markdown tables here")
+    compare.set_defaults(run=_run_compare)
     return parser
 
 
@@ -284,6 +303,24 @@ def _run_engine_only(args) -> int:
     return 0
 
 
+def _run_compare(args) -> int:
+    from infer.bench.serving.compare import compare_markdown, compare_reports
+    from infer.bench.serving.report import write_json
+
+    names = [path.stem for path in args.reports] if args.names is None else args.names.split(",")
+    reports = []
+    for path in args.reports:
+        try:
+            reports.append(json.loads(path.read_text()))
+        except OSError as error:
+            raise ValueError(f"cannot read {path}: {error}") from error
+    comparison = compare_reports(reports, [name.strip() for name in names])
+    markdown = compare_markdown(comparison)
+    print(markdown)
+    _write(comparison, markdown, args, write_json)
+    return 0
+
+
 def _run_matrix(args) -> int:
     from infer.bench.serving.matrix import DEFAULT_SERVER_COMMAND, run_matrix, select_rows
 
@@ -362,7 +399,8 @@ def _write(report: dict, markdown: str, args, write_json) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for `infer bench serve|matrix|hf-baseline`; argv starts at the subcommand."""
+    """Entry point for `infer bench serve|matrix|hf-baseline|engine-only|compare`; argv starts at the
+    subcommand."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return args.run(args)
