@@ -173,6 +173,7 @@ class _CopyStreams:
         self.offload_ring, self.restore_ring = ring(), ring()
         self._turns = {id(self.offload_ring): 0, id(self.restore_ring): 0}
         self._slot_copies: dict[int, torch.cuda.Event] = {}
+        self._prune_above = 1024  # entries before the next sweep of finished copies
 
     def next_buffer(self, ring: list[_StagingBuffer]) -> _StagingBuffer:
         turn = self._turns[id(ring)]
@@ -188,8 +189,12 @@ class _CopyStreams:
     def mark_slots(self, slots: list[int], event: torch.cuda.Event) -> None:
         for slot in slots:
             self._slot_copies[slot] = event
-        if len(self._slot_copies) > 4 * len(slots) + 1024:  # forget copies that are done
-            self._slot_copies = {s: e for s, e in self._slot_copies.items() if not e.query()}
+        if len(self._slot_copies) > self._prune_above:
+            # Forget the copies that are done; sweeping again only after the map doubles keeps
+            # the queries a constant number a slot, however many slots stay in flight.
+            done = {id(e): e.query() for e in self._slot_copies.values()}
+            self._slot_copies = {s: e for s, e in self._slot_copies.items() if not done[id(e)]}
+            self._prune_above = max(1024, 2 * len(self._slot_copies))
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
