@@ -56,25 +56,25 @@ class UnlocksBelowZero(PrefixTree):
 
 
 class EvictsLockedLeaves(PrefixTree):
-    def _evict_while(self, num_blocks, wanted, **options):
+    def evict(self, num_blocks):
         saved = {}
         for node in self.pool_tier.nodes.values():
             saved[id(node)], node.lock_count = node.lock_count, 0
-            self._note(node)
+            self.eviction.note(node)
         try:
-            return super()._evict_while(num_blocks, wanted, **options)
+            return super().evict(num_blocks)
         finally:
             for node in self.pool_tier.nodes.values():
                 node.lock_count = saved[id(node)]
 
 
 class EvictsMostRecentlyUsed(PrefixTree):
-    def _evict_while(self, num_blocks, wanted, **options):
+    def evict(self, num_blocks):
         real_heapify, real_pop = heapq.heapify, heapq.heappop
         heapq.heapify = lambda heap: heap.sort(key=lambda item: -item[0])
         heapq.heappop = lambda heap: heap.pop(0)
         try:
-            return super()._evict_while(num_blocks, wanted, **options)
+            return super().evict(num_blocks)
         finally:
             heapq.heapify, heapq.heappop = real_heapify, real_pop
 

@@ -8,7 +8,8 @@ tier, and the tree reaches every tier through the one interface `Tier`:
 - `note(node)`: the node may be an eviction candidate now (made, used, unlocked, or a leaf since
   its last child went), so the tier pushes it onto its heaps;
 - `oldest_leaf()`: the tier's least recently used unlocked leaf, as its heap entry (which the
-  tree compares across tiers), and `pop_leaf()` to take it; the tree then removes the node;
+  tree's eviction, infer.cache.prefix_eviction, compares across tiers), and `pop_leaf()` to take
+  it; the tree then removes the node;
 - `release(node)`: the node left the tree, so its block or slot goes back to the allocator.
 
 `PoolTier` is the pool's blocks, always there. `StoreTier` is the second tier, when the tree is

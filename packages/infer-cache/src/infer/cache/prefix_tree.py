@@ -23,16 +23,16 @@ used first (a parent whose last child went is a leaf in turn); `evict_idle` thos
 while; `max_blocks` caps the tree after each insert.
 
 Layers. This module is the trie: how its nodes (infer.cache.prefix_node) are matched, inserted,
-locked and evicted. Where a node's K/V is belongs to its tier (infer.cache.prefix_tiers): the
+locked and unlinked. Where a node's K/V is belongs to its tier (infer.cache.prefix_tiers): the
 pool's blocks, and with `slots` (the allocator of the pool's store: int8 blocks on the device, or
-blocks in host memory) the store's slots. A node offloaded into the store stays in the tree with
-a slot instead of a block, so one LRU order spans both tiers: when the pool needs blocks, `evict`
-first has the store tier offload the least recently used unlocked blocks of sequences of at
-least `store_min_tokens` tokens (`take_offloaded` gives the copies to run), and only then evicts
-leaves in blocks, least recently used first, and stored leaves only when they stand in the way;
-`evict_idle` and `clear` take both kinds. A match reads stored nodes like the others; `warm`
-moves them back into pool blocks before a request shares them. What the tree holds, for people
-(`entries`: the runs of tokens between branches), is infer.cache.prefix_entries.
+blocks in host memory) the store's slots; a node offloaded into the store stays in the tree with
+a slot instead of a block. Which unlocked leaf goes next, in one LRU order over both tiers, is
+infer.cache.prefix_eviction: when the pool needs blocks, the store tier first offloads the least
+recently used unlocked blocks of sequences of at least `store_min_tokens` tokens
+(`take_offloaded` gives the copies to run), and only then do leaves go. A match reads stored
+nodes like the others; `warm` moves them back into pool blocks before a request shares them.
+What the tree holds, for people (`entries`: the runs of tokens between branches), is
+infer.cache.prefix_entries.
 
 Which calls change the tree: `match` and `entries` read only (not even the LRU clock); `lock`,
 `unlock`, `count_hit`, `insert`, `extend`, `evict`, `evict_idle`, `clear`, `discard` and `warm`
@@ -41,22 +41,18 @@ change it. A call that raises has changed nothing.
 
 import dataclasses
 import itertools
-import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from infer.cache.block_allocator import BlockAllocator
 from infer.cache.errors import LockError
 from infer.cache.prefix_entries import PrefixEntry, prefix_entries
+from infer.cache.prefix_eviction import Eviction
 from infer.cache.prefix_match import MISS, MatchKind, PrefixMatch
 from infer.cache.prefix_node import Node
-from infer.cache.prefix_tiers import PoolTier, StoreTier, Tier
+from infer.cache.prefix_tiers import PoolTier, StoreTier
 
 TREE_OWNER = "prefix-cache"
-
-
-def _everything(node: Node) -> bool:
-    return True
 
 
 class PrefixTree:
@@ -85,16 +81,15 @@ class PrefixTree:
         self._roots: dict[str | None, Node] = {}
         self._tick = itertools.count(1)
         self._num_locked = 0  # nodes in blocks with lock_count > 0
-        self.num_evicted_blocks = 0
         # Where the nodes' K/V is (infer.cache.prefix_tiers): the pool's blocks, then the store's.
         self.pool_tier = PoolTier(allocator, owner)
         self.store_tier: StoreTier | None = None
-        self._tiers: tuple[Tier, ...] = (self.pool_tier,)
         if slots is not None:
             self.store_tier = StoreTier(
                 slots, owner, self.pool_tier, store_min_tokens=store_min_tokens, idle_to_store=idle_to_store
             )
-            self._tiers = (self.pool_tier, self.store_tier)
+        # Which unlocked leaf goes next, across the tiers (infer.cache.prefix_eviction).
+        self.eviction = Eviction(self.pool_tier, self.store_tier, self._remove)
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -122,6 +117,11 @@ class PrefixTree:
     def num_dropped_total(self) -> int:
         """Stored blocks dropped (evicted from the store) so far."""
         return self.store_tier.num_dropped_total if self.store_tier else 0
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Pool blocks evicted so far."""
+        return self.eviction.num_evicted_blocks
 
     @property
     def num_locked_blocks(self) -> int:
@@ -230,7 +230,7 @@ class PrefixTree:
         for node in path:
             node.lock_count -= 1
             self._num_locked -= node.lock_count == 0 and node.slot is None
-            self._note(node)
+            self.eviction.note(node)
 
     def count_hit(self, match: PrefixMatch, num_tokens: int) -> None:
         """Counts one reuse of the match's first `num_tokens` tokens (what a request took of it)
@@ -371,7 +371,7 @@ class PrefixTree:
                 self._num_locked += node.lock_count == 0 and node.slot is None
                 node.lock_count += 1
             else:
-                self._note(node)
+                self.eviction.note(node)
             node = node.parent
         while node.parent is not None:
             node.last_access, node.last_access_s = tick, now
@@ -381,7 +381,7 @@ class PrefixTree:
                 node.lock_count -= 1
                 if not node.lock_count:
                     self._num_locked -= node.slot is None
-                    self._note(node)
+                    self.eviction.note(node)
             node = node.parent
         match = None
         if lock:
@@ -428,26 +428,20 @@ class PrefixTree:
     # -- evicting ------------------------------------------------------------------------------
 
     def evict(self, num_blocks: int) -> list[int]:
-        """Frees up to `num_blocks` unlocked pool blocks: with `slots`, by offloading first (see
-        the module), then by evicting least recently used leaves; returns the blocks freed
-        (fewer when fewer are unlocked)."""
-        freed = self._offload(num_blocks) if self.store_tier is not None else []
-        # Leaves in blocks first: a stored leaf frees no block, only what is in its way does.
-        freed += self._evict_while(num_blocks - len(freed), _everything, tiers=(self.pool_tier,))
-        return freed + self._evict_while(num_blocks - len(freed), _everything)
+        """Frees up to `num_blocks` unlocked pool blocks: with `slots`, by offloading first, then
+        by evicting least recently used leaves (infer.cache.prefix_eviction); returns the blocks
+        freed (fewer when fewer are unlocked)."""
+        return self.eviction.evict(num_blocks)
 
     def evict_idle(self, idle_s: float) -> list[int]:
         """Frees every unlocked block not used for `idle_s` seconds (leaves first); returns them.
         With `idle_to_store`, moves them into the store instead (`take_offloaded`), and what the
         store holds leaves it only when the store is full."""
-        cutoff = self._clock() - idle_s
-        if self.store_tier is not None and self.store_tier.idle_to_store:
-            return self._offload(math.inf, lambda node: node.last_access_s < cutoff)
-        return self._evict_while(math.inf, lambda node: node.last_access_s < cutoff)
+        return self.eviction.evict_idle(self._clock() - idle_s)
 
     def clear(self) -> list[int]:
         """Evicts every unlocked node, stored ones too; returns the pool blocks freed."""
-        return self._evict_while(math.inf, _everything)
+        return self.eviction.clear()
 
     def discard(self, block_ids: Sequence[int]) -> list[int]:
         """Takes these blocks out of the tree where they are unlocked leaves, the last first (the
@@ -461,56 +455,6 @@ class PrefixTree:
                 discarded.append(block)
         return discarded
 
-    def _offload(self, num_blocks: float, wanted=_everything) -> list[int]:
-        """The store tier's `offload`: the tree evicts its least recently used stored leaf when
-        the store needs a slot, and notes each node moved."""
-        store = self.store_tier
-
-        def drop_oldest() -> bool:
-            return self._evict_one((store,), _everything) is not None
-
-        return store.offload(num_blocks, wanted, drop_oldest=drop_oldest, note=self._note)
-
-    def _evict_while(self, num_blocks: float, wanted, *, tiers: Iterable[Tier] | None = None) -> list[int]:
-        """Evicts unlocked leaves of `tiers` (None: all), least recently used first across them,
-        until `num_blocks` pool blocks are freed or the next leaf is not `wanted` (the rest were
-        used later); a stored leaf goes on the way, freeing a slot. Returns the blocks freed."""
-        evicted: list[int] = []
-        while len(evicted) < num_blocks:
-            node = self._evict_one(self._tiers if tiers is None else tiers, wanted)
-            if node is None:
-                break
-            if node.slot is None:
-                evicted.append(node.block)
-        self.num_evicted_blocks += len(evicted)
-        return evicted
-
-    def _evict_one(self, tiers: Iterable[Tier], wanted) -> Node | None:
-        """Evicts the least recently used unlocked leaf of `tiers` if `wanted`; returns it, or None
-        when there is none or it is not wanted."""
-        oldest = [(entry, tier) for tier in tiers if (entry := tier.oldest_leaf()) is not None]
-        if not oldest:
-            return None
-        entry, tier = min(oldest, key=lambda pair: pair[0])  # on a tie, the first tier's
-        node = tier.nodes[entry[-1]]
-        if not wanted(node):
-            return None
-        tier.pop_leaf()
-        self._remove(node)
-        return node
-
-    def _note(self, node: Node) -> None:
-        """Pushes the node's entries where it is a candidate now (see Tier.leaves)."""
-        if node.parent is None or node.lock_count:
-            return
-        for tier in self._tiers:
-            tier.note(node)
-        if sum(tier.num_entries for tier in self._tiers) > 8 * len(self.pool_tier.nodes) + 4096:
-            # Drops the stale entries (amortized: after ~8 pushes per node).
-            every = [held for tier in self._tiers for held in tier.nodes.values()]
-            for tier in self._tiers:
-                tier.rebuild(every)
-
     def _remove(self, node: Node) -> None:
         parent = node.parent
         runs = parent.children[node.tokens[0]]
@@ -522,7 +466,7 @@ class PrefixTree:
         if parent.parent is None and not parent.children:  # an empty root: its salt is gone
             del self._roots[next(salt for salt, root in self._roots.items() if root is parent)]
         (self.pool_tier if node.slot is None else self.store_tier).release(node)
-        self._note(parent)  # it may be a leaf now
+        self.eviction.note(parent)  # it may be a leaf now
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
