@@ -10,6 +10,7 @@ agrees on; the kind only names where the match ended.
 """
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from infer.cache.prefix_node import Node
@@ -41,6 +42,24 @@ class PrefixMatch:
     num_cold: int = 0
     # The nodes the reuse reads: the shared blocks', then the copy source's.
     _read: tuple[Node, ...] = field(default=(), repr=False, compare=False)
+
+    @classmethod
+    def reading(
+        cls, kind: MatchKind, num_tokens: int, num_matched: int, read: Sequence[Node], copy_tokens: int
+    ) -> "PrefixMatch":
+        """The match whose reuse reads the nodes `read`: the shared blocks', then, with
+        `copy_tokens`, the copy source's."""
+        shared = read[:-1] if copy_tokens else read
+        return cls(
+            kind,
+            num_tokens,
+            num_matched,
+            tuple(node.block for node in shared),
+            read[-1].block if copy_tokens else None,
+            copy_tokens,
+            sum(node.slot is not None for node in read),
+            tuple(read),
+        )
 
     @property
     def _last_node(self) -> Node | None:

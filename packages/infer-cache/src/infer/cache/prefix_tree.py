@@ -39,7 +39,6 @@ Which calls change the tree: `match` and `entries` read only (not even the LRU c
 change it. A call that raises has changed nothing.
 """
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -99,31 +98,6 @@ class PrefixTree:
         return len(self.pool_tier.nodes)
 
     @property
-    def num_stored_blocks(self) -> int:
-        """Slots of the store the tree holds."""
-        return len(self.store_tier.nodes) if self.store_tier else 0
-
-    @property
-    def num_offloaded_total(self) -> int:
-        """Blocks offloaded into the store so far (the store tier counts them, and the next two)."""
-        return self.store_tier.num_offloaded_total if self.store_tier else 0
-
-    @property
-    def num_restored_total(self) -> int:
-        """Blocks restored from the store so far."""
-        return self.store_tier.num_restored_total if self.store_tier else 0
-
-    @property
-    def num_dropped_total(self) -> int:
-        """Stored blocks dropped (evicted from the store) so far."""
-        return self.store_tier.num_dropped_total if self.store_tier else 0
-
-    @property
-    def num_evicted_blocks(self) -> int:
-        """Pool blocks evicted so far."""
-        return self.eviction.num_evicted_blocks
-
-    @property
     def num_locked_blocks(self) -> int:
         return self._num_locked
 
@@ -135,6 +109,30 @@ class PrefixTree:
 
     def block_ids(self) -> list[int]:
         return sorted(self.pool_tier.nodes)
+
+    # The counters the tiers and the eviction keep, for the engine's stats (the store's are 0
+    # without a store): slots of the store the tree holds; blocks offloaded into the store,
+    # restored from it, and stored ones dropped (evicted from it) so far; pool blocks evicted.
+
+    @property
+    def num_stored_blocks(self) -> int:
+        return len(self.store_tier.nodes) if self.store_tier else 0
+
+    @property
+    def num_offloaded_total(self) -> int:
+        return self.store_tier.num_offloaded_total if self.store_tier else 0
+
+    @property
+    def num_restored_total(self) -> int:
+        return self.store_tier.num_restored_total if self.store_tier else 0
+
+    @property
+    def num_dropped_total(self) -> int:
+        return self.store_tier.num_dropped_total if self.store_tier else 0
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        return self.eviction.num_evicted_blocks
 
     def match(
         self, token_ids: Sequence[int], max_tokens: int | None = None, *, salt: str | None = None
@@ -174,20 +172,9 @@ class PrefixTree:
         num_shared = reuse // size
         copy_tokens = reuse - num_shared * size
         read = path[:num_shared]
-        source = None
-        if copy_tokens:
-            source = path[num_shared] if num_shared < len(path) else tail
-            read = [*read, source]
-        return PrefixMatch(
-            kind,
-            reuse,
-            num_matched,
-            tuple(node.block for node in path[:num_shared]),
-            source.block if source is not None else None,
-            copy_tokens,
-            sum(node.slot is not None for node in read),
-            tuple(read),
-        )
+        if copy_tokens:  # the copy source: the next node, or the one matched part-way
+            read.append(path[num_shared] if num_shared < len(path) else tail)
+        return PrefixMatch.reading(kind, reuse, num_matched, read, copy_tokens)
 
     @staticmethod
     def _kind(tokens, num_matched, path, tail, tail_tokens) -> MatchKind:
@@ -209,28 +196,20 @@ class PrefixTree:
     def lock(self, match: PrefixMatch) -> None:
         """The match's nodes, and all above them, can no longer be evicted; marks them used."""
         tick, now = next(self._tick), self._clock()
-        node = match._last_node
-        while node is not None and node.parent is not None:
-            self._num_locked += node.lock_count == 0 and node.slot is None
-            node.lock_count += 1
+        for node in _path_up(match._last_node):
+            self._take_lock(node)
             node.last_access, node.last_access_s = tick, now
-            node = node.parent
 
     def unlock(self, match: PrefixMatch) -> None:
         """Undoes one lock(match). LockError (changing nothing) if it holds no lock."""
-        path = []
-        node = match._last_node
-        while node is not None and node.parent is not None:
+        path = list(_path_up(match._last_node))
+        for node in path:
             if node.lock_count < 1:
                 raise LockError(
                     f"block {node.block} is not locked; unlock each match exactly once after lock()"
                 )
-            path.append(node)
-            node = node.parent
         for node in path:
-            node.lock_count -= 1
-            self._num_locked -= node.lock_count == 0 and node.slot is None
-            self.eviction.note(node)
+            self._give_lock(node)
 
     def count_hit(self, match: PrefixMatch, num_tokens: int) -> None:
         """Counts one reuse of the match's first `num_tokens` tokens (what a request took of it)
@@ -247,13 +226,8 @@ class PrefixTree:
             raise ValueError(f"the match reads {len(cold)} stored blocks, got {len(blocks)} blocks for them")
         restores = self.store_tier.restore(cold, blocks) if cold else []
         self._num_locked += sum(node.lock_count > 0 for node in cold)
-        shared = match._read[: len(match.block_ids)]
-        source = match._read[-1] if match.copy_tokens else None
-        warmed = dataclasses.replace(
-            match,
-            block_ids=tuple(node.block for node in shared),
-            copy_block=source.block if source is not None else None,
-            num_cold=0,
+        warmed = PrefixMatch.reading(
+            match.kind, match.num_tokens, match.num_matched, match._read, match.copy_tokens
         )
         return warmed, restores
 
@@ -302,14 +276,60 @@ class PrefixTree:
         ValueError (changing nothing) as insert, or when `held` is not such a match of these
         tokens."""
         tokens = tuple(token_ids)
+        self._check_held(held, tokens, len(block_ids))
+        if not tokens:
+            return [], held if lock else None
+        size, top = self.block_size, held._last_node
+        num_blocks = -(-len(tokens) // size)
+        # Walk what the tree holds below `held`; the blocks from the first miss on are new.
+        chunks = [tokens[i : i + size] for i in range(held.num_tokens, num_blocks * size, size)]
+        path: list[Node] = []
+        root = self._roots.get(salt) or Node((), -1, None)
+        node = top if top is not None else root
+        for chunk in chunks:
+            child = self._holder(node, chunk)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        new_blocks = self._blocks_to_take(block_ids[held.num_tokens // size + len(path) : num_blocks])
+        tick, now = next(self._tick), self._clock()
+        self.allocator.share(new_blocks, self.owner)
+        self._roots[salt] = root
+        for chunk, block in zip(chunks[len(path) :], new_blocks, strict=True):
+            node = self._add_child(node, chunk, block, now)
+            path.append(node)
+        last = node
+        if end:
+            last.ends |= {len(tokens) - (num_blocks - 1) * size}
+        # One walk up the whole sequence: each node marked used (and how long a sequence went
+        # through it); below `held`, locked with `lock`, else noted (a candidate now); from
+        # `held` up, its lock kept with `lock`, else given up.
+        below_held = True
+        for node in _path_up(last):
+            below_held = below_held and node is not top
+            node.last_access, node.last_access_s = tick, now
+            node.reach = max(node.reach, len(tokens))
+            if below_held and lock:
+                self._take_lock(node)
+            elif below_held:
+                self.eviction.note(node)
+            elif not lock:
+                self._give_lock(node)
+        match = self._whole_match(held, tokens, path, last) if lock else None
+        if self.max_blocks is not None and self.num_blocks > self.max_blocks:
+            self.evict(self.num_blocks - self.max_blocks)
+        return new_blocks, match
+
+    def _check_held(self, held: PrefixMatch, tokens: tuple[int, ...], num_block_ids: int) -> None:
+        """extend's checks of its arguments, before it changes anything."""
         size = self.block_size
         num_blocks = -(-len(tokens) // size)
-        if len(block_ids) < num_blocks:
+        if num_block_ids < num_blocks:
             raise ValueError(
-                f"{len(tokens)} tokens need {num_blocks} blocks of {size}, got {len(block_ids)} block ids"
+                f"{len(tokens)} tokens need {num_blocks} blocks of {size}, got {num_block_ids} block ids"
             )
-        start = held.num_tokens
-        top = held._last_node
+        start, top = held.num_tokens, held._last_node
         if (
             held.copy_tokens
             or start > len(tokens)
@@ -321,21 +341,10 @@ class PrefixTree:
             )
         if top is not None and top.lock_count < 1:
             raise LockError(f"block {top.block} is not locked; extend moves the lock of a locked match")
-        if not tokens:
-            return [], held if lock else None
-        # Walk what the tree holds below `held`; the blocks from the first miss on are new.
-        chunks = [tokens[i : i + size] for i in range(start, num_blocks * size, size)]
-        path: list[Node] = []
-        root = self._roots.get(salt) or Node((), -1, None)
-        node = top if top is not None else root
-        for chunk in chunks:
-            child = self._holder(node, chunk)
-            if child is None:
-                break
-            path.append(child)
-            node = child
-        num_held_blocks = start // size + len(path)
-        new_blocks = [int(block) for block in block_ids[num_held_blocks:num_blocks]]
+
+    def _blocks_to_take(self, block_ids: Sequence[int]) -> list[int]:
+        """The blocks for the tree's new nodes, checked: each in use, in the tree not yet, once."""
+        new_blocks = [int(block) for block in block_ids]
         for block in new_blocks:
             if block in self.pool_tier.nodes:
                 raise ValueError(f"block {block} already holds other tokens in the tree")
@@ -343,65 +352,50 @@ class PrefixTree:
                 raise ValueError(f"block {block} is free; insert the blocks that hold the tokens")
         if len(set(new_blocks)) != len(new_blocks):
             raise ValueError(f"block ids repeat in {new_blocks}")
-        tick, now = next(self._tick), self._clock()
-        self.allocator.share(new_blocks, self.owner)
-        self._roots[salt] = root
-        for chunk, block in zip(chunks[len(path) :], new_blocks, strict=True):
-            runs = node.children.setdefault(chunk[0], {})
-            child = Node(chunk, block, node, depth=node.depth + len(chunk), created_s=now)
-            runs[chunk] = child
-            self.pool_tier.nodes[block] = child
-            if len(runs) > 1:
-                self._absorb_shorter_siblings(child, runs)
-            path.append(child)
-            node = child
-        last = node
-        if end:
-            last.ends |= {len(tokens) - (num_blocks - 1) * size}
-        # One walk up the whole sequence: each node marked used (and how long a sequence went
-        # through it); below `held`, locked with `lock`; from `held` up, its lock kept with
-        # `lock`, else given up. (Locked nodes are no eviction candidates: nothing to _note.)
-        reach = len(tokens)
-        node = last
-        while node is not top and node.parent is not None:
-            node.last_access, node.last_access_s = tick, now
-            if node.reach < reach:
-                node.reach = reach
-            if lock:
-                self._num_locked += node.lock_count == 0 and node.slot is None
-                node.lock_count += 1
-            else:
-                self.eviction.note(node)
-            node = node.parent
-        while node.parent is not None:
-            node.last_access, node.last_access_s = tick, now
-            if node.reach < reach:
-                node.reach = reach
-            if not lock:
-                node.lock_count -= 1
-                if not node.lock_count:
-                    self._num_locked -= node.slot is None
-                    self.eviction.note(node)
-            node = node.parent
-        match = None
-        if lock:
-            read = (*held._read, *path)
-            kind = self._kind(tokens, len(tokens), read, None, 0)
-            shared = len(tokens) // size
-            partial = len(tokens) % size
-            match = PrefixMatch(
-                kind,
-                len(tokens),
-                len(tokens),
-                held.block_ids + tuple(node.block for node in path[: shared - start // size]),
-                last.block if partial else None,
-                partial,
-                held.num_cold + sum(node.slot is not None for node in path),
-                read,
-            )
-        if self.max_blocks is not None and self.num_blocks > self.max_blocks:
-            self.evict(self.num_blocks - self.max_blocks)
-        return new_blocks, match
+        return new_blocks
+
+    def _add_child(self, node: Node, chunk: tuple[int, ...], block: int, now: float) -> Node:
+        """A new node below `node` for `chunk`, in `block` (the tree's reference taken)."""
+        runs = node.children.setdefault(chunk[0], {})
+        child = Node(chunk, block, node, depth=node.depth + len(chunk), created_s=now)
+        runs[chunk] = child
+        self.pool_tier.nodes[block] = child
+        # Shorter (partial, so leaf) siblings whose tokens start the child's are redundant now:
+        # their sequence ends move to the child, and the unlocked ones go (their blocks freed).
+        for sibling in list(runs.values()):
+            if len(sibling.tokens) < len(chunk) and chunk[: len(sibling.tokens)] == sibling.tokens:
+                child.ends |= sibling.ends
+                if not sibling.lock_count:
+                    self._remove(sibling)
+        return child
+
+    def _whole_match(
+        self, held: PrefixMatch, tokens: tuple[int, ...], path: list[Node], last: Node
+    ) -> PrefixMatch:
+        """The match of all of `tokens` that extend leaves locked: `held`, then the nodes of
+        `path`, the last of them `last`."""
+        read = (*held._read, *path)
+        num_shared = len(tokens) // self.block_size - held.num_tokens // self.block_size
+        partial = len(tokens) % self.block_size
+        return PrefixMatch(
+            self._kind(tokens, len(tokens), read, None, 0),
+            len(tokens),
+            len(tokens),
+            held.block_ids + tuple(node.block for node in path[:num_shared]),
+            last.block if partial else None,
+            partial,
+            held.num_cold + sum(node.slot is not None for node in path),
+            read,
+        )
+
+    def _take_lock(self, node: Node) -> None:
+        self._num_locked += node.lock_count == 0 and node.slot is None
+        node.lock_count += 1
+
+    def _give_lock(self, node: Node) -> None:
+        node.lock_count -= 1
+        self._num_locked -= node.lock_count == 0 and node.slot is None
+        self.eviction.note(node)  # a candidate now if that was its last lock
 
     def _holder(self, node: Node, chunk: tuple[int, ...]) -> Node | None:
         """The child of `node` that holds `chunk`'s tokens: the same run, or for a partial chunk a
@@ -411,19 +405,6 @@ class PrefixTree:
         if child is None and len(chunk) < self.block_size:
             child = next((c for c in runs.values() if c.tokens[: len(chunk)] == chunk), None)
         return child
-
-    def _absorb_shorter_siblings(self, node: Node, runs: dict) -> None:
-        """Shorter (partial, so leaf) siblings whose tokens start `node`'s are redundant now: their
-        sequence ends move to `node`, and the unlocked ones go (their blocks freed)."""
-        for sibling in list(runs.values()):
-            if (
-                len(sibling.tokens) >= len(node.tokens)
-                or node.tokens[: len(sibling.tokens)] != sibling.tokens
-            ):
-                continue
-            node.ends |= sibling.ends
-            if not sibling.lock_count:
-                self._remove(sibling)
 
     # -- evicting ------------------------------------------------------------------------------
 
@@ -467,6 +448,13 @@ class PrefixTree:
             del self._roots[next(salt for salt, root in self._roots.items() if root is parent)]
         (self.pool_tier if node.slot is None else self.store_tier).release(node)
         self.eviction.note(parent)  # it may be a leaf now
+
+
+def _path_up(node: Node | None):
+    """`node` and its ancestors, up to (not including) the root."""
+    while node is not None and node.parent is not None:
+        yield node
+        node = node.parent
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
