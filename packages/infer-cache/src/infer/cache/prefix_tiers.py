@@ -1,23 +1,23 @@
 """The prefix tree's tiers: where its nodes' K/V is, and which of them eviction takes next.
 
-`PrefixTree` (infer.cache.prefix_tree) is the trie: it matches, inserts, locks and evicts nodes,
-and keeps one LRU order over all of them (each node's `last_access`). Each node's K/V is in one
-tier, and the tree reaches every tier through the one interface `Tier`:
+`PrefixTree` (infer.cache.prefix_tree) is the trie: it matches, inserts, locks and removes nodes,
+and keeps one LRU order over all of them (each node's `last_access`), which its eviction
+(infer.cache.prefix_eviction) follows. Each node's K/V is in one tier, and the tree and its
+eviction reach every tier through the one interface `Tier`:
 
 - `nodes`: the tier's nodes, by pool block or by slot;
 - `note(node)`: the node may be an eviction candidate now (made, used, unlocked, or a leaf since
   its last child went), so the tier pushes it onto its heaps;
 - `oldest_leaf()`: the tier's least recently used unlocked leaf, as its heap entry (which the
-  tree's eviction, infer.cache.prefix_eviction, compares across tiers), and `pop_leaf()` to take
-  it; the tree then removes the node;
+  eviction compares across tiers), and `pop_leaf()` to take it; the tree then removes the node;
 - `release(node)`: the node left the tree, so its block or slot goes back to the allocator.
 
 `PoolTier` is the pool's blocks, always there. `StoreTier` is the second tier, when the tree is
 given `slots` (the allocator of the pool's store: int8 blocks on the device, or blocks in host
 memory; infer.cache.kv_pool), and is how the tree makes room in the pool without forgetting
 anything: `offload` moves the least recently used unlocked blocks of sequences of at least
-`store_min_tokens` tokens into free slots (when none is free, the tree evicts its least recently
-used stored leaf), each node staying in the tree with a slot instead of a block.
+`store_min_tokens` tokens into free slots (when none is free, the eviction takes its least
+recently used stored leaf), each node staying in the tree with a slot instead of a block.
 `take_offloaded` gives the (block, slot) copies to run before the block's next owner writes it;
 `restore` (for `PrefixTree.warm`) moves stored nodes back into pool blocks and gives the
 (slot, block) copies to run before anything reads them. It counts the blocks offloaded,
@@ -172,9 +172,9 @@ class StoreTier(Tier):
     ) -> list[int]:
         """Moves up to `num_blocks` least recently used unlocked blocks of long enough sequences
         into slots (of one insert, the same tick, the deepest first), until the next is not
-        `wanted`; when no slot is free, `drop_oldest()` (the tree evicting its least recently
+        `wanted`; when no slot is free, `drop_oldest()` (the eviction taking its least recently
         used stored leaf) frees one, and when it cannot, offloading stops. Each node moved is
-        `note`d (by the tree). Returns the blocks freed; their copies wait for take_offloaded."""
+        `note`d (by the eviction). Returns the blocks freed; their copies wait for take_offloaded."""
         freed: list[int] = []
         while len(freed) < num_blocks and self.to_offload:
             entry = heapq.heappop(self.to_offload)

@@ -276,7 +276,7 @@ class PrefixTree:
         ValueError (changing nothing) as insert, or when `held` is not such a match of these
         tokens."""
         tokens = tuple(token_ids)
-        self._check_held(held, tokens, len(block_ids))
+        self._check_extend(held, tokens, len(block_ids))
         if not tokens:
             return [], held if lock else None
         size, top = self.block_size, held._last_node
@@ -321,7 +321,7 @@ class PrefixTree:
             self.evict(self.num_blocks - self.max_blocks)
         return new_blocks, match
 
-    def _check_held(self, held: PrefixMatch, tokens: tuple[int, ...], num_block_ids: int) -> None:
+    def _check_extend(self, held: PrefixMatch, tokens: tuple[int, ...], num_block_ids: int) -> None:
         """extend's checks of its arguments, before it changes anything."""
         size = self.block_size
         num_blocks = -(-len(tokens) // size)
@@ -373,7 +373,7 @@ class PrefixTree:
         self, held: PrefixMatch, tokens: tuple[int, ...], path: list[Node], last: Node
     ) -> PrefixMatch:
         """The match of all of `tokens` that extend leaves locked: `held`, then the nodes of
-        `path`, the last of them `last`."""
+        `path`; `last` is the node the sequence ends in."""
         read = (*held._read, *path)
         num_shared = len(tokens) // self.block_size - held.num_tokens // self.block_size
         partial = len(tokens) % self.block_size
