@@ -18,7 +18,15 @@ import time
 import httpx
 import pytest
 
-from conformance.api.own_server import DEFAULT_MODEL, extra_server, own_server_url, wait_healthy
+from conformance.api.own_server import (
+    ALLOWED_ORIGIN,
+    DEFAULT_MODEL,
+    GUARDED_API_KEY,
+    extra_server,
+    guarded_server_url,
+    own_server_url,
+    wait_healthy,
+)
 
 TYPES = {"str": str, "int": int, "number": (int, float), "bool": bool, "list": list, "object": dict}
 
@@ -584,6 +592,149 @@ def sse_tool_calls(case: dict, impl, options) -> None:
     assert not problems, "\n".join(problems)
 
 
+# Auth and CORS (specs/api/auth.yaml): our guarded server (own_server.guarded_server_url), or the
+# server given with --base-url when --api-key gives its key.
+
+CORS_HEADERS_ASKED = "authorization, content-type"
+
+
+def api_key_required(case: dict, impl, options) -> None:
+    """The case's request without the right key in each way a client gets it wrong must be a 401
+    (OpenAI's error object, code invalid_api_key, WWW-Authenticate: Bearer, the key not echoed);
+    with the key it must answer as `with_key` says (default 200)."""
+    base_url, key = _guarded_target(case, options)
+    keyed, bare = _client(base_url, key), _client(base_url, None)
+    model = options.model or _first_model(keyed)
+    wrong = {
+        "no Authorization header": None,
+        "the key in another scheme": f"Basic {key}",
+        "an empty key": "Bearer",  # "Bearer " as sent: h11 drops the trailing space
+        "a longer key": f"Bearer {key}x",
+        "another key": "Bearer not-the-key",
+    }
+    problems = []
+    for what, authorization in wrong.items():
+        headers = {} if authorization is None else {"Authorization": authorization}
+        response = _send(bare, {**case["request"], "headers": headers}, model)
+        problems += [f"{what}: {problem}" for problem in _refusal_problems(response, key)]
+    response = _send(keyed, case["request"], model)
+    expect = case.get("with_key", {"status": 200})
+    problems += [f"with the key: {problem}" for problem in _check_response(response, expect, None)]
+    assert not problems, _report(case, response, problems)
+
+
+def open_without_key(case: dict, impl, options) -> None:
+    base_url, _ = _guarded_target(case, options)
+    response = _send(_client(base_url, None), case["request"], "")
+    assert response.status_code == 200, _report(
+        case, response, [f"status {response.status_code} without a key"]
+    )
+
+
+def protect_metrics(case: dict, impl, options) -> None:
+    """On a server of ours with --protect-metrics (its model load held: neither path needs it),
+    /metrics refuses a request without the key and answers one with it; /health stays open."""
+    from infer.server.access import AccessPolicy
+
+    _skip_if_targeted(case, options)
+    access = AccessPolicy(api_key=GUARDED_API_KEY, protect_metrics=True)
+    with extra_server({}, hold_loading=threading.Event(), access=access) as base_url:
+        bare, keyed = _client(base_url, None), _client(base_url, GUARDED_API_KEY)
+        refused, answered, health = bare.get("/metrics"), keyed.get("/metrics"), bare.get("/health")
+    problems = [
+        f"/metrics without the key: {problem}" for problem in _refusal_problems(refused, GUARDED_API_KEY)
+    ]
+    if answered.status_code != 200:
+        problems.append(f"/metrics with the key answered {answered.status_code}")
+    if health.status_code == 401:
+        problems.append("/health asks for the key")
+    assert not problems, "\n".join(problems)
+
+
+def cors_preflight(case: dict, impl, options) -> None:
+    _skip_if_targeted(case, options)
+    response = _preflight(guarded_server_url(), case["path"], ALLOWED_ORIGIN, case["method"])
+    allowed_methods = {m.strip() for m in response.headers.get("access-control-allow-methods", "").split(",")}
+    allowed_headers = {
+        h.strip().lower() for h in response.headers.get("access-control-allow-headers", "").split(",")
+    }
+    problems = []
+    if response.status_code != 200:
+        problems.append(f"status {response.status_code}")
+    if response.headers.get("access-control-allow-origin") != ALLOWED_ORIGIN:
+        problems.append(
+            f"Access-Control-Allow-Origin is {response.headers.get('access-control-allow-origin')!r}"
+        )
+    if case["method"] not in allowed_methods:
+        problems.append(f"{case['method']} is not in Access-Control-Allow-Methods {sorted(allowed_methods)}")
+    if not {"authorization", "content-type"} <= allowed_headers:
+        problems.append(
+            f"Access-Control-Allow-Headers {sorted(allowed_headers)} lacks authorization or content-type"
+        )
+    assert not problems, _report(case, response, problems)
+
+
+def cors_refused(case: dict, impl, options) -> None:
+    _skip_if_targeted(case, options)
+    base_url = guarded_server_url() if case["server"] == "guarded" else own_server_url()
+    response = _preflight(base_url, "/v1/chat/completions", case["origin"], "POST")
+    cors = _cors_headers(response)
+    assert not cors, _report(case, response, [f"CORS headers for {case['origin']}: {cors}"])
+
+
+def cors_response(case: dict, impl, options) -> None:
+    _skip_if_targeted(case, options)
+    base_url = guarded_server_url()
+    keyed, bare = _client(base_url, GUARDED_API_KEY), _client(base_url, None)
+    problems = []
+    for what, client, origin, status in (
+        ("with the key", keyed, ALLOWED_ORIGIN, 200),
+        ("without the key", bare, ALLOWED_ORIGIN, 401),
+        ("from another origin", keyed, "http://elsewhere.example", 200),
+    ):
+        response = _send(client, {**case["request"], "headers": {"Origin": origin}}, DEFAULT_MODEL)
+        wanted = {"access-control-allow-origin": origin} if origin == ALLOWED_ORIGIN else {}
+        got = {k: v for k, v in _cors_headers(response).items() if k == "access-control-allow-origin"}
+        if response.status_code != status or got != wanted:
+            problems.append(
+                f"{what}: status {response.status_code}, CORS headers {got}, expected {status}, {wanted}"
+            )
+    assert not problems, "\n".join(problems)
+
+
+def _guarded_target(case: dict, options) -> tuple[str, str]:
+    """(base URL, its API key): the --base-url server with --api-key, else our guarded server."""
+    _skip_if_targeted(case, options)
+    if not options.base_url:
+        return guarded_server_url(), GUARDED_API_KEY
+    if not options.api_key:
+        pytest.skip("needs --api-key: the key the server at --base-url requires")
+    return _root(options.base_url), options.api_key
+
+
+def _refusal_problems(response: httpx.Response, key: str) -> list[str]:
+    expect = {"status": 401, "error": True, "fields": {"error.code": "invalid_api_key"}}
+    problems = _check_response(response, expect, None)
+    if not response.headers.get("www-authenticate", "").lower().startswith("bearer"):
+        problems.append(f"WWW-Authenticate is {response.headers.get('www-authenticate')!r}, not Bearer")
+    if key in response.text:
+        problems.append("the answer quotes the key")
+    return problems
+
+
+def _preflight(base_url: str, path: str, origin: str, method: str) -> httpx.Response:
+    headers = {
+        "Origin": origin,
+        "Access-Control-Request-Method": method,
+        "Access-Control-Request-Headers": CORS_HEADERS_ASKED,
+    }
+    return _client(base_url, None).options(path, headers=headers)
+
+
+def _cors_headers(response: httpx.Response) -> dict[str, str]:
+    return {k.lower(): v for k, v in response.headers.items() if k.lower().startswith("access-control-")}
+
+
 # Plumbing.
 
 
@@ -594,9 +745,13 @@ def _skip_if_targeted(case: dict, options) -> None:
 
 def _connect(case: dict, options) -> tuple[httpx.Client, str]:
     _skip_if_targeted(case, options)
-    base_url = options.base_url or own_server_url()
-    client = _client(base_url.rstrip("/").removesuffix("/v1"), options.api_key)
+    client = _client(_root(options.base_url) if options.base_url else own_server_url(), options.api_key)
     return client, options.model or _first_model(client)
+
+
+def _root(base_url: str) -> str:
+    """A --base-url without its trailing / or /v1."""
+    return base_url.rstrip("/").removesuffix("/v1")
 
 
 @functools.cache

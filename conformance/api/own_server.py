@@ -2,7 +2,9 @@
 127.0.0.1, started once per session on first use (in a thread of the test process), stopped at exit.
 
 Checks that need a server set up differently (a tiny waiting queue, a model load held back) start
-their own with `extra_server(server_args)` and stop it when they are done.
+their own with `extra_server(server_args)` and stop it when they are done. The auth and CORS checks
+share one more, started once like ours: `guarded_server_url()`, with GUARDED_API_KEY and
+ALLOWED_ORIGIN.
 """
 
 import atexit
@@ -17,6 +19,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 ENGINE_SETTINGS = {"max_seq_len": 2048, "max_batch_size": 4}
 # Generous for a CPU: loading SmolLM2-135M takes seconds, the first start may convert it.
 START_TIMEOUT_S = 600.0
+# The guarded server's key and the one browser origin it allows (specs/api/auth.yaml).
+GUARDED_API_KEY = "conformance-key-7f3a9c"
+ALLOWED_ORIGIN = "http://allowed.example"
 
 
 @functools.cache
@@ -29,10 +34,28 @@ def own_server_url() -> str:
     return server.base_url
 
 
+@functools.cache
+def guarded_server_url() -> str:
+    """The base URL of a server like ours that needs GUARDED_API_KEY and allows ALLOWED_ORIGIN,
+    started on the first call."""
+    from infer.server.access import AccessPolicy
+    from infer.server.serve import BackgroundServer
+
+    access = AccessPolicy(api_key=GUARDED_API_KEY, allowed_origins=(ALLOWED_ORIGIN,))
+    server = BackgroundServer(
+        _engine_factory({}), served_model_name=DEFAULT_MODEL, log_level="warning", access=access
+    )
+    atexit.register(server.stop)
+    return server.base_url
+
+
 @contextlib.contextmanager
-def extra_server(server_args: dict, *, hold_loading: threading.Event | None = None) -> Iterator[str]:
+def extra_server(
+    server_args: dict, *, hold_loading: threading.Event | None = None, access=None
+) -> Iterator[str]:
     """A server of its own on the default model, with ENGINE_SETTINGS updated by `server_args`
-    (fields of infer.engine.EngineConfig); yields its base URL (no /v1) and stops it on exit.
+    (fields of infer.engine.EngineConfig) and `access` (an infer.server.access.AccessPolicy: its
+    API key and CORS origins); yields its base URL (no /v1) and stops it on exit.
 
     Without `hold_loading` it is yielded once healthy. With it, it is yielded as soon as it
     listens, and the model load waits for the event (set on exit at the latest)."""
@@ -49,6 +72,7 @@ def extra_server(server_args: dict, *, hold_loading: threading.Event | None = No
         port=0,
         served_model_name=DEFAULT_MODEL,
         log_level="warning",
+        access=access,
     )
     thread = threading.Thread(target=server.run, name="infer-extra-server", daemon=True)
     thread.start()

@@ -1,6 +1,8 @@
 """The FastAPI application: `create_app(engine_or_factory)` wires the routes, the error bodies,
 the metrics and the engine's lifecycle. `infer.server.serve` runs it on uvicorn.
 
+Who may call it is `infer.server.access`: the API key and the CORS origins, as middleware.
+
 Every error leaves as OpenAI's error object: an ApiError with its status, FastAPI's own HTTP
 errors (unknown path, wrong method) in the same shape, and anything unexpected as a 500
 `internal_error` (logged with its traceback).
@@ -15,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infer.server import errors
+from infer.server.access import AccessPolicy, CorsForAllowedOrigins, RequireApiKey
 from infer.server.errors import ApiError
 from infer.server.limits import RequestLimits
 from infer.server.media import MediaPolicy
@@ -34,6 +37,7 @@ def create_app(
     metrics: ServerMetrics | None = None,
     limits: RequestLimits | None = None,
     media_policy: MediaPolicy | None = None,
+    access: AccessPolicy | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over one engine.
 
@@ -42,6 +46,7 @@ def create_app(
     `served_model_name`: the `model` that requests must name (default: the engine's config.model).
     `limits`: request body and prompt size limits (default: `RequestLimits()`).
     `media_policy`: which image URLs the server fetches (default: none; data: URLs always work).
+    `access`: the API key and the CORS origins (default: no key, no cross-origin browser calls).
     The ServerState is `app.state.server`; `await app.state.server.drain(timeout_s)` drains.
     """
     server = ServerState(
@@ -68,7 +73,14 @@ def create_app(
     app.add_exception_handler(ApiError, _api_error_response)
     app.add_exception_handler(HTTPException, _http_error_response)
     app.add_exception_handler(Exception, _unexpected_error_response)
+    # Added innermost first: CORS headers go on every answer to an allowed origin, 401s included
+    # (so a page can read why), and the 401s are counted by status like any answer.
+    access = access or AccessPolicy()
+    if access.api_key is not None:
+        app.add_middleware(RequireApiKey, policy=access)
     app.add_middleware(_CountStatuses, metrics=server.metrics)
+    if access.allowed_origins:
+        app.add_middleware(CorsForAllowedOrigins, origins=access.allowed_origins)
     return app
 
 

@@ -19,6 +19,7 @@ import socket
 
 import uvicorn
 
+from infer.server.access import AccessPolicy
 from infer.server.app import create_app
 from infer.server.limits import RequestLimits
 from infer.server.media import MediaPolicy
@@ -127,12 +128,17 @@ def build_server(
     log_level: str = "info",
     limits: RequestLimits | None = None,
     media_policy: MediaPolicy | None = None,
+    access: AccessPolicy | None = None,
     exit_on_failure: bool = False,
 ) -> DrainingServer:
     """The server, not started: `.run()` blocks until it exits, `.request_drain()` drains it.
     `exit_on_failure`: stop (and set `.failure`) when the engine fails to load or in a step."""
     app = create_app(
-        engine_or_factory, served_model_name=served_model_name, limits=limits, media_policy=media_policy
+        engine_or_factory,
+        served_model_name=served_model_name,
+        limits=limits,
+        media_policy=media_policy,
+        access=access,
     )
     config = uvicorn.Config(
         app,
