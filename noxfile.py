@@ -82,7 +82,8 @@ def install_chromium(session: nox.Session) -> None:
 def api_suite_against_infer_serve(session: nox.Session, env: dict) -> None:
     """The api contract through `--base-url`, as a user runs it against any server, here against
     an `infer serve` started on its own (the conformance server's settings: the cases' limits are
-    written for them). Planned clauses stay skipped: this server lacks their features."""
+    written for them), with an API key (INFER_API_KEY) that the suite sends, so the auth clauses
+    run against it too. Planned clauses stay skipped: this server lacks their features."""
     import socket
     import subprocess
     import time
@@ -96,7 +97,8 @@ def api_suite_against_infer_serve(session: nox.Session, env: dict) -> None:
         os.path.join(session.bin, "infer"), "serve", "--model", "smollm2-135m-instruct",
         "--max-seq-len", "2048", "--max-batch-size", "4", "--port", str(port), "--log-level", "warning",
     ]  # fmt: skip
-    server = subprocess.Popen(command, env={**os.environ, **env})
+    api_key = "nox-api-suite-key"
+    server = subprocess.Popen(command, env={**os.environ, **env, "INFER_API_KEY": api_key})
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -112,8 +114,8 @@ def api_suite_against_infer_serve(session: nox.Session, env: dict) -> None:
                 session.error("infer serve was not healthy within 300 s")
             time.sleep(1)
         session.run(
-            "pytest", "conformance", "--contract", "api", "--base-url", url, "--skip-planned",
-            "-p", "no:cacheprovider", env=env,
+            "pytest", "conformance", "--contract", "api", "--base-url", url, "--api-key", api_key,
+            "--skip-planned", "-p", "no:cacheprovider", env=env,
         )  # fmt: skip
     finally:
         server.terminate()

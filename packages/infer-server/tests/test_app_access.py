@@ -2,10 +2,16 @@
 client with the right key gets answers and with a wrong one raises AuthenticationError; raw httpx
 for each protected route, the open ones, and CORS preflights as browsers send them."""
 
+import os
+import subprocess
+import sys
+import time
+
 import httpx
 import openai
 import pytest
 
+from infer.models.tensor_parallel import free_local_port
 from infer.server.access import AccessPolicy, parse_origins
 from infer.server.serve import BackgroundServer
 
@@ -223,3 +229,64 @@ def test_the_key_is_not_in_the_policys_repr():
 def test_origins_are_read_as_browsers_send_them():
     values = ["HTTP://UI.example:3000/,http://b.example", "http://b.example", " https://c.example "]
     assert parse_origins(values) == ("http://ui.example:3000", "http://b.example", "https://c.example")
+
+
+# -- `infer serve`'s flags ------------------------------------------------------------------------
+
+
+def infer_serve(*args: str, env: dict[str, str]) -> subprocess.Popen:
+    command = [sys.executable, "-m", "infer.server.cli", "serve", "--max-seq-len", "256", *args]
+    return subprocess.Popen(command, env={**os.environ, **env}, stderr=subprocess.PIPE, text=True)
+
+
+def test_infer_serve_takes_its_key_from_infer_api_key_and_never_logs_it():
+    port = free_local_port()
+    base_url = f"http://127.0.0.1:{port}"
+    process = infer_serve(
+        "--port", str(port), "--allowed-origins", f"{ORIGIN}/", "--log-level", "info",
+        env={"INFER_API_KEY": KEY, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120.0
+        while not _healthy(base_url):
+            assert process.poll() is None and time.monotonic() < deadline, "infer serve did not start"
+            time.sleep(0.1)
+        assert httpx.get(f"{base_url}/v1/models").status_code == 401
+        assert (
+            httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        )
+        assert httpx.get(f"{base_url}/metrics").status_code == 200
+        allowed = httpx.options(
+            f"{base_url}/v1/models", headers={"Origin": ORIGIN, "Access-Control-Request-Method": "GET"}
+        )
+        assert allowed.headers["access-control-allow-origin"] == ORIGIN
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=60)
+    assert "an API key is required on every path but /dashboard, /health, /metrics" in stderr, stderr
+    assert KEY not in stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (["--api-key", ""], {}, "the API key must be printable ASCII without spaces"),
+        (["--protect-metrics"], {"INFER_API_KEY": ""}, "protecting /metrics needs an API key"),
+        (["--allowed-origins", "ui.example"], {}, "allowed origin 'ui.example' is not scheme://host[:port]"),
+    ],
+    ids=["empty-key", "protect-metrics-without-key", "origin-without-scheme"],
+)
+def test_infer_serve_refuses_access_options_that_could_never_work(args, env, says):
+    """An empty INFER_API_KEY means no key, as an unset one; an empty --api-key is a mistake
+    (`--api-key "$KEY"` with KEY unset) that must not leave the server open."""
+    process = infer_serve("--port", str(free_local_port()), *args, env=env)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 2
+    assert stderr.strip().splitlines()[-1].startswith(f"infer serve: {says}"), stderr
+
+
+def _healthy(base_url: str) -> bool:
+    try:
+        return httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200
+    except httpx.TransportError:
+        return False

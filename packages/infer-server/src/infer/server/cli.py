@@ -12,11 +12,16 @@ import functools
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 
 # infer-bench sits above this package and is optional, so its CLI is found by module name when a
 # benchmark is asked for: no infer library imports it (tests/test_import_direction.py).
 BENCH_CLI = "infer.bench.cli"
+# The default of `infer serve --api-key`, as vLLM's VLLM_API_KEY: a key kept out of `ps` output.
+API_KEY_ENV = "INFER_API_KEY"
+
+logger = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +92,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         limits = RequestLimits(
             max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars
         )
+        access = access_policy(args)
     except ValueError as error:
         print(f"infer serve: {error}", file=sys.stderr)
         return 2
@@ -110,6 +116,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         limits=limits,
         media_policy=media_policy(args),
+        access=access,
         exit_on_failure=True,
     )
     server.run(sockets=[listening])
@@ -168,6 +175,25 @@ def build_serve_parser() -> argparse.ArgumentParser:
         "or link-local address is still refused unless --allowed-media-domains lists it",
     )
     parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help="requests must send `Authorization: Bearer KEY`, else 401; /health, /metrics and the "
+        f"/dashboard page stay open (default: ${API_KEY_ENV}; unset or empty: no key)",
+    )
+    parser.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="/metrics needs the API key too (/health stays open for load balancers' probes)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="browser origins that may call the server (CORS), as scheme://host[:port]: "
+        "a.example b.example or a,b; * for any (default: none, no CORS headers)",
+    )
+    parser.add_argument(
         "--engine-in-process",
         action="store_true",
         help="run the engine core in a thread of the server's process instead of a child process "
@@ -188,6 +214,21 @@ def build_serve_parser() -> argparse.ArgumentParser:
     )
     add_cli_arguments(parser)
     return parser
+
+
+def access_policy(args: argparse.Namespace):
+    """The AccessPolicy of `infer serve`'s --api-key (or $INFER_API_KEY), --protect-metrics and
+    --allowed-origins; ValueError for a key or an origin that could never match."""
+    from infer.server.access import AccessPolicy, parse_origins
+
+    policy = AccessPolicy(
+        api_key=args.api_key,
+        protect_metrics=args.protect_metrics,
+        allowed_origins=parse_origins(args.allowed_origins),
+    )
+    if policy.api_key is not None:  # what is open, never the key
+        logger.info("an API key is required on every path but %s", ", ".join(sorted(policy.open_paths)))
+    return policy
 
 
 def media_policy(args: argparse.Namespace):
