@@ -3,6 +3,7 @@ client with the right key gets answers and with a wrong one raises Authenticatio
 for each protected route, the open ones, and CORS preflights as browsers send them."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -121,7 +122,20 @@ def test_health_metrics_and_the_dashboard_page_need_no_key(guarded):
     metrics = send(guarded, "GET", "/metrics", None)
     assert metrics.status_code == 200 and "infer_requests_running" in metrics.text
     page = send(guarded, "GET", "/dashboard", None)
-    assert page.status_code == 200 and "<svg" in page.text
+    assert page.status_code == 200 and "data-key-form" in page.text
+
+
+def test_the_dashboard_asks_for_the_key_and_shows_the_numbers_with_it(guarded):
+    """In headless Chromium (as test_dashboard_browser): without the key the page shows its key
+    form and no numbers; given the key in the address's fragment it reads /v1/stats with it."""
+    from .test_dashboard_browser import browse
+
+    without = browse(f"{guarded.base_url}/dashboard", "--dump-dom")
+    assert re.search(r"<form [^>]*data-key-form=\"\"[^>]*>", without) and "data-rendered" not in without
+    assert re.search(r"<form [^>]*data-key-form=\"\" hidden", without) is None
+    given = browse(f"{guarded.base_url}/dashboard#key={KEY}", "--dump-dom")
+    assert re.search(r"<body data-rendered=\"[0-9.]+\">", given)
+    assert re.search(r"<form [^>]*data-key-form=\"\" hidden", given)
 
 
 def test_refusals_are_counted_by_status(guarded):
