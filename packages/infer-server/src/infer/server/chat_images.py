@@ -27,7 +27,7 @@ from infer.models.vision import ImageLayout, ImageProcessor, image_runs
 from infer.server import errors
 from infer.server.errors import ApiError
 from infer.server.media import MediaError, MediaPolicy, check_image_count, load_image
-from infer.server.schemas import ChatCompletionRequest, TextPart
+from infer.server.schemas import ChatMessages, TextPart
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class ChatImage:
 def load_images(
     image_urls: Sequence[tuple[str, str]], processor: ImageProcessor | None, model: str, policy: MediaPolicy
 ) -> list[ChatImage]:
-    """Each (param, URL) of `ChatCompletionRequest.image_urls()` decoded and preprocessed, in order.
+    """Each (param, URL) of `ChatMessages.image_urls()` decoded and preprocessed, in order.
     Blocks (decoding, and fetching where the policy allows it): run it off the event loop."""
     if not image_urls:
         return []
@@ -70,16 +70,18 @@ def encode_with_images(
     prompt: str,
     images: Sequence[ChatImage],
     processor: ImageProcessor | None,
-    body: ChatCompletionRequest,
+    body: ChatMessages,
     tokenizer,
+    *,
+    add_special_tokens: bool = False,
 ) -> tuple[list[int], list[PromptImage]]:
     """The ids of a rendered chat prompt (`tokenizer`: infer.models' Tokenizer) with its images
     widened, and the images over their placeholder runs; for a model without a vision tower
     (`processor` None) the prompt's ids alone. ApiError 400 when the request's text spells an
-    image."""
+    image. The rendered text holds the BOS the template wants: `add_special_tokens` (the
+    tokenizer's own on top, as /tokenize may ask) is off by default."""
     if processor is None:  # load_images refused any image part already
-        # The rendered text holds the BOS the template wants: no special tokens added.
-        return tokenizer.encode(prompt, add_special_tokens=False), []
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens), []
     layout = processor.layout
     # The template writes one marker per image part: any more came from text. Outside them the
     # placeholder is text's (a marker may hold it: Qwen's does).
@@ -90,7 +92,7 @@ def encode_with_images(
         pieces = prompt.split(layout.marker)
         widened = zip(images, pieces[1:], strict=True)
         prompt = pieces[0] + "".join(layout.expansion(image.num_tokens) + piece for image, piece in widened)
-    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     return prompt_ids, _prompt_images(prompt_ids, images, layout)
 
 
@@ -113,7 +115,7 @@ def _prompt_images(
     ]
 
 
-def _spelled_in_text(body: ChatCompletionRequest, layout: ImageLayout, with_images: bool) -> ApiError:
+def _spelled_in_text(body: ChatMessages, layout: ImageLayout, with_images: bool) -> ApiError:
     """The 400 for text that spells an image, naming the first message text that does."""
     spellings = [layout.image_token, layout.marker] if with_images else [layout.image_token]
 

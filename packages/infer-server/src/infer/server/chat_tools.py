@@ -24,7 +24,7 @@ from typing import Any
 from infer.engine.grammar_spec import GrammarSpec
 from infer.server import errors
 from infer.server.errors import ApiError
-from infer.server.schemas import ChatCompletionRequest
+from infer.server.schemas import NamedToolChoice, Tool
 from infer.server.tool_grammar import ToolSchemaError, forced_call_grammar
 from infer.server.tool_parsers import ToolCallFormat
 
@@ -64,11 +64,10 @@ class ToolUse:
             raise ApiError(400, str(error), errors.INVALID_REQUEST, error.field, code) from None
 
 
-def tool_use(body: ChatCompletionRequest) -> ToolUse | None:
-    """The request's tools, checked (ApiError 400 naming the field); None when no tools are in
-    play (none given, or tool_choice "none")."""
-    tools = body.tools or []
-    choice = body.tool_choice
+def tool_use(tools: list[Tool] | None, choice: str | NamedToolChoice | None) -> ToolUse | None:
+    """A request's `tools` and `tool_choice`, checked (ApiError 400 naming the field); None when
+    no tools are in play (none given, or tool_choice "none")."""
+    tools = tools or []
     forced_name = choice.function.name if choice is not None and not isinstance(choice, str) else None
     if not tools:
         if forced_name is not None or choice == "required":

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages (and tools) rendered by the model's chat template (ours,
-never transformers' apply_chat_template), tokenized once; the answer streamed or in one body.
+never transformers' apply_chat_template), tokenized once (infer.server.chat_prompt); the answer
+streamed or in one body.
 
 The prompt tokens of `usage` are exactly the tokens fed to the model (with a forced tool call,
 the call's opening written for the model included). Generation ends at the template's
@@ -18,12 +19,11 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
-from infer.models.chat_template import ChatTemplateError, ChatTemplateKwargsError
-from infer.server import chat_images, chat_tools, errors, responses
+from infer.server import chat_tools, responses
 from infer.server.chat_output import ChatAnswer, ChatOutputParser, finish_reason
-from infer.server.errors import CLIENT_CLOSED_REQUEST, ApiError, parse_request
+from infer.server.chat_prompt import build_chat_prompt
+from infer.server.errors import CLIENT_CLOSED_REQUEST, parse_request
 from infer.server.generation import (
     EventStreamResponse,
     answer_events,
@@ -34,7 +34,7 @@ from infer.server.generation import (
     submit,
     total_usage,
 )
-from infer.server.limits import check_prompt_chars, read_body
+from infer.server.limits import read_body
 from infer.server.logprobs import ChoiceLogprobs
 from infer.server.reasoning import prompt_opens_reasoning
 from infer.server.schemas import ChatCompletionRequest
@@ -44,9 +44,6 @@ from infer.server.tool_parsers import ToolCallFormat, tool_call_format
 
 router = APIRouter()
 
-# Names the template's render() takes itself; chat_template_kwargs may not override them.
-_RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
-
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
@@ -54,26 +51,12 @@ async def create_chat_completion(request: Request) -> Response:
     body = parse_request(ChatCompletionRequest, await read_body(request, server.limits.max_request_bytes))
     engine_loop = server.require_ready()
     server.check_model(body.model)
-    tools = chat_tools.tool_use(body)
+    tools = chat_tools.tool_use(body.tools, body.tool_choice)
     family = server.engine.model_info.chat_template.family
     tool_format = tool_call_format(family) if tools is not None else None
     call_prefix = tools.call_prefix(tool_format) if tools is not None else ""
-    image_urls = body.image_urls()
-    images = []
-    if image_urls:  # before rendering, so a model without a vision tower refuses them by name
-        images = await run_in_threadpool(
-            chat_images.load_images, image_urls, server.image_processor, body.model, server.media_policy
-        )
-    prompt = await run_in_threadpool(_render, server, body, tools)
-    check_prompt_chars(len(prompt), server.max_prompt_chars, "messages")
-    prompt_ids, engine_images = await run_in_threadpool(
-        chat_images.encode_with_images,
-        prompt + call_prefix,
-        images,
-        server.image_processor,
-        body,
-        server.engine.tokenizer,
-    )
+    chat_prompt = await build_chat_prompt(server, body, tools, call_prefix=call_prefix)
+    prompt, prompt_ids = chat_prompt.text, chat_prompt.ids
     params = sampling_params(
         body,
         len(prompt_ids),
@@ -93,7 +76,7 @@ async def create_chat_completion(request: Request) -> Response:
         prompt_field="messages",
         n=body.n,
         cache_salt=body.cache_salt,
-        images=engine_images,
+        images=chat_prompt.images,
     )
     report_cached = server.engine.config.use_prefix_caching
     choice_logprobs = [
@@ -167,29 +150,3 @@ def _output_parser(
         tool_names=tools.tool_names if tools is not None else (),
         call_prefix=call_prefix,
     )
-
-
-def _render(server: ServerState, body: ChatCompletionRequest, tools: chat_tools.ToolUse | None) -> str:
-    reserved = [name for name in _RESERVED_TEMPLATE_KWARGS if name in body.chat_template_kwargs]
-    if reserved:
-        raise ApiError(
-            400,
-            f"chat_template_kwargs may not set {reserved}: the server passes them; remove them",
-            errors.INVALID_REQUEST,
-            "chat_template_kwargs",
-            "invalid_value",
-        )
-    template = server.engine.model_info.chat_template
-    try:
-        return template.render(
-            body.template_messages(),
-            add_generation_prompt=True,
-            tools=tools.template_tools if tools is not None else None,
-            **body.template_kwargs(),
-        )
-    except ChatTemplateKwargsError as error:  # e.g. {"default_system_prompt": 5}
-        raise ApiError(
-            400, str(error), errors.INVALID_REQUEST, "chat_template_kwargs", "invalid_value"
-        ) from None
-    except ChatTemplateError as error:  # the template refused these messages (e.g. a role order)
-        raise ApiError(400, str(error), errors.INVALID_REQUEST, "messages", "invalid_value") from None

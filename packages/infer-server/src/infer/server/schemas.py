@@ -591,7 +591,39 @@ class ResponseFormat(_Strict):
         return self._grammar
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatMessages:
+    """What a request's `messages` (a list of ChatMessage) give the chat template and the image
+    loader, for every request that holds a chat. A plain mixin (no fields): each request model
+    declares `messages` itself."""
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as plain dicts for a chat template (unset fields left out, and the SDK's
+        echo fields, which are not conversation). An image part is `{"type": "image"}`, as
+        Hugging Face's chat templates take it: they write the model's image marker there."""
+        echoed = {"refusal", "audio", "function_call", "annotations"}
+        messages = []
+        for message in self.messages:
+            dumped = message.model_dump(exclude_none=True, exclude=echoed)
+            if isinstance(message.content, list):
+                dumped["content"] = [
+                    {"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
+                    for part in message.content
+                ]
+            messages.append(dumped)
+        return messages
+
+    def image_urls(self) -> list[tuple[str, str]]:
+        """(where it is, as an error's `param`; its URL) of every image part, in prompt order."""
+        return [
+            (f"messages.{message_index}.content.{part_index}.image_url.url", part.image_url.url)
+            for message_index, message in enumerate(self.messages)
+            if isinstance(message.content, list)
+            for part_index, part in enumerate(message.content)
+            if isinstance(part, ImagePart)
+        ]
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatMessages):
     """POST /v1/chat/completions."""
 
     NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
@@ -705,29 +737,3 @@ class ChatCompletionRequest(_SamplingRequest):
             **self.chat_template_kwargs,
             "enable_thinking": self.reasoning_effort not in ("none", "minimal"),
         }
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as plain dicts for a chat template (unset fields left out, and the SDK's
-        echo fields, which are not conversation). An image part is `{"type": "image"}`, as
-        Hugging Face's chat templates take it: they write the model's image marker there."""
-        echoed = {"refusal", "audio", "function_call", "annotations"}
-        messages = []
-        for message in self.messages:
-            dumped = message.model_dump(exclude_none=True, exclude=echoed)
-            if isinstance(message.content, list):
-                dumped["content"] = [
-                    {"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
-                    for part in message.content
-                ]
-            messages.append(dumped)
-        return messages
-
-    def image_urls(self) -> list[tuple[str, str]]:
-        """(where it is, as an error's `param`; its URL) of every image part, in prompt order."""
-        return [
-            (f"messages.{message_index}.content.{part_index}.image_url.url", part.image_url.url)
-            for message_index, message in enumerate(self.messages)
-            if isinstance(message.content, list)
-            for part_index, part in enumerate(message.content)
-            if isinstance(part, ImagePart)
-        ]
