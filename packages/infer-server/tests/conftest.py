@@ -127,3 +127,16 @@ def start_server(make_engine, spawn_engine):
 def server(start_server):
     """The shared server: 4 rows, the default continuous batching on the paged pool."""
     return start_server(max_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def small_limits_server(start_server):
+    """A server of the test module's own with tight request limits: 2000 bytes of body, 100
+    characters of prompt (test_app_errors, test_app_tokenize)."""
+    from infer.server.limits import RequestLimits
+
+    running = start_server(
+        max_batch_size=1, limits=RequestLimits(max_request_bytes=2000, max_prompt_chars=100)
+    )
+    yield running
+    running.stop()

@@ -152,15 +152,6 @@ def test_a_20_mb_prompt_is_refused_before_tokenizing_by_the_default_limit(server
     assert response.status_code == 413 and response.json()["error"]["param"] == "messages"
 
 
-@pytest.fixture(scope="module")
-def small_limits_server(start_server):
-    running = start_server(
-        max_batch_size=1, limits=RequestLimits(max_request_bytes=2000, max_prompt_chars=100)
-    )
-    yield running
-    running.stop()
-
-
 def test_a_body_over_the_byte_limit_is_413_with_or_without_content_length(small_limits_server):
     server = small_limits_server
     body = json.dumps({"model": server.model, "prompt": "x" * 3000, "max_tokens": 1}).encode()

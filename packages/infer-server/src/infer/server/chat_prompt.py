@@ -1,6 +1,9 @@
 """A chat request's prompt, as the model is fed it: the messages (and tools) rendered by the
 model's chat template (ours, never transformers' apply_chat_template), the images decoded and
 widened into their placeholder tokens (infer.server.chat_images), the text tokenized once.
+
+/v1/chat/completions runs this prompt and /tokenize counts it, so a chat's token count from
+/tokenize is the `usage.prompt_tokens` the chat route reports for the same messages.
 """
 
 from collections.abc import Sequence
@@ -14,7 +17,7 @@ from infer.server import chat_images, errors
 from infer.server.chat_tools import ToolUse
 from infer.server.errors import ApiError
 from infer.server.limits import check_prompt_chars
-from infer.server.schemas import ChatCompletionRequest
+from infer.server.schemas import ChatCompletionRequest, TokenizeRequest
 from infer.server.server_state import ServerState
 
 # Names the template's render() takes itself; chat_template_kwargs may not override them.
@@ -30,7 +33,7 @@ class ChatPrompt:
 
 async def build_chat_prompt(
     server: ServerState,
-    body: ChatCompletionRequest,
+    body: ChatCompletionRequest | TokenizeRequest,
     tools: ToolUse | None,
     *,
     call_prefix: str = "",
@@ -68,7 +71,7 @@ async def build_chat_prompt(
 
 def _render(
     server: ServerState,
-    body: ChatCompletionRequest,
+    body: ChatCompletionRequest | TokenizeRequest,
     tools: ToolUse | None,
     add_generation_prompt: bool,
 ) -> str:

@@ -1,6 +1,6 @@
 """POST /v1/chat/completions: messages (and tools) rendered by the model's chat template (ours,
-never transformers' apply_chat_template), tokenized once (infer.server.chat_prompt); the answer
-streamed or in one body.
+never transformers' apply_chat_template), tokenized once (infer.server.chat_prompt, which
+/tokenize shares); the answer streamed or in one body.
 
 The prompt tokens of `usage` are exactly the tokens fed to the model (with a forced tool call,
 the call's opening written for the model included). Generation ends at the template's

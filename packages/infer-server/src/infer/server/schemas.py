@@ -40,7 +40,7 @@ pydantic error into an OpenAI error body and picks the HTTP status):
 
 import json
 import logging
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -593,8 +593,8 @@ class ResponseFormat(_Strict):
 
 class ChatMessages:
     """What a request's `messages` (a list of ChatMessage) give the chat template and the image
-    loader, for every request that holds a chat. A plain mixin (no fields): each request model
-    declares `messages` itself."""
+    loader: one reading of them for /v1/chat/completions and /tokenize. A plain mixin (no fields):
+    each request model declares `messages` itself."""
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as plain dicts for a chat template (unset fields left out, and the SDK's
@@ -737,3 +737,87 @@ class ChatCompletionRequest(_SamplingRequest, ChatMessages):
             **self.chat_template_kwargs,
             "enable_thinking": self.reasoning_effort not in ("none", "minimal"),
         }
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+# The /tokenize fields that only a chat (`messages`) has.
+TOKENIZE_CHAT_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "mm_processor_kwargs",
+    "tools",
+)
+
+
+# vLLM's /tokenize fields that ask for what this server does not do, and why: accepted only at
+# null (or false, or {}).
+_NOT_DONE_HERE = {
+    "continue_final_message": "an open final message is not supported (the model's chat template "
+    "closes every message); leave continue_final_message out or send false",
+    "chat_template": "a request's own chat template is not supported: the server renders with the "
+    "model's template; leave chat_template out",
+    "mm_processor_kwargs": "processor arguments are not supported: the model's image processor sizes "
+    "every image itself; leave mm_processor_kwargs out",
+}
+
+
+class TokenizeRequest(_Strict, ChatMessages):
+    """POST /tokenize, vLLM's two bodies in one model: text (`prompt`, its TokenizeCompletionRequest)
+    or a chat (`messages` and the chat fields, its TokenizeChatRequest). That exactly one of them
+    is given, and no chat field with a prompt, is checked by the route (infer.server.routes_tokenize),
+    which names the field. The messages and tools are read as /v1/chat/completions reads them."""
+
+    # vLLM's /tokenize takes no model or null; a model named must be the served one.
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # vLLM's defaults: the tokenizer's special tokens (BOS) on a prompt; none on top of what a chat
+    # template writes.
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+    add_generation_prompt: bool = True
+    # Only at their neutral values (_NOT_DONE_HERE says why): a chat whose final message stays
+    # open, a request's own Jinja template, arguments for vLLM's multimodal processor.
+    continue_final_message: bool = False
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tools: list[Tool] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_non_empty(cls, value: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        if value is not None and not value:
+            raise PydanticCustomError(EMPTY_INPUT, "messages must hold at least one message")
+        return value
+
+    @field_validator("continue_final_message", "chat_template", "mm_processor_kwargs")
+    @classmethod
+    def _only_what_is_done_here(cls, value: Any, info) -> Any:
+        if value is None or value is False or value == {}:
+            return value
+        raise _unsupported(_NOT_DONE_HERE[info.field_name])
+
+    @property
+    def adds_special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens: as sent, else vLLM's default for the
+        shape (a prompt: yes; a chat, whose template writes its own BOS: no)."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables (chat_template_kwargs), as ChatCompletionRequest's."""
+        return dict(self.chat_template_kwargs)
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's DetokenizeRequest): token ids to text. That each id is in the
+    vocabulary is checked by the route, which has the tokenizer."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
