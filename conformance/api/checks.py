@@ -359,6 +359,65 @@ def echo_prefix(case: dict, impl, options) -> None:
     assert not problems, "\n".join(problems)
 
 
+def tokenize_answer(case: dict, impl, options) -> None:
+    """The case's /tokenize answer agrees with itself and the server: count is len(tokens), every
+    token an id >= 0, token_strs one string per token when asked for (else null or absent), and
+    max_model_len the one GET /v1/models gives the model (where it gives one)."""
+    client, model = _connect(case, options)
+    response = _send(client, case["request"], model)
+    assert response.status_code == 200, _report(case, response, [f"status {response.status_code}"])
+    body, problems = response.json(), []
+    tokens = body.get("tokens")
+    if not (isinstance(tokens, list) and all(isinstance(t, int) and t >= 0 for t in tokens)):
+        problems.append(f"tokens is not a list of token ids: {tokens!r}")
+    elif body.get("count") != len(tokens):
+        problems.append(f"count {body.get('count')!r} != {len(tokens)} tokens")
+    token_strs = body.get("token_strs")
+    if _materialize(case["request"], model)["json"].get("return_token_strs"):
+        if not (isinstance(token_strs, list) and all(isinstance(t, str) for t in token_strs)):
+            problems.append(f"token_strs is not a list of strings: {token_strs!r}")
+        elif isinstance(tokens, list) and len(token_strs) != len(tokens):
+            problems.append(f"{len(token_strs)} token_strs for {len(tokens)} tokens")
+    elif token_strs is not None:
+        problems.append(f"token_strs not asked for, but given: {token_strs!r}")
+    listed = {entry["id"]: entry for entry in client.get("/v1/models").json()["data"]}
+    listed_len = listed.get(model, {}).get("max_model_len")
+    if listed_len is not None and body.get("max_model_len") != listed_len:
+        problems.append(f"max_model_len {body.get('max_model_len')!r}, but /v1/models says {listed_len}")
+    assert not problems, _report(case, response, problems)
+
+
+def tokenize_counts_chat_prompt(case: dict, impl, options) -> None:
+    """/tokenize of the case's `chat` fields (messages, tools) counts the usage.prompt_tokens of a
+    one-token /v1/chat/completions answer to the same fields."""
+    client, model = _connect(case, options)
+    chat = _materialize(case["chat"], model)
+    tokenized = client.post("/tokenize", json={"model": model, **chat})
+    assert tokenized.status_code == 200, _report(case, tokenized, [f"/tokenize {tokenized.status_code}"])
+    answered = client.post(
+        "/v1/chat/completions", json={"model": model, **chat, "max_tokens": 1, "temperature": 0}
+    )
+    assert answered.status_code == 200, _report(case, answered, [f"chat {answered.status_code}"])
+    count, prompt_tokens = tokenized.json()["count"], answered.json()["usage"]["prompt_tokens"]
+    assert count == prompt_tokens, f"/tokenize counts {count} tokens, the chat's usage {prompt_tokens}"
+
+
+def detokenize_round_trip(case: dict, impl, options) -> None:
+    """/detokenize of /tokenize's tokens for the case's `prompt` (without special tokens) gives
+    the prompt back."""
+    client, model = _connect(case, options)
+    prompt = case["prompt"]
+    tokenized = client.post("/tokenize", json={"model": model, "prompt": prompt, "add_special_tokens": False})
+    assert tokenized.status_code == 200, _report(case, tokenized, [f"/tokenize {tokenized.status_code}"])
+    tokens = tokenized.json()["tokens"]
+    detokenized = client.post("/detokenize", json={"model": model, "tokens": tokens})
+    assert detokenized.status_code == 200, _report(
+        case, detokenized, [f"/detokenize {detokenized.status_code}"]
+    )
+    text = detokenized.json()["prompt"]
+    assert text == prompt, f"/detokenize of {tokens} gave {text!r}, not {prompt!r}"
+
+
 def _with(request: dict, **fields) -> dict:
     return {**request, "json": {**request["json"], **fields}}
 
