@@ -28,7 +28,7 @@ def post(server, path: str, **kwargs) -> httpx.Response:
 def refusal(path: str, body, status: int, code: str, param: str | None):
     """One case: `body` (a dict; "$MODEL" stands for the served model, or raw bytes) sent to
     `path` must be refused with `status`, and error.code and error.param as given."""
-    return pytest.param(path, body, status, code, param, id=f"{status}-{code}-{param}")
+    return pytest.param(path, body, status, code, param, id=f"{path[1:]}-{status}-{code}-{param}")
 
 
 LONG_TEXT = "hello " * 2000  # ~2000 tokens: beyond the test server's 512-token context

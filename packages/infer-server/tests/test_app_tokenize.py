@@ -8,9 +8,10 @@ import json
 import httpx
 import pytest
 
+from .test_app_errors import HI, post, refusal
+
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
-HI = [{"role": "user", "content": "Hi"}]
 CONVERSATION = [
     {"role": "system", "content": "You answer in one word."},
     {"role": "user", "content": "Colour of the sky?"},
@@ -26,10 +27,6 @@ WEATHER_TOOL = {
     },
 }
 TEXTS = ["Hello, world.", "naïve café, 東京, 🙂", "  two  spaces\nand a line", ""]
-
-
-def post(server, path: str, **kwargs) -> httpx.Response:
-    return httpx.post(server.base_url + path, timeout=60.0, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -168,10 +165,6 @@ def test_detokenize_writes_special_tokens_out(server, hf_tokenizer):
 def test_null_and_neutral_values_of_optional_fields_are_accepted(server, path, body):
     response = post(server, path, json=body)
     assert response.status_code == 200, response.text
-
-
-def refusal(path: str, body, status: int, code: str, param: str | None):
-    return pytest.param(path, body, status, code, param, id=f"{path[1:]}-{code}-{param}")
 
 
 VOCAB_SIZE = 49152  # SmolLM2's: ids 0 .. 49151
