@@ -115,7 +115,7 @@ class HostKVStore:
         device = layer_tensors[0][0].device
         block_ids = torch.tensor(blocks, dtype=torch.long).to(device, non_blocking=True)
         if device.type != "cuda":
-            staged = torch.cat([self.slots[slot : slot + 1] for slot in slots])
+            staged = self.slots[slots]  # a copy of those rows
             _scatter(layer_tensors, staged, block_ids)
             return
         streams = self._copy_streams(device)

@@ -63,9 +63,9 @@ async def detokenize(request: Request) -> Response:
     server, body = await _read(request, DetokenizeRequest)
     tokenizer = server.engine.tokenizer
     vocab_size = tokenizer.vocab_size
-    if body.tokens and max(body.tokens) >= vocab_size:
-        # The tokenizer would drop such an id without a word (or overflow on a huge one).
-        index = next(index for index, token_id in enumerate(body.tokens) if token_id >= vocab_size)
+    # The tokenizer would drop an id outside the vocabulary without a word (or overflow on a huge one).
+    index = next((index for index, token_id in enumerate(body.tokens) if token_id >= vocab_size), None)
+    if index is not None:
         raise ApiError(
             400,
             f"tokens.{index}: {body.tokens[index]} is not a token id of this model's vocabulary "
