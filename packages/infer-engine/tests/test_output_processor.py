@@ -37,7 +37,7 @@ def test_a_stop_string_ends_the_request_in_the_frontend_and_asks_once_for_the_co
     token_ids = tokenizer.encode(TEXT, add_special_tokens=False)
     text = tokenizer.decode(token_ids)
     processor = OutputProcessor(tokenizer)
-    processor.add("a", [1, 2, 3], SamplingParams(max_new_tokens=100, stop=["Eiffel"]))
+    processor.add("a", [1, 2, 3], SamplingParams(max_new_tokens=100, stop=["Tower", "Eiffel", "Rome"]))
     outputs, aborts = [], []
     # The core knows nothing of the stop string: it sends every token, and its abort comes late.
     for engine_outputs in [
@@ -52,6 +52,9 @@ def test_a_stop_string_ends_the_request_in_the_frontend_and_asks_once_for_the_co
     finals = [output for output in outputs if output.finished]
     assert len(finals) == 1 and finals[0] is outputs[-1]
     assert finals[0].finish_reason == "stop" and finals[0].error is None
+    # The earliest stop string in the text, whatever its place in the list.
+    assert finals[0].stop_string == "Eiffel"
+    assert [output.stop_string for output in outputs[:-1]] == [None] * (len(outputs) - 1)
     assert finals[0].completion_tokens == len(outputs)
     assert "a" not in processor
 
@@ -67,6 +70,7 @@ def test_the_last_token_of_a_core_stop_is_hidden_and_of_a_length_finish_shown(to
         assert "".join(output.text_delta for output in outputs) == tokenizer.decode(shown_ids)
         assert [output.finished for output in outputs] == [False] * (len(token_ids) - 1) + [True]
         assert outputs[-1].finish_reason == str(finish)
+        assert outputs[-1].stop_string is None
 
 
 def test_an_abort_that_crosses_a_finish_gives_one_final_output(tokenizer):

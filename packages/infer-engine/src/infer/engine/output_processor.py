@@ -45,6 +45,9 @@ class StepOutput:
     # Prompt tokens the prefix cache served instead of the forward (usage's cached_tokens). How
     # the answer was computed, not what it is: outputs compare equal without it.
     cached_tokens: int = field(default=0, compare=False)
+    # On the final output of a request a stop string ended: that string (vLLM's `stop_reason`;
+    # Anthropic's `stop_sequence`). None otherwise, a stop token or EOS included.
+    stop_string: str | None = None
 
 
 class _RequestText:
@@ -116,6 +119,7 @@ class OutputProcessor:
                     vision_encoder_s=output.vision_encoder_s if index == 0 else None,
                     logprobs=output.logprobs[index] if output.logprobs is not None else None,
                     cached_tokens=output.num_cached_tokens,
+                    stop_string=state.stop_checker.matcher.matched if finish_reason is not None else None,
                 )
             )
             if finish_reason is not None:

@@ -23,6 +23,7 @@ class StopStringMatcher:
         self.stop = [text for text in stop if text]
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text, once one did
 
     def push(self, delta: str) -> tuple[str, bool]:
         """Returns (text to emit now, stopped). After a stop, further pushes emit nothing."""
@@ -34,9 +35,10 @@ class StopStringMatcher:
             return emitted, False
         # Invariant: every stop string that could still complete starts inside `pending`, so the
         # earliest occurrence found here is the earliest one in the whole output.
-        found = [index for index in (self.pending.find(text) for text in self.stop) if index >= 0]
+        found = [(index, text) for text in self.stop if (index := self.pending.find(text)) >= 0]
         if found:
-            emitted = self.pending[: min(found)]
+            index, self.matched = min(found, key=lambda match: match[0])
+            emitted = self.pending[:index]
             self.pending = ""
             self.stopped = True
             return emitted, True
