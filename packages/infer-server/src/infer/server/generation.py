@@ -164,7 +164,7 @@ async def collect(
         outputs = [handle.outputs.get_nowait() for _ in range(handle.outputs.qsize())]
         final = outputs[-1]
         if final.error is not None or final.finish_reason == FINISH_ABORT:
-            raise _unfinished(handle, final)
+            raise unfinished_error(handle, final)
         tokens = [output for output in outputs if output.token_id is not None]
         collected.append(
             Collected(
@@ -327,7 +327,7 @@ async def choice_events(
         if text:
             yield piece_event(text, *pending.take())
     if output.error is not None or output.finish_reason == FINISH_ABORT:
-        raise _Unfinished(_unfinished(handle, output))
+        raise _Unfinished(unfinished_error(handle, output))
     yield stream.finish(output.finish_reason, text, *pending.take())
 
 
@@ -352,7 +352,7 @@ async def parsed_choice_events(
             yield _piece_event(stream, piece, num_calls_sent, *pending.take())
             num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
     if output.error is not None or output.finish_reason == FINISH_ABORT:
-        raise _Unfinished(_unfinished(handle, output))
+        raise _Unfinished(unfinished_error(handle, output))
     for piece in chat_output.feed(text) + chat_output.finish():
         yield _piece_event(stream, piece, num_calls_sent, *pending.take())
         num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
@@ -361,7 +361,7 @@ async def parsed_choice_events(
     yield stream.finish(reason, "", *pending.take())
 
 
-def _unfinished(handle: RequestHandle, final: StepOutput) -> ApiError:
+def unfinished_error(handle: RequestHandle, final: StepOutput) -> ApiError:
     """Why a choice ends without an answer: the engine died (503: retry once it is back), its
     batch's forward failed (500), or the server cancelled it (503; a client that went away reads
     no more events)."""

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages (and tools) rendered by the model's chat template (ours,
 never transformers' apply_chat_template), tokenized once (infer.server.chat_prompt, which
-/tokenize shares); the answer streamed or in one body.
+/tokenize shares) and submitted (infer.server.chat_run, which /v1/messages shares); the answer
+streamed or in one body.
 
 The prompt tokens of `usage` are exactly the tokens fed to the model (with a forced tool call,
 the call's opening written for the model included). Generation ends at the template's
@@ -20,9 +21,9 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from infer.server import chat_tools, responses
-from infer.server.chat_output import ChatAnswer, ChatOutputParser, finish_reason
-from infer.server.chat_prompt import build_chat_prompt
+from infer.server import responses
+from infer.server.chat_output import finish_reason
+from infer.server.chat_run import start_chat
 from infer.server.errors import CLIENT_CLOSED_REQUEST, parse_request
 from infer.server.generation import (
     EventStreamResponse,
@@ -30,17 +31,13 @@ from infer.server.generation import (
     choice_events,
     collect,
     parsed_choice_events,
-    sampling_params,
-    submit,
     total_usage,
 )
 from infer.server.limits import read_body
 from infer.server.logprobs import ChoiceLogprobs
-from infer.server.reasoning import prompt_opens_reasoning
 from infer.server.schemas import ChatCompletionRequest
 from infer.server.server_state import ServerState
 from infer.server.sse import ChatStream
-from infer.server.tool_parsers import ToolCallFormat, tool_call_format
 
 router = APIRouter()
 
@@ -49,35 +46,9 @@ router = APIRouter()
 async def create_chat_completion(request: Request) -> Response:
     server: ServerState = request.app.state.server
     body = parse_request(ChatCompletionRequest, await read_body(request, server.limits.max_request_bytes))
-    engine_loop = server.require_ready()
-    server.check_model(body.model)
-    tools = chat_tools.tool_use(body.tools, body.tool_choice)
-    family = server.engine.model_info.chat_template.family
-    tool_format = tool_call_format(family) if tools is not None else None
-    call_prefix = tools.call_prefix(tool_format) if tools is not None else ""
-    chat_prompt = await build_chat_prompt(server, body, tools, call_prefix=call_prefix)
-    prompt, prompt_ids = chat_prompt.text, chat_prompt.ids
-    params = sampling_params(
-        body,
-        len(prompt_ids),
-        server.max_model_len,
-        prompt_field="messages",
-        grammar=tools.grammar(tool_format) if tools is not None else None,
-    )
-    # One parser per choice: each reads its own text.
-    chat_outputs = [
-        _output_parser(family, body, prompt, tools, tool_format, call_prefix) for _ in range(body.n)
-    ]
     request_id, created = responses.new_request_id("chatcmpl"), int(time.time())
-    handles = submit(
-        engine_loop,
-        [(prompt_ids, params)],
-        request_id,
-        prompt_field="messages",
-        n=body.n,
-        cache_salt=body.cache_salt,
-        images=chat_prompt.images,
-    )
+    run = await start_chat(server, body, request_id)
+    engine_loop, handles, chat_outputs = run.engine_loop, run.handles, run.output_parsers
     report_cached = server.engine.config.use_prefix_caching
     choice_logprobs = [
         ChoiceLogprobs(server.engine.tokenizer, chat=True) if body.logprobs else None for _ in handles
@@ -102,10 +73,8 @@ async def create_chat_completion(request: Request) -> Response:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     usage = total_usage([choice.final for choice in collected], report_cached=report_cached)
     bodies = []
-    for index, (choice, chat_output, logprobs, handle) in enumerate(
-        zip(collected, chat_outputs, choice_logprobs, handles, strict=True)
-    ):
-        answer = chat_output.parse(choice.text) if chat_output else ChatAnswer(choice.text, None)
+    for index, (choice, logprobs, handle) in enumerate(zip(collected, choice_logprobs, handles, strict=True)):
+        answer = run.answer(index, choice.text)
         tool_calls = [
             responses.tool_call(responses.new_tool_call_id(), call.name, call.arguments)
             for call in answer.tool_calls
@@ -128,25 +97,3 @@ async def create_chat_completion(request: Request) -> Response:
             )
         )
     return JSONResponse(responses.merge_choices(bodies, usage))
-
-
-def _output_parser(
-    family: str,
-    body: ChatCompletionRequest,
-    prompt: str,
-    tools: chat_tools.ToolUse | None,
-    tool_format: ToolCallFormat | None,
-    call_prefix: str,
-) -> ChatOutputParser | None:
-    """How to read this answer; None when its text is all content (no tools, no thinking split)."""
-    # Qwen 3 thinks unless told not to, as its template and model card have it.
-    thinking = family == "qwen3" and body.template_kwargs().get("enable_thinking", True) is not False
-    if tools is None and not thinking:
-        return None
-    return ChatOutputParser(
-        thinking=thinking,
-        starts_in_reasoning=thinking and prompt_opens_reasoning(prompt),
-        tool_format=tool_format,
-        tool_names=tools.tool_names if tools is not None else (),
-        call_prefix=call_prefix,
-    )
