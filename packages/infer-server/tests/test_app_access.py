@@ -1,6 +1,7 @@
 """The API key and CORS on a real server on 127.0.0.1 (infer.server.access): the official openai
-client with the right key gets answers and with a wrong one raises AuthenticationError; raw httpx
-for each protected route, the open ones, and CORS preflights as browsers send them."""
+and anthropic clients with the right key get answers and with a wrong one raise
+AuthenticationError; raw httpx for each protected route (the key as `Authorization: Bearer` or
+`x-api-key`), the open ones, and CORS preflights as browsers send them."""
 
 import os
 import re
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -108,6 +110,72 @@ def test_each_protected_route_refuses_every_wrong_key_and_admits_the_right_one(g
     assert send(guarded, method, path, body, Authorization=f"Bearer {KEY}").status_code == 200
     # RFC 7235: the scheme's name is case-insensitive.
     assert send(guarded, method, path, body, Authorization=f"bearer {KEY}").status_code == 200
+
+
+MESSAGE = {"model": SERVED_MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+# Where the key travels as x-api-key: the Anthropic SDK's header, which llama.cpp and vLLM take.
+X_API_KEY_ROUTES = [
+    ("POST", "/v1/chat/completions", CHAT),
+    ("POST", "/v1/messages", MESSAGE),
+    ("POST", "/v1/messages", {**MESSAGE, "stream": True}),
+    ("POST", "/v1/messages/count_tokens", {key: MESSAGE[key] for key in ("model", "messages")}),
+    ("GET", "/v1/models", None),
+]
+WRONG_X_API_KEY = {
+    "empty key": "",
+    "key's prefix": KEY[:-1],
+    "longer key": f"{KEY}0",
+    "other key": "sk-other",
+}
+
+
+@pytest.mark.parametrize(("method", "path", "body"), X_API_KEY_ROUTES, ids=lambda value: str(value)[:30])
+def test_the_key_in_x_api_key_is_taken_and_a_wrong_one_refused(guarded, method, path, body):
+    assert send(guarded, method, path, body, **{"x-api-key": KEY}).status_code == 200
+    for what, sent in WRONG_X_API_KEY.items():
+        response = send(guarded, method, path, body, **{"x-api-key": sent})
+        assert response.status_code == 401, what
+        assert KEY[:6] not in response.text, what
+        # Beside a right Bearer key, a wrong x-api-key does not matter: either header may hold it.
+        assert (
+            send(
+                guarded, method, path, body, Authorization=f"Bearer {KEY}", **{"x-api-key": sent}
+            ).status_code
+            == 200
+        )
+
+
+def test_anthropics_routes_refuse_in_anthropics_error_shape(guarded):
+    for path, body in (
+        ("/v1/messages", MESSAGE),
+        ("/v1/messages/count_tokens", {"model": SERVED_MODEL, "messages": []}),
+    ):
+        response = send(guarded, "POST", path, body, **{"x-api-key": "sk-other"})
+        assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+        assert response.json()["type"] == "error"
+        assert response.json()["error"]["type"] == "authentication_error"
+
+
+def anthropic_client(server, **credentials) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, max_retries=0, timeout=60.0, **credentials)
+
+
+def test_the_anthropic_client_with_the_key_gets_answers_and_with_another_raises(guarded):
+    messages = MESSAGE["messages"]
+    for credentials in ({"api_key": KEY}, {"api_key": None, "default_headers": {"x-api-key": KEY}}):
+        answer = anthropic_client(guarded, **credentials).messages.create(
+            model=SERVED_MODEL, max_tokens=1, messages=messages
+        )
+        assert answer.usage.output_tokens == 1
+    for credentials in (
+        {"api_key": "sk-other"},
+        {"api_key": None, "default_headers": {"x-api-key": "sk-other"}},
+    ):
+        with pytest.raises(anthropic.AuthenticationError) as raised:
+            anthropic_client(guarded, **credentials).messages.create(
+                model=SERVED_MODEL, max_tokens=1, messages=messages
+            )
+        assert raised.value.body["error"]["type"] == "authentication_error"
 
 
 def test_a_path_no_route_answers_is_guarded_too(guarded):

@@ -2,13 +2,15 @@
 (`--allowed-origins`), each one ASGI middleware that decides by path, so a route added later is
 covered without touching it.
 
-With a key, every path needs `Authorization: Bearer KEY` except the open ones: /health (the probes
+With a key, every path needs `Authorization: Bearer KEY` or `x-api-key: KEY` (the header the
+Anthropic SDK sends; llama.cpp's server and vLLM take both) except the open ones: /health (the probes
 of load balancers carry no key), /metrics unless `protect_metrics`, and /dashboard (the page holds
 no data; it asks for the key and sends it with its /v1/stats reads). Deny by default, as vLLM's
 current middleware: the /v1 routes, vLLM's root routes (/tokenize, /detokenize) and any later
 route are guarded, and so is a path no route answers (401 before 404). OPTIONS requests pass: a
 browser's CORS preflight never carries credentials. The key is compared in constant time, as
-SHA-256 digests, so neither its bytes nor its length leak through timing.
+SHA-256 digests, so neither its bytes nor its length leak through timing. A 401 on Anthropic's
+routes (/v1/messages...) is Anthropic's error object, elsewhere OpenAI's.
 """
 
 import hashlib
@@ -21,9 +23,12 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from infer.server import messages_response
 from infer.server.errors import ApiError
 
 OPEN_PATHS = frozenset({"/health", "/dashboard"})
+# Anthropic's Messages API: its errors, 401s included, are Anthropic's error object.
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
 METRICS_PATH = "/metrics"
 # What a browser may send cross-origin: the methods of our routes; any header, since the official
 # openai JS client adds its own (x-stainless-*) beside Authorization and Content-Type.
@@ -73,8 +78,9 @@ def parse_origins(values: list[str]) -> tuple[str, ...]:
 
 
 class RequireApiKey:
-    """Answers 401 (OpenAI's error shape, `WWW-Authenticate: Bearer`) to any request for a path
-    outside the policy's open ones that lacks `Authorization: Bearer <the key>`."""
+    """Answers 401 (OpenAI's error shape, or Anthropic's on its routes; `WWW-Authenticate:
+    Bearer`) to any request for a path outside the policy's open ones that carries the key in
+    neither `Authorization: Bearer <the key>` nor `x-api-key: <the key>`."""
 
     def __init__(self, app: ASGIApp, policy: AccessPolicy):
         self.app = app
@@ -85,26 +91,42 @@ class RequireApiKey:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        problem = self._problem(Headers(scope=scope).get("authorization"))
+        headers = Headers(scope=scope)
+        problem = self._problem(headers.get("authorization"), headers.get("x-api-key"))
         if problem is None:
             await self.app(scope, receive, send)
             return
-        body = ApiError(401, problem, code="invalid_api_key").body()
+        if scope["path"].startswith(ANTHROPIC_PATH_PREFIX):
+            body = messages_response.error_body(401, problem)
+        else:
+            body = ApiError(401, problem, code="invalid_api_key").body()
         await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(
             scope, receive, send
         )
 
-    def _problem(self, authorization: str | None) -> str | None:
-        """Why the request is refused (never quoting what it sent), or None when the key is right."""
-        if authorization is None:
-            return "this server needs an API key: send it as the header `Authorization: Bearer YOUR_KEY`"
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer":
+    def _problem(self, authorization: str | None, x_api_key: str | None) -> str | None:
+        """Why the request is refused (never quoting what it sent), or None when either header
+        holds the key."""
+        if authorization is None and x_api_key is None:
+            return (
+                "this server needs an API key: send it as the header `Authorization: Bearer YOUR_KEY` "
+                "or `x-api-key: YOUR_KEY`"
+            )
+        # Both digests are compared whatever the first gives, so the time taken tells nothing.
+        bearer = self._is_key(authorization.partition(" ")[2]) if authorization is not None else False
+        scheme_ok = authorization is None or authorization.partition(" ")[0].lower() == "bearer"
+        header_key = self._is_key(x_api_key) if x_api_key is not None else False
+        if (bearer and scheme_ok) or header_key:
+            return None
+        if x_api_key is not None:
+            return "the API key in the x-api-key header is not this server's key"
+        if not scheme_ok:
             return "the Authorization header must use the Bearer scheme: `Authorization: Bearer YOUR_KEY`"
+        return "the API key in the Authorization header is not this server's key"
+
+    def _is_key(self, sent: str) -> bool:
         # Starlette decodes header values as latin-1, so this gives back the bytes that were sent.
-        if not hmac.compare_digest(_digest(token.strip().encode("latin-1")), self._key_digest):
-            return "the API key in the Authorization header is not this server's key"
-        return None
+        return hmac.compare_digest(_digest(sent.strip().encode("latin-1")), self._key_digest)
 
 
 class CorsForAllowedOrigins:
