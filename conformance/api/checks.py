@@ -418,6 +418,175 @@ def detokenize_round_trip(case: dict, impl, options) -> None:
     assert text == prompt, f"/detokenize of {tokens} gave {text!r}, not {prompt!r}"
 
 
+# Anthropic's Messages API (specs/api/messages.yaml): bodies in Anthropic's shape.
+
+MESSAGES_WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "Current weather for a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+def messages_stop_sequence(case: dict, impl, options) -> None:
+    """The greedy answer's `word`-th word as a stop sequence: the text ends before it, with
+    stop_reason "stop_sequence" and stop_sequence that word."""
+    client, model = _connect(case, options)
+    request = _materialize(case["request"], model)
+    whole = client.post("/v1/messages", json=request)
+    assert whole.status_code == 200, _report(case, whole, [f"status {whole.status_code}"])
+    text = _message_text(whole.json())
+    words = text.split()
+    assert len(words) > case["word"], f"the greedy answer {text!r} has too few words for the case"
+    stop = words[case["word"]]
+    stopped = client.post("/v1/messages", json={**request, "stop_sequences": [stop]})
+    assert stopped.status_code == 200, _report(case, stopped, [f"status {stopped.status_code}"])
+    body, problems = stopped.json(), []
+    if (body.get("stop_reason"), body.get("stop_sequence")) != ("stop_sequence", stop):
+        problems.append(
+            f"stop_reason {body.get('stop_reason')!r}, stop_sequence {body.get('stop_sequence')!r}"
+        )
+    if _message_text(body) != text[: text.find(stop)]:
+        problems.append(f"text {_message_text(body)!r} is not {text[: text.find(stop)]!r}")
+    assert not problems, _report(case, stopped, problems)
+
+
+def messages_tool_use(case: dict, impl, options) -> None:
+    import jsonschema
+
+    client, model = _connect(case, options)
+    request = {
+        "model": model,
+        "max_tokens": 32,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [MESSAGES_WEATHER_TOOL],
+        "tool_choice": case["tool_choice"],
+    }
+    response = client.post("/v1/messages", json=request)
+    assert response.status_code == 200, _report(case, response, [f"status {response.status_code}"])
+    body, problems = response.json(), []
+    uses = [block for block in body.get("content", []) if block.get("type") == "tool_use"]
+    if body.get("stop_reason") != "tool_use" or len(uses) != 1:
+        problems.append(f"stop_reason {body.get('stop_reason')!r} with {len(uses)} tool_use blocks")
+    for block in uses:
+        if not str(block.get("id")).startswith("toolu_") or block.get("name") != "get_weather":
+            problems.append(f"tool_use block {block}")
+        try:
+            jsonschema.validate(block.get("input"), MESSAGES_WEATHER_TOOL["input_schema"])
+        except jsonschema.ValidationError as error:
+            problems.append(f"input {block.get('input')!r}: {error.message}")
+    assert not problems, _report(case, response, problems)
+
+
+def messages_stream_equals_message(case: dict, impl, options) -> None:
+    """The streamed events are well formed and in Anthropic's order, and assemble into the
+    non-streamed message's blocks, stop_reason and usage."""
+    client, model = _connect(case, options)
+    request = _materialize(case["request"], model)
+    whole = client.post("/v1/messages", json=request)
+    assert whole.status_code == 200, _report(case, whole, [f"status {whole.status_code}"])
+    streamed = client.post("/v1/messages", json={**request, "stream": True})
+    assert streamed.status_code == 200, _report(case, streamed, [f"status {streamed.status_code}"])
+    events, problems = [], []
+    for block in streamed.text.replace("\r\n", "\n").split("\n\n"):
+        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
+        if not lines:
+            continue
+        names = [line[len("event:") :].strip() for line in lines if line.startswith("event:")]
+        data = [line[len("data:") :].strip() for line in lines if line.startswith("data:")]
+        if len(names) != 1 or len(data) != 1 or len(lines) != 2:
+            problems.append(f"event is not one event line and one data line: {block[:120]!r}")
+            continue
+        payload = json.loads(data[0])
+        if payload.get("type") != names[0]:
+            problems.append(f"event {names[0]!r} carries type {payload.get('type')!r}")
+        if payload.get("type") != "ping":
+            events.append(payload)
+    problems += _assembly_problems(events, whole.json())
+    assert not problems, _report(case, streamed, problems)
+
+
+def _assembly_problems(events: list[dict], whole: dict) -> list[str]:
+    kinds = [event.get("type") for event in events]
+    if not kinds or kinds[0] != "message_start" or kinds[-2:] != ["message_delta", "message_stop"]:
+        return [f"events {kinds} do not run message_start ... message_delta, message_stop"]
+    blocks, problems, open_index = [], [], None
+    for event in events[1:-2]:
+        index = event.get("index")
+        if event["type"] == "content_block_start":
+            if open_index is not None or index != len(blocks):
+                problems.append(f"block {index} starts while {open_index} is open or out of order")
+            blocks.append({**event["content_block"]})
+            blocks[-1]["partial_json"] = ""
+            open_index = index
+        elif event["type"] == "content_block_delta" and index == open_index:
+            delta, block = event["delta"], blocks[index]
+            # Each delta type carries its text under the block field it extends.
+            fields = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}
+            field = fields.get(delta.get("type"))
+            if field is None:
+                problems.append(f"unknown delta {delta}")
+            else:
+                block[field] = (
+                    block.get(field, "") + delta[field if field != "partial_json" else "partial_json"]
+                )
+        elif event["type"] == "content_block_stop" and index == open_index:
+            open_index = None
+        else:
+            problems.append(f"event {event} outside its block")
+    for block in blocks:
+        partial = block.pop("partial_json")
+        if block.get("type") == "tool_use":
+            block["input"] = json.loads(partial) if partial else block.get("input")
+            block.pop("id", None)
+        block.pop("signature", None)
+    expected = [
+        {k: v for k, v in block.items() if k not in ("id", "signature", "citations")}
+        for block in whole.get("content", [])
+    ]
+    if blocks != expected:
+        problems.append(f"assembled blocks {blocks} != the message's {expected}")
+    delta = events[-2]
+    if delta.get("delta", {}).get("stop_reason") != whole.get("stop_reason"):
+        problems.append(f"streamed stop_reason {delta.get('delta')} != {whole.get('stop_reason')!r}")
+    if delta.get("usage", {}).get("output_tokens") != whole.get("usage", {}).get("output_tokens"):
+        problems.append(f"streamed usage {delta.get('usage')} != {whole.get('usage')}")
+    return problems
+
+
+def messages_equal_chat(case: dict, impl, options) -> None:
+    client, model = _connect(case, options)
+    message = client.post("/v1/messages", json=_materialize(case["messages"]["request"], model))
+    chat = client.post("/v1/chat/completions", json=_materialize(case["chat"]["request"], model))
+    assert message.status_code == 200, _report(case, message, [f"status {message.status_code}"])
+    assert chat.status_code == 200, _report(case, chat, [f"status {chat.status_code}"])
+    message_body, chat_body, problems = message.json(), chat.json(), []
+    chat_text = chat_body["choices"][0]["message"].get("content") or ""
+    if _message_text(message_body) != chat_text:
+        problems.append(f"text {_message_text(message_body)!r} != the chat's {chat_text!r}")
+    if message_body["usage"]["input_tokens"] != chat_body["usage"]["prompt_tokens"]:
+        problems.append(
+            f"input_tokens {message_body['usage']['input_tokens']} != prompt_tokens "
+            f"{chat_body['usage']['prompt_tokens']}"
+        )
+    assert not problems, _report(case, message, problems)
+
+
+def messages_count_tokens(case: dict, impl, options) -> None:
+    client, model = _connect(case, options)
+    request = _materialize(case["request"], model)
+    counted = client.post("/v1/messages/count_tokens", json=request)
+    assert counted.status_code == 200, _report(case, counted, [f"status {counted.status_code}"])
+    answered = client.post("/v1/messages", json={**request, "max_tokens": 1})
+    assert answered.status_code == 200, _report(case, answered, [f"status {answered.status_code}"])
+    count, used = counted.json().get("input_tokens"), answered.json()["usage"]["input_tokens"]
+    assert count == used, f"count_tokens says {count!r}, the message's usage {used}"
+
+
+def _message_text(body: dict) -> str:
+    return "".join(block.get("text", "") for block in body.get("content", []) if block.get("type") == "text")
+
+
 def _with(request: dict, **fields) -> dict:
     return {**request, "json": {**request["json"], **fields}}
 
@@ -659,8 +828,9 @@ CORS_HEADERS_ASKED = "authorization, content-type"
 
 def api_key_required(case: dict, impl, options) -> None:
     """The case's request without the right key in each way a client gets it wrong must be a 401
-    (OpenAI's error object, code invalid_api_key, WWW-Authenticate: Bearer, the key not echoed);
-    with the key it must answer as `with_key` says (default 200)."""
+    (OpenAI's error object, code invalid_api_key, or with `error_shape: anthropic` Anthropic's,
+    type authentication_error; WWW-Authenticate: Bearer; the key not echoed); with the key it
+    must answer as `with_key` says (default 200)."""
     base_url, key = _guarded_target(case, options)
     keyed, bare = _client(base_url, key), _client(base_url, None)
     model = options.model or _first_model(keyed)
@@ -675,10 +845,27 @@ def api_key_required(case: dict, impl, options) -> None:
     for what, authorization in wrong.items():
         headers = {} if authorization is None else {"Authorization": authorization}
         response = _send(bare, {**case["request"], "headers": headers}, model)
-        problems += [f"{what}: {problem}" for problem in _refusal_problems(response, key)]
+        problems += [f"{what}: {problem}" for problem in _refusal_problems(response, key, case)]
     response = _send(keyed, case["request"], model)
     expect = case.get("with_key", {"status": 200})
     problems += [f"with the key: {problem}" for problem in _check_response(response, expect, None)]
+    assert not problems, _report(case, response, problems)
+
+
+def api_key_header_accepted(case: dict, impl, options) -> None:
+    """The case's request with the key in `x-api-key` (no Authorization header) answers as with
+    the Bearer header (200); with another key, a longer one or a prefix of it there, a 401."""
+    base_url, key = _guarded_target(case, options)
+    bare = _client(base_url, None)
+    model = options.model or _first_model(_client(base_url, key))
+    problems = []
+    for what, sent in {"another key": "not-the-key", "a longer key": f"{key}x", "a prefix": key[:-1]}.items():
+        response = _send(bare, {**case["request"], "headers": {"x-api-key": sent}}, model)
+        problems += [
+            f"x-api-key with {what}: {problem}" for problem in _refusal_problems(response, key, case)
+        ]
+    response = _send(bare, {**case["request"], "headers": {"x-api-key": key}}, model)
+    problems += [f"x-api-key with the key: {p}" for p in _check_response(response, {"status": 200}, None)]
     assert not problems, _report(case, response, problems)
 
 
@@ -771,8 +958,15 @@ def _guarded_target(case: dict, options) -> tuple[str, str]:
     return _root(options.base_url), options.api_key
 
 
-def _refusal_problems(response: httpx.Response, key: str) -> list[str]:
-    expect = {"status": 401, "error": True, "fields": {"error.code": "invalid_api_key"}}
+def _refusal_problems(response: httpx.Response, key: str, case: dict | None = None) -> list[str]:
+    if (case or {}).get("error_shape") == "anthropic":
+        expect = {
+            "status": 401,
+            "error": True,
+            "fields": {"type": "error", "error.type": "authentication_error"},
+        }
+    else:
+        expect = {"status": 401, "error": True, "fields": {"error.code": "invalid_api_key"}}
     problems = _check_response(response, expect, None)
     if not response.headers.get("www-authenticate", "").lower().startswith("bearer"):
         problems.append(f"WWW-Authenticate is {response.headers.get('www-authenticate')!r}, not Bearer")
