@@ -358,6 +358,27 @@ REFUSALS = [
     ),
     ("output_config", {"output_config": {"effort": "low"}}, "output_config"),
     (
+        "a final assistant message (prefill)",
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]},
+        "prefill",
+    ),
+    ("empty content blocks", {"messages": [{"role": "user", "content": []}]}, "messages.0: content"),
+    (
+        "input_schema not an object schema",
+        {"tools": [{"name": "a", "input_schema": {"type": "string"}}]},
+        "input_schema",
+    ),
+    ("tool names twice", {"tools": [WEATHER, WEATHER]}, "twice"),
+    (
+        # The grammar of a forced call cannot hold this keyword: named as the Messages request has it.
+        "forced tool with a schema keyword no grammar holds",
+        {
+            "tools": [{"name": "a", "input_schema": {"type": "object", "patternProperties": {"^x": {}}}}],
+            "tool_choice": {"type": "tool", "name": "a"},
+        },
+        "tools.0.input_schema: JSON Schema keyword 'patternProperties'",
+    ),
+    (
         "an image for a model without a vision tower",
         {
             "messages": [
@@ -418,6 +439,18 @@ def test_a_prompt_over_the_context_is_a_400_naming_max_tokens(server):
     with pytest.raises(anthropic.BadRequestError) as raised:
         create(server, messages=[{"role": "user", "content": "Hi"}], max_tokens=100_000)
     assert "max_tokens" in raised.value.body["error"]["message"]
+
+
+def test_a_body_over_the_byte_limit_is_413_in_anthropics_shape(small_limits_server):
+    body = {
+        "model": small_limits_server.model,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "x" * 3000}],
+    }
+    with pytest.raises(anthropic.APIStatusError) as raised:
+        client(small_limits_server).messages.create(**body)
+    assert raised.value.status_code == 413
+    assert raised.value.body["error"]["type"] == "request_too_large"
 
 
 def test_a_streaming_client_that_hangs_up_stops_its_request(server):

@@ -28,7 +28,8 @@ field (`messages.0.content.1.input`). What Anthropic's API has and the translati
 - Refused by name (400, `unsupported_value`) unless null: `container`, `mcp_servers`,
   `context_management`, `output_config`; server tools (a tool `type` other than `custom`), block
   types other than text, image, tool_use, tool_result, thinking and redacted_thinking, images
-  inside a tool_result, `thinking` `adaptive`.
+  inside a tool_result, `thinking` `adaptive`, and a final assistant message (Anthropic's
+  prefill, which the answer would continue: the chat templates here open a new turn instead).
 """
 
 import json
@@ -164,6 +165,8 @@ class MessageParam(_Strict):
     def _blocks_of_the_role(self):
         if isinstance(self.content, str):
             return self
+        if not self.content:
+            raise PydanticCustomError(EMPTY_INPUT, "content must hold at least one block (or be a string)")
         only = {"tool_use": "assistant", "thinking": "assistant", "redacted_thinking": "assistant"}
         only |= {"tool_result": "user", "image": "user"}
         for index, block in enumerate(self.content):
@@ -185,6 +188,21 @@ class MessagesTool(_Strict):
     input_schema: dict[str, Any]
     cache_control: Any = None
     strict: bool | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # As Anthropic (and OpenAI for parameters): the input is a JSON object.
+        if value.get("type") != "object":
+            raise PydanticCustomError(
+                INVALID_VALUE,
+                'input_schema must be a JSON Schema object ({{"type": "object", "properties": ...}}), '
+                "got type {type!r}",
+                {"type": value.get("type")},
+            )
+        if not isinstance(value.get("properties", {}), dict):
+            raise PydanticCustomError(INVALID_VALUE, "properties of input_schema must be an object")
+        return value
 
     @field_validator("type")
     @classmethod
@@ -270,6 +288,27 @@ class _MessagesPrompt(_Strict):
     def _messages_non_empty(cls, value: list[MessageParam]) -> list[MessageParam]:
         if not value:
             raise PydanticCustomError(EMPTY_INPUT, "messages must hold at least one message")
+        if value[-1].role == "assistant":
+            # Anthropic continues a final assistant message (a prefill); the chat templates here
+            # close every message and open a new turn, which would answer something else.
+            raise PydanticCustomError(
+                UNSUPPORTED_VALUE,
+                "a final assistant message (a prefill the answer continues) is not supported; end "
+                "the conversation with a user message",
+            )
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names_unique(cls, value: list[MessagesTool] | None) -> list[MessagesTool] | None:
+        names = [tool.name for tool in value or []]
+        for index, name in enumerate(names):
+            if name in names[:index]:
+                raise PydanticCustomError(
+                    INVALID_VALUE,
+                    "tool {index}: name {name!r} appears twice in tools; names must be unique",
+                    {"index": index, "name": name},
+                )
         return value
 
     @field_validator(*NOT_DONE_HERE)

@@ -54,7 +54,23 @@ async def count_tokens(request: Request) -> Response:
 
 def error_response(error: ApiError) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
-    return JSONResponse(messages_response.api_error_body(error), status_code=error.status, headers=headers)
+    body = messages_response.error_body(error.status, _anthropic_names(error.message))
+    return JSONResponse(body, status_code=error.status, headers=headers)
+
+
+def _anthropic_names(message: str) -> str:
+    """An error of the chat pipeline names a tool's fields as the chat request has them; here
+    they are named as the Messages request has them (`tools.0.input_schema.properties.city`)."""
+    for chat_name, messages_name in _CHAT_TOOL_FIELDS:
+        message = message.replace(chat_name, messages_name)
+    return message
+
+
+_CHAT_TOOL_FIELDS = (
+    (".function.parameters", ".input_schema"),
+    ("tool_choice.function.name", "tool_choice.name"),
+    (".function.name", ".name"),
+)
 
 
 async def _create_message(request: Request) -> Response:
