@@ -8,6 +8,7 @@ Anthropic SDK's own types and its stream accumulator (`messages.stream(...).get_
 """
 
 import json
+import socket
 import time
 
 import anthropic
@@ -451,6 +452,28 @@ def test_a_body_over_the_byte_limit_is_413_in_anthropics_shape(small_limits_serv
         client(small_limits_server).messages.create(**body)
     assert raised.value.status_code == 413
     assert raised.value.body["error"]["type"] == "request_too_large"
+
+
+def test_a_client_that_hangs_up_before_its_message_stops_its_request(server):
+    wait_until(lambda: engine_idle(server), what="an idle engine before the test")
+    disconnects, aborts = counters(server)
+    body = {
+        "model": server.model,
+        "max_tokens": 400,
+        "messages": [{"role": "user", "content": "Count to a thousand."}],
+    }
+    # A raw socket, so the test decides exactly when the client goes away.
+    payload = json.dumps(body).encode()
+    raw = (
+        "POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
+    with socket.create_connection(("127.0.0.1", server.port)) as connection:
+        connection.sendall(raw)
+        wait_until(lambda: server.engine.stats().num_running == 1, what="the request running")
+    wait_until(lambda: engine_idle(server), what="the request stopped after the disconnect")
+    expected = (disconnects + 1, aborts + 1)
+    wait_until(lambda: counters(server) == expected, timeout_s=5.0, what=f"counters {expected}")
 
 
 def test_a_streaming_client_that_hangs_up_stops_its_request(server):
