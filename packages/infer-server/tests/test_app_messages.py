@@ -7,6 +7,7 @@ Anthropic SDK's own types and its stream accumulator (`messages.stream(...).get_
 `jsonschema` for tool inputs, and raw SSE read with httpx for the event order.
 """
 
+import base64
 import json
 import socket
 import time
@@ -14,7 +15,9 @@ import time
 import anthropic
 import httpx
 import jsonschema
+import openai
 import pytest
+import torch
 
 from .test_app_disconnect import counters, engine_idle, wait_until
 
@@ -577,3 +580,44 @@ def test_streamed_thinking_arrives_as_thinking_deltas_then_text(qwen3_server):
         ("thinking", "Hm"),
         ("text", "OK"),
     ]
+
+
+# Images: the random gemma3-vision-tiny checkpoint of test_app_images (on the CPU). An image block
+# with a base64 source is the chat route's image_url part with a data: URL: the same prompt, the
+# same greedy answer.
+
+
+def test_a_base64_image_block_answers_as_the_chat_routes_image_part(tmp_path_factory):
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+    from infer.models.load import load_model
+    from infer.models.random_checkpoint import make_random_checkpoint
+    from infer.server.serve import BackgroundServer
+
+    from .test_app_images import PICTURE, VLM, data_url, image_part
+
+    checkpoint = make_random_checkpoint(VLM, tmp_path_factory.mktemp(VLM), dtype=torch.float32)
+    engine = Engine(
+        EngineConfig(model=str(checkpoint), max_seq_len=256), load_model(checkpoint, dtype=torch.float32)
+    )
+    background = BackgroundServer(engine, served_model_name=VLM, log_level="warning")
+    try:
+        source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(PICTURE).decode()}
+        blocks = [{"type": "text", "text": "What is it?"}, {"type": "image", "source": source}]
+        vlm = anthropic.Anthropic(base_url=background.base_url, api_key="unused", max_retries=0)
+        message = vlm.messages.create(
+            model=VLM, max_tokens=8, messages=[{"role": "user", "content": blocks}], extra_body=GREEDY
+        )
+        parts = [{"type": "text", "text": "What is it?"}, image_part(data_url(PICTURE))]
+        openai_client = openai.OpenAI(api_key="unused", base_url=f"{background.base_url}/v1", max_retries=0)
+        expected = openai_client.chat.completions.create(
+            model=VLM, messages=[{"role": "user", "content": parts}], max_tokens=8, temperature=0
+        )
+        assert message.usage.input_tokens == expected.usage.prompt_tokens
+        assert text_of(message) == expected.choices[0].message.content
+        # The image is in the prompt: without it, fewer tokens.
+        assert vlm.messages.count_tokens(
+            model=VLM, messages=[{"role": "user", "content": blocks[:1]}]
+        ).input_tokens < (message.usage.input_tokens)
+    finally:
+        background.stop()
