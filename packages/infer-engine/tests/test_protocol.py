@@ -3,6 +3,8 @@ process's pipe pickles it), finish reasons and statistics included."""
 
 import pickle
 
+import numpy as np
+
 from infer.engine.protocol import EngineOutput, EngineOutputs, EngineStats, FinishReason, TokenLogprobs
 
 
@@ -26,3 +28,11 @@ def test_engine_outputs_cross_a_pickle_unchanged():
     assert finish_types == [FinishReason, type(None), FinishReason]
     assert crossed.stats == stats
     assert type(crossed.stats.spec_decode_accepted_by_position) is tuple
+
+
+def test_an_embedding_crosses_a_pickle_unchanged():
+    embedding = np.linspace(-1, 1, 7, dtype=np.float32)
+    outputs = EngineOutputs([EngineOutput("e", [3], FinishReason.LENGTH, 5, embedding=embedding)])
+    crossed = pickle.loads(pickle.dumps(outputs)).outputs[0]
+    assert crossed == outputs.outputs[0]
+    assert crossed.embedding.dtype == np.float32 and np.array_equal(crossed.embedding, embedding)

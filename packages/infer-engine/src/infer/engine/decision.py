@@ -10,6 +10,8 @@ preemption) comes whole as a `NewRequest`; one it holds comes as a `RunningReque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 from infer.cache import BlockOp
 from infer.engine.images import PromptImage
 from infer.engine.sampling_params import SamplingParams
@@ -116,3 +118,6 @@ class RunnerOutput:
     # (device time on CUDA: with a host tier, its gathers, scatters and waits for restores; the
     # copies over the bus overlap the forwards), of this step or earlier ones not reported yet.
     store_transfer_s: float = 0.0
+    # Per pooling request (SamplingParams.pooling) whose prompt ended in this step: its pooled
+    # hidden state, [hidden_size] float32.
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)

@@ -14,6 +14,8 @@ It lives in infer-engine, not infer-server, because `infer generate` makes text 
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from infer.engine.protocol import FINISH_ABORT, EngineOutput, EngineOutputs, FinishReason, TokenLogprobs
 from infer.engine.sampling_params import SamplingParams
 from infer.engine.stop import StopChecker
@@ -48,6 +50,8 @@ class StepOutput:
     # On the final output of a request a stop string ended: that string (vLLM's `stop_reason`;
     # Anthropic's `stop_sequence`). None otherwise, a stop token or EOS included.
     stop_string: str | None = None
+    # A pooling request's pooled hidden state (EngineOutput.embedding), on its one output.
+    embedding: np.ndarray | None = field(default=None, compare=False)
 
 
 class _RequestText:
@@ -120,6 +124,7 @@ class OutputProcessor:
                     logprobs=output.logprobs[index] if output.logprobs is not None else None,
                     cached_tokens=output.num_cached_tokens,
                     stop_string=state.stop_checker.matcher.matched if finish_reason is not None else None,
+                    embedding=output.embedding if index == last else None,
                 )
             )
             if finish_reason is not None:

@@ -15,6 +15,8 @@ Errors are outputs: a request the core refuses or whose forward failed ends with
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from infer.engine.config import EngineConfig
 from infer.engine.decision import TokenLogprobs
 from infer.engine.images import PromptImage, check_images
@@ -80,6 +82,9 @@ class EngineOutput:
     logprobs: list[TokenLogprobs] | None = None
     # On the first token of a request with images: seconds the vision tower spent on them.
     vision_encoder_s: float | None = None
+    # A pooling request's (SamplingParams.pooling) pooled hidden state, [hidden_size] float32,
+    # on its one token's output (left out of ==, which an array cannot answer as one bool).
+    embedding: np.ndarray | None = field(default=None, compare=False)
 
     @property
     def finished(self) -> bool:
@@ -232,6 +237,7 @@ class EngineOutputs:
                 output.queue_time_s,
                 output.logprobs,
                 output.vision_encoder_s,
+                output.embedding,
             )
             for output in self.outputs
         ]
@@ -240,21 +246,9 @@ class EngineOutputs:
 
 def _engine_outputs_from_rows(rows: list[tuple], stats: EngineStats | None) -> EngineOutputs:
     outputs = []
-    for request_id, token_ids, finish, num_prompt, num_cached, error, queue_time, logprobs, encoder_s in rows:
+    for request_id, token_ids, finish, *rest in rows:
         finish_reason = None if finish is None else FinishReason(finish)
-        outputs.append(
-            EngineOutput(
-                request_id,
-                token_ids,
-                finish_reason,
-                num_prompt,
-                num_cached,
-                error,
-                queue_time,
-                logprobs,
-                encoder_s,
-            )
-        )
+        outputs.append(EngineOutput(request_id, token_ids, finish_reason, *rest))
     return EngineOutputs(outputs, stats)
 
 

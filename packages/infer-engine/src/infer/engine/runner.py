@@ -37,6 +37,7 @@ from infer.engine.cuda_graphs import StepGraphs
 from infer.engine.decision import RunnerOutput, ScheduleDecision, TokenLogprobs
 from infer.engine.image_encoder import ImageEncoder, StepImages
 from infer.engine.input_batch import InputBatch, RowState, StepInputs, resolve_pending_tokens
+from infer.engine.pooling import Pooler, PoolingPlan
 from infer.engine.sampler import AllowedTokens, SamplingTensors, compute_logprobs, sample
 from infer.engine.spec_decode.verify import VerifyRow, verify_drafts
 from infer.kernels import decode_warm_up_lengths, native_cpu_kernels_available
@@ -92,6 +93,8 @@ class StepLaunch:
     draft_request_ids: frozenset[str] | None = None
     # The step's image inputs, and what the vision tower encoded for it.
     images: StepImages | None = None
+    # Pooling requests whose prompt ended in this step: their pooled vectors, on the device.
+    pooled: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -110,6 +113,8 @@ class _LaunchedStep:
     logprobs: _LaunchedLogprobs | None = None
     draft_request_ids: frozenset[str] | None = None  # StepLaunch's
     images: StepImages | None = None  # StepLaunch's
+    # StepLaunch's pooled vectors, on their way to the host (complete with `done`).
+    pooled: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -154,6 +159,7 @@ class ModelRunner:
             self.cpu_decode = CpuDecodeStack.for_model(model)
         # A vision-language model's tower, run when a step first needs an image (image_encoder).
         self.image_encoder = None
+        self.pooler = Pooler()  # embedding requests (infer.engine.pooling)
         if model.vision is not None:
             self.image_encoder = ImageEncoder(model.vision, bidirectional=model.vision.layout.bidirectional)
         self.input_batch = InputBatch(
@@ -255,6 +261,9 @@ class ModelRunner:
         if self._launched and not self.async_scheduling:
             raise RuntimeError("a step is launched and not collected; only async_scheduling launches ahead")
         self.input_batch.apply(decision)
+        self.pooler.forget(decision.finished_request_ids | decision.preempted_request_ids)
+        for request in decision.new_requests:
+            self.pooler.add(request.request_id, request.sampling.pooling)
         if self.draft is not None:
             self.draft.forget(decision.finished_request_ids | decision.preempted_request_ids)
         if self.image_encoder is not None:
@@ -278,7 +287,11 @@ class ModelRunner:
                 step = dataclasses.replace(step, positions=rope[0])
                 if images is not None:
                     images.mrope_positions = rope[1]
-        logits = self._logits(step, images)
+        pooling = self.pooler.plan(step, self.input_batch.states)
+        if pooling is None:
+            logits, pooled = self._logits(step, images), {}
+        else:
+            logits, pooled = self._pooling_logits(step, images, pooling)
         sampling_ids = [step.request_ids[row] for row in step.sampling_rows]
         if step.verifies_drafts:
             # One entry per request (its K + 1 rows are consecutive); verify_drafts builds the
@@ -291,11 +304,18 @@ class ModelRunner:
                 None,
                 step.drafts,
                 draft_request_ids=decision.draft_request_ids,
+                pooled=pooled,
             )
         tensors = self._sampling_tensors(tuple(sampling_ids)) if sampling_ids else None
         drafting = decision.draft_request_ids
         return StepLaunch(
-            tuple(step.request_ids), sampling_ids, logits, tensors, draft_request_ids=drafting, images=images
+            tuple(step.request_ids),
+            sampling_ids,
+            logits,
+            tensors,
+            draft_request_ids=drafting,
+            images=images,
+            pooled=pooled,
         )
 
     @torch.inference_mode()
@@ -316,6 +336,7 @@ class ModelRunner:
         self._num_launched += 1
         done = None
         logprobs = None
+        pooled = {}
         if sampling_ids:
             tensors, logits = launch.tensors, launch.logits
             tokens = self._sample(logits, sampling_ids, tensors, masks)
@@ -326,6 +347,7 @@ class ModelRunner:
                 # they are the graph's output buffer, which the next replay, queued after this
                 # on the same stream, overwrites only once these kernels have read it.
                 logprobs = self._launch_logprobs(logits, tokens, tensors, sampling_ids)
+            pooled = {rid: vector.to("cpu", non_blocking=True) for rid, vector in launch.pooled.items()}
             if self.device.type == "cuda":
                 done = torch.cuda.Event()
                 done.record()
@@ -343,6 +365,7 @@ class ModelRunner:
                 logprobs=logprobs,
                 draft_request_ids=launch.draft_request_ids,
                 images=launch.images,
+                pooled=pooled,
             )
         )
 
@@ -389,6 +412,7 @@ class ModelRunner:
                 token_ids=token_ids,
                 logprobs=logprobs,
                 draft_request_ids=launch.draft_request_ids,
+                pooled={rid: vector.cpu() for rid, vector in launch.pooled.items()},
             )
         )
 
@@ -468,6 +492,7 @@ class ModelRunner:
             logprobs=launched.logprobs.entries() if launched.logprobs is not None else {},
             images_encoded=launched.images.encoded_seconds() if launched.images is not None else {},
             store_transfer_s=self._store_transfer_s(),
+            pooled={rid: vector.numpy() for rid, vector in launched.pooled.items()},
         )
 
     def _read(self, launched: _LaunchedStep) -> list[int]:
@@ -499,6 +524,19 @@ class ModelRunner:
             if logits is not None:
                 return logits
         return self._eager_logits(step, images)
+
+    def _pooling_logits(
+        self, step: StepInputs, images: StepImages | None, plan: PoolingPlan
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The logits of the sampling rows and the pooled vectors of the pooling requests whose
+        prompt ends here, from one eager forward that returns the hidden states of the sampling
+        rows' last tokens and then of the mean-pooling chunks' tokens (infer.engine.pooling)."""
+        num_sampling = len(step.logits_indices)
+        indices = np.concatenate([step.logits_indices, plan.extra_indices])
+        hidden = self._forward(self.forward_batch(step, logits_indices=indices, images=images))
+        logits = self.model.compute_logits(hidden[:num_sampling]) if num_sampling else torch.empty(0)
+        pooled = self.pooler.pool(plan, hidden[:num_sampling], hidden[num_sampling:], self.input_batch.states)
+        return logits, pooled
 
     def _eager_logits(self, step: StepInputs, images: StepImages | None = None) -> torch.Tensor:
         if not step.sampling_rows:

@@ -10,6 +10,10 @@ from infer.engine.grammar_spec import GrammarSpec
 SAMPLING_EPS = 1e-5
 # The most alternatives a sampled token's logprobs may list (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
+# How an embedding request pools its prompt's final hidden states (after the final norm): the
+# last token's (what decoder-only embedding models such as Qwen3-Embedding are trained for, and
+# vLLM's default for them) or the mean over every prompt token.
+POOLING_TYPES = ("last", "mean")
 
 
 @dataclass
@@ -55,6 +59,10 @@ class SamplingParams:
     # or a Lark grammar); the engine allows only tokens that keep it possible, and EOS once it is
     # complete.
     grammar: GrammarSpec | None = None
+    # An embedding request (POOLING_TYPES): its output is the pooled hidden state of its prompt
+    # (EngineOutput.embedding), with the one token its step samples beside it, never shown, so
+    # that it runs, is preempted and finishes as any request of one token does.
+    pooling: str | None = None
 
     def __post_init__(self):
         _require(_is_number(self.temperature), "temperature must be a number", self.temperature)
@@ -127,6 +135,16 @@ class SamplingParams:
             self.grammar is None or not self.ignore_eos,
             "ignore_eos cannot be combined with a grammar (the grammar decides where the output ends)",
             self.ignore_eos,
+        )
+        _require(
+            self.pooling is None or self.pooling in POOLING_TYPES,
+            f"pooling must be None or one of {', '.join(POOLING_TYPES)}",
+            self.pooling,
+        )
+        _require(
+            self.pooling is None or self.max_new_tokens == 1 and self.grammar is None,
+            "a pooling request runs its prompt and one token: max_new_tokens 1, no grammar",
+            self.max_new_tokens,
         )
 
     @property

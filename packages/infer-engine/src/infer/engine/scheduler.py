@@ -403,7 +403,14 @@ class Scheduler:
             request.output_ids.extend(new_token_ids)
             if request_id in runner_output.spec_token_ids:
                 request.num_tokens_drafted = request.num_tokens
-            outputs.append(self._accept(request, new_token_ids, runner_output.logprobs.get(request_id)))
+            outputs.append(
+                self._accept(
+                    request,
+                    new_token_ids,
+                    runner_output.logprobs.get(request_id),
+                    embedding=runner_output.pooled.get(request_id),
+                )
+            )
         if self.speculation_backoff is not None:
             self.speculation_backoff.record(step_drafts, step_accepted)
         return outputs
@@ -476,7 +483,12 @@ class Scheduler:
     # -- internals --------------------------------------------------------------------------
 
     def _accept(
-        self, request: Request, token_ids: list[int], logprobs: Sequence[TokenLogprobs] | None
+        self,
+        request: Request,
+        token_ids: list[int],
+        logprobs: Sequence[TokenLogprobs] | None,
+        *,
+        embedding: np.ndarray | None = None,
     ) -> EngineOutput:
         """`token_ids` are already in request.output_ids: the token rules decide whether the
         request ends on one of them, its grammar whether it takes them; one that ends is finished."""
@@ -506,7 +518,9 @@ class Scheduler:
             request.finish_reason = reason
             self.finish(request.request_id)
         accepted_logprobs = list(logprobs[: len(accepted)]) if logprobs is not None else None
-        return request_output(request, accepted, reason, first_token=first == 0, logprobs=accepted_logprobs)
+        return request_output(
+            request, accepted, reason, first_token=first == 0, logprobs=accepted_logprobs, embedding=embedding
+        )
 
     def _due_decoders(self, step: int) -> list[Request]:
         """Decoding requests whose last token is decode_service_interval steps old, most overdue first."""
@@ -815,6 +829,7 @@ def request_output(
     *,
     first_token: bool = False,
     logprobs: list[TokenLogprobs] | None = None,
+    embedding: np.ndarray | None = None,
 ) -> EngineOutput:
     """The one EngineOutput builder: tokens, a final word, or both."""
     return EngineOutput(
@@ -833,4 +848,5 @@ def request_output(
         logprobs=logprobs,
         # Every image is encoded before the prompt's last token, so by the first token.
         vision_encoder_s=request.vision_encoder_s if first_token and token_ids and request.images else None,
+        embedding=embedding,
     )
