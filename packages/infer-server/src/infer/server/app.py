@@ -27,6 +27,7 @@ from infer.server.routes_completions import router as completions_router
 from infer.server.routes_messages import router as messages_router
 from infer.server.routes_service import router as service_router
 from infer.server.routes_tokenize import router as tokenize_router
+from infer.server.served_models import DEFAULT_WAIT_TIMEOUT_S, ReturnModelLeases
 from infer.server.server_state import RETRY_AFTER_S, ServerState
 
 logger = logging.getLogger(__name__)
@@ -40,12 +41,20 @@ def create_app(
     limits: RequestLimits | None = None,
     media_policy: MediaPolicy | None = None,
     access: AccessPolicy | None = None,
+    max_loaded_models: int | None = None,
+    idle_unload_s: float | None = None,
+    model_wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
 ) -> FastAPI:
-    """The OpenAI-compatible app over one engine.
+    """The OpenAI-compatible app over one engine, or several.
 
     `engine_or_factory`: an `infer.engine.Engine`, or a no-argument callable returning one, which
-    then runs on a worker thread at startup (GET /health answers 503 until it returns).
-    `served_model_name`: the `model` that requests must name (default: the engine's config.model).
+    then runs on a worker thread at startup (GET /health answers 503 until it returns); or a
+    mapping {served name: engine or factory} of several models, the request's `model` picking one.
+    `served_model_name`: the `model` that requests must name (default: the engine's config.model;
+    one model only).
+    `max_loaded_models` (default: all), `idle_unload_s` (default: never), `model_wait_timeout_s`:
+    how many models stay resident, when an idle one is unloaded, and how long a request waits for
+    its model to load (infer.server.served_models).
     `limits`: request body and prompt size limits (default: `RequestLimits()`).
     `media_policy`: which image URLs the server fetches (default: none; data: URLs always work).
     `access`: the API key and the CORS origins (default: no key, no cross-origin browser calls).
@@ -57,6 +66,9 @@ def create_app(
         metrics=metrics or ServerMetrics(),
         limits=limits,
         media_policy=media_policy,
+        max_loaded_models=max_loaded_models,
+        idle_unload_s=idle_unload_s,
+        model_wait_timeout_s=model_wait_timeout_s,
     )
 
     @asynccontextmanager
@@ -77,8 +89,10 @@ def create_app(
     app.add_exception_handler(ApiError, _api_error_response)
     app.add_exception_handler(HTTPException, _http_error_response)
     app.add_exception_handler(Exception, _unexpected_error_response)
-    # Added innermost first: CORS headers go on every answer to an allowed origin, 401s included
-    # (so a page can read why), and the 401s are counted by status like any answer.
+    # Added innermost first: a request's model leases are given back once its exchange ends; CORS
+    # headers go on every answer to an allowed origin, 401s included (so a page can read why), and
+    # the 401s are counted by status like any answer.
+    app.add_middleware(ReturnModelLeases, models=server.models)
     access = access or AccessPolicy()
     if access.api_key is not None:
         app.add_middleware(RequireApiKey, policy=access)

@@ -18,7 +18,7 @@ from infer.server.chat_tools import ToolUse
 from infer.server.errors import ApiError
 from infer.server.limits import check_prompt_chars
 from infer.server.schemas import ChatCompletionRequest, TokenizeRequest
-from infer.server.server_state import ServerState
+from infer.server.served_models import ServedModel
 
 # Names the template's render() takes itself; chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
@@ -32,7 +32,7 @@ class ChatPrompt:
 
 
 async def build_chat_prompt(
-    server: ServerState,
+    model: ServedModel,
     body: ChatCompletionRequest | TokenizeRequest,
     tools: ToolUse | None,
     *,
@@ -51,26 +51,26 @@ async def build_chat_prompt(
         images = await run_in_threadpool(
             chat_images.load_images,
             image_urls,
-            server.image_processor,
-            server.served_model_name,
-            server.media_policy,
+            model.image_processor,
+            model.served_model_name,
+            model.media_policy,
         )
-    text = await run_in_threadpool(_render, server, body, tools, add_generation_prompt)
-    check_prompt_chars(len(text), server.max_prompt_chars, "messages")
+    text = await run_in_threadpool(_render, model, body, tools, add_generation_prompt)
+    check_prompt_chars(len(text), model.max_prompt_chars, "messages")
     ids, engine_images = await run_in_threadpool(
         chat_images.encode_with_images,
         text + call_prefix,
         images,
-        server.image_processor,
+        model.image_processor,
         body,
-        server.engine.tokenizer,
+        model.engine.tokenizer,
         add_special_tokens=add_special_tokens,
     )
     return ChatPrompt(text, ids, engine_images)
 
 
 def _render(
-    server: ServerState,
+    model: ServedModel,
     body: ChatCompletionRequest | TokenizeRequest,
     tools: ToolUse | None,
     add_generation_prompt: bool,
@@ -84,7 +84,7 @@ def _render(
             "chat_template_kwargs",
             "invalid_value",
         )
-    template = server.engine.model_info.chat_template
+    template = model.engine.model_info.chat_template
     try:
         return template.render(
             body.template_messages(),

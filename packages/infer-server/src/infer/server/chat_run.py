@@ -18,6 +18,7 @@ from infer.server.engine_loop import EngineLoop, RequestHandle
 from infer.server.generation import sampling_params, submit
 from infer.server.reasoning import prompt_opens_reasoning
 from infer.server.schemas import ChatCompletionRequest
+from infer.server.served_models import ServedModel
 from infer.server.server_state import ServerState
 from infer.server.tool_parsers import ToolCallFormat, tool_call_format
 
@@ -57,20 +58,18 @@ class PreparedChat:
     output_parsers: list[ChatOutputParser | None]
 
 
-async def prepare_chat(server: ServerState, body: ChatCompletionRequest) -> PreparedChat:
-    """Checks `body` against the served model and builds its prompt and settings. ApiError (400
-    naming the field, 404 model, 413, 503 not ready) for a request that cannot run."""
-    server.require_ready()
-    server.check_model(body.model)
+async def prepare_chat(model: ServedModel, body: ChatCompletionRequest) -> PreparedChat:
+    """Checks `body` against `model` (the one it names, from ServerState.model_for) and builds
+    its prompt and settings. ApiError (400 naming the field, 413) for a request that cannot run."""
     tools = chat_tools.tool_use(body.tools, body.tool_choice)
-    family = server.engine.model_info.chat_template.family
+    family = model.engine.model_info.chat_template.family
     tool_format = tool_call_format(family) if tools is not None else None
     call_prefix = tools.call_prefix(tool_format) if tools is not None else ""
-    chat_prompt = await build_chat_prompt(server, body, tools, call_prefix=call_prefix)
+    chat_prompt = await build_chat_prompt(model, body, tools, call_prefix=call_prefix)
     params = sampling_params(
         body,
         len(chat_prompt.ids),
-        server.max_model_len,
+        model.max_model_len,
         prompt_field="messages",
         grammar=tools.grammar(tool_format) if tools is not None else None,
     )
@@ -81,10 +80,14 @@ async def prepare_chat(server: ServerState, body: ChatCompletionRequest) -> Prep
     return PreparedChat(chat_prompt, params, parsers)
 
 
-async def start_chat(server: ServerState, body: ChatCompletionRequest, request_id: str) -> ChatRun:
-    """`prepare_chat`, then its `n` choices submitted (ApiError 503 when the queue is full)."""
-    prepared = await prepare_chat(server, body)
-    engine_loop = server.require_ready()  # again: the server may have begun draining meanwhile
+async def start_chat(
+    server: ServerState, model: ServedModel, body: ChatCompletionRequest, request_id: str
+) -> ChatRun:
+    """`prepare_chat`, then its `n` choices submitted (ApiError 503 when the queue is full or the
+    server began draining meanwhile)."""
+    prepared = await prepare_chat(model, body)
+    server.require_ready()
+    engine_loop = model.engine_loop
     handles = submit(
         engine_loop,
         [(prepared.prompt.ids, prepared.params)],

@@ -3,6 +3,7 @@
 infer models {fetch,list,random,diff} ...         -> infer.models.cli
 infer generate [flags] PROMPT...                  -> infer.engine.cli
 infer serve [--host H] [--port P] [engine flags]  -> infer.server (the HTTP server)
+infer serve --model A --model B [flags]           -> one server, several models
 infer bench generate | serve | matrix | hf-baseline, infer profile
                                                   -> infer.bench.cli (infer-bench, when installed)
 """
@@ -63,7 +64,8 @@ def bench_main(argv: list[str]) -> int:
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    """`infer serve` and the `infer-server` script: the OpenAI-compatible server on one model."""
+    """`infer serve` and the `infer-server` script: the OpenAI-compatible server on one model, or
+    on several (`--model A --model B`), each with the same engine flags."""
     from infer.engine.config import from_cli_args, resolve_device
 
     args = build_serve_parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -73,13 +75,19 @@ def serve_main(argv: list[str] | None = None) -> int:
     from infer.models.loader.fetch import check_model_name
 
     try:
-        config = from_cli_args(args)
-        resolve_device(config.device)
-        if config.load_format != "dummy":  # dummy takes a preset's name too
-            check_model_name(config.model)  # a typo is refused before the server starts
-    except ValueError as error:  # an EngineConfigError, or check_model_name's
+        configs = [
+            from_cli_args(argparse.Namespace(**{**vars(args), "model": name}))
+            for name in args.model or [None]
+        ]
+        for config in configs:
+            resolve_device(config.device)
+            if config.load_format != "dummy":  # dummy takes a preset's name too
+                check_model_name(config.model)  # a typo is refused before the server starts
+        check_several_models(args, configs)
+    except ValueError as error:  # an EngineConfigError, check_model_name's or check_several_models'
         print(f"infer serve: {error}", file=sys.stderr)
         return 2
+    config = configs[0]
     if config.node_rank > 0:  # this host runs its tensor-parallel ranks; node 0 serves
         from infer.engine.tensor_parallel_worker import run_node
 
@@ -103,21 +111,30 @@ def serve_main(argv: list[str] | None = None) -> int:
     except OSError as error:
         print(f"infer serve: cannot listen on {args.host}:{args.port}: {error.strerror}", file=sys.stderr)
         return 2
-    if args.engine_in_process:
-        engine_factory = functools.partial(Engine, config)
+
+    def engine_factory(config):
+        if args.engine_in_process:
+            return functools.partial(Engine, config)
+        return functools.partial(Engine.spawn, config, unresponsive_timeout_s=args.engine_timeout_s)
+
+    if len(configs) == 1:
+        models, served_model_name = engine_factory(config), args.served_model_name or config.model
     else:
-        engine_factory = functools.partial(Engine.spawn, config, unresponsive_timeout_s=args.engine_timeout_s)
+        models, served_model_name = {config.model: engine_factory(config) for config in configs}, None
     server = build_server(
-        engine_factory,
+        models,
         host=args.host,
         port=args.port,
-        served_model_name=args.served_model_name or config.model,
+        served_model_name=served_model_name,
         drain_timeout_s=args.drain_timeout_s,
         log_level=args.log_level,
         limits=limits,
         media_policy=media_policy(args),
         access=access,
         exit_on_failure=True,
+        max_loaded_models=args.max_loaded_models,
+        idle_unload_s=args.idle_unload_s,
+        model_wait_timeout_s=args.model_wait_timeout_s,
     )
     server.run(sockets=[listening])
     if server.failure is not None:
@@ -125,15 +142,44 @@ def serve_main(argv: list[str] | None = None) -> int:
     return 130 if server.interrupted else 0  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
+def check_several_models(args: argparse.Namespace, configs: list) -> None:
+    """ValueError for what `--model A --model B` cannot do (yet), and for bad model-swap flags."""
+    if args.max_loaded_models is not None and args.max_loaded_models < 1:
+        raise ValueError(f"--max-loaded-models must be >= 1, got {args.max_loaded_models}")
+    if args.idle_unload_s is not None and args.idle_unload_s <= 0:
+        raise ValueError(f"--idle-unload-s must be > 0, got {args.idle_unload_s}")
+    if args.model_wait_timeout_s <= 0:
+        raise ValueError(f"--model-wait-timeout-s must be > 0, got {args.model_wait_timeout_s}")
+    if len(configs) == 1:
+        return
+    names = [config.model for config in configs]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"--model {repeated[0]} is given twice; name each model once")
+    if args.served_model_name is not None:
+        raise ValueError(
+            "--served-model-name names the one model; with several --model, each is served under "
+            "its --model value"
+        )
+    if configs[0].data_parallel_size > 1 or configs[0].nnodes > 1:
+        raise ValueError(
+            "--data-parallel-size and --nnodes above 1 serve one model; with several --model, leave them at 1"
+        )
+
+
 def build_serve_parser() -> argparse.ArgumentParser:
     from infer.engine.config import add_cli_arguments
     from infer.engine.engine_process import DEFAULT_UNRESPONSIVE_TIMEOUT_S
+    from infer.models import DEFAULT_MODEL
     from infer.server.limits import DEFAULT_MAX_REQUEST_BYTES
     from infer.server.serve import DEFAULT_DRAIN_TIMEOUT_S
+    from infer.server.served_models import DEFAULT_WAIT_TIMEOUT_S
 
     parser = argparse.ArgumentParser(
         prog="infer serve",
         description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+        # This parser's --model (repeatable) takes the place of the engine flags' own.
+        conflict_handler="resolve",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
@@ -213,6 +259,42 @@ def build_serve_parser() -> argparse.ArgumentParser:
         help="(default %(default)s)",
     )
     add_cli_arguments(parser)
+    models = parser.add_argument_group(
+        "models", "several models in one server: the request's `model` picks one"
+    )
+    models.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        metavar="MODEL",
+        help="model alias or Hugging Face checkpoint folder; repeat it to serve several, each "
+        "under its value as given and with the same engine flags, the first being the default of "
+        f"/tokenize (default: {DEFAULT_MODEL})",
+    )
+    models.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most models resident at once: a request for another loads it, unloading the least "
+        "recently used model with no request in flight first (default: all, loaded at start)",
+    )
+    models.add_argument(
+        "--idle-unload-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="unload a model after S seconds without a request (its engine, memory and prefix "
+        "cache go); its next request loads it again (default: never)",
+    )
+    models.add_argument(
+        "--model-wait-timeout-s",
+        type=float,
+        default=DEFAULT_WAIT_TIMEOUT_S,
+        metavar="S",
+        help="how long a request waits for its model to load, or for a loaded one to be free to "
+        "unload, before a 503 with Retry-After (default %(default)s)",
+    )
     return parser
 
 

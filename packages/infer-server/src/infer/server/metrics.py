@@ -85,6 +85,9 @@ class Counter(_Metric):
         if not name.endswith("_total"):
             raise ValueError(f"counter name {name!r} must end in _total (Prometheus convention)")
         super().__init__(name, help, labelnames)
+        # Per label values: what earlier sources counted before the present one restarted at 0
+        # (set_total adds it; see carry_over).
+        self._offsets: dict[tuple[str, ...], float] = {}
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         if amount < 0:
@@ -95,11 +98,18 @@ class Counter(_Metric):
         """Mirror a total counted elsewhere (the engine core's): it may only go up."""
         key = self._key(labels)
         with self._lock:
+            total = total + self._offsets.get(key, 0.0)
             if total < self._values.get(key, 0.0):
                 raise ValueError(
                     f"{self.name}: a counter only goes up; set_total got {total} after a larger one"
                 )
             self._values[key] = float(total)
+
+    def carry_over(self) -> None:
+        """The source `set_total` mirrors restarts from 0 (a model loaded again): its totals
+        count on from the values reached, so the counter still only goes up."""
+        with self._lock:
+            self._offsets = dict(self._values)
 
     def touch(self, **labels: str) -> None:
         """Show these label values at 0 before the first `inc`, so rates start from a sample."""
@@ -121,6 +131,11 @@ class Gauge(_Metric):
 
     def dec(self, amount: float = 1.0, **labels: str) -> None:
         self._add(-amount, labels)
+
+    def zero(self) -> None:
+        """Every label set at 0 (what it measured is gone)."""
+        with self._lock:
+            self._values = dict.fromkeys(self._values, 0.0)
 
 
 class Histogram(_Metric):
@@ -184,19 +199,54 @@ class MetricRegistry:
     def histogram(self, name: str, help: str, buckets: Sequence[float]) -> Histogram:
         return self.register(Histogram(name, help, buckets))
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._metrics
+
+    def metrics(self) -> list[_Metric]:
+        return list(self._metrics.values())
+
     def render(self) -> str:
         """Every metric in the text exposition format: HELP, TYPE, then its samples."""
         lines = []
         for metric in self._metrics.values():
-            lines.append(f"# HELP {metric.name} {escape_help(metric.help)}")
-            lines.append(f"# TYPE {metric.name} {metric.kind}")
-            for sample_name, labels, value in metric.samples():
-                if labels:
-                    pairs = ",".join(f'{key}="{escape_label_value(val)}"' for key, val in labels)
-                    lines.append(f"{sample_name}{{{pairs}}} {format_value(value)}")
-                else:
-                    lines.append(f"{sample_name} {format_value(value)}")
+            _family_lines(lines, metric.name, metric.help, metric.kind, [((), metric)])
         return "\n".join(lines) + "\n"
+
+
+def _family_lines(
+    lines: list[str], name: str, help: str, kind: str, sources: list[tuple[tuple, _Metric]]
+) -> None:
+    """HELP, TYPE, then the samples of each (leading labels, metric) source of one family."""
+    lines.append(f"# HELP {name} {escape_help(help)}")
+    lines.append(f"# TYPE {name} {kind}")
+    for leading, metric in sources:
+        for sample_name, labels, value in metric.samples():
+            labels = leading + labels
+            if labels:
+                pairs = ",".join(f'{key}="{escape_label_value(val)}"' for key, val in labels)
+                lines.append(f"{sample_name}{{{pairs}}} {format_value(value)}")
+            else:
+                lines.append(f"{sample_name} {format_value(value)}")
+
+
+def render_by_model(server: "ServerMetrics", by_model: dict[str, "ServerMetrics"]) -> str:
+    """/metrics of a server with several models: each family once, with every model's samples
+    under a leading `model` label; the HTTP status counter, the server's, without one. A family
+    that only some models have (a vision model's) lists those."""
+    families: dict[str, list[tuple[tuple, _Metric]]] = {}
+    first: dict[str, _Metric] = {}
+    for model_name, metrics in by_model.items():
+        for metric in metrics.registry.metrics():
+            if metric.name == server.requests_by_status_total.name:
+                continue
+            first.setdefault(metric.name, metric)
+            families.setdefault(metric.name, []).append(((("model", model_name),), metric))
+    status = server.requests_by_status_total
+    families[status.name], first[status.name] = [((), status)], status
+    lines: list[str] = []
+    for name, sources in families.items():
+        _family_lines(lines, name, first[name].help, first[name].kind, sources)
+    return "\n".join(lines) + "\n"
 
 
 # Time to first token spans queueing plus prefill: milliseconds for a short prompt on an idle
@@ -272,7 +322,9 @@ CACHED_RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 class ServerMetrics:
     """The metrics GET /metrics serves; the server updates the attributes, `render()` writes them."""
 
-    def __init__(self):
+    def __init__(self, requests_by_status: Counter | None = None):
+        """`requests_by_status`: the server's HTTP status counter, shared by every model's
+        metrics of a server with several (default: a counter of its own)."""
         self.registry = registry = MetricRegistry()
         self.requests_running = registry.gauge("infer_requests_running", "Requests in the running batch.")
         self.requests_waiting = registry.gauge("infer_requests_waiting", "Requests waiting to be scheduled.")
@@ -315,9 +367,11 @@ class ServerMetrics:
         )
         for reason in FINISH_REASONS:
             self.requests_total.touch(finish_reason=reason)
-        self.requests_by_status_total = registry.counter(
-            "infer_requests_by_status_total", "HTTP responses, by status code.", ["status"]
-        )
+        if requests_by_status is None:
+            requests_by_status = Counter(
+                "infer_requests_by_status_total", "HTTP responses, by status code.", ["status"]
+            )
+        self.requests_by_status_total = registry.register(requests_by_status)
         self.client_disconnects_total = registry.counter(
             "infer_client_disconnects_total", "Requests aborted because the client went away."
         )
@@ -419,6 +473,8 @@ class ServerMetrics:
         """Registers the speculative-decoding counters, positions 0 to K - 1 at 0. As vLLM's
         (vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens,
         _num_accepted_tokens_per_pos), they exist only on a server whose engine speculates."""
+        if "infer_spec_decode_drafts_total" in self.registry:  # a model loaded again
+            return
         registry, positions = self.registry, [str(j) for j in range(num_speculative_tokens)]
         self.spec_decode_drafts_total = registry.counter(
             "infer_spec_decode_drafts_total",
@@ -465,6 +521,8 @@ class ServerMetrics:
     def enable_vision(self) -> None:
         """Registers the vision tower's counters and its per-request time: they exist only on a
         server whose model takes images."""
+        if "infer_vision_encoder_runs_total" in self.registry:  # a model loaded again
+            return
         registry = self.registry
         self.vision_encoder_runs_total = registry.counter(
             "infer_vision_encoder_runs_total",
@@ -496,6 +554,8 @@ class ServerMetrics:
     def enable_kv_host(self) -> None:
         """Registers the host-memory KV tier's gauges and counters: they exist only on a server
         whose engine has one (kv_host_cache_gib)."""
+        if "infer_kv_host_cache_bytes" in self.registry:  # a model loaded again
+            return
         registry = self.registry
         self.kv_host_cache_bytes = registry.gauge(
             "infer_kv_host_cache_bytes",
@@ -535,6 +595,8 @@ class ServerMetrics:
         """Registers each data-parallel replica's gauges and counters (label replica="0".."N-1"):
         they exist only on a server with data_parallel_size > 1, whose unlabelled metrics are the
         replicas' sums."""
+        if "infer_replica_up" in self.registry:  # a model loaded again
+            return
         registry = self.registry
         self.replica_up = registry.gauge(
             "infer_replica_up", "1 while the data-parallel replica serves, 0 once it failed.", ["replica"]
@@ -578,6 +640,19 @@ class ServerMetrics:
             for kind, count in stats.prefix_cache_matches.items():
                 self.replica_prefix_cache_matches_total.set_total(count, replica=replica, kind=kind)
         self.replica_routed_by_prefix_total.set_total(num_routed_by_prefix)
+
+    def engine_restarted(self) -> None:
+        """A new engine (the model loaded again) counts its totals from 0: the mirrored counters
+        count on from where the last one left them."""
+        for metric in self.registry.metrics():
+            if isinstance(metric, Counter):
+                metric.carry_over()
+
+    def engine_stopped(self) -> None:
+        """The engine is gone (its model unloaded): every gauge reads 0 until the next one."""
+        for metric in self.registry.metrics():
+            if isinstance(metric, Gauge):
+                metric.zero()
 
     def render(self) -> str:
         return self.registry.render()

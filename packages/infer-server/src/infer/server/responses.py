@@ -181,24 +181,34 @@ def usage_chunk(object: str, id: str, created: int, model: str, usage: dict[str,
     return {"id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage}
 
 
-def model_list(models: list[tuple[str, int]], created: int, owned_by: str = "infer") -> dict[str, Any]:
-    """GET /v1/models from (model id, max_model_len) pairs."""
+def model_list(models: list[tuple], created: int, owned_by: str = "infer") -> dict[str, Any]:
+    """GET /v1/models from (model id, max_model_len) or (model id, max_model_len, state) tuples."""
     return {
         "object": "list",
-        "data": [model(model_id, max_len, created, owned_by) for model_id, max_len in models],
+        "data": [
+            model(*entry[:2], created, owned_by, state=entry[2] if len(entry) > 2 else None)
+            for entry in models
+        ],
     }
 
 
-def model(model_id: str, max_model_len: int, created: int, owned_by: str = "infer") -> dict[str, Any]:
+def model(
+    model_id: str, max_model_len: int | None, created: int, owned_by: str = "infer", state: str | None = None
+) -> dict[str, Any]:
     """One model object (GET /v1/models/{model}); `max_model_len` is vLLM's field for the
-    context length."""
-    return {
+    context length (null for a model not loaded yet), `state` ours: whether it is resident
+    (loaded, loading, unloading, unloaded, failed; infer.server.served_models), as LM Studio's
+    and Ollama's model lists tell it. OpenAI's four fields come first, unchanged."""
+    body = {
         "id": model_id,
         "object": "model",
         "created": created,
         "owned_by": owned_by,
         "max_model_len": max_model_len,
     }
+    if state is not None:
+        body["state"] = state
+    return body
 
 
 def _completion_choice(

@@ -46,12 +46,13 @@ router = APIRouter()
 async def create_chat_completion(request: Request) -> Response:
     server: ServerState = request.app.state.server
     body = parse_request(ChatCompletionRequest, await read_body(request, server.limits.max_request_bytes))
+    model = await server.model_for(request, body.model)
     request_id, created = responses.new_request_id("chatcmpl"), int(time.time())
-    run = await start_chat(server, body, request_id)
+    run = await start_chat(server, model, body, request_id)
     engine_loop, handles, chat_outputs = run.engine_loop, run.handles, run.output_parsers
-    report_cached = server.engine.config.use_prefix_caching
+    report_cached = model.engine.config.use_prefix_caching
     choice_logprobs = [
-        ChoiceLogprobs(server.engine.tokenizer, chat=True) if body.logprobs else None for _ in handles
+        ChoiceLogprobs(model.engine.tokenizer, chat=True) if body.logprobs else None for _ in handles
     ]
     if body.stream:
         choices = []

@@ -21,6 +21,7 @@ from infer.server.generation import (
 from infer.server.limits import check_prompt_chars, read_body
 from infer.server.logprobs import ChoiceLogprobs
 from infer.server.schemas import CompletionRequest
+from infer.server.served_models import ServedModel
 from infer.server.server_state import ServerState
 from infer.server.sse import CompletionStream
 
@@ -38,16 +39,16 @@ def _document_start_id(tokenizer) -> int:
 async def create_completion(request: Request) -> Response:
     server: ServerState = request.app.state.server
     body = parse_request(CompletionRequest, await read_body(request, server.limits.max_request_bytes))
-    engine_loop = server.require_ready()
-    server.check_model(body.model)
-    prompts_ids = [await _prompt_ids(server, prompt) for prompt in body.prompts]
+    model = await server.model_for(request, body.model)
+    engine_loop = model.engine_loop
+    prompts_ids = [await _prompt_ids(model, prompt) for prompt in body.prompts]
     # One SamplingParams per prompt: the default token limit is what each prompt's context leaves.
     params = [
-        sampling_params(body, len(prompt_ids), server.max_model_len, prompt_field="prompt")
+        sampling_params(body, len(prompt_ids), model.max_model_len, prompt_field="prompt")
         for prompt_ids in prompts_ids
     ]
     echoes = [
-        await _echo_text(server, prompt, prompt_ids) if body.echo else ""
+        await _echo_text(model, prompt, prompt_ids) if body.echo else ""
         for prompt, prompt_ids in zip(body.prompts, prompts_ids, strict=True)
     ]
     request_id, created = responses.new_request_id("cmpl"), int(time.time())
@@ -56,10 +57,10 @@ async def create_completion(request: Request) -> Response:
     handles = submit(
         engine_loop, prompts, request_id, prompt_field="prompt", n=body.n, cache_salt=body.cache_salt
     )
-    report_cached = server.engine.config.use_prefix_caching
+    report_cached = model.engine.config.use_prefix_caching
     choice_echoes = [echo for echo in echoes for _ in range(body.n)]
     choice_logprobs = [
-        ChoiceLogprobs(server.engine.tokenizer, chat=False) if body.logprobs is not None else None
+        ChoiceLogprobs(model.engine.tokenizer, chat=False) if body.logprobs is not None else None
         for _ in handles
     ]
     if body.stream:
@@ -103,20 +104,20 @@ async def create_completion(request: Request) -> Response:
     return JSONResponse(responses.merge_choices(bodies, usage))
 
 
-async def _prompt_ids(server: ServerState, prompt: str | list[int]) -> list[int]:
+async def _prompt_ids(model: ServedModel, prompt: str | list[int]) -> list[int]:
     if not isinstance(prompt, str):
         return list(prompt)
-    check_prompt_chars(len(prompt), server.max_prompt_chars, "prompt")
+    check_prompt_chars(len(prompt), model.max_prompt_chars, "prompt")
     # A plain-text prompt gets the tokenizer's special tokens (BOS), as the engine's own
     # add_request and `infer generate` do; token-id prompts are taken as they are.
-    prompt_ids = await run_in_threadpool(server.engine.tokenizer.encode, prompt, add_special_tokens=True)
+    prompt_ids = await run_in_threadpool(model.engine.tokenizer.encode, prompt, add_special_tokens=True)
     if not prompt_ids:  # prompt "" on a tokenizer that adds no BOS: start a new document
-        prompt_ids = [_document_start_id(server.engine.tokenizer)]
+        prompt_ids = [_document_start_id(model.engine.tokenizer)]
     return prompt_ids
 
 
-async def _echo_text(server: ServerState, prompt: str | list[int], prompt_ids: list[int]) -> str:
+async def _echo_text(model: ServedModel, prompt: str | list[int], prompt_ids: list[int]) -> str:
     """What `echo` puts before the completion: the prompt as sent, or its token ids' text."""
     if isinstance(prompt, str):
         return prompt
-    return await run_in_threadpool(server.engine.tokenizer.decode, prompt_ids)
+    return await run_in_threadpool(model.engine.tokenizer.decode, prompt_ids)

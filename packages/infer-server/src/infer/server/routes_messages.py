@@ -29,6 +29,7 @@ from infer.server.generation import EventStreamResponse, collect, unfinished_err
 from infer.server.limits import read_body
 from infer.server.messages_request import CountTokensRequest, MessagesRequest
 from infer.server.messages_response import MessageEvents
+from infer.server.served_models import ServedModel
 from infer.server.server_state import RETRY_AFTER_S, ServerState
 
 router = APIRouter()
@@ -45,8 +46,8 @@ async def create_message(request: Request) -> Response:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> Response:
     try:
-        server, body = await _read(request, CountTokensRequest)
-        prepared = await prepare_chat(server, body.to_chat_request(_has_thinking_switch(server)))
+        _, model, body = await _read(request, CountTokensRequest)
+        prepared = await prepare_chat(model, body.to_chat_request(_has_thinking_switch(model)))
         return JSONResponse({"input_tokens": len(prepared.prompt.ids)})
     except ApiError as error:
         return error_response(error)
@@ -74,9 +75,9 @@ _CHAT_TOOL_FIELDS = (
 
 
 async def _create_message(request: Request) -> Response:
-    server, body = await _read(request, MessagesRequest)
+    server, model, body = await _read(request, MessagesRequest)
     message_id = messages_response.new_message_id()
-    run = await start_chat(server, body.to_chat_request(_has_thinking_switch(server)), message_id)
+    run = await start_chat(server, model, body.to_chat_request(_has_thinking_switch(model)), message_id)
     (handle,) = run.handles
     if body.stream:
         events = _message_events(run, handle, message_id, body.model)
@@ -101,15 +102,16 @@ async def _create_message(request: Request) -> Response:
     )
 
 
-async def _read(request: Request, model: type[MessagesRequest | CountTokensRequest]):
+async def _read(request: Request, body_model: type[MessagesRequest | CountTokensRequest]):
+    """The server, the model the request names (its template decides what `thinking` means)
+    and the body."""
     server: ServerState = request.app.state.server
-    body = parse_request(model, await read_body(request, server.limits.max_request_bytes))
-    server.require_ready()  # the model's template decides what `thinking` means
-    return server, body
+    body = parse_request(body_model, await read_body(request, server.limits.max_request_bytes))
+    return server, await server.model_for(request, body.model), body
 
 
-def _has_thinking_switch(server: ServerState) -> bool:
-    return server.engine.model_info.chat_template.family in THINKING_FAMILIES
+def _has_thinking_switch(model: ServedModel) -> bool:
+    return model.engine.model_info.chat_template.family in THINKING_FAMILIES
 
 
 async def _message_events(

@@ -12,7 +12,8 @@ a text fits `max_model_len` is what clients ask for; the size limits of the gene
 /detokenize takes `tokens` and answers `{"prompt": text}`, special tokens written out as vLLM
 decodes them; an id outside the vocabulary is a 400 naming it.
 
-`model` may be left out (or null); a model named must be the served one (404 otherwise).
+`model` may be left out (or null): the default model (the first served); a model named must be
+served here (404 otherwise), and is loaded if it is not.
 """
 
 from fastapi import APIRouter, Request
@@ -24,6 +25,7 @@ from infer.server.chat_prompt import build_chat_prompt
 from infer.server.errors import ApiError, parse_request
 from infer.server.limits import check_prompt_chars, read_body
 from infer.server.schemas import TOKENIZE_CHAT_FIELDS, DetokenizeRequest, TokenizeRequest
+from infer.server.served_models import ServedModel
 from infer.server.server_state import ServerState
 
 router = APIRouter()
@@ -31,14 +33,14 @@ router = APIRouter()
 
 @router.post("/tokenize")
 async def tokenize(request: Request) -> Response:
-    server, body = await _read(request, TokenizeRequest)
+    model, body = await _read(request, TokenizeRequest)
     _check_one_input(body)
-    tokenizer = server.engine.tokenizer
+    tokenizer = model.engine.tokenizer
     if body.messages is not None:
         # tool_choice is not part of vLLM's body: the tools are shown as with "auto".
         tools = chat_tools.tool_use(body.tools, None)
         chat_prompt = await build_chat_prompt(
-            server,
+            model,
             body,
             tools,
             add_generation_prompt=body.add_generation_prompt,
@@ -46,7 +48,7 @@ async def tokenize(request: Request) -> Response:
         )
         ids = chat_prompt.ids
     else:
-        check_prompt_chars(len(body.prompt), server.max_prompt_chars, "prompt")
+        check_prompt_chars(len(body.prompt), model.max_prompt_chars, "prompt")
         ids = await run_in_threadpool(
             tokenizer.encode, body.prompt, add_special_tokens=body.adds_special_tokens
         )
@@ -54,14 +56,14 @@ async def tokenize(request: Request) -> Response:
     if body.return_token_strs:
         token_strs = await run_in_threadpool(tokenizer.hf_tokenizer.convert_ids_to_tokens, ids)
     return JSONResponse(
-        {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": token_strs}
+        {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": token_strs}
     )
 
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> Response:
-    server, body = await _read(request, DetokenizeRequest)
-    tokenizer = server.engine.tokenizer
+    model, body = await _read(request, DetokenizeRequest)
+    tokenizer = model.engine.tokenizer
     vocab_size = tokenizer.vocab_size
     # The tokenizer would drop an id outside the vocabulary without a word (or overflow on a huge one).
     index = next((index for index, token_id in enumerate(body.tokens) if token_id >= vocab_size), None)
@@ -79,16 +81,12 @@ async def detokenize(request: Request) -> Response:
 
 
 async def _read(
-    request: Request, model: type[TokenizeRequest | DetokenizeRequest]
-) -> tuple[ServerState, TokenizeRequest | DetokenizeRequest]:
-    """The server and the request's body as `model`, once the server is ready and the body's
-    `model` (if any) is the served one."""
+    request: Request, body_model: type[TokenizeRequest | DetokenizeRequest]
+) -> tuple[ServedModel, TokenizeRequest | DetokenizeRequest]:
+    """The model the request names (the default one if none) and its body as `body_model`."""
     server: ServerState = request.app.state.server
-    body = parse_request(model, await read_body(request, server.limits.max_request_bytes))
-    server.require_ready()
-    if body.model is not None:
-        server.check_model(body.model)
-    return server, body
+    body = parse_request(body_model, await read_body(request, server.limits.max_request_bytes))
+    return await server.model_for(request, body.model), body
 
 
 def _check_one_input(body: TokenizeRequest) -> None:

@@ -23,6 +23,7 @@ from infer.server.access import AccessPolicy
 from infer.server.app import create_app
 from infer.server.limits import RequestLimits
 from infer.server.media import MediaPolicy
+from infer.server.served_models import DEFAULT_WAIT_TIMEOUT_S
 from infer.server.server_state import FAILED, READY, ServerState
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,12 @@ def build_server(
     media_policy: MediaPolicy | None = None,
     access: AccessPolicy | None = None,
     exit_on_failure: bool = False,
+    max_loaded_models: int | None = None,
+    idle_unload_s: float | None = None,
+    model_wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
 ) -> DrainingServer:
     """The server, not started: `.run()` blocks until it exits, `.request_drain()` drains it.
+    `engine_or_factory`: one model's, or {name: engine or factory} of several (create_app).
     `exit_on_failure`: stop (and set `.failure`) when the engine fails to load or in a step."""
     app = create_app(
         engine_or_factory,
@@ -139,6 +144,9 @@ def build_server(
         limits=limits,
         media_policy=media_policy,
         access=access,
+        max_loaded_models=max_loaded_models,
+        idle_unload_s=idle_unload_s,
+        model_wait_timeout_s=model_wait_timeout_s,
     )
     config = uvicorn.Config(
         app,

@@ -237,6 +237,14 @@ class ServerStats:
             self.kv_host = dict.fromkeys(KV_HOST_FIELDS, 0)
             self.kv_host["transfer_time_s"] = 0.0
 
+    def engine_restarted(self) -> None:
+        """A new engine (the model loaded again) counts its totals from 0: the per-second rates
+        are taken from there, not from the last engine's totals."""
+        with self._lock:
+            self._decode_totals = (0, 0.0)
+            self._cache_totals = dict.fromkeys(CACHE_RATE_SERIES, 0)
+            self.spec_decode = None
+
     def on_engine_stats(self, stats) -> None:
         """The core's state after a step (infer.engine.protocol.EngineStats)."""
         now = self.clock()
