@@ -221,6 +221,26 @@ def test_requests_for_both_models_at_once_all_finish_while_swapping(swapping_ser
     assert loads >= 1, "the server never swapped"
 
 
+def test_one_model_unloaded_when_idle_keeps_its_name_and_metrics(factories, tiny_checkpoint):
+    """A server of one model (named by its engine) with idle unloading: the model keeps its name
+    while unloaded, its next request reloads it, and /metrics counts on across the reload."""
+    server = started(factories[TINY], idle_unload_s=1.0)
+    try:
+        name = str(tiny_checkpoint)
+        complete(server.base_url, name)
+        deadline = time.monotonic() + 30
+        while states(server.base_url) != {name: "unloaded"}:
+            assert time.monotonic() < deadline, f"not unloaded: {states(server.base_url)}"
+            time.sleep(0.2)
+        assert httpx.get(f"{server.base_url}/health", timeout=10).json() == {"status": "ok"}
+        assert complete(server.base_url, name).usage.completion_tokens == GREEDY["max_tokens"]
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        generated = 2 * GREEDY["max_tokens"]
+        assert f"infer_generation_tokens_total {float(generated)!r}" in metrics.splitlines()
+    finally:
+        server.stop()
+
+
 # -- the wait bound, on the models themselves ---------------------------------------------------------
 
 
@@ -264,3 +284,68 @@ def test_a_request_waits_at_most_the_bound_for_a_busy_slot(factories):
             models.stop()
 
     asyncio.run(scenario())
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+
+def test_infer_serve_serves_each_repeated_model(tiny_checkpoint, tmp_path_factory):
+    """The real `infer serve --model A --model B --max-loaded-models 1`: both listed, the first
+    loaded at start, a request for the second answered by loading it in the first's place."""
+    import subprocess
+    import sys
+
+    from infer.models.tensor_parallel import free_local_port
+
+    qwen = make_random_checkpoint("qwen3-tiny", tmp_path_factory.mktemp("qwen3-tiny"), dtype=torch.float32)
+    names = [str(tiny_checkpoint), str(qwen)]
+    port = free_local_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "infer.server.cli", "serve", "--model", names[0], "--model", names[1]]
+    command += ["--max-loaded-models", "1", "--port", str(port), "--engine-in-process"]
+    command += ["--max-seq-len", "256", "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            assert process.poll() is None, f"infer serve exited with {process.returncode}"
+            assert time.monotonic() < deadline, "infer serve did not become healthy in 120 s"
+            time.sleep(0.1)
+        assert states(url) == {names[0]: "loaded", names[1]: "unloaded"}
+        answer = client(url).completions.create(model=names[1], prompt="Hello", max_tokens=2)
+        assert answer.model == names[1] and answer.usage.completion_tokens == 2
+        assert states(url) == {names[0]: "unloaded", names[1]: "loaded"}
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--served-model-name", "x"], "--served-model-name names the one model"),
+        (["--data-parallel-size", "2"], "--data-parallel-size and --nnodes above 1 serve one model"),
+        (["--max-loaded-models", "0"], "--max-loaded-models must be >= 1, got 0"),
+    ],
+    ids=["served-model-name", "data-parallel", "max-loaded-0"],
+)
+def test_infer_serve_refuses_what_several_models_cannot_do_by_name(tiny_checkpoint, flags, message, capsys):
+    from infer.server.cli import serve_main
+
+    models = ["--model", SERVED_MODEL, "--model", str(tiny_checkpoint)]
+    assert serve_main([*models, "--device", "cpu", *flags]) == 2
+    assert capsys.readouterr().err.startswith(f"infer serve: {message}")
+
+
+def test_infer_serve_refuses_a_model_named_twice(capsys):
+    from infer.server.cli import serve_main
+
+    assert serve_main(["--model", SERVED_MODEL, "--model", SERVED_MODEL]) == 2
+    assert capsys.readouterr().err.startswith(f"infer serve: --model {SERVED_MODEL} is given twice")

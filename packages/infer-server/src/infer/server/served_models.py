@@ -28,6 +28,7 @@ import logging
 import time
 from functools import cached_property
 
+import torch
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from infer.engine.engine_process import EngineStartError
@@ -178,6 +179,8 @@ class ServedModel:
             engine.shutdown()
             raise
         self.engine, self.engine_loop = engine, engine_loop
+        if self._name is None:  # the name requests use stays when the model is unloaded
+            self._name = engine.config.model
         self._max_model_len = engine.max_seq_len
         self.num_loads += 1
         self.last_used_s = time.monotonic()
@@ -218,8 +221,6 @@ def _free_memory() -> None:
     """Returns a dropped in-process engine's memory: its tensors are freed once unreferenced,
     and CUDA's cache gives the blocks back to the device."""
     gc.collect()
-    import torch
-
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
