@@ -246,7 +246,8 @@ def test_one_model_unloaded_when_idle_keeps_its_name_and_metrics(factories, tiny
 
 def test_a_request_waits_at_most_the_bound_for_a_busy_slot(factories):
     """With the one slot held by a request in flight, a request for the other model gets 503
-    once the wait passes, and is served as soon as the slot is given back."""
+    once the wait passes, and is served as soon as the slot is given back; once the server
+    drains, a request for a model not loaded gets 503 at once."""
     from infer.server.limits import RequestLimits
     from infer.server.media import MediaPolicy
     from infer.server.metrics import ServerMetrics
@@ -280,6 +281,10 @@ def test_a_request_waits_at_most_the_bound_for_a_busy_slot(factories):
             models.wait_timeout_s = 120.0  # an unload and a load now, on a busy machine
             default = await models.acquire(waiting_scope, SERVED_MODEL)
             assert (default.state, tiny.state) == ("loaded", "unloaded")
+            models.accepting = False  # the server drains: a request still to load its model stops
+            with pytest.raises(ApiError) as error:
+                await models.acquire({}, TINY)
+            assert (error.value.status, error.value.code) == (503, "server_draining")
         finally:
             models.stop()
 

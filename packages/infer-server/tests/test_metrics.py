@@ -317,3 +317,40 @@ def test_a_name_registers_once():
     registry.gauge("g", "G.")
     with pytest.raises(ValueError, match="already registered"):
         registry.gauge("g", "Again.")
+
+
+def test_several_models_render_each_family_once_with_a_model_label():
+    """render_by_model: valid exposition, read back by prometheus_client, each model's samples
+    under its `model` label, the shared HTTP status counter once and unlabelled."""
+    from infer.server.metrics import render_by_model
+
+    server = ServerMetrics()
+    by_model = {name: ServerMetrics(requests_by_status=server.requests_by_status_total) for name in "ab"}
+    by_model["a"].generation_tokens_total.inc(3)
+    by_model["b"].generation_tokens_total.inc(5)
+    by_model["b"].enable_vision()  # a family only one model has
+    server.requests_by_status_total.inc(status="200")
+    text = render_by_model(server, by_model)
+    check_exposition(text)
+    samples = parse(text)
+    assert samples["infer_generation_tokens_total"] == [({"model": "a"}, 3.0), ({"model": "b"}, 5.0)]
+    assert samples["infer_requests_by_status_total"] == [({"status": "200"}, 1.0)]
+    assert samples["infer_vision_encoder_runs_total"] == [({"model": "b"}, 0.0)]
+    histogram_counts = samples["infer_time_to_first_token_seconds_count"]
+    assert sorted(labels["model"] for labels, _ in histogram_counts) == ["a", "b"]
+
+
+def test_a_mirrored_counter_counts_on_across_an_engine_restart():
+    """A model loaded again: its new engine's totals start at 0, the counter goes on from where
+    the last engine left it, and the gauges read 0 while no engine runs."""
+    metrics = ServerMetrics()
+    metrics.decode_read_bytes_total.set_total(100)
+    metrics.requests_running.set(2)
+    metrics.engine_stopped()
+    assert metrics.requests_running.value() == 0
+    metrics.engine_restarted()
+    metrics.decode_read_bytes_total.set_total(30)
+    assert metrics.decode_read_bytes_total.value() == 130
+    metrics.enable_vision()
+    metrics.enable_vision()  # once per load: registered once
+    check_exposition(metrics.render())

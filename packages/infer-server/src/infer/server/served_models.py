@@ -85,6 +85,7 @@ class ServedModel:
         self.num_loads = 0
         self._max_model_len: int | None = None  # kept after an unload, for /v1/models
         self.num_waiting = 0  # requests waiting in ServedModels.acquire for this model
+        self.closed = False  # the server stops: a load that ends now shuts its engine down
         self._settled: asyncio.Event | None = None  # set when a load or an unload ends
 
     @property
@@ -146,7 +147,13 @@ class ServedModel:
         started_s = time.monotonic()
         try:
             logger.info("loading %s ...", self.served_model_name)
-            self._start(await asyncio.to_thread(self._engine_or_factory))
+            engine = await asyncio.to_thread(self._engine_or_factory)
+            if self.closed:  # the server stopped while it loaded: nobody will stop this engine
+                engine.shutdown()
+                self.state = UNLOADED
+                self._settled.set()
+                return
+            self._start(engine)
         except Exception as error:  # noqa: BLE001 - the model's state says why; the server decides
             # A bad value or a missing file is the user's to fix and its message says how; an
             # engine process that failed says why itself; a traceback is for everything else.
@@ -257,6 +264,8 @@ class ServedModels:
         self.idle_unload_s = idle_unload_s
         self.wait_timeout_s = wait_timeout_s
         self._tasks: set[asyncio.Future] = set()  # loads and unloads under way
+        # False once the server drains or stops: a request still waiting for its model gets 503.
+        self.accepting = True
 
     def __len__(self) -> int:
         return len(self.models)
@@ -305,7 +314,10 @@ class ServedModels:
                 return
 
     def stop(self) -> None:
+        """Stops every engine, and any load still under way once it ends."""
+        self.accepting = False
         for model in self.models:
+            model.closed = True
             if model.engine_loop is not None:
                 model.engine_loop.stop()
 
@@ -328,6 +340,14 @@ class ServedModels:
         model.num_waiting += 1
         try:
             while model.state != LOADED:
+                if not self.accepting:
+                    raise ApiError(
+                        503,
+                        "the server is shutting down and takes no new requests",
+                        errors.SERVER_ERROR,
+                        None,
+                        "server_draining",
+                    )
                 if model.state == FAILED:
                     raise ApiError(503, model.failure or "", errors.SERVER_ERROR, None, "server_failed")
                 if model.state == UNLOADED:

@@ -148,6 +148,7 @@ class ServerState:
         what is left is then aborted (finish_reason "abort") so its clients get a terminal event."""
         if self.phase == READY:
             self.phase = DRAINING
+        self.models.accepting = False  # a request waiting for its model to load gets 503 too
         loops = self.models.engine_loops()
         if not loops:
             return
