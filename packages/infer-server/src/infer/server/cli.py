@@ -77,7 +77,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     try:
         configs = [
             from_cli_args(argparse.Namespace(**{**vars(args), "model": name}))
-            for name in args.model or [None]
+            for name in args.models or [None]
         ]
         for config in configs:
             resolve_device(config.device)
@@ -264,7 +264,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
     )
     models.add_argument(
         "--model",
-        action="append",
+        action=RepeatedModel,
         default=None,
         metavar="MODEL",
         help="model alias or Hugging Face checkpoint folder; repeat it to serve several, each "
@@ -295,7 +295,17 @@ def build_serve_parser() -> argparse.ArgumentParser:
         help="how long a request waits for its model to load, or for a loaded one to be free to "
         "unload, before a 503 with Retry-After (default %(default)s)",
     )
+    parser.set_defaults(models=None)
     return parser
+
+
+class RepeatedModel(argparse.Action):
+    """`--model`, repeatable: `models` holds every one given, `model` the first (the EngineConfig
+    field, so that `from_cli_args` of the parsed flags reads one model as it always did)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        namespace.models = [*(namespace.models or []), value]
+        setattr(namespace, self.dest, namespace.models[0])
 
 
 def access_policy(args: argparse.Namespace):
