@@ -202,7 +202,7 @@ class ServerState:
             raise ApiError(503, reasons[self.phase], errors.SERVER_ERROR, None, f"server_{self.phase}")
         return self.models.default.engine_loop
 
-    # -- the one model, for code written before several (tests, the drain) ---------------------
+    # -- the one model, for code written before several (tests, routes not yet converted) -------
 
     @property
     def _one_model(self) -> ServedModel:
