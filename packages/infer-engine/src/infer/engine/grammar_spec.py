@@ -1,6 +1,7 @@
 """What a request's output must be (structured output): text matching a JSON schema, any JSON
 object, a regular expression, or a Lark grammar (the server's forced tool calls: fixed text around
-JSON arguments); and the JSON Schema subset the engine enforces.
+JSON arguments; a client's grammar, Lark or GBNF; one of a list of strings); and the JSON Schema
+subset the engine enforces.
 
 A `GrammarSpec` is plain data (it crosses to the engine process inside SamplingParams) and its own
 cache key: a schema is held as compact JSON text in the order it was written, since the output
@@ -102,9 +103,42 @@ class GrammarSpec:
         _check_grammar(spec)
         return spec
 
+    @classmethod
+    def choice(cls, options: list[str]) -> "GrammarSpec":
+        """The spec of an output that is exactly one of `options` (vLLM's `choice`)."""
+        if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
+            raise GrammarSpecError("choice must be a non-empty list of strings")
+        alternatives = " | ".join(json.dumps(option, ensure_ascii=False) for option in options)
+        return cls.lark(f"start: {alternatives}\n")
+
+    @classmethod
+    def cfg(cls, grammar: str) -> "GrammarSpec":
+        """The spec of a context-free grammar as clients send it (vLLM's `grammar`): llguidance's
+        Lark dialect (`start: ...`), or GBNF, the EBNF of llama.cpp and xgrammar (`root ::= ...`),
+        which llguidance's converter rewrites as Lark. GrammarSpecError with the reason when it
+        is neither, or does not build."""
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise GrammarSpecError("a grammar must be a non-empty string")
+        return cls.lark(_as_lark(grammar))
+
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+
+
+def _as_lark(grammar: str) -> str:
+    """`grammar` in Lark: as it is when it is Lark (it has a `start:` rule, or no GBNF `::=`
+    rule at all, so that llguidance's own error explains it), else converted from GBNF."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+
+    if is_lark_syntax(grammar) or "::=" not in grammar:
+        return grammar
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as error:  # the converter raises its own error type, and plain Exception
+        raise GrammarSpecError(
+            f"the grammar reads as GBNF (it has ::= rules) but does not convert: {error}"
+        ) from None
 
 
 def lark_json(schema: dict) -> str:
@@ -309,14 +343,20 @@ def _check_grammar(spec: "GrammarSpec") -> None:
             keyword="oneOf",
             path=path,
         )
-    raise GrammarSpecError(f"the {spec.kind} cannot be enforced: {reason}")
+    what = "grammar" if spec.kind == LARK else spec.kind
+    raise GrammarSpecError(f"the {what} cannot be enforced: {reason}")
 
 
 def _grammar_error(spec: "GrammarSpec") -> str | None:
     from llguidance import LLMatcher
 
     is_error, messages = LLMatcher.validate_grammar_with_warnings(llguidance_grammar(spec))
-    return messages[0].splitlines()[0] if is_error else None
+    if not is_error:
+        return None
+    # The first line says where; a regex's reason comes lines later, after a picture of it.
+    first, *rest = messages[0].splitlines()
+    reason = next((line.strip().removeprefix("error: ") for line in rest if line.startswith("error: ")), None)
+    return f"{first} {reason}" if reason else first
 
 
 def _overlapping_one_of(schema) -> str:
