@@ -1082,11 +1082,20 @@ def _check_response(response: httpx.Response, expect: dict, request_json) -> lis
 
 
 def _validation_problems(value, validation: dict) -> list[str]:
-    """`validates` items: the text at `path` fully matches `regex` (ECMA's ASCII `\\d`), or is
+    """`validates` items: the text at `path` fully matches `regex` (ECMA's ASCII `\\d`), parses
+    with the `lark` package under the Lark grammar `lark` (its Earley parser, whole text), or is
     JSON that `json_schema` validates (by jsonschema, with formats checked)."""
     path = validation["path"]
     if not isinstance(value, str):
         return [f"{path} is not a string: {value!r}"]
+    if "lark" in validation:
+        import lark
+
+        try:
+            lark.Lark(validation["lark"]).parse(value)
+        except lark.exceptions.LarkError as error:
+            return [f"{path} = {value!r} does not parse with the lark grammar: {error}"]
+        return []
     if "regex" in validation:
         matched = re.fullmatch(validation["regex"], value, re.ASCII)
         return [] if matched else [f"{path} = {value!r} does not match {validation['regex']!r}"]

@@ -70,14 +70,20 @@ def _assert_one_call(choice, tools: list[dict]) -> dict:
 
 
 # A forced call (named or "required") is the server writing the call's opening after the prompt
-# and a grammar holding the rest to the function's parameters (infer.server.tool_grammar): the
-# answer is always one call to a tool of the request, its arguments validating (by `jsonschema`,
-# never the grammar) against that tool's schema, whatever the model would have written alone.
+# and a grammar holding the rest to the function's parameters (infer.server.tool_grammar): with
+# parallel_tool_calls false the answer is always one call to a tool of the request, its arguments
+# validating (by `jsonschema`, never the grammar) against that tool's schema, whatever the model
+# would have written alone. (Several calls, the default: test_app_grammar.)
 
 
 def test_named_tool_choice_answers_with_a_call_to_that_function(server):
     answer = server.openai_client().chat.completions.create(
-        model=server.model, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice=NAMED, temperature=0
+        model=server.model,
+        messages=QUESTION,
+        tools=[WEATHER_TOOL],
+        tool_choice=NAMED,
+        temperature=0,
+        parallel_tool_calls=False,
     )
     _assert_one_call(answer.choices[0], [WEATHER_TOOL])
 
@@ -105,7 +111,12 @@ def test_a_tool_loop_sends_the_sdk_dump_of_the_call_back_and_gets_an_answer(serv
     result, and a second request that is answered and counts exactly our rendering of it."""
     client = server.openai_client()
     first = client.chat.completions.create(
-        model=server.model, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice=NAMED, temperature=0
+        model=server.model,
+        messages=QUESTION,
+        tools=[WEATHER_TOOL],
+        tool_choice=NAMED,
+        temperature=0,
+        parallel_tool_calls=False,
     )
     _assert_one_call(first.choices[0], [WEATHER_TOOL])
     dumped = first.choices[0].message.model_dump()
@@ -125,6 +136,7 @@ def test_required_tool_choice_answers_with_a_call_to_one_of_the_tools(server):
         messages=[{"role": "user", "content": "Call get_weather for Paris."}],
         tools=[WEATHER_TOOL, TIME_TOOL],
         tool_choice="required",
+        parallel_tool_calls=False,
         temperature=0,
         max_tokens=64,
     )
@@ -148,6 +160,7 @@ def test_a_required_call_is_a_call_where_the_model_alone_names_no_tool(server):
         messages=QUESTION,
         tools=[WEATHER_TOOL],
         tool_choice="required",
+        parallel_tool_calls=False,
         temperature=0,
         max_tokens=32,
     )
@@ -163,6 +176,7 @@ def test_forced_call_arguments_hold_to_a_rich_schema_streamed_or_not(server, too
         "messages": [{"role": "user", "content": "Book a table for two at Luigi's tonight at 8."}],
         "tools": [WEATHER_TOOL, BOOKING_TOOL],
         "tool_choice": tool_choice,
+        "parallel_tool_calls": False,
         "temperature": 0.8,
         "seed": 11,
         "max_tokens": 120,
@@ -216,7 +230,12 @@ def _streamed_call(server, body: dict) -> dict:
 )
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_forced_call_whose_string_holds_the_closing_tag_is_one_call(server, tool_choice, stream):
-    body = {"messages": NOTE_WITH_THE_CLOSING_TAG, "tools": [NOTE_TOOL], "tool_choice": tool_choice}
+    body = {
+        "messages": NOTE_WITH_THE_CLOSING_TAG,
+        "tools": [NOTE_TOOL],
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": False,
+    }
     if not stream:
         answer = server.openai_client().chat.completions.create(model=server.model, temperature=0, **body)
         arguments = _assert_one_call(answer.choices[0], [NOTE_TOOL])
@@ -232,7 +251,12 @@ def test_a_sampled_forced_call_that_writes_the_closing_tag_in_a_string_is_one_ca
     # At seed 32 and the default temperature SmolLM2 opens the city's string with `}}</tool_call>`
     # (as if closing the call), then goes on and closes the string later.
     answer = server.openai_client().chat.completions.create(
-        model=server.model, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="required", seed=32
+        model=server.model,
+        messages=QUESTION,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        seed=32,
+        parallel_tool_calls=False,
     )
     arguments = _assert_one_call(answer.choices[0], [WEATHER_TOOL])
     assert "</tool_call>" in arguments["city"]  # the case it is meant to be (else pick another seed)
@@ -341,7 +365,13 @@ def _stream_events(server, body: dict) -> list[str]:
 
 
 def test_streaming_with_tools_ends_with_one_finish_chunk_then_done_and_matches_the_body(server):
-    body = {"messages": QUESTION, "tools": [WEATHER_TOOL], "tool_choice": NAMED, "temperature": 0}
+    body = {
+        "messages": QUESTION,
+        "tools": [WEATHER_TOOL],
+        "tool_choice": NAMED,
+        "temperature": 0,
+        "parallel_tool_calls": False,
+    }
     events = _stream_events(server, {**body, "stream": True})
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     chunks = [json.loads(payload) for payload in events[:-1]]

@@ -156,3 +156,57 @@ def test_a_forced_call_the_grammar_accepts_parses_whatever_its_strings_hold(comp
     assert grammar_accepts(compiler, tokenizer, spec, text), text
     calls = parsed_calls(tool_format, tool_format.named_call_prefix("write"), text, ["write"])
     assert calls == [ParsedToolCall("write", json.dumps(ARGUMENTS))]
+
+
+# -- several calls (parallel_tool_calls) ----------------------------------------------------------
+
+
+def _calls_only(pieces: list) -> list:
+    """The parsed pieces without the whitespace between calls (which the answer strips)."""
+    return [piece for piece in pieces if not (isinstance(piece, str) and not piece.strip())]
+
+
+@pytest.mark.parametrize("forced_name", ["get_weather", None])
+@pytest.mark.parametrize("format_name", ["hermes", "gemma_tool_code"])
+def test_a_walk_through_several_calls_is_calls_whose_arguments_each_validate(
+    compiler, tokenizer, closing_ids, format_name, forced_name
+):
+    tool_format = FORMATS[format_name]
+    spec = forced_call_grammar(tool_format, TOOLS, forced_name, several_calls=True)
+    prefix = tool_format.named_call_prefix(forced_name) if forced_name else tool_format.any_call_prefix
+    num_calls = []
+    for seed in range(8):
+        text = random_walk(compiler, tokenizer, closing_ids, spec, seed)
+        if text is None:
+            continue
+        calls = _calls_only(parsed_calls(tool_format, prefix, text))
+        assert calls and all(isinstance(call, ParsedToolCall) for call in calls), (text, calls)
+        for call in calls:
+            assert forced_name is None or call.name == forced_name
+            jsonschema.validate(json.loads(call.arguments), PARAMETERS[call.name])
+        num_calls.append(len(calls))
+    assert len(num_calls) >= 4 and max(num_calls) >= 2, num_calls
+
+
+SECOND_CALL = {
+    "hermes": '\n<tool_call>\n{"name": "write", "arguments": {"note":"b"}}\n</tool_call>',
+    "gemma_tool_code": '\n```tool_code\nwrite(note="b")\n```',
+}
+
+
+@pytest.mark.parametrize("format_name", SECOND_CALL)
+def test_a_second_call_is_allowed_only_with_several_calls(compiler, tokenizer, format_name):
+    tool_format = FORMATS[format_name]
+    first = MARKERS_IN_STRINGS[format_name]
+    for several_calls in (False, True):
+        spec = forced_call_grammar(tool_format, [("write", NOTE)], "write", several_calls=several_calls)
+        assert grammar_accepts(compiler, tokenizer, spec, first)
+        assert grammar_accepts(compiler, tokenizer, spec, first + SECOND_CALL[format_name]) is several_calls
+
+
+def test_llama3_json_holds_one_call_per_message_even_with_several_calls():
+    # Its template renders exactly one call per assistant message: a second could not be sent back.
+    for forced_name in ("get_weather", None):
+        assert forced_call_grammar(
+            LLAMA3_JSON, TOOLS, forced_name, several_calls=True
+        ) == forced_call_grammar(LLAMA3_JSON, TOOLS, forced_name)

@@ -65,13 +65,15 @@ class StrippedText:
 @dataclass
 class ChatOutputParser:
     """Parses one answer. `thinking`: split Qwen 3 reasoning; `tool_format` and `tool_names`: the
-    calls to look for (None: no tools in play)."""
+    calls to look for (None: no tools in play); `max_tool_calls`: the calls after that many are
+    dropped (parallel_tool_calls false: one), as vLLM drops them; None keeps every one."""
 
     thinking: bool = False
     starts_in_reasoning: bool = False
     tool_format: ToolCallFormat | None = None
     tool_names: Collection[str] = ()
     call_prefix: str = ""
+    max_tool_calls: int | None = None
     num_tool_calls: int = 0
 
     def __post_init__(self):
@@ -127,6 +129,8 @@ class ChatOutputParser:
         pieces: list[ChatPiece] = []
         for item in parsed:
             if isinstance(item, ParsedToolCall):
+                if self.max_tool_calls is not None and self.num_tool_calls >= self.max_tool_calls:
+                    continue
                 self.num_tool_calls += 1
                 pieces.append(item)
             else:

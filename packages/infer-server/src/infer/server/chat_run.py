@@ -11,9 +11,10 @@ so the same conversation is the same prompt, the same tokens and the same greedy
 from dataclasses import dataclass
 
 from infer.engine.sampling_params import SamplingParams
-from infer.server import chat_tools
+from infer.server import chat_tools, errors
 from infer.server.chat_output import ChatAnswer, ChatOutputParser
 from infer.server.chat_prompt import ChatPrompt, build_chat_prompt
+from infer.server.errors import ApiError
 from infer.server.engine_loop import EngineLoop, RequestHandle
 from infer.server.generation import sampling_params, submit
 from infer.server.reasoning import prompt_opens_reasoning
@@ -61,7 +62,16 @@ class PreparedChat:
 async def prepare_chat(model: ServedModel, body: ChatCompletionRequest) -> PreparedChat:
     """Checks `body` against `model` (the one it names, from ServerState.model_for) and builds
     its prompt and settings. ApiError (400 naming the field, 413) for a request that cannot run."""
-    tools = chat_tools.tool_use(body.tools, body.tool_choice)
+    tools = chat_tools.tool_use(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if tools is not None and tools.forced and body.grammar_field is not None:
+        raise ApiError(
+            400,
+            f"{body.grammar_field}: a forced tool call (tool_choice required or named) is held to "
+            "its tools' grammar; send either that tool_choice or the output constraint",
+            errors.INVALID_REQUEST,
+            body.grammar_field,
+            "invalid_value",
+        )
     family = model.engine.model_info.chat_template.family
     tool_format = tool_call_format(family) if tools is not None else None
     call_prefix = tools.call_prefix(tool_format) if tools is not None else ""
@@ -118,4 +128,5 @@ def _output_parser(
         tool_format=tool_format,
         tool_names=tools.tool_names if tools is not None else (),
         call_prefix=call_prefix,
+        max_tool_calls=1 if tools is not None and not tools.parallel_calls else None,
     )

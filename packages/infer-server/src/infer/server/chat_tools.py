@@ -13,9 +13,14 @@ A named or "required" choice starts the answer with the opening of the family's 
 infer.server.tool_parsers.ToolCallFormat), and the rest of the call is held to a grammar
 (infer.server.tool_grammar), which also ends the answer at the call's closing marker (not a
 stop string: the model may write that marker inside a string of the arguments): the answer is
-always one call to one of the tools whose arguments validate against its `parameters`. Those must
-then be in the JSON Schema subset structured output enforces; a keyword outside it is a 400
-naming the tool's field.
+always a call to one of the tools whose arguments validate against its `parameters`, then, with
+parallel tool calls (the default), as many more such calls as the model writes, each held to the
+same grammar. Those parameters must then be in the JSON Schema subset structured output
+enforces; a keyword outside it is a 400 naming the tool's field.
+
+`parallel_tool_calls: false` holds an answer to at most one call: a forced one's grammar ends it
+after the first; with "auto" the calls after the first are dropped (infer.server.chat_output), as
+vLLM does.
 """
 
 from dataclasses import dataclass
@@ -37,6 +42,8 @@ class ToolUse:
     tool_names: frozenset[str]
     forced_name: str | None = None  # tool_choice {"type": "function", "function": {"name": ...}}
     required: bool = False  # tool_choice "required": some call, the model picks which
+    # parallel_tool_calls (OpenAI's default: true): several calls in one answer, else at most one
+    parallel_calls: bool = True
 
     @property
     def forced(self) -> bool:
@@ -50,23 +57,29 @@ class ToolUse:
 
     def grammar(self, tool_format: ToolCallFormat) -> GrammarSpec | None:
         """What the answer after `call_prefix` is held to (None when the model answers freely):
-        the rest of a call to the named function, or to any of the tools for "required". An
-        ApiError 400 names a tool whose parameters no grammar can enforce."""
+        the rest of a call to the named function, or to any of the tools for "required", and with
+        `parallel_calls` any more such calls after it. An ApiError 400 names a tool whose
+        parameters no grammar can enforce."""
         if not self.forced:
             return None
         tools = [
             (tool["function"]["name"], tool["function"].get("parameters")) for tool in self.template_tools
         ]
         try:
-            return forced_call_grammar(tool_format, tools, self.forced_name)
+            return forced_call_grammar(
+                tool_format, tools, self.forced_name, several_calls=self.parallel_calls
+            )
         except ToolSchemaError as error:
             code = "unsupported_value" if error.keyword else "invalid_value"
             raise ApiError(400, str(error), errors.INVALID_REQUEST, error.field, code) from None
 
 
-def tool_use(tools: list[Tool] | None, choice: str | NamedToolChoice | None) -> ToolUse | None:
-    """A request's `tools` and `tool_choice`, checked (ApiError 400 naming the field); None when
-    no tools are in play (none given, or tool_choice "none")."""
+def tool_use(
+    tools: list[Tool] | None, choice: str | NamedToolChoice | None, parallel_tool_calls: bool | None = None
+) -> ToolUse | None:
+    """A request's `tools`, `tool_choice` and `parallel_tool_calls` (null: OpenAI's default,
+    true), checked (ApiError 400 naming the field); None when no tools are in play (none given,
+    or tool_choice "none")."""
     tools = tools or []
     forced_name = choice.function.name if choice is not None and not isinstance(choice, str) else None
     if not tools:
@@ -98,6 +111,7 @@ def tool_use(tools: list[Tool] | None, choice: str | NamedToolChoice | None) -> 
         tool_names=frozenset(names),
         forced_name=forced_name,
         required=choice == "required",
+        parallel_calls=parallel_tool_calls is not False,
     )
 
 

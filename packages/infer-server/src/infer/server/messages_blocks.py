@@ -181,7 +181,7 @@ class MessagesTool(_Strict):
 class MessagesToolChoice(_Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    # The answer holds one call when a call is forced (a grammar holds it to one).
+    # true: at most one tool call in the answer (the chat route's parallel_tool_calls false).
     disable_parallel_tool_use: bool | None = None
 
     @model_validator(mode="after")

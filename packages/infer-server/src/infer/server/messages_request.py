@@ -14,7 +14,9 @@ field (`messages.0.content.1.input`). What Anthropic's API has and the translati
   tool calls (`input` as the JSON arguments); its `thinking` and `redacted_thinking` blocks,
   which clients pass back, are dropped, as the chat templates drop earlier reasoning.
 - `tools` are custom tools (`name`, `description`, `input_schema`); `tool_choice` `auto`, `any`
-  (some call: the chat route's "required"), `tool` with a `name` (that call), `none`.
+  (some call: the chat route's "required"), `tool` with a `name` (that call), `none`;
+  `disable_parallel_tool_use: true` is the chat route's `parallel_tool_calls: false` (at most one
+  call; Anthropic's default, as OpenAI's, lets an answer hold several).
 - `thinking` `{"type": "enabled", "budget_tokens": N}` turns on the thinking of a model whose
   template has the switch (Qwen 3; refused by name for others), `disabled` or left out turns it
   off, as Anthropic's default is no thinking. The budget is checked as Anthropic checks it
@@ -24,7 +26,7 @@ field (`messages.0.content.1.input`). What Anthropic's API has and the translati
 - Accepted and ignored, since they do not change the output: `metadata`, `cache_control` (at the
   top and on any block), `service_tier`, `inference_geo`, `speed`, `diagnostics`,
   `user_profile_id`, `workspace_id`, a text block's `citations`, a tool's `strict` (as the chat
-  route takes it), tool_choice's `disable_parallel_tool_use`.
+  route takes it).
 - Refused by name (400, `unsupported_value`) unless null: `container`, `mcp_servers`,
   `context_management`, `output_config`; server tools (a tool `type` other than `custom`), block
   types other than text, image, tool_use, tool_result, thinking and redacted_thinking, images
@@ -148,6 +150,8 @@ class _MessagesPrompt(_Strict):
                 if choice.type == "tool"
                 else {"auto": "auto", "any": "required", "none": "none"}[choice.type]
             )
+            if choice.disable_parallel_tool_use:
+                fields["parallel_tool_calls"] = False
         thinking = self.thinking is not None and self.thinking.enabled
         if thinking_switch:
             fields["chat_template_kwargs"] = {"enable_thinking": thinking}

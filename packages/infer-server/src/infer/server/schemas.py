@@ -80,6 +80,18 @@ METADATA_FIELDS = (
     "user",
 )
 
+# vLLM's structured output fields on a request, in the order they validate; each guided_ field's
+# constraint, as structured_outputs names it.
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+VLLM_GRAMMAR_FIELDS = ("structured_outputs", *GUIDED_FIELDS)
+# The fields that hold the output to a grammar: a request sends at most one of them.
+OUTPUT_CONSTRAINTS = ("response_format", *VLLM_GRAMMAR_FIELDS)
+
 logger = logging.getLogger(__name__)
 
 
@@ -170,6 +182,15 @@ class _SamplingRequest(_Strict):
     cache_salt: str | None = Field(None, min_length=1)
     # Structured output (chat as OpenAI has it; completions as vLLM has it).
     response_format: "ResponseFormat | None" = None
+    # vLLM's structured output: its `structured_outputs` object, and the top-level guided_* fields
+    # it had before (v0.12 removed those, and now ignores them; older clients still send them).
+    # At most one of these and a response_format that constrains (OUTPUT_CONSTRAINTS).
+    structured_outputs: "StructuredOutputs | None" = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _vllm_grammar: GrammarSpec | None = PrivateAttr(None)
 
     # OpenAI fields we accept only at their neutral values: field -> the values that mean "off".
     NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {}
@@ -194,6 +215,52 @@ class _SamplingRequest(_Strict):
         if sent:
             logger.debug("ignoring OpenAI metadata fields %s", sorted(sent))
         return self
+
+    @field_validator(*VLLM_GRAMMAR_FIELDS)
+    @classmethod
+    def _one_output_constraint(cls, value: Any, info) -> Any:
+        # The fields validate in the order declared: info.data holds those before this one.
+        if value is None:
+            return value
+        other = next(
+            (
+                name
+                for name in OUTPUT_CONSTRAINTS
+                if name != info.field_name and _constrains(info.data.get(name))
+            ),
+            None,
+        )
+        if other is not None:
+            raise PydanticCustomError(
+                INVALID_VALUE,
+                "{field} and {other} both constrain the output; send one of them",
+                {"field": info.field_name, "other": other},
+            )
+        if info.field_name in GUIDED_FIELDS:
+            vllm_grammar(GUIDED_FIELDS[info.field_name], value)
+        return value
+
+    @model_validator(mode="after")
+    def _build_vllm_grammar(self):
+        if self.structured_outputs is not None:
+            self._vllm_grammar = self.structured_outputs.grammar_spec
+        for field, kind in GUIDED_FIELDS.items():
+            if getattr(self, field) is not None:
+                self._vllm_grammar = vllm_grammar(kind, getattr(self, field))
+        return self
+
+    @property
+    def grammar_field(self) -> str | None:
+        """The vLLM field that constrains the output (structured_outputs or a guided_ one), if
+        one was sent."""
+        return next((name for name in VLLM_GRAMMAR_FIELDS if getattr(self, name) is not None), None)
+
+    @property
+    def output_grammar(self) -> GrammarSpec | None:
+        """What the engine holds the output to (response_format's or a vLLM field's); None: free."""
+        if self.response_format is not None and self.response_format.grammar is not None:
+            return self.response_format.grammar
+        return self._vllm_grammar
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -278,7 +345,7 @@ class _SamplingRequest(_Strict):
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
             "logprobs": self._num_logprobs(),
-            "grammar": self.response_format.grammar if self.response_format is not None else None,
+            "grammar": self.output_grammar,
         }
         max_new_tokens = self._max_new_tokens()
         if max_new_tokens is None:
@@ -591,6 +658,95 @@ class ResponseFormat(_Strict):
         return self._grammar
 
 
+def _constrains(value: Any) -> bool:
+    """Whether a validated OUTPUT_CONSTRAINTS field holds the output (response_format text does not)."""
+    if isinstance(value, ResponseFormat):
+        return value.grammar is not None
+    return value is not None
+
+
+def vllm_grammar(kind: str, value: Any) -> GrammarSpec:
+    """The GrammarSpec of one of vLLM's constraints (`json`: a schema, as an object or as JSON
+    text; `regex`; `choice`; `grammar`: Lark or GBNF), as structured_outputs and the guided_
+    fields hold them. What cannot be enforced is a PydanticCustomError saying why."""
+    try:
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as error:
+                    raise PydanticCustomError(
+                        INVALID_VALUE,
+                        "a JSON schema sent as a string must be JSON: {error}",
+                        {"error": str(error)},
+                    ) from None
+            return GrammarSpec.json_schema(value)
+        if kind == "regex":
+            return GrammarSpec.regex(value)
+        if kind == "choice":
+            return GrammarSpec.choice(value)
+        return GrammarSpec.cfg(value)
+    except GrammarSpecError as error:
+        raise PydanticCustomError(UNSUPPORTED_VALUE if error.keyword else INVALID_VALUE, str(error)) from None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (its StructuredOutputsParams): exactly one of `json`, `regex`,
+    `choice`, `grammar` and `json_object: true` (vllm_grammar reads them). Of its options, those
+    that change nothing here are accepted: `disable_fallback` (one backend, nothing to fall back
+    to) and `disable_any_whitespace` (JSON is always compact); those that would change the
+    output only at their neutral value (null or false)."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: Any = None
+    structural_tag: Any = None
+    _grammar: GrammarSpec | None = PrivateAttr(None)
+
+    @field_validator("json_", "regex", "choice", "grammar")
+    @classmethod
+    def _enforceable(cls, value: Any, info) -> Any:
+        if value is not None:
+            vllm_grammar(info.field_name.rstrip("_"), value)
+        return value
+
+    @field_validator("disable_additional_properties", "whitespace_pattern", "structural_tag")
+    @classmethod
+    def _neutral_only(cls, value: Any, info) -> Any:
+        if value is None or value is False:
+            return value
+        raise _unsupported(f"{info.field_name} is not supported; leave it out or send null")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [
+            (name, value)
+            for name, value in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                ("grammar", self.grammar), ("json_object", self.json_object or None))
+            if value is not None
+        ]  # fmt: skip
+        if len(given) != 1:
+            raise PydanticCustomError(
+                INVALID_VALUE,
+                "structured_outputs takes exactly one of json, regex, choice, grammar and "
+                "json_object: true; got {given}",
+                {"given": ", ".join(name for name, _ in given) or "none"},
+            )
+        name, value = given[0]
+        self._grammar = GrammarSpec.json_object() if name == "json_object" else vllm_grammar(name, value)
+        return self
+
+    @property
+    def grammar_spec(self) -> GrammarSpec:
+        return self._grammar
+
+
 class ChatMessages:
     """What a request's `messages` (a list of ChatMessage) give the chat template and the image
     loader: one reading of them for /v1/chat/completions and /tokenize. A plain mixin (no fields):
@@ -646,7 +802,8 @@ class ChatCompletionRequest(_SamplingRequest, ChatMessages):
     # "auto" (the default with tools), "none", "required" or a NamedToolChoice; checked against
     # `tools` in infer.server.chat_tools.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    # Accepted and ignored: the model emits at most what its chat template allows.
+    # OpenAI's default (null too): several calls in one answer; false: at most one
+    # (infer.server.chat_tools).
     parallel_tool_calls: bool | None = None
     # Passed to the chat template, e.g. {"enable_thinking": false} for Qwen 3.
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -17,6 +17,10 @@ that parser reads back as one call:
 - Gemma tool_code: `name=<value>, ...)` then a newline and the closing fence, one keyword per
   declared property (required ones always, in their declared order), each value a JSON literal
   held to the property's schema (the parser reads JSON's true/false/null as Python's).
+
+With parallel tool calls (the request's `parallel_tool_calls`, true unless sent false) the grammar
+lets more calls follow the first, each a whole call held to the same rules, written as the
+template writes several calls in one message; without, it ends the answer after the first.
 """
 
 import json
@@ -39,6 +43,8 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 HERMES_END = "}\n" + HERMES_CLOSE
 LLAMA3_END = "}"
 TOOL_CODE_END = ")\n" + TOOL_CODE_CLOSE
+# Between two calls of one message, as the chatml, qwen3 and gemma3 templates render them.
+CALL_SEPARATOR = "\n"
 
 
 class ToolSchemaError(ValueError):
@@ -51,10 +57,18 @@ class ToolSchemaError(ValueError):
 
 
 def forced_call_grammar(
-    tool_format: ToolCallFormat, tools: list[tuple[str, dict[str, Any] | None]], forced_name: str | None
+    tool_format: ToolCallFormat,
+    tools: list[tuple[str, dict[str, Any] | None]],
+    forced_name: str | None,
+    *,
+    several_calls: bool = False,
 ) -> GrammarSpec:
     """The grammar of the rest of a forced call. `tools`: (name, parameters) in the request's
-    order; `forced_name`: the named function, or None for "required" (any of them)."""
+    order; `forced_name`: the named function, or None for "required" (any of them).
+    `several_calls` (parallel_tool_calls): after the first call, more calls of the same kind may
+    follow, each opened as the template writes one after another (CALL_SEPARATOR, then the
+    opening the server wrote for the first), before the answer ends; Llama 3's format holds one
+    call per message (its template renders no more), so it stays one."""
     rules: list[str] = []
     alternatives = []
     for index, (name, parameters) in enumerate(tools):
@@ -68,7 +82,16 @@ def forced_call_grammar(
             raise ToolSchemaError(f"{field}: {error}", where, error.keyword) from None
         opening = "" if forced_name is not None else _name_rest(tool_format, name)
         alternatives.append(f"{_literal(opening)} {body}" if opening else body)
-    grammar = "start: " + " | ".join(alternatives) + "\n" + "\n".join(rules) + "\n"
+    call = " | ".join(alternatives)
+    if several_calls and tool_format is not LLAMA3_JSON:
+        opening = (
+            tool_format.named_call_prefix(forced_name)
+            if forced_name is not None
+            else tool_format.any_call_prefix
+        )
+        rules.append(f"call: {call}")
+        call = f"call ({_literal(CALL_SEPARATOR + opening)} call)*"
+    grammar = f"start: {call}\n" + "\n".join(rules) + "\n"
     return GrammarSpec.lark(grammar)
 
 
