@@ -193,3 +193,52 @@ def test_a_pattern_the_library_cannot_compile_is_a_spec_error_when_built_and_whe
 )  # fmt: skip
 def test_ascii_classes_spell_d_and_w_as_ecma_does(pattern, ascii):
     assert ascii_classes(pattern) == ascii
+
+
+# -- what clients send as vLLM's structured output: choices, Lark and GBNF grammars -----------------
+
+
+def test_a_walk_through_a_choice_list_ends_in_one_of_the_strings(compiler, tokenizer):
+    options = ["red", "dark blue", 'say "hi"', "grün", "back\\slash", ""]
+    texts = set()
+    for seed in range(12):
+        ids, ended = random_walk(compiler, tokenizer, GrammarSpec.choice(options), seed)
+        assert ended
+        texts.add(tokenizer.decode(ids))
+    assert texts <= set(options) and len(texts) >= 2, texts
+
+
+# The same language as GBNF (vLLM's documented EBNF) and as Lark; the oracle is Python's re.
+SQL = r"SELECT (id|name) FROM (users|orders) WHERE (id|name) = [0-9]{1,4}"
+SQL_GRAMMARS = {
+    "gbnf": 'root ::= "SELECT " col " FROM " table " WHERE " col " = " num\ncol ::= "id" | "name"\n'
+    'table ::= "users" | "orders"\nnum ::= [0-9]{1,4}\n',
+    "lark": 'start: "SELECT " col " FROM " table " WHERE " col " = " NUM\ncol: "id" | "name"\n'
+    'table: "users" | "orders"\nNUM: /[0-9]{1,4}/\n',
+}
+
+
+@pytest.mark.parametrize("dialect", SQL_GRAMMARS)
+def test_a_walk_through_a_grammar_in_either_dialect_matches_its_language(compiler, tokenizer, dialect):
+    spec = GrammarSpec.cfg(SQL_GRAMMARS[dialect])
+    for seed in range(4):
+        ids, ended = random_walk(compiler, tokenizer, spec, seed)
+        assert ended and re.fullmatch(SQL, tokenizer.decode(ids)), tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize(
+    ("build", "says"),
+    [
+        (lambda: GrammarSpec.cfg("start: missing"), "unknown name"),
+        (lambda: GrammarSpec.cfg("root ::= (("), "gbnf"),
+        (lambda: GrammarSpec.cfg('start: a\na: a "x"'), "no output matches"),
+        (lambda: GrammarSpec.regex("[^\\x00-\\U0010FFFF]"), "no output matches"),
+        (lambda: GrammarSpec.regex("a(?=b)"), "look-around"),
+        (lambda: GrammarSpec.choice([]), "non-empty"),
+    ],
+    ids=["unknown-rule", "gbnf-garbage", "rule-never-ends", "empty-regex", "lookahead", "no-choices"],
+)
+def test_what_no_output_can_match_or_llguidance_cannot_build_is_refused_with_its_reason(build, says):
+    with pytest.raises(GrammarSpecError) as raised:
+        build()
+    assert says in str(raised.value).lower(), raised.value

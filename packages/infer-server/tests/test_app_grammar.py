@@ -170,6 +170,7 @@ REFUSALS = [
     ({"guided_regex": "a(?=b)"}, "guided_regex", INVALID, "look-around"),
     ({"guided_grammar": "start: missing_rule"}, "guided_grammar", INVALID, "missing_rule"),
     ({"guided_grammar": "root ::= (("}, "guided_grammar", INVALID, "gbnf"),
+    ({"guided_grammar": 'start: a\na: a "x"'}, "guided_grammar", INVALID, "no output matches"),
     ({"guided_json": "{not json"}, "guided_json", INVALID, "json"),
     ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", UNSUPPORTED, "uniqueItems"),
     ({"guided_choice": []}, "guided_choice", INVALID, "non-empty"),

@@ -16,6 +16,7 @@ build the grammar, without a tokenizer (cheap), so what it cannot enforce (a reg
 is refused where the request is read, not in the engine.
 """
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -350,13 +351,51 @@ def _check_grammar(spec: "GrammarSpec") -> None:
 def _grammar_error(spec: "GrammarSpec") -> str | None:
     from llguidance import LLMatcher
 
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(llguidance_grammar(spec))
+    grammar = llguidance_grammar(spec)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if not is_error:
-        return None
+        return _dead_at_start(grammar)
     # The first line says where; a regex's reason comes lines later, after a picture of it.
     first, *rest = messages[0].splitlines()
     reason = next((line.strip().removeprefix("error: ") for line in rest if line.startswith("error: ")), None)
     return f"{first} {reason}" if reason else first
+
+
+def _dead_at_start(grammar: str) -> str | None:
+    """Why no output at all matches the grammar, when llguidance finds no byte that may come first
+    and no empty output (every way from the start runs into a rule that never ends, such as
+    `a: a "x"`), asked over a vocabulary of bytes; None otherwise. Such a rule reached only after
+    some output is not found here: the engine's matcher then allows nothing more there, and the
+    answer ends."""
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    if not matcher.is_error():
+        matcher.compute_bitmask()  # what may come first; an error when nothing may
+        if not matcher.is_error():
+            return None
+        return "no output matches it: every way from its start is a dead end (a rule that never ends)"
+    return matcher.get_error().splitlines()[0]
+
+
+class _ByteVocabulary:
+    """A tokenizer for llguidance whose tokens are the 256 bytes and an end token: enough to ask a
+    grammar what may come first, without a model's vocabulary."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([value]) for value in range(256)] + [b"<end>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+@functools.cache
+def _byte_tokenizer():
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    return LLTokenizer(TokenizerWrapper(_ByteVocabulary()))
 
 
 def _overlapping_one_of(schema) -> str:
