@@ -167,12 +167,12 @@ def test_raw_events_carry_event_lines_matching_their_type(server):
 
 
 @pytest.mark.parametrize("choice", [{"type": "tool", "name": "get_weather"}, {"type": "any"}])
-def test_a_forced_tool_choice_answers_with_one_tool_use_block(server, choice):
+def test_a_forced_tool_choice_without_parallel_use_answers_with_one_tool_use_block(server, choice):
     message = create(
         server,
         messages=[{"role": "user", "content": "Weather in Paris?"}],
         tools=[WEATHER],
-        tool_choice=choice,
+        tool_choice=choice | {"disable_parallel_tool_use": True},
     )
     assert message.stop_reason == "tool_use"
     (block,) = message.content
@@ -188,17 +188,42 @@ def test_a_forced_tool_choice_answers_with_one_tool_use_block(server, choice):
         max_tokens=24,
         tools=[CHAT_WEATHER],
         tool_choice=named,
+        parallel_tool_calls=False,
     )
     (call,) = expected.choices[0].message.tool_calls
     assert block.input == json.loads(call.function.arguments)
     assert message.usage.input_tokens == expected.usage.prompt_tokens
 
 
+def test_a_forced_tool_choice_with_parallel_use_answers_with_the_chat_routes_calls(server):
+    """Anthropic's default, as OpenAI's: an answer may hold several calls (greedy SmolLM2 repeats
+    a named forced call once it may), each its own tool_use block, as the chat route's calls."""
+    message = create(
+        server,
+        max_tokens=100,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
+    expected = chat(
+        server,
+        [{"role": "user", "content": "Weather in Paris?"}],
+        max_tokens=100,
+        tools=[CHAT_WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    calls = expected.choices[0].message.tool_calls
+    assert len(calls) >= 2  # what makes this test tell the two settings apart
+    assert [(block.type, block.name, block.input) for block in message.content] == [
+        ("tool_use", call.function.name, json.loads(call.function.arguments)) for call in calls
+    ]
+
+
 def test_a_streamed_tool_use_assembles_to_the_non_streamed_input(server):
     request = {
         "messages": [{"role": "user", "content": "Weather in Paris?"}],
         "tools": [WEATHER],
-        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
     }
     whole = create(server, **request)
     with client(server).messages.stream(

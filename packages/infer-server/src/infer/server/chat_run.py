@@ -14,8 +14,8 @@ from infer.engine.sampling_params import SamplingParams
 from infer.server import chat_tools, errors
 from infer.server.chat_output import ChatAnswer, ChatOutputParser
 from infer.server.chat_prompt import ChatPrompt, build_chat_prompt
-from infer.server.errors import ApiError
 from infer.server.engine_loop import EngineLoop, RequestHandle
+from infer.server.errors import ApiError
 from infer.server.generation import sampling_params, submit
 from infer.server.reasoning import prompt_opens_reasoning
 from infer.server.schemas import ChatCompletionRequest
