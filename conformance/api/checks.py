@@ -587,6 +587,100 @@ def _message_text(body: dict) -> str:
     return "".join(block.get("text", "") for block in body.get("content", []) if block.get("type") == "text")
 
 
+def responses_stream_events(case: dict, impl, options) -> None:
+    """A streamed /v1/responses answer: every event is an `event:` line naming the type its data
+    holds, sequence_numbers count from 0, response.created comes first and the case's `terminal`
+    event last, and the output_text deltas join to the text of the final response's messages
+    (function-call argument deltas to its calls' arguments)."""
+    client, model = _connect(case, options)
+    request = _materialize(case["request"], model)
+    response = client.post(request["path"], json=request["json"])
+    assert response.status_code == 200, f"status {response.status_code}: {response.text[:300]}"
+    events, problems = [], []
+    for block in response.text.replace("\r\n", "\n").split("\n\n"):
+        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
+        if not lines:
+            continue
+        named = [line[len("event:") :].strip() for line in lines if line.startswith("event:")]
+        data = [line[len("data:") :].strip() for line in lines if line.startswith("data:")]
+        if len(data) != 1 or len(named) != 1 or len(lines) != 2:
+            problems.append(f"event is not one event line and one data line: {block[:120]!r}")
+            continue
+        event = json.loads(data[0])
+        if event.get("type") != named[0]:
+            problems.append(f"event line {named[0]!r} but data type {event.get('type')!r}")
+        events.append(event)
+    assert events, "no events"
+    types = [event.get("type") for event in events]
+    if types[0] != "response.created":
+        problems.append(f"first event is {types[0]}")
+    if types[-1] != case["terminal"]:
+        problems.append(f"last event is {types[-1]}, expected {case['terminal']}")
+    numbers = [event.get("sequence_number") for event in events]
+    if numbers != list(range(len(events))):
+        problems.append(f"sequence_numbers are {numbers[:10]}..., not 0, 1, 2, ...")
+    final = events[-1].get("response") or {}
+    texts = [
+        part.get("text", "")
+        for item in final.get("output", [])
+        if item.get("type") == "message"
+        for part in item.get("content", [])
+    ]
+    deltas = "".join(event["delta"] for event in events if event.get("type") == "response.output_text.delta")
+    if deltas != "".join(texts):
+        problems.append(f"text deltas {deltas!r} != final text {''.join(texts)!r}")
+    arguments = [
+        item.get("arguments") for item in final.get("output", []) if item.get("type") == "function_call"
+    ]
+    streamed = [
+        event["arguments"] for event in events if event.get("type") == "response.function_call_arguments.done"
+    ]
+    if arguments != streamed:
+        problems.append(f"streamed call arguments {streamed} != final {arguments}")
+    assert not problems, f"case {case['id']}: " + "; ".join(problems)
+
+
+def responses_follow_up(case: dict, impl, options) -> None:
+    """The case's `second` request, sent with previous_response_id naming the `first` one's
+    answer: `expect: continues` wants a 200 whose input_tokens exceed the first's input and
+    output tokens together (the earlier turns are part of its prompt); `expect: not_found` a 400
+    naming previous_response_id with code previous_response_not_found."""
+    client, model = _connect(case, options)
+    first = client.post("/v1/responses", json=_materialize(case["first"], model))
+    assert first.status_code == 200, _report(case, first, [f"status {first.status_code}"])
+    second_json = {**_materialize(case["second"], model), "previous_response_id": first.json()["id"]}
+    second = client.post("/v1/responses", json=second_json)
+    if case["expect"] == "not_found":
+        problems = _check_response(
+            second, {"status": 400, "error": True, "names_param": "previous_response_id"}, None
+        )
+        code = (second.json().get("error") or {}).get("code") if not problems else None
+        if not problems and code != "previous_response_not_found":
+            problems.append(f"error code {code!r}, expected previous_response_not_found")
+        assert not problems, _report(case, second, problems)
+        return
+    assert second.status_code == 200, _report(case, second, [f"status {second.status_code}"])
+    earlier, now = first.json()["usage"], second.json()["usage"]
+    assert now["input_tokens"] > earlier["input_tokens"] + earlier["output_tokens"], (
+        f"the follow-up counts {now['input_tokens']} input tokens, the first turn alone "
+        f"{earlier['input_tokens']} + {earlier['output_tokens']}"
+    )
+
+
+def responses_retrieve(case: dict, impl, options) -> None:
+    """GET /v1/responses/{id} of the case's `request`'s answer is that answer; an id never made
+    is a 404."""
+    client, model = _connect(case, options)
+    created = client.post("/v1/responses", json=_materialize(case["request"], model))
+    assert created.status_code == 200, _report(case, created, [f"status {created.status_code}"])
+    fetched = client.get(f"/v1/responses/{created.json()['id']}")
+    assert fetched.status_code == 200, _report(case, fetched, [f"status {fetched.status_code}"])
+    assert fetched.json() == created.json(), f"GET answered {fetched.text[:300]}"
+    missing = client.get("/v1/responses/resp_never_made_here")
+    problems = _check_response(missing, {"status": 404, "error": True}, None)
+    assert not problems, _report(case, missing, problems)
+
+
 def _with(request: dict, **fields) -> dict:
     return {**request, "json": {**request["json"], **fields}}
 

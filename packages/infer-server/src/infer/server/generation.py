@@ -137,6 +137,9 @@ class Collected:
     final: StepOutput | None = None
     # One per token: its TokenLogprobs when the request asked for them, else None.
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # Every output as it came (their text deltas join to `text`), for a reader that needs to
+    # know which tokens wrote which text.
+    outputs: list[StepOutput] = field(default_factory=list)
 
 
 async def collect(
@@ -164,7 +167,7 @@ async def collect(
         outputs = [handle.outputs.get_nowait() for _ in range(handle.outputs.qsize())]
         final = outputs[-1]
         if final.error is not None or final.finish_reason == FINISH_ABORT:
-            raise unfinished_error(handle, final)
+            raise _unfinished(handle, final)
         tokens = [output for output in outputs if output.token_id is not None]
         collected.append(
             Collected(
@@ -172,6 +175,7 @@ async def collect(
                 token_ids=[output.token_id for output in tokens],
                 final=final,
                 logprobs=[output.logprobs for output in tokens],
+                outputs=outputs,
             )
         )
     return collected
@@ -327,7 +331,7 @@ async def choice_events(
         if text:
             yield piece_event(text, *pending.take())
     if output.error is not None or output.finish_reason == FINISH_ABORT:
-        raise _Unfinished(unfinished_error(handle, output))
+        raise _Unfinished(_unfinished(handle, output))
     yield stream.finish(output.finish_reason, text, *pending.take())
 
 
@@ -352,7 +356,7 @@ async def parsed_choice_events(
             yield _piece_event(stream, piece, num_calls_sent, *pending.take())
             num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
     if output.error is not None or output.finish_reason == FINISH_ABORT:
-        raise _Unfinished(unfinished_error(handle, output))
+        raise _Unfinished(_unfinished(handle, output))
     for piece in chat_output.feed(text) + chat_output.finish():
         yield _piece_event(stream, piece, num_calls_sent, *pending.take())
         num_calls_sent += not isinstance(piece, ContentPiece | ReasoningPiece)
@@ -361,7 +365,14 @@ async def parsed_choice_events(
     yield stream.finish(reason, "", *pending.take())
 
 
-def unfinished_error(handle: RequestHandle, final: StepOutput) -> ApiError:
+def unfinished_error(handle: RequestHandle, final: StepOutput) -> ApiError | None:
+    """Why a choice whose last output is `final` ended without an answer; None when it has one."""
+    if final.error is None and final.finish_reason != FINISH_ABORT:
+        return None
+    return _unfinished(handle, final)
+
+
+def _unfinished(handle: RequestHandle, final: StepOutput) -> ApiError:
     """Why a choice ends without an answer: the engine died (503: retry once it is back), its
     batch's forward failed (500), or the server cancelled it (503; a client that went away reads
     no more events)."""

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from infer.engine.protocol import FINISH_ABORT
 from infer.server import messages_response
 from infer.server.chat_output import ChatOutputParser, finish_reason
 from infer.server.chat_run import THINKING_FAMILIES, ChatRun, prepare_chat, start_chat
@@ -128,8 +127,9 @@ async def _message_events(
             break
         for event in _piece_events(events, parser, output.text_delta):
             yield event
-    if output.error is not None or output.finish_reason == FINISH_ABORT:
-        yield messages_response.error_event(unfinished_error(handle, output))
+    error = unfinished_error(handle, output)
+    if error is not None:
+        yield messages_response.error_event(error)
         return
     for event in _piece_events(events, parser, output.text_delta, finished=True):
         yield event
