@@ -681,6 +681,53 @@ def responses_retrieve(case: dict, impl, options) -> None:
     assert not problems, _report(case, missing, problems)
 
 
+# /v1/embeddings (specs/api/embeddings.yaml).
+
+
+def embeddings_vectors(case: dict, impl, options) -> None:
+    """The case's `inputs` embedded as floats and as base64: unit vectors of one width, equal for
+    equal inputs and different otherwise, base64 the same float32 vector's little-endian bytes."""
+    import base64
+    import math
+    import struct
+
+    client, model = _connect(case, options)
+    request = {"model": model, "input": case["inputs"]}
+    floats = client.post("/v1/embeddings", json={**request, "encoding_format": "float"})
+    packed = client.post("/v1/embeddings", json={**request, "encoding_format": "base64"})
+    assert floats.status_code == 200, _report(case, floats, [f"status {floats.status_code}"])
+    assert packed.status_code == 200, _report(case, packed, [f"status {packed.status_code}"])
+    vectors = [item["embedding"] for item in sorted(floats.json()["data"], key=lambda item: item["index"])]
+    problems = []
+    if len({len(vector) for vector in vectors}) != 1:
+        problems.append(f"widths {[len(vector) for vector in vectors]}")
+    for index, vector in enumerate(vectors):
+        norm = math.sqrt(sum(value * value for value in vector))
+        if abs(norm - 1) > 1e-3:
+            problems.append(f"vector {index} has length {norm}")
+    for (i, a), (j, b) in ((pair[0], pair[1]) for pair in _pairs(list(enumerate(vectors)))):
+        same_input = case["inputs"][i] == case["inputs"][j]
+        close = max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
+        if same_input != close:
+            problems.append(
+                f"inputs {i} and {j} are {'equal' if same_input else 'different'}, their vectors not"
+            )
+    for item in packed.json()["data"]:
+        raw = base64.b64decode(item["embedding"])
+        decoded = struct.unpack(f"<{len(raw) // 4}f", raw)
+        expected = vectors[item["index"]]
+        if (
+            len(decoded) != len(expected)
+            or max(abs(x - y) for x, y in zip(decoded, expected, strict=True)) > 1e-6
+        ):
+            problems.append(f"base64 vector {item['index']} is not the float vector")
+    assert not problems, _report(case, floats, problems)
+
+
+def _pairs(items: list) -> list[tuple]:
+    return [(a, b) for index, a in enumerate(items) for b in items[index + 1 :]]
+
+
 def _with(request: dict, **fields) -> dict:
     return {**request, "json": {**request["json"], **fields}}
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from infer.engine.sampling_params import POOLING_TYPES
 from infer.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from infer.models import DEFAULT_MODEL
 from infer.models.config import TORCH_DTYPES
@@ -100,6 +101,12 @@ class EngineConfig:
         "token's vector of each layer and head with a power-of-two scale computed as it is written: "
         "about twice the tokens in the same memory; CUDA only)",
         choices=KV_CACHE_DTYPES,
+    )
+    pooling_type: str = _flag(
+        "last",
+        "how an embedding request (/v1/embeddings) pools its prompt's final hidden states: last (the "
+        "last token's, what decoder-only embedding models are trained for) or mean",
+        choices=POOLING_TYPES,
     )
     block_size: int = _flag(16, "tokens per KV block (paged backend)")
     num_gpu_blocks: int | None = _flag(
@@ -295,6 +302,7 @@ class EngineConfig:
                 raise EngineConfigError(f"{name} must be true or false, got {value!r}")
         _check_choice(self, "kv_cache_backend", KV_CACHE_BACKENDS)
         _check_choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
+        _check_choice(self, "pooling_type", POOLING_TYPES)
         if self.kv_cache_dtype != "auto":
             if self.device == "cpu":
                 raise EngineConfigError(

@@ -24,6 +24,7 @@ from infer.server.media import MediaPolicy
 from infer.server.metrics import ServerMetrics
 from infer.server.routes_chat import router as chat_router
 from infer.server.routes_completions import router as completions_router
+from infer.server.routes_embeddings import router as embeddings_router
 from infer.server.routes_messages import router as messages_router
 from infer.server.routes_responses import router as responses_router
 from infer.server.routes_service import router as service_router
@@ -86,6 +87,7 @@ def create_app(
     app.include_router(chat_router)
     app.include_router(service_router)
     app.include_router(tokenize_router)
+    app.include_router(embeddings_router)
     app.include_router(messages_router)
     app.include_router(responses_router)
     app.add_exception_handler(ApiError, _api_error_response)

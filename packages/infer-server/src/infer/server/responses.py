@@ -182,23 +182,36 @@ def usage_chunk(object: str, id: str, created: int, model: str, usage: dict[str,
 
 
 def model_list(models: list[tuple], created: int, owned_by: str = "infer") -> dict[str, Any]:
-    """GET /v1/models from (model id, max_model_len) or (model id, max_model_len, state) tuples."""
+    """GET /v1/models from (model id, max_model_len), (model id, max_model_len, state) or (model
+    id, max_model_len, state, pooling) tuples."""
     return {
         "object": "list",
         "data": [
-            model(*entry[:2], created, owned_by, state=entry[2] if len(entry) > 2 else None)
+            model(
+                *entry[:2],
+                created,
+                owned_by,
+                state=entry[2] if len(entry) > 2 else None,
+                pooling=entry[3] if len(entry) > 3 else None,
+            )
             for entry in models
         ],
     }
 
 
 def model(
-    model_id: str, max_model_len: int | None, created: int, owned_by: str = "infer", state: str | None = None
+    model_id: str,
+    max_model_len: int | None,
+    created: int,
+    owned_by: str = "infer",
+    state: str | None = None,
+    pooling: str | None = None,
 ) -> dict[str, Any]:
     """One model object (GET /v1/models/{model}); `max_model_len` is vLLM's field for the
     context length (null for a model not loaded yet), `state` ours: whether it is resident
     (loaded, loading, unloading, unloaded, failed; infer.server.served_models), as LM Studio's
-    and Ollama's model lists tell it. OpenAI's four fields come first, unchanged."""
+    and Ollama's model lists tell it; `pooling` ours: how /v1/embeddings pools its hidden states
+    ("last" or "mean"). OpenAI's four fields come first, unchanged."""
     body = {
         "id": model_id,
         "object": "model",
@@ -208,6 +221,8 @@ def model(
     }
     if state is not None:
         body["state"] = state
+    if pooling is not None:
+        body["pooling"] = pooling
     return body
 
 

@@ -32,7 +32,10 @@ async def list_models(request: Request) -> Response:
         # A context length is known once its engine was built: 503 until the start's loads end
         # (then a model not loaded yet shows null).
         server.require_ready()
-    entries = [(model.served_model_name, model.max_model_len, model.state) for model in server.models.models]
+    entries = [
+        (model.served_model_name, model.max_model_len, model.state, model.pooling_type)
+        for model in server.models.models
+    ]
     return JSONResponse(responses.model_list(entries, server.created))
 
 
@@ -44,7 +47,13 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
     if model.max_model_len is None:
         server.require_ready()
     return JSONResponse(
-        responses.model(model.served_model_name, model.max_model_len, server.created, state=model.state)
+        responses.model(
+            model.served_model_name,
+            model.max_model_len,
+            server.created,
+            state=model.state,
+            pooling=model.pooling_type,
+        )
     )
 
 

@@ -978,3 +978,54 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
+
+
+# ----------------------------------------------------------------------------- embeddings
+
+# OpenAI's limit on the inputs of one embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings (OpenAI's shape): `input` as a string, token ids, or a list of either
+    (`inputs` lists them in every case); `encoding_format` float or base64 (little-endian float32,
+    what the official client asks for by default); `dimensions` only as the model's own width,
+    which the route checks (no Matryoshka truncation here)."""
+
+    model: str
+    input: str | list[int] | list[str | list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None  # accepted and ignored, as OpenAI's bookkeeping
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_or_batch(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and all(isinstance(item, str | list) for item in value):
+            if len(value) > MAX_EMBEDDING_INPUTS:
+                raise PydanticCustomError(
+                    INVALID_VALUE, f"input holds at most {MAX_EMBEDDING_INPUTS} items, got {len(value)}"
+                )
+            return [cls._one_input(item) for item in value]
+        return cls._one_input(value)
+
+    @staticmethod
+    def _one_input(value: Any) -> str | list[int]:
+        if isinstance(value, str):
+            if not value:
+                raise PydanticCustomError(EMPTY_INPUT, "input must not be an empty string")
+            return value
+        if not isinstance(value, list) or not all(_is_token_id(item) for item in value):
+            raise PydanticCustomError(
+                INVALID_VALUE,
+                "input must be a string, a list of token ids (integers >= 0), or a list of either",
+            )
+        if not value:
+            raise PydanticCustomError(EMPTY_INPUT, "input must not be empty")
+        return value
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        """The request's inputs, one or many, in order."""
+        is_batch = isinstance(self.input, list) and not isinstance(self.input[0], int)
+        return list(self.input) if is_batch else [self.input]

@@ -84,6 +84,7 @@ class ServedModel:
         self.last_used_s = time.monotonic()
         self.num_loads = 0
         self._max_model_len: int | None = None  # kept after an unload, for /v1/models
+        self._pooling_type: str | None = None  # likewise
         self.num_waiting = 0  # requests waiting in ServedModels.acquire for this model
         self.closed = False  # the server stops: a load that ends now shuts its engine down
         self._settled: asyncio.Event | None = None  # set when a load or an unload ends
@@ -107,6 +108,12 @@ class ServedModel:
     def max_model_len(self) -> int | None:
         """The context length; None for a model never loaded yet."""
         return self.engine.max_seq_len if self.engine is not None else self._max_model_len
+
+    @property
+    def pooling_type(self) -> str | None:
+        """How /v1/embeddings pools this model's hidden states (EngineConfig.pooling_type); None
+        for a model never loaded yet."""
+        return self.engine.config.pooling_type if self.engine is not None else self._pooling_type
 
     @cached_property
     def max_prompt_chars(self) -> int:
@@ -189,6 +196,7 @@ class ServedModel:
         if self._name is None:  # the name requests use stays when the model is unloaded
             self._name = engine.config.model
         self._max_model_len = engine.max_seq_len
+        self._pooling_type = engine.config.pooling_type
         self.num_loads += 1
         self.last_used_s = time.monotonic()
         self.state = LOADED
