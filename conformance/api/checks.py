@@ -487,8 +487,18 @@ def messages_stream_equals_message(case: dict, impl, options) -> None:
     assert whole.status_code == 200, _report(case, whole, [f"status {whole.status_code}"])
     streamed = client.post("/v1/messages", json={**request, "stream": True})
     assert streamed.status_code == 200, _report(case, streamed, [f"status {streamed.status_code}"])
+    events, problems = _typed_events(streamed.text)
+    events = [event for event in events if event.get("type") != "ping"]
+    problems += _assembly_problems(events, whole.json())
+    assert not problems, _report(case, streamed, problems)
+
+
+def _typed_events(text: str) -> tuple[list[dict], list[str]]:
+    """The events of an SSE body whose events name their type (Anthropic's and the Responses
+    API's: an `event:` line and a `data:` line, the data's `type` the event's name), and what is
+    wrong with their framing."""
     events, problems = [], []
-    for block in streamed.text.replace("\r\n", "\n").split("\n\n"):
+    for block in text.replace("\r\n", "\n").split("\n\n"):
         lines = [line for line in block.split("\n") if line and not line.startswith(":")]
         if not lines:
             continue
@@ -497,13 +507,11 @@ def messages_stream_equals_message(case: dict, impl, options) -> None:
         if len(names) != 1 or len(data) != 1 or len(lines) != 2:
             problems.append(f"event is not one event line and one data line: {block[:120]!r}")
             continue
-        payload = json.loads(data[0])
-        if payload.get("type") != names[0]:
-            problems.append(f"event {names[0]!r} carries type {payload.get('type')!r}")
-        if payload.get("type") != "ping":
-            events.append(payload)
-    problems += _assembly_problems(events, whole.json())
-    assert not problems, _report(case, streamed, problems)
+        event = json.loads(data[0])
+        if event.get("type") != names[0]:
+            problems.append(f"event {names[0]!r} carries type {event.get('type')!r}")
+        events.append(event)
+    return events, problems
 
 
 def _assembly_problems(events: list[dict], whole: dict) -> list[str]:
@@ -596,20 +604,7 @@ def responses_stream_events(case: dict, impl, options) -> None:
     request = _materialize(case["request"], model)
     response = client.post(request["path"], json=request["json"])
     assert response.status_code == 200, f"status {response.status_code}: {response.text[:300]}"
-    events, problems = [], []
-    for block in response.text.replace("\r\n", "\n").split("\n\n"):
-        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
-        if not lines:
-            continue
-        named = [line[len("event:") :].strip() for line in lines if line.startswith("event:")]
-        data = [line[len("data:") :].strip() for line in lines if line.startswith("data:")]
-        if len(data) != 1 or len(named) != 1 or len(lines) != 2:
-            problems.append(f"event is not one event line and one data line: {block[:120]!r}")
-            continue
-        event = json.loads(data[0])
-        if event.get("type") != named[0]:
-            problems.append(f"event line {named[0]!r} but data type {event.get('type')!r}")
-        events.append(event)
+    events, problems = _typed_events(response.text)
     assert events, "no events"
     types = [event.get("type") for event in events]
     if types[0] != "response.created":

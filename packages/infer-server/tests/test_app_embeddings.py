@@ -4,13 +4,12 @@ transformers' final hidden states (`last_hidden_state`, after the final norm) of
 tokens, pooled and normalized; refusals by the rules of infer.server.errors."""
 
 import base64
-import json
 
 import numpy as np
 import pytest
 import torch
 
-from .test_app_errors import post, refusal
+from .test_app_errors import assert_refused_and_still_serving, refusal
 
 TEXTS = ["The sky is blue.", "Paris is the capital of France, and a city of museums.", "naïve café 🙂"]
 
@@ -172,12 +171,5 @@ REFUSALS = [
 
 @pytest.mark.parametrize(("path", "body", "status", "code", "param"), REFUSALS)
 def test_malformed_input_is_a_4xx_naming_the_field(server, path, body, status, code, param):
-    if isinstance(body, dict):
-        body = json.dumps({key: server.model if value == "$MODEL" else value for key, value in body.items()})
-    response = post(server, path, content=body, headers={"content-type": "application/json"})
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert (error["code"], error["param"]) == (code, param), error
-    assert error["type"] == "invalid_request_error" and error["message"]
-    still = post(server, EMBEDDINGS, json={"model": server.model, "input": "Hi"})
-    assert still.status_code == 200, "the server still serves"
+    still = (EMBEDDINGS, {"model": server.model, "input": "Hi"})
+    assert_refused_and_still_serving(server, path, body, status, code, param, still=still)

@@ -25,6 +25,20 @@ def post(server, path: str, **kwargs) -> httpx.Response:
     return httpx.post(server.base_url + path, timeout=60.0, **kwargs)
 
 
+def assert_refused_and_still_serving(server, path: str, body, status: int, code: str, param, still) -> None:
+    """A `refusal` case sent as it is: the status, OpenAI's error object naming `code` and
+    `param`; then `still`, a (path, body) that must answer 200: the server still serves."""
+    if isinstance(body, dict):
+        body = json.dumps({key: server.model if value == "$MODEL" else value for key, value in body.items()})
+    response = post(server, path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == (code, param), error
+    assert error["type"] == "invalid_request_error" and error["message"]
+    still_path, still_body = still
+    assert post(server, still_path, json=still_body).status_code == 200, "the server still serves"
+
+
 def refusal(path: str, body, status: int, code: str, param: str | None):
     """One case: `body` (a dict; "$MODEL" stands for the served model, or raw bytes) sent to
     `path` must be refused with `status`, and error.code and error.param as given."""

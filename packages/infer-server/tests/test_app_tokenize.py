@@ -3,12 +3,10 @@ against transformers' own tokenizer on the same folder (encode, the official cha
 convert_ids_to_tokens, decode), the chat route's usage.prompt_tokens, and the rules of
 infer.server.errors for every refusal: a 4xx naming the field, the server still serving after."""
 
-import json
-
 import httpx
 import pytest
 
-from .test_app_errors import HI, post, refusal
+from .test_app_errors import HI, assert_refused_and_still_serving, post, refusal
 
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
@@ -277,15 +275,9 @@ REFUSALS = [
 
 @pytest.mark.parametrize(("path", "body", "status", "code", "param"), REFUSALS)
 def test_malformed_input_is_a_4xx_naming_the_field(server, path, body, status, code, param):
-    if isinstance(body, dict):
-        body = json.dumps({key: server.model if value == "$MODEL" else value for key, value in body.items()})
-    response = post(server, path, content=body, headers={"content-type": "application/json"})
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert (error["code"], error["param"]) == (code, param), error
-    assert error["type"] == "invalid_request_error" and error["message"]
-    still = post(server, TOKENIZE, json={"prompt": "Hi"})
-    assert still.status_code == 200, "the server still serves"
+    assert_refused_and_still_serving(
+        server, path, body, status, code, param, still=(TOKENIZE, {"prompt": "Hi"})
+    )
 
 
 def test_a_prompt_at_the_character_limit_is_tokenized_and_one_over_is_413(small_limits_server):

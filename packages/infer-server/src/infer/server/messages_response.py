@@ -20,7 +20,7 @@ from typing import Any
 
 from infer.engine.output_processor import StepOutput
 from infer.engine.protocol import FINISH_LENGTH
-from infer.server.chat_output import ChatAnswer, ChatPiece, ContentPiece, ReasoningPiece
+from infer.server.chat_output import ChatPiece, ContentPiece, ReasoningPiece
 from infer.server.errors import ApiError
 from infer.server.tool_parsers import ParsedToolCall
 
@@ -88,13 +88,22 @@ def tool_use_block(call: ParsedToolCall, input: dict[str, Any] | None = None) ->
     }
 
 
-def content_blocks(answer: ChatAnswer) -> list[dict[str, Any]]:
-    blocks = []
-    if answer.reasoning_content:
-        blocks.append(thinking_block(answer.reasoning_content))
-    if answer.content:
-        blocks.append(text_block(answer.content))
-    blocks += [tool_use_block(call) for call in answer.tool_calls]
+def content_blocks(pieces: list[ChatPiece]) -> list[dict[str, Any]]:
+    """A whole answer's blocks in the order its pieces came (as a stream sends them: a call the
+    token limit cut short stays text after the calls before it), consecutive text or reasoning
+    pieces in one block."""
+    blocks: list[dict[str, Any]] = []
+    for piece in pieces:
+        if isinstance(piece, ContentPiece | ReasoningPiece):
+            kind, field = ("text", "text") if isinstance(piece, ContentPiece) else ("thinking", "thinking")
+            if not piece.text:
+                continue
+            if blocks and blocks[-1]["type"] == kind:
+                blocks[-1][field] += piece.text
+            else:
+                blocks.append(text_block(piece.text) if kind == "text" else thinking_block(piece.text))
+        else:
+            blocks.append(tool_use_block(piece))
     return blocks
 
 

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from infer.server import messages_response
-from infer.server.chat_output import ChatOutputParser, finish_reason
+from infer.server.chat_output import ChatOutputParser, ContentPiece, ReasoningPiece, finish_reason
 from infer.server.chat_run import THINKING_FAMILIES, ChatRun, prepare_chat, start_chat
 from infer.server.engine_loop import RequestHandle
 from infer.server.errors import CLIENT_CLOSED_REQUEST, ApiError, parse_request
@@ -85,15 +85,17 @@ async def _create_message(request: Request) -> Response:
     if collected is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     (choice,) = collected
-    answer = run.answer(0, choice.text)
+    parser = run.output_parsers[0]
+    pieces = parser.feed(choice.text) + parser.finish() if parser is not None else [ContentPiece(choice.text)]
+    num_calls = sum(not isinstance(piece, ContentPiece | ReasoningPiece) for piece in pieces)
     final = choice.final
-    handle.answered(finish_reason(final.finish_reason, len(answer.tool_calls)))
-    reason, stop_sequence = messages_response.stop_reason(final, len(answer.tool_calls))
+    handle.answered(finish_reason(final.finish_reason, num_calls))
+    reason, stop_sequence = messages_response.stop_reason(final, num_calls)
     return JSONResponse(
         messages_response.message(
             message_id,
             body.model,
-            messages_response.content_blocks(answer),
+            messages_response.content_blocks(pieces),
             reason,
             stop_sequence,
             messages_response.usage(final.prompt_tokens, final.completion_tokens),
