@@ -5,7 +5,14 @@ import pickle
 
 import numpy as np
 
-from infer.engine.protocol import EngineOutput, EngineOutputs, EngineStats, FinishReason, TokenLogprobs
+from infer.engine.protocol import (
+    EngineOutput,
+    EngineOutputs,
+    EngineStats,
+    FinishReason,
+    PromptLogprobs,
+    TokenLogprobs,
+)
 
 
 def test_engine_outputs_cross_a_pickle_unchanged():
@@ -36,3 +43,16 @@ def test_an_embedding_crosses_a_pickle_unchanged():
     crossed = pickle.loads(pickle.dumps(outputs)).outputs[0]
     assert crossed == outputs.outputs[0]
     assert crossed.embedding.dtype == np.float32 and np.array_equal(crossed.embedding, embedding)
+
+
+def test_prompt_logprobs_cross_a_pickle_unchanged():
+    scored = PromptLogprobs(
+        token_logprobs=np.array([-1.5, -0.25], dtype=np.float32),
+        ranks=np.array([3, 1]),
+        top_token_ids=np.array([[7], [9]]),
+        top_logprobs=np.array([[-0.5], [-0.25]], dtype=np.float32),
+    )
+    outputs = EngineOutputs([EngineOutput("p", [3], None, 3, prompt_logprobs=scored)])
+    crossed = pickle.loads(pickle.dumps(outputs)).outputs[0].prompt_logprobs
+    for field in ("token_logprobs", "ranks", "top_token_ids", "top_logprobs"):
+        assert np.array_equal(getattr(crossed, field), getattr(scored, field)), field

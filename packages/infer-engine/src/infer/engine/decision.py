@@ -26,6 +26,21 @@ class TokenLogprobs(NamedTuple):
     top_logprobs: list[float]
 
 
+@dataclass(frozen=True, eq=False)
+class PromptLogprobs:
+    """A request's prompt logprobs (SamplingParams.prompt_logprobs): row i is prompt token i + 1
+    under the model's raw distribution at position i (the first token has none). Runner ->
+    scheduler -> frontend, on the request's first output."""
+
+    token_logprobs: np.ndarray  # [P - 1] float32: each prompt token's logprob
+    ranks: np.ndarray  # [P - 1] int64: 1 + the tokens with a strictly greater logprob there
+    top_token_ids: np.ndarray  # [P - 1, k] int64: the k most likely tokens there, most likely first
+    top_logprobs: np.ndarray  # [P - 1, k] float32
+
+    def __len__(self) -> int:
+        return len(self.token_logprobs)
+
+
 @dataclass(frozen=True)
 class NewRequest:
     """A request the runner does not hold yet: new, or resumed after a preemption (recompute)."""
@@ -121,3 +136,6 @@ class RunnerOutput:
     # Per pooling request (SamplingParams.pooling) whose prompt ended in this step: its pooled
     # hidden state, [hidden_size] float32.
     pooled: dict[str, np.ndarray] = field(default_factory=dict)
+    # Per request that asked for its prompt's logprobs (SamplingParams.prompt_logprobs) and whose
+    # prompt ended in this step: every prompt token's (computed chunk by chunk).
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

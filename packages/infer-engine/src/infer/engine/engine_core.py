@@ -173,10 +173,12 @@ class EngineCore:
             arrival_s=engine_request.arrival_s,
             stop_token_ids=stop_token_ids_of(engine_request.sampling, self.limits.eos_token_ids),
             cache_salt=engine_request.cache_salt,
-            # Mean pooling reads the hidden state of every prompt token, so none may come from
-            # the cache (its K/V would, but not its hidden state).
+            # Mean pooling and prompt logprobs read the hidden state of every prompt token, so
+            # none may come from the cache (its K/V would, but not its hidden state).
             bypass_prefix_cache=(
-                engine_request.bypass_prefix_cache or engine_request.sampling.pooling == "mean"
+                engine_request.bypass_prefix_cache
+                or engine_request.sampling.pooling == "mean"
+                or engine_request.sampling.prompt_logprobs is not None
             ),
             images=tuple(engine_request.images),
         )

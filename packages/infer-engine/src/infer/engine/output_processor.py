@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from infer.engine.protocol import FINISH_ABORT, EngineOutput, EngineOutputs, FinishReason, TokenLogprobs
+from infer.engine.protocol import (
+    FINISH_ABORT,
+    EngineOutput,
+    EngineOutputs,
+    FinishReason,
+    PromptLogprobs,
+    TokenLogprobs,
+)
 from infer.engine.sampling_params import SamplingParams
 from infer.engine.stop import StopChecker
 
@@ -52,6 +59,8 @@ class StepOutput:
     stop_string: str | None = None
     # A pooling request's pooled hidden state (EngineOutput.embedding), on its one output.
     embedding: np.ndarray | None = field(default=None, compare=False)
+    # The prompt's logprobs (EngineOutput.prompt_logprobs), on the request's first token.
+    prompt_logprobs: PromptLogprobs | None = field(default=None, compare=False)
 
 
 class _RequestText:
@@ -125,6 +134,7 @@ class OutputProcessor:
                     cached_tokens=output.num_cached_tokens,
                     stop_string=state.stop_checker.matcher.matched if finish_reason is not None else None,
                     embedding=output.embedding if index == last else None,
+                    prompt_logprobs=output.prompt_logprobs if index == 0 else None,
                 )
             )
             if finish_reason is not None:

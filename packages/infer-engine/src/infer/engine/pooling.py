@@ -11,7 +11,8 @@ reads) that step's forward returns beside the logits:
 
 `PoolingPlan` says which rows of a step's forward output are whose: the forward returns the
 hidden states of the sampling rows' last tokens first (`StepInputs.logits_indices`), then those
-of the mean-pooling chunks' tokens (`extra_indices`).
+of the mean-pooling chunks' tokens (`extra_indices`), then those prompt logprobs ask for
+(infer.engine.prompt_logprobs; `ModelRunner._logits_and_hidden` runs that one forward).
 """
 
 from dataclasses import dataclass

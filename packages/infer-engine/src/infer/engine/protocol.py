@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from infer.engine.config import EngineConfig
-from infer.engine.decision import TokenLogprobs
+from infer.engine.decision import PromptLogprobs, TokenLogprobs
 from infer.engine.images import PromptImage, check_images
 from infer.engine.request import InvalidParamError, RequestTooLongError
 from infer.engine.sampling_params import SamplingParams
@@ -85,6 +85,9 @@ class EngineOutput:
     # A pooling request's (SamplingParams.pooling) pooled hidden state, [hidden_size] float32,
     # on its one token's output (left out of ==, which an array cannot answer as one bool).
     embedding: np.ndarray | None = field(default=None, compare=False)
+    # A request that asked for its prompt's logprobs (SamplingParams.prompt_logprobs): them, on
+    # its first token's output (arrays: left out of == as `embedding`).
+    prompt_logprobs: PromptLogprobs | None = field(default=None, compare=False)
 
     @property
     def finished(self) -> bool:
@@ -238,6 +241,7 @@ class EngineOutputs:
                 output.logprobs,
                 output.vision_encoder_s,
                 output.embedding,
+                output.prompt_logprobs,
             )
             for output in self.outputs
         ]

@@ -38,6 +38,7 @@ from infer.engine.decision import RunnerOutput, ScheduleDecision, TokenLogprobs
 from infer.engine.image_encoder import ImageEncoder, StepImages
 from infer.engine.input_batch import InputBatch, RowState, StepInputs, resolve_pending_tokens
 from infer.engine.pooling import Pooler, PoolingPlan
+from infer.engine.prompt_logprobs import PendingPromptLogprobs, PromptLogprobsPlan, PromptScorer
 from infer.engine.sampler import AllowedTokens, SamplingTensors, compute_logprobs, sample
 from infer.engine.spec_decode.verify import VerifyRow, verify_drafts
 from infer.kernels import decode_warm_up_lengths, native_cpu_kernels_available
@@ -95,6 +96,9 @@ class StepLaunch:
     images: StepImages | None = None
     # Pooling requests whose prompt ended in this step: their pooled vectors, on the device.
     pooled: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # Prompt-logprobs requests whose prompt ended in this step: their results, on their way to
+    # the host (infer.engine.prompt_logprobs).
+    prompt_logprobs: dict[str, PendingPromptLogprobs] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -115,6 +119,8 @@ class _LaunchedStep:
     images: StepImages | None = None  # StepLaunch's
     # StepLaunch's pooled vectors, on their way to the host (complete with `done`).
     pooled: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # StepLaunch's prompt logprobs (complete with `done`).
+    prompt_logprobs: dict[str, PendingPromptLogprobs] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -160,6 +166,7 @@ class ModelRunner:
         # A vision-language model's tower, run when a step first needs an image (image_encoder).
         self.image_encoder = None
         self.pooler = Pooler()  # embedding requests (infer.engine.pooling)
+        self.prompt_scorer = PromptScorer()  # prompt-logprobs requests (infer.engine.prompt_logprobs)
         if model.vision is not None:
             self.image_encoder = ImageEncoder(model.vision, bidirectional=model.vision.layout.bidirectional)
         self.input_batch = InputBatch(
@@ -262,8 +269,10 @@ class ModelRunner:
             raise RuntimeError("a step is launched and not collected; only async_scheduling launches ahead")
         self.input_batch.apply(decision)
         self.pooler.forget(decision.finished_request_ids | decision.preempted_request_ids)
+        self.prompt_scorer.forget(decision.finished_request_ids | decision.preempted_request_ids)
         for request in decision.new_requests:
             self.pooler.add(request.request_id, request.sampling.pooling)
+            self.prompt_scorer.add(request)
         if self.draft is not None:
             self.draft.forget(decision.finished_request_ids | decision.preempted_request_ids)
         if self.image_encoder is not None:
@@ -288,10 +297,11 @@ class ModelRunner:
                 if images is not None:
                     images.mrope_positions = rope[1]
         pooling = self.pooler.plan(step, self.input_batch.states)
-        if pooling is None:
-            logits, pooled = self._logits(step, images), {}
+        scoring = self.prompt_scorer.plan(step, self.input_batch)
+        if pooling is None and scoring is None:
+            logits, pooled, prompt_logprobs = self._logits(step, images), {}, {}
         else:
-            logits, pooled = self._pooling_logits(step, images, pooling)
+            logits, pooled, prompt_logprobs = self._logits_and_hidden(step, images, pooling, scoring)
         sampling_ids = [step.request_ids[row] for row in step.sampling_rows]
         if step.verifies_drafts:
             # One entry per request (its K + 1 rows are consecutive); verify_drafts builds the
@@ -305,6 +315,7 @@ class ModelRunner:
                 step.drafts,
                 draft_request_ids=decision.draft_request_ids,
                 pooled=pooled,
+                prompt_logprobs=prompt_logprobs,
             )
         tensors = self._sampling_tensors(tuple(sampling_ids)) if sampling_ids else None
         drafting = decision.draft_request_ids
@@ -316,6 +327,7 @@ class ModelRunner:
             draft_request_ids=drafting,
             images=images,
             pooled=pooled,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @torch.inference_mode()
@@ -366,6 +378,7 @@ class ModelRunner:
                 draft_request_ids=launch.draft_request_ids,
                 images=launch.images,
                 pooled=pooled,
+                prompt_logprobs=launch.prompt_logprobs,
             )
         )
 
@@ -413,6 +426,7 @@ class ModelRunner:
                 logprobs=logprobs,
                 draft_request_ids=launch.draft_request_ids,
                 pooled={rid: vector.cpu() for rid, vector in launch.pooled.items()},
+                prompt_logprobs=launch.prompt_logprobs,
             )
         )
 
@@ -493,6 +507,7 @@ class ModelRunner:
             images_encoded=launched.images.encoded_seconds() if launched.images is not None else {},
             store_transfer_s=self._store_transfer_s(),
             pooled={rid: vector.numpy() for rid, vector in launched.pooled.items()},
+            prompt_logprobs={rid: pending.read() for rid, pending in launched.prompt_logprobs.items()},
         )
 
     def _read(self, launched: _LaunchedStep) -> list[int]:
@@ -525,18 +540,33 @@ class ModelRunner:
                 return logits
         return self._eager_logits(step, images)
 
-    def _pooling_logits(
-        self, step: StepInputs, images: StepImages | None, plan: PoolingPlan
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The logits of the sampling rows and the pooled vectors of the pooling requests whose
-        prompt ends here, from one eager forward that returns the hidden states of the sampling
-        rows' last tokens and then of the mean-pooling chunks' tokens (infer.engine.pooling)."""
+    def _logits_and_hidden(
+        self,
+        step: StepInputs,
+        images: StepImages | None,
+        pooling: PoolingPlan | None,
+        scoring: PromptLogprobsPlan | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, PendingPromptLogprobs]]:
+        """The logits of the sampling rows, the pooled vectors of the pooling requests whose
+        prompt ends here and the prompt logprobs of the prompt-logprobs requests whose prompt
+        ends here, from one eager forward that returns the final hidden states of the sampling
+        rows' last tokens, then of the pooling plan's tokens (infer.engine.pooling), then of the
+        scoring plan's (infer.engine.prompt_logprobs)."""
         num_sampling = len(step.logits_indices)
-        indices = np.concatenate([step.logits_indices, plan.extra_indices])
-        hidden = self._forward(self.forward_batch(step, logits_indices=indices, images=images))
+        num_pooling = len(pooling.extra_indices) if pooling is not None else 0
+        indices = [step.logits_indices]
+        indices += [plan.extra_indices for plan in (pooling, scoring) if plan is not None]
+        batch = self.forward_batch(step, logits_indices=np.concatenate(indices), images=images)
+        hidden = self._forward(batch)
         logits = self.model.compute_logits(hidden[:num_sampling]) if num_sampling else torch.empty(0)
-        pooled = self.pooler.pool(plan, hidden[:num_sampling], hidden[num_sampling:], self.input_batch.states)
-        return logits, pooled
+        pooled, prompt_logprobs = {}, {}
+        if pooling is not None:
+            pooling_hidden = hidden[num_sampling : num_sampling + num_pooling]
+            pooled = self.pooler.pool(pooling, hidden[:num_sampling], pooling_hidden, self.input_batch.states)
+        if scoring is not None:
+            scoring_hidden = hidden[num_sampling + num_pooling :]
+            prompt_logprobs = self.prompt_scorer.score(scoring, scoring_hidden, self.model.compute_logits)
+        return logits, pooled, prompt_logprobs
 
     def _eager_logits(self, step: StepInputs, images: StepImages | None = None) -> torch.Tensor:
         if not step.sampling_rows:

@@ -55,6 +55,11 @@ class SamplingParams:
     # None: no logprobs. They are of the model's raw distribution (log_softmax of its logits,
     # before logit bias, penalties, temperature and truncation), as vLLM returns by default.
     logprobs: int | None = None
+    # Return every prompt token's logprob (from position 1 on: under the distribution the model
+    # gives at the position before), its rank, and this many most likely alternatives there
+    # (0..MAX_LOGPROBS), as vLLM's prompt_logprobs; None: none. Raw, as `logprobs`. Such a request
+    # computes its whole prompt (no prefix-cache reuse: a cached token has no logits).
+    prompt_logprobs: int | None = None
     # Structured output: what the whole output must be (a JSON schema, any JSON object, a regex,
     # or a Lark grammar); the engine allows only tokens that keep it possible, and EOS once it is
     # complete.
@@ -124,6 +129,13 @@ class SamplingParams:
             self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
             f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}]",
             self.logprobs,
+        )
+        _require(
+            self.prompt_logprobs is None
+            or _is_int(self.prompt_logprobs)
+            and 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}]",
+            self.prompt_logprobs,
         )
 
         _require(

@@ -83,7 +83,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from infer.engine.decision import NewRequest, RunnerOutput, RunningRequest, ScheduleDecision
+from infer.engine.decision import NewRequest, PromptLogprobs, RunnerOutput, RunningRequest, ScheduleDecision
 from infer.engine.images import ImageCounts
 from infer.engine.kv_manager import KVCacheManager
 from infer.engine.protocol import EngineOutput, FinishReason, TokenLogprobs, check_fits
@@ -409,6 +409,7 @@ class Scheduler:
                     new_token_ids,
                     runner_output.logprobs.get(request_id),
                     embedding=runner_output.pooled.get(request_id),
+                    prompt_logprobs=runner_output.prompt_logprobs.get(request_id),
                 )
             )
         if self.speculation_backoff is not None:
@@ -489,6 +490,7 @@ class Scheduler:
         logprobs: Sequence[TokenLogprobs] | None,
         *,
         embedding: np.ndarray | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> EngineOutput:
         """`token_ids` are already in request.output_ids: the token rules decide whether the
         request ends on one of them, its grammar whether it takes them; one that ends is finished."""
@@ -519,7 +521,14 @@ class Scheduler:
             self.finish(request.request_id)
         accepted_logprobs = list(logprobs[: len(accepted)]) if logprobs is not None else None
         return request_output(
-            request, accepted, reason, first_token=first == 0, logprobs=accepted_logprobs, embedding=embedding
+            request,
+            accepted,
+            reason,
+            first_token=first == 0,
+            logprobs=accepted_logprobs,
+            embedding=embedding,
+            # Only with the first token: a request resumed after a preemption does not repeat them.
+            prompt_logprobs=prompt_logprobs if first == 0 else None,
         )
 
     def _due_decoders(self, step: int) -> list[Request]:
@@ -830,6 +839,7 @@ def request_output(
     first_token: bool = False,
     logprobs: list[TokenLogprobs] | None = None,
     embedding: np.ndarray | None = None,
+    prompt_logprobs: PromptLogprobs | None = None,
 ) -> EngineOutput:
     """The one EngineOutput builder: tokens, a final word, or both."""
     return EngineOutput(
@@ -849,4 +859,5 @@ def request_output(
         # Every image is encoded before the prompt's last token, so by the first token.
         vision_encoder_s=request.vision_encoder_s if first_token and token_ids and request.images else None,
         embedding=embedding,
+        prompt_logprobs=prompt_logprobs,
     )
