@@ -359,6 +359,89 @@ def echo_prefix(case: dict, impl, options) -> None:
     assert not problems, "\n".join(problems)
 
 
+def echo_logprobs(case: dict, impl, options) -> None:
+    """With echo and logprobs k (one prompt, one choice), OpenAI's legacy lists cover the prompt's
+    tokens then the completion's: as many entries as usage's prompt + completion tokens, the first
+    token's logprob and alternatives null, the others <= 0 with k or k + 1 alternatives (the token
+    itself joins the k most likely), the prompt part's tokens joined ending with the prompt (after
+    any BOS the tokenizer adds), text offsets adding up the tokens' texts from 0."""
+    client, model = _connect(case, options)
+    request = _materialize(case["request"], model)
+    response = _send(client, request, model)
+    assert response.status_code == 200, _report(case, response, [f"status {response.status_code}"])
+    body, sent = response.json(), request["json"]
+    usage, choice, k = body["usage"], body["choices"][0], sent["logprobs"]
+    logprobs, num_prompt = choice["logprobs"], usage["prompt_tokens"]
+    lengths = {
+        name: len(logprobs[name]) for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
+    problems = [
+        f"{name} has {length} entries, usage says {num_prompt} + {usage['completion_tokens']} tokens"
+        for name, length in lengths.items()
+        if length != num_prompt + usage["completion_tokens"]
+    ]
+    if problems:
+        raise AssertionError(_report(case, response, problems))
+    if logprobs["token_logprobs"][0] is not None or logprobs["top_logprobs"][0] is not None:
+        problems.append("the first prompt token has a logprob or alternatives; nothing predicts it")
+    for index, (value, top) in enumerate(
+        zip(logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:], strict=True), 1
+    ):
+        if not isinstance(value, int | float) or value > 0:
+            problems.append(f"token_logprobs[{index}] = {value!r}, not a number <= 0")
+        if not isinstance(top, dict) or len(top) not in (k, k + 1) or k == 0 and len(top) != 1:
+            problems.append(f"top_logprobs[{index}] = {top!r}, not {k} or {k + 1} alternatives")
+    prompt_text = "".join(logprobs["tokens"][:num_prompt])
+    if not prompt_text.endswith(sent["prompt"]):
+        problems.append(f"the prompt's tokens join to {prompt_text!r}, not the prompt {sent['prompt']!r}")
+    offsets = [sum(len(token) for token in logprobs["tokens"][:i]) for i in range(len(logprobs["tokens"]))]
+    if logprobs["text_offset"] != offsets:
+        problems.append(f"text_offset {logprobs['text_offset']} do not add up the tokens' texts {offsets}")
+    if not choice["text"].startswith(sent["prompt"]):
+        problems.append(f"text {choice['text']!r} does not start with the prompt")
+    if sent.get("max_tokens") == 0 and (choice["text"] != sent["prompt"] or usage["completion_tokens"] != 0):
+        problems.append("max_tokens 0 answers more than the prompt")
+    assert not problems, _report(case, response, problems)
+
+
+def prompt_logprobs_shape(case: dict, impl, options) -> None:
+    """vLLM's prompt_logprobs k (one prompt): per completions choice, or on the chat response, a
+    list as long as the prompt, None first, then per token a {token id: {logprob <= 0, rank >= 1,
+    decoded_token}} holding ranks 1..k once each and the prompt token (k or k + 1 entries), rank
+    1's logprob the largest."""
+    client, model = _connect(case, options)
+    request = _materialize(case["request"], model)
+    response = _send(client, request, model)
+    assert response.status_code == 200, _report(case, response, [f"status {response.status_code}"])
+    body, k = response.json(), request["json"]["prompt_logprobs"]
+    lists = (
+        [body.get("prompt_logprobs")]
+        if "messages" in request["json"]
+        else [choice.get("prompt_logprobs") for choice in body["choices"]]
+    )
+    problems = []
+    for entries in lists:
+        if not isinstance(entries, list) or len(entries) != body["usage"]["prompt_tokens"]:
+            problems.append(f"prompt_logprobs {str(entries)[:100]} is not a list of the prompt's length")
+            continue
+        if entries[0] is not None:
+            problems.append("the first prompt token has prompt logprobs; nothing predicts it")
+        for index, entry in enumerate(entries[1:], 1):
+            values = list(entry.values()) if isinstance(entry, dict) else []
+            ranks = sorted(value.get("rank") for value in values if isinstance(value, dict))
+            if len(values) not in (k, k + 1) or [rank for rank in ranks if rank <= k] != list(
+                range(1, k + 1)
+            ):
+                problems.append(f"entry {index} {entry!r}: not ranks 1..{k} and the prompt token")
+            elif any(value["logprob"] > 0 or not isinstance(value["decoded_token"], str) for value in values):
+                problems.append(f"entry {index} {entry!r}: a logprob > 0 or no decoded_token")
+            elif k and max(value["logprob"] for value in values) != min(
+                value["logprob"] for value in values if value["rank"] == 1
+            ):
+                problems.append(f"entry {index} {entry!r}: rank 1 is not the most likely")
+    assert not problems, _report(case, response, problems)
+
+
 def tokenize_answer(case: dict, impl, options) -> None:
     """The case's /tokenize answer agrees with itself and the server: count is len(tokens), every
     token an id >= 0, token_strs one string per token when asked for (else null or absent), and

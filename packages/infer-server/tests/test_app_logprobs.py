@@ -138,9 +138,9 @@ def test_completion_logprobs_streamed_join_to_the_body_with_running_offsets(serv
         ("chat", {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
         ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("completions", {"logprobs": 6}, "logprobs"),
-        ("completions", {"logprobs": 2, "echo": True}, "logprobs"),
+        ("completions", {"logprobs": 2, "echo": True, "stream": True}, "logprobs"),
     ],
-    ids=["top-without-logprobs", "top-with-logprobs-false", "top-above-20", "above-5", "with-echo"],
+    ids=["top-without-logprobs", "top-with-logprobs-false", "top-above-20", "above-5", "with-echo-streamed"],
 )
 def test_logprobs_outside_openais_rules_answer_400_naming_the_field(server, endpoint, fields, param):
     with pytest.raises(openai.BadRequestError) as raised:

@@ -25,7 +25,7 @@ from infer.engine.client import EngineDeadError
 from infer.engine.grammar_spec import GrammarSpec
 from infer.engine.images import PromptImage
 from infer.engine.output_processor import StepOutput
-from infer.engine.protocol import FINISH_ABORT, TokenLogprobs
+from infer.engine.protocol import FINISH_ABORT, PromptLogprobs, TokenLogprobs
 from infer.engine.request import InvalidParamError, QueueFullError, RequestTooLongError
 from infer.engine.sampling_params import SamplingParams
 from infer.server import errors, responses
@@ -140,6 +140,13 @@ class Collected:
     # Every output as it came (their text deltas join to `text`), for a reader that needs to
     # know which tokens wrote which text.
     outputs: list[StepOutput] = field(default_factory=list)
+
+    @property
+    def prompt_logprobs(self) -> PromptLogprobs | None:
+        """The prompt's logprobs, when the request asked for them (they come with its first token)."""
+        return next(
+            (output.prompt_logprobs for output in self.outputs if output.prompt_logprobs is not None), None
+        )
 
 
 async def collect(

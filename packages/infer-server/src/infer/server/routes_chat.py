@@ -20,6 +20,7 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from infer.server import responses
 from infer.server.chat_output import finish_reason
@@ -34,7 +35,7 @@ from infer.server.generation import (
     total_usage,
 )
 from infer.server.limits import read_body
-from infer.server.logprobs import ChoiceLogprobs
+from infer.server.logprobs import ChoiceLogprobs, prompt_logprobs_field
 from infer.server.schemas import ChatCompletionRequest
 from infer.server.server_state import ServerState
 from infer.server.sse import ChatStream
@@ -97,4 +98,14 @@ async def create_chat_completion(request: Request) -> Response:
                 logprobs=logprobs.render(choice.token_ids, choice.logprobs) if logprobs is not None else None,
             )
         )
-    return JSONResponse(responses.merge_choices(bodies, usage))
+    answer = responses.merge_choices(bodies, usage)
+    if body.prompt_logprobs is not None:
+        # vLLM's place for them: the response's, as the choices share the prompt.
+        answer["prompt_logprobs"] = await run_in_threadpool(
+            prompt_logprobs_field,
+            model.engine.tokenizer,
+            run.prompt.ids,
+            collected[0].prompt_logprobs,
+            body.prompt_logprobs,
+        )
+    return JSONResponse(answer)

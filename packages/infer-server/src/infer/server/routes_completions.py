@@ -1,5 +1,7 @@
 """POST /v1/completions: a prompt (text or token ids) or a batch of them, `n` choices each,
-streamed or in one body; with `echo` each choice's text starts with its prompt's."""
+streamed or in one body; with `echo` each choice's text starts with its prompt's (and its
+`logprobs` with the prompt's tokens; `max_tokens: 0` answers the prompt alone), and vLLM's
+`prompt_logprobs` gives each choice its prompt's (infer.server.logprobs has both shapes)."""
 
 import time
 
@@ -10,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from infer.server import responses
 from infer.server.errors import CLIENT_CLOSED_REQUEST, parse_request
 from infer.server.generation import (
+    Collected,
     EventStreamResponse,
     answer_events,
     choice_events,
@@ -19,7 +22,7 @@ from infer.server.generation import (
     total_usage,
 )
 from infer.server.limits import check_prompt_chars, read_body
-from infer.server.logprobs import ChoiceLogprobs
+from infer.server.logprobs import ChoiceLogprobs, prompt_logprobs_field
 from infer.server.schemas import CompletionRequest
 from infer.server.served_models import ServedModel
 from infer.server.server_state import ServerState
@@ -82,26 +85,53 @@ async def create_completion(request: Request) -> Response:
     collected = await collect(request, engine_loop, handles)
     if collected is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if body.answers_prompt_only:
+        # The one token each ran is not part of the answer.
+        collected = [Collected("", final=choice.final, outputs=choice.outputs) for choice in collected]
     usage = total_usage(
         [choice.final for choice in collected], choices_per_prompt=body.n, report_cached=report_cached
     )
-    bodies = [
-        responses.completion(
+    if body.answers_prompt_only:
+        usage = responses.usage(
+            usage["prompt_tokens"], 0, usage.get("prompt_tokens_details", {}).get("cached_tokens")
+        )
+    choice_prompt_ids = [prompt_ids for prompt_ids in prompts_ids for _ in range(body.n)]
+    bodies = []
+    for index, (choice, echo, logprobs, prompt_ids) in enumerate(
+        zip(collected, choice_echoes, choice_logprobs, choice_prompt_ids, strict=True)
+    ):
+        completion = responses.completion(
             request_id,
             created,
             body.model,
             echo + choice.text,
-            choice.final.finish_reason,
+            "length" if body.answers_prompt_only else choice.final.finish_reason,
             usage,
             choice.token_ids,
             index=index,
-            logprobs=logprobs.render(choice.token_ids, choice.logprobs) if logprobs is not None else None,
+            logprobs=_choice_logprobs(body, logprobs, choice, prompt_ids),
         )
-        for index, (choice, echo, logprobs) in enumerate(
-            zip(collected, choice_echoes, choice_logprobs, strict=True)
-        )
-    ]
+        if body.prompt_logprobs is not None:
+            tokenizer = model.engine.tokenizer
+            scored = choice.prompt_logprobs
+            completion["choices"][0]["prompt_logprobs"] = await run_in_threadpool(
+                prompt_logprobs_field, tokenizer, prompt_ids, scored, body.prompt_logprobs
+            )
+        bodies.append(completion)
     return JSONResponse(responses.merge_choices(bodies, usage))
+
+
+def _choice_logprobs(
+    body: CompletionRequest, logprobs: ChoiceLogprobs | None, choice: Collected, prompt_ids: list[int]
+) -> dict | None:
+    """A choice's `logprobs`: its tokens', after its prompt's with echo."""
+    if logprobs is None:
+        return None
+    if body.echo:
+        return logprobs.render_echoed(
+            prompt_ids, choice.prompt_logprobs, choice.token_ids, choice.logprobs, body.logprobs
+        )
+    return logprobs.render(choice.token_ids, choice.logprobs)
 
 
 async def _prompt_ids(model: ServedModel, prompt: str | list[int]) -> list[int]:

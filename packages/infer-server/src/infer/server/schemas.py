@@ -15,8 +15,9 @@ pydantic error into an OpenAI error body and picks the HTTP status):
   means "off"), because common clients send such fields at their defaults on every call; any
   other value is rejected (400) naming the field.
 - Logprobs follow OpenAI's limits: chat's `top_logprobs` in [0, 20] and only with
-  `logprobs: true`; completions' `logprobs` in [0, 5], not with `echo` (that would need the
-  prompt's logprobs, which the engine does not compute).
+  `logprobs: true`; completions' `logprobs` in [0, 5]. With `echo` they cover the prompt's tokens
+  too (the first one's is null), and `max_tokens: 0` answers the prompt alone, as lm-eval asks;
+  vLLM's `prompt_logprobs` in [0, 20] on both. Neither prompt part is streamed (400).
 - A required field that is missing, or an empty `messages` list or empty token-id `prompt`, is
   a 400 (there is nothing to run), like OpenAI; so are wrong values (every refusal is a 400).
 - `top_k` follows vLLM: an integer >= 1 keeps the k most likely tokens; 0 or -1 turns it off.
@@ -180,6 +181,9 @@ class _SamplingRequest(_Strict):
     # vLLM extension: requests reuse each other's prefix-cached tokens only under the same salt
     # (tenants that must not learn each other's prompts from cache timing).
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM extension: every prompt token's logprob, rank and this many most likely alternatives
+    # (`prompt_logprobs`: per choice on completions, on the response on chat); not streamed.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Structured output (chat as OpenAI has it; completions as vLLM has it).
     response_format: "ResponseFormat | None" = None
     # vLLM's structured output: its `structured_outputs` object, and the top-level guided_* fields
@@ -310,6 +314,13 @@ class _SamplingRequest(_Strict):
             raise PydanticCustomError(INVALID_VALUE, "stream_options is only allowed when stream is true")
         return value
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value: int | None, info) -> int | None:
+        if value is not None and info.data.get("stream", False):
+            raise _unsupported("prompt_logprobs are not streamed; set stream to false to get them")
+        return value
+
     @property
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""
@@ -321,6 +332,10 @@ class _SamplingRequest(_Strict):
     def _num_logprobs(self) -> int | None:
         """Alternatives per token for SamplingParams.logprobs; None: no logprobs."""
         raise NotImplementedError
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token for SamplingParams.prompt_logprobs; None: none."""
+        return self.prompt_logprobs
 
     def to_sampling_kwargs(self, *, max_new_tokens_default: int | None = None) -> dict[str, Any]:
         """Keyword arguments for `infer.engine.SamplingParams`.
@@ -345,6 +360,7 @@ class _SamplingRequest(_Strict):
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
             "logprobs": self._num_logprobs(),
+            "prompt_logprobs": self.num_prompt_logprobs(),
             "grammar": self.output_grammar,
         }
         max_new_tokens = self._max_new_tokens()
@@ -363,10 +379,11 @@ class CompletionRequest(_SamplingRequest):
     NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {"best_of": (1, None), "suffix": (None, "")}
 
     prompt: str | list[int] | list[str | list[int]]
-    # OpenAI's default for the legacy completions endpoint; null means "as many as fit".
-    max_tokens: int | None = Field(16, ge=1)
-    # Each choice's text starts with its prompt's text.
+    # Each choice's text starts with its prompt's text (before max_tokens, whose 0 needs it).
     echo: bool = False
+    # OpenAI's default for the legacy completions endpoint; null means "as many as fit"; 0, with
+    # echo, answers the prompt alone (with logprobs: the prompt's logprobs, lm-eval's loglikelihood).
+    max_tokens: int | None = Field(16, ge=0)
     # The sampled token's logprob and this many most likely alternatives per token (OpenAI's
     # legacy format: tokens, token_logprobs, top_logprobs, text_offset).
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
@@ -410,21 +427,43 @@ class CompletionRequest(_SamplingRequest):
         is_batch = isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
         return list(self.prompt) if is_batch else [self.prompt]
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _no_tokens_only_with_echo(cls, value: int | None, info) -> int | None:
+        if value == 0 and not info.data.get("echo", False):
+            raise PydanticCustomError(
+                INVALID_VALUE, "max_tokens 0 answers nothing without echo; send 1 or more"
+            )
+        if value == 0 and info.data.get("stream", False):
+            raise _unsupported("max_tokens 0 (the prompt alone) is not streamed; set stream to false")
+        return value
+
     @field_validator("logprobs")
     @classmethod
-    def _logprobs_without_echo(cls, value: int | None, info) -> int | None:
-        if value is not None and info.data.get("echo", False):
+    def _echoed_logprobs_not_streamed(cls, value: int | None, info) -> int | None:
+        if value is not None and info.data.get("echo", False) and info.data.get("stream", False):
             raise _unsupported(
-                "logprobs with echo would need the prompt's logprobs, which are not supported; "
-                "send one of them"
+                "logprobs with echo (the prompt's logprobs) are not streamed; set stream to false"
             )
         return value
 
+    @property
+    def answers_prompt_only(self) -> bool:
+        """max_tokens 0 with echo: the choices are their prompts, no token generated."""
+        return self.max_tokens == 0
+
     def _max_new_tokens(self) -> int | None:
-        return self.max_tokens
+        # The engine runs at least one token: the prompt-only answer runs one and shows none.
+        return 1 if self.answers_prompt_only else self.max_tokens
 
     def _num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        # With echo the logprobs cover the prompt's tokens too: its alternatives as well.
+        asks = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        asks = [ask for ask in asks if ask is not None]
+        return max(asks) if asks else None
 
 
 # ----------------------------------------------------------------------------- chat
