@@ -109,6 +109,35 @@ def test_a_cached_prompt_is_recomputed_for_its_prompt_logprobs(tiny_models, monk
     assert scored["tokens"] == plain["tokens"]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preempted_requests_give_their_prompt_logprobs_once(tiny_models, async_scheduling):
+    """A pool too small for the running requests preempts the youngest (recomputed later): one
+    preempted mid-prompt scores its prompt over, one preempted after its first token does not
+    score it again, and each request's prompt logprobs come once, whole."""
+    model = tiny_models["llama-tiny"]
+    config = EngineConfig(
+        max_batch_size=3,
+        max_num_batched_tokens=16,
+        max_seq_len=128,
+        block_size=4,
+        num_gpu_blocks=30,
+        use_chunked_prefill=True,
+        prefill_chunk_size=16,
+        async_scheduling=async_scheduling,
+    )
+    engine = Engine(config, loaded_model=model.loaded)
+    generator = np.random.default_rng(2)
+    prompts = [
+        generator.integers(3, model.loaded.config.vocab_size, size=n).tolist() for n in (3, 30, 9, 80, 17)
+    ]
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, prompt_logprobs=2)
+    results = run(engine, [(prompt, params) for prompt in prompts])
+    assert engine.stats().num_preempted > 0, "the small pool should have forced a preemption"
+    for prompt, result in zip(prompts, results, strict=True):
+        assert_matches_reference(model, prompt, result["prompt_logprobs"], 2)
+        assert result["tokens"] == model.oracle.generate(prompt, params).token_ids
+
+
 def test_prompt_logprobs_are_checked():
     with pytest.raises(ValueError, match="prompt_logprobs must be"):
         SamplingParams(prompt_logprobs=21)
