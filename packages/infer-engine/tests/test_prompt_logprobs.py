@@ -109,8 +109,14 @@ def test_a_cached_prompt_is_recomputed_for_its_prompt_logprobs(tiny_models, monk
     assert scored["tokens"] == plain["tokens"]
 
 
+# (prompt lengths, tokens each): short answers preempt the youngest mid-prompt; longer ones
+# preempt requests that have answered, which resume with their tokens.
+PREEMPTIONS = {"mid-prompt": ((3, 30, 9, 100, 17), 6), "after-first-token": ((3, 30, 9, 80, 17), 24)}
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_preempted_requests_give_their_prompt_logprobs_once(tiny_models, async_scheduling):
+@pytest.mark.parametrize("when", PREEMPTIONS)
+def test_preempted_requests_give_their_prompt_logprobs_once(tiny_models, when, async_scheduling):
     """A pool too small for the running requests preempts the youngest (recomputed later): one
     preempted mid-prompt scores its prompt over, one preempted after its first token does not
     score it again, and each request's prompt logprobs come once, whole."""
@@ -126,11 +132,10 @@ def test_preempted_requests_give_their_prompt_logprobs_once(tiny_models, async_s
         async_scheduling=async_scheduling,
     )
     engine = Engine(config, loaded_model=model.loaded)
+    lengths, num_tokens = PREEMPTIONS[when]
     generator = np.random.default_rng(2)
-    prompts = [
-        generator.integers(3, model.loaded.config.vocab_size, size=n).tolist() for n in (3, 30, 9, 80, 17)
-    ]
-    params = SamplingParams(max_new_tokens=24, temperature=0.0, prompt_logprobs=2)
+    prompts = [generator.integers(3, model.loaded.config.vocab_size, size=n).tolist() for n in lengths]
+    params = SamplingParams(max_new_tokens=num_tokens, temperature=0.0, prompt_logprobs=2)
     results = run(engine, [(prompt, params) for prompt in prompts])
     assert engine.stats().num_preempted > 0, "the small pool should have forced a preemption"
     for prompt, result in zip(prompts, results, strict=True):
