@@ -5,9 +5,10 @@ Position p - 1 predicts prompt token p, and the whole prompt is known from the s
 prompt chunk scores itself: a chunk running positions s..e - 1 gives the logprobs of tokens
 s + 1..e (up to the prompt's last, P - 1; the prompt's last position predicts the first generated
 token, which the step samples). Its rows' final hidden states come out of the step's one forward
-beside the sampling rows' (`HiddenRows`, shared with pooling: the forward returns the hidden
-states of `logits_indices` first, then each plan's `extra_indices` in turn), and become logits,
-log_softmax, the target's logprob and rank, and the top k, a bounded number of rows at a time.
+beside the sampling rows' (`ModelRunner._logits_and_hidden`, shared with pooling: the forward
+returns the hidden states of `logits_indices` first, then each plan's `extra_indices` in turn),
+and become logits, log_softmax, the target's logprob and rank, and the top k, a bounded number
+of rows at a time (MAX_SCORED_ROWS).
 The small results go to the host chunk by chunk and are handed over, whole, in the step where
 the prompt ends (`RunnerOutput.prompt_logprobs`).
 
