@@ -59,6 +59,23 @@ def test_echo_with_logprobs_and_no_tokens_answers_the_prompts_logprobs(
     assert logprobs.text_offset == offsets
 
 
+def test_a_batch_of_token_id_prompts_scores_each_choice_against_its_own_prompt(
+    server, smollm2_transformers, prompt_ids
+):
+    """lm-eval sends its loglikelihood requests as a batch of token-id prompts."""
+    prompts = [prompt_ids, prompt_ids[:4] + [28, 2564]]
+    answer = server.openai_client().completions.create(
+        model=server.model, prompt=prompts, echo=True, logprobs=1, max_tokens=0, temperature=0
+    )
+    assert answer.usage.prompt_tokens == sum(len(prompt) for prompt in prompts)
+    for prompt, choice in zip(prompts, answer.choices, strict=True):
+        expected = prompt_logprobs(smollm2_transformers, prompt).gather(1, torch.tensor(prompt[1:])[:, None])
+        assert len(choice.logprobs.tokens) == len(prompt)
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+            expected.squeeze(1).tolist(), abs=LOGPROB_ATOL
+        )
+
+
 def test_echo_with_logprobs_covers_the_prompt_then_the_completion(server, prompt_ids):
     plain = complete(server, logprobs=1).choices[0]
     echoed = complete(server, echo=True, logprobs=1).choices[0]
