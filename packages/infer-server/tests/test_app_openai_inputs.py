@@ -189,6 +189,11 @@ def _in_json_schema(fields: dict) -> dict:
 
 # Where an object of each nested request model sits in a body: (endpoints, the body's fields with
 # that object holding `fields`).
+def _in_structured_outputs(fields: dict) -> dict:
+    # vLLM's object, with the one constraint it must hold (so `choice` is not optional here).
+    return {"structured_outputs": {"choice": ["yes", "no"], **fields}}
+
+
 NESTED_PLACES = {
     "ChatMessage": ([CHAT], _in_assistant_message),
     "ToolCall": ([CHAT], _in_tool_call),
@@ -196,12 +201,13 @@ NESTED_PLACES = {
     "StreamOptions": ([COMPLETIONS, CHAT], _in_stream_options),
     "ResponseFormat": ([COMPLETIONS, CHAT], _in_response_format),
     "JsonSchemaFormat": ([COMPLETIONS, CHAT], _in_json_schema),
+    "StructuredOutputs": ([COMPLETIONS, CHAT], _in_structured_outputs),
 }
 # Nested objects whose null cases need a server of another model: name -> where they are sent.
 NULL_CASES_ELSEWHERE = {"ImageUrl": "test_app_images.py, on a model with a vision tower"}
 # A message without content is an assistant's tool call (_in_tool_call sends one) or a 400, as
-# OpenAI has it.
-NULL_IS_NOT_THE_DEFAULT = {("ChatMessage", "content")}
+# OpenAI has it; structured_outputs without its one constraint is a 400.
+NULL_IS_NOT_THE_DEFAULT = {("ChatMessage", "content"), ("StructuredOutputs", "choice")}
 
 
 REQUEST_MODELS = {COMPLETIONS: CompletionRequest, CHAT: ChatCompletionRequest}
