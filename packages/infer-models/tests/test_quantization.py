@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from infer.models import quantization
 from infer.models.config import ModelConfig
 from infer.models.forward_batch import ForwardBatch
 from infer.models.load import load_causal_lm
@@ -198,9 +199,12 @@ def test_requested_quantization_meets_the_checkpoints():
         resolve_quantization(None, "int4")
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["whole", "a-block-row-at-a-time"])
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 @pytest.mark.parametrize("block_size", [(1, 200), (128, 128), (1, 128)])
-def test_quantize_weight_rounds_each_weight_to_its_blocks_grid(method, block_size):
+def test_quantize_weight_rounds_each_weight_to_its_blocks_grid(method, block_size, chunk_bytes, monkeypatch):
+    if chunk_bytes is not None:
+        monkeypatch.setattr(quantization, "QUANTIZE_CHUNK_BYTES", chunk_bytes)
     weight = torch.randn(300, 200, generator=torch.Generator().manual_seed(1))
     weight[:, 7] = 0  # a zero column, and below an all-zero block
     weight[256:, 128:] = 0
@@ -219,6 +223,35 @@ def test_quantize_weight_rounds_each_weight_to_its_blocks_grid(method, block_siz
     # Each block's largest weight lands on the format's largest value.
     assert quantized.float().abs().max() == (127 if method == "int8" else 448)
     assert restored[256:, 128:].abs().max() == 0
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantizing_in_chunks_gives_the_bits_of_quantizing_whole(method, monkeypatch):
+    weight = torch.randn(1000, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    whole = quantize_weight(weight, method, (128, 128))
+    # Three block rows a chunk: chunks of 384 rows, the last one partial.
+    monkeypatch.setattr(quantization, "QUANTIZE_CHUNK_BYTES", 3 * 128 * 384 * 4)
+    chunked = quantize_weight(weight, method, (128, 128))
+    assert torch.equal(chunked[0].view(torch.int8), whole[0].view(torch.int8))
+    assert torch.equal(chunked[1], whole[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantizing_a_large_weight_on_cuda_peaks_near_its_quantized_size(method):
+    """Issue 55: quantizing at load made float32 temporaries of the whole weight (2.3 GiB for a
+    qwen3-8b LM head in bf16, an OOM under --device-memory-limit-gib 16)."""
+    weight = torch.randn(151936, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    quantized, scale = quantize_weight(weight, method, (128, 128))
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    output = quantized.numel() + scale.numel() * 4
+    # The output, and a chunk's temporaries: a few float32 copies of QUANTIZE_CHUNK_BYTES.
+    assert extra <= output + 6 * quantization.QUANTIZE_CHUNK_BYTES, (extra, output)
 
 
 # --- loading -------------------------------------------------------------------------------------

@@ -156,12 +156,41 @@ def scale_shape(out_features: int, in_features: int, block_size: tuple[int, int]
     return math.ceil(out_features / rows), math.ceil(in_features / cols)
 
 
+# The float32 bytes of the block rows a weight is quantized at a time: its temporaries (a padded
+# float32 copy, the scaled blocks) stay a few times this, not a few times the whole weight, so
+# quantizing at load peaks near the final footprint (an LM head of 151936 x 4096 in bf16 made
+# 2.3 GiB temporaries at once, issue 55).
+QUANTIZE_CHUNK_BYTES = 64 * 2**20
+
+
 def quantize_weight(
     weight: torch.Tensor, method: str, block_size: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(8-bit weight, float32 scales) of a dense [out, in] weight, symmetric, one scale per block:
     scale = absmax / QMAX (1 for an all-zero block), weight = round(W / scale) for int8, W / scale
-    rounded to the nearest float8_e4m3fn for fp8."""
+    rounded to the nearest float8_e4m3fn for fp8. Whole rows of blocks at a time
+    (QUANTIZE_CHUNK_BYTES), each independent of the others, so the result is the same."""
+    rows, cols = block_size
+    out_features, in_features = weight.shape
+    grid = scale_shape(out_features, in_features, block_size)
+    quantized = torch.empty(
+        weight.shape, dtype=torch.int8 if method == "int8" else torch.float8_e4m3fn, device=weight.device
+    )
+    scale = torch.empty(grid, dtype=torch.float32, device=weight.device)
+    block_rows_per_chunk = max(1, QUANTIZE_CHUNK_BYTES // (rows * grid[1] * cols * 4))
+    for first in range(0, grid[0], block_rows_per_chunk):
+        last = min(grid[0], first + block_rows_per_chunk)
+        chunk = weight[first * rows : min(last * rows, out_features)]
+        quantized[first * rows : first * rows + chunk.shape[0]], scale[first:last] = _quantize_rows(
+            chunk, method, block_size
+        )
+    return quantized, scale
+
+
+def _quantize_rows(
+    weight: torch.Tensor, method: str, block_size: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_weight of rows that start at a block boundary."""
     rows, cols = block_size
     out_features, in_features = weight.shape
     grid = scale_shape(out_features, in_features, block_size)
@@ -173,7 +202,5 @@ def quantize_weight(
     scaled = (blocks / scale[:, None, :, None]).view(grid[0] * rows, grid[1] * cols)
     scaled = scaled[:out_features, :in_features]
     if method == "int8":
-        quantized = scaled.round().clamp(-127, 127).to(torch.int8)
-    else:
-        quantized = scaled.to(torch.float8_e4m3fn)
-    return quantized.contiguous(), scale
+        return scaled.round().clamp(-127, 127).to(torch.int8), scale
+    return scaled.to(torch.float8_e4m3fn), scale
