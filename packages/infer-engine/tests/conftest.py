@@ -12,6 +12,48 @@ from infer.models.random_checkpoint import make_random_checkpoint
 TINY_PRESETS = ["llama-tiny", "qwen3-tiny", "gemma3-tiny"]
 
 
+def run_together(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[dict]:
+    """Every request queued at once, then stepped to the end: per request, in order, its tokens,
+    the most cached tokens an output reported, and its embedding and prompt logprobs (None where
+    none came; each comes once)."""
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    results = {
+        request_id: {"tokens": [], "cached": 0, "embedding": None, "prompt_logprobs": None}
+        for request_id in ids
+    }
+    while engine.has_work():
+        for output in engine.step():
+            result = results[output.request_id]
+            assert output.error is None, output.error
+            if output.token_id is not None:
+                result["tokens"].append(output.token_id)
+            for name in ("embedding", "prompt_logprobs"):
+                if getattr(output, name) is not None:
+                    assert result[name] is None, f"{name} came twice"
+                    result[name] = getattr(output, name)
+            result["cached"] = max(result["cached"], output.cached_tokens)
+    return [results[request_id] for request_id in ids]
+
+
+def cuda_engine(checkpoint) -> Engine:
+    """An engine on CUDA in float32 over `checkpoint` with what GPU steps add, CUDA graphs and async
+    scheduling, and chunks of 16 tokens with the prefix cache (steps that pool or score prompts run
+    eagerly beside graph-replayed ones)."""
+    loaded = load_model(checkpoint, dtype=torch.float32, device="cuda")
+    config = EngineConfig(
+        device="cuda",
+        dtype="float32",
+        max_batch_size=4,
+        max_seq_len=128,
+        use_chunked_prefill=True,
+        prefill_chunk_size=16,
+        use_prefix_caching=True,
+        use_cuda_graphs=True,
+        async_scheduling=True,
+    )
+    return Engine(config, loaded_model=loaded)
+
+
 def drop_weight_files(folder) -> None:
     """Deletes a checkpoint folder's weight files once its model is loaded on the device: nothing
     reads them again, and a real shape's take gigabytes in every pytest-xdist worker that loads

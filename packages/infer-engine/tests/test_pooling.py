@@ -7,7 +7,7 @@ import torch
 
 from infer.engine import Engine, EngineConfig, SamplingParams
 
-from .conftest import TINY_PRESETS
+from .conftest import TINY_PRESETS, cuda_engine, run_together
 
 # Prompts of several lengths: with chunks of 16 tokens, one, two and three chunks.
 PROMPT_LENGTHS = (5, 23, 40)
@@ -15,23 +15,6 @@ PROMPT_LENGTHS = (5, 23, 40)
 
 def pooling_params(kind: str) -> SamplingParams:
     return SamplingParams(max_new_tokens=1, temperature=0.0, pooling=kind)
-
-
-def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, dict]:
-    """Every request queued at once, then stepped to the end: per request id, its embedding (or
-    None), tokens and cached tokens."""
-    ids = [engine.add_request(prompt, params) for prompt, params in requests]
-    results = {request_id: {"embedding": None, "tokens": [], "cached": 0} for request_id in ids}
-    while engine.has_work():
-        for output in engine.step():
-            result = results[output.request_id]
-            assert output.error is None, output.error
-            if output.token_id is not None:
-                result["tokens"].append(output.token_id)
-            if output.embedding is not None:
-                result["embedding"] = output.embedding
-            result["cached"] = max(result["cached"], output.cached_tokens)
-    return {request_id: results[request_id] for request_id in ids}
 
 
 def reference_hidden(model, prompt: list[int]) -> torch.Tensor:
@@ -57,7 +40,7 @@ def test_pooled_hidden_states_equal_transformers_for_last_and_mean_pooling(tiny_
     # Mixed with a plain generation request: pooling rows share steps with sampling rows.
     generation = (prompts[1][:10], SamplingParams(max_new_tokens=8, temperature=0.0))
     requests = [(prompt, pooling_params(kind)) for kind in ("last", "mean") for prompt in prompts]
-    results = list(run(engine, [generation, *requests]).values())
+    results = run_together(engine, [generation, *requests])
     assert results[0]["embedding"] is None and len(results[0]["tokens"]) == 8
     for (prompt, params), result in zip(requests, results[1:], strict=True):
         hidden = reference_hidden(model, prompt)
@@ -83,7 +66,7 @@ def test_a_cached_prompt_pools_the_same_vector_and_mean_pooling_recomputes(tiny_
     prompt = np.random.default_rng(3).integers(3, model.loaded.config.vocab_size, size=48).tolist()
     hidden = reference_hidden(model, prompt)
     for kind, expected in (("last", hidden[-1]), ("mean", hidden.mean(dim=0))):
-        first, again = (next(iter(run(engine, [(prompt, pooling_params(kind))]).values())) for _ in range(2))
+        first, again = (run_together(engine, [(prompt, pooling_params(kind))])[0] for _ in range(2))
         for result in (first, again):
             torch.testing.assert_close(torch.from_numpy(result["embedding"]), expected, rtol=1e-4, atol=1e-4)
         if kind == "last":
@@ -104,28 +87,14 @@ def test_pooling_settings_are_checked():
 def test_pooling_on_cuda_with_graphs_and_async_scheduling(tiny_models, tiny_checkpoints):
     """A step that pools runs eagerly beside graph-replayed steps; its vectors reach the host with
     the step's tokens (async scheduling collects a step late)."""
-    from infer.models.load import load_model
-
     model = tiny_models["llama-tiny"]
-    loaded = load_model(tiny_checkpoints["llama-tiny"], dtype=torch.float32, device="cuda")
-    config = EngineConfig(
-        device="cuda",
-        dtype="float32",
-        max_batch_size=4,
-        max_seq_len=128,
-        use_chunked_prefill=True,
-        prefill_chunk_size=16,
-        use_prefix_caching=True,
-        use_cuda_graphs=True,
-        async_scheduling=True,
-    )
-    engine = Engine(config, loaded_model=loaded)
+    engine = cuda_engine(tiny_checkpoints["llama-tiny"])
     prompts = [
         np.random.default_rng(length).integers(3, 200, size=length).tolist() for length in PROMPT_LENGTHS
     ]
     generation = (prompts[2][:12], SamplingParams(max_new_tokens=16, temperature=0.0))
     requests = [(prompt, pooling_params(kind)) for kind in ("last", "mean") for prompt in prompts]
-    results = list(run(engine, [generation, *requests]).values())
+    results = run_together(engine, [generation, *requests])
     for (prompt, params), result in zip(requests, results[1:], strict=True):
         hidden = reference_hidden(model, prompt)
         expected = hidden[-1] if params.pooling == "last" else hidden.mean(dim=0)

@@ -7,28 +7,10 @@ import torch
 
 from infer.engine import Engine, EngineConfig, SamplingParams, prompt_logprobs
 
-from .conftest import TINY_PRESETS
+from .conftest import TINY_PRESETS, cuda_engine, run_together
 
 # With chunks of 16 tokens: a prompt of one token (nothing to score), one chunk, two, and three.
 PROMPT_LENGTHS = (1, 5, 23, 40)
-
-
-def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[dict]:
-    """Every request queued at once, then stepped to the end: per request, in order, its prompt
-    logprobs (None if none came), tokens and cached tokens."""
-    ids = [engine.add_request(prompt, params) for prompt, params in requests]
-    results = {request_id: {"prompt_logprobs": None, "tokens": [], "cached": 0} for request_id in ids}
-    while engine.has_work():
-        for output in engine.step():
-            result = results[output.request_id]
-            assert output.error is None, output.error
-            if output.token_id is not None:
-                result["tokens"].append(output.token_id)
-            if output.prompt_logprobs is not None:
-                assert result["prompt_logprobs"] is None, "prompt logprobs came twice"
-                result["prompt_logprobs"] = output.prompt_logprobs
-            result["cached"] = max(result["cached"], output.cached_tokens)
-    return [results[request_id] for request_id in ids]
 
 
 def reference_logprobs(model, prompt: list[int]) -> torch.Tensor:
@@ -76,7 +58,7 @@ def test_prompt_logprobs_equal_transformers_chunk_by_chunk_beside_other_requests
         (prompts[3][:20], SamplingParams(max_new_tokens=6, temperature=0.0)),
         (prompts[2], SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=2)),
     ]
-    results = run(engine, [*others, *requests])
+    results = run_together(engine, [*others, *requests])
     assert all(result["prompt_logprobs"] is None for result in results[:2])
     for (prompt, params), result in zip(requests, results[2:], strict=True):
         assert_matches_reference(model, prompt, result["prompt_logprobs"], params.prompt_logprobs)
@@ -100,10 +82,12 @@ def test_a_cached_prompt_is_recomputed_for_its_prompt_logprobs(tiny_models, monk
     )
     engine = Engine(config, loaded_model=model.loaded)
     prompt = np.random.default_rng(5).integers(3, model.loaded.config.vocab_size, size=48).tolist()
-    plain = run(engine, [(prompt, SamplingParams(max_new_tokens=2, temperature=0.0))])[0]
-    again = run(engine, [(prompt, SamplingParams(max_new_tokens=2, temperature=0.0))])[0]
+    plain = run_together(engine, [(prompt, SamplingParams(max_new_tokens=2, temperature=0.0))])[0]
+    again = run_together(engine, [(prompt, SamplingParams(max_new_tokens=2, temperature=0.0))])[0]
     assert again["cached"] >= 32  # the prompt is in the cache
-    scored = run(engine, [(prompt, SamplingParams(max_new_tokens=2, temperature=0.0, prompt_logprobs=2))])[0]
+    scored = run_together(
+        engine, [(prompt, SamplingParams(max_new_tokens=2, temperature=0.0, prompt_logprobs=2))]
+    )[0]
     assert scored["cached"] == 0
     assert_matches_reference(model, prompt, scored["prompt_logprobs"], 2)
     assert scored["tokens"] == plain["tokens"]
@@ -136,7 +120,7 @@ def test_preempted_requests_give_their_prompt_logprobs_once(tiny_models, when, a
     generator = np.random.default_rng(2)
     prompts = [generator.integers(3, model.loaded.config.vocab_size, size=n).tolist() for n in lengths]
     params = SamplingParams(max_new_tokens=num_tokens, temperature=0.0, prompt_logprobs=2)
-    results = run(engine, [(prompt, params) for prompt in prompts])
+    results = run_together(engine, [(prompt, params) for prompt in prompts])
     assert engine.stats().num_preempted > 0, "the small pool should have forced a preemption"
     for prompt, result in zip(prompts, results, strict=True):
         assert_matches_reference(model, prompt, result["prompt_logprobs"], 2)
@@ -156,22 +140,8 @@ def test_prompt_logprobs_on_cuda_with_graphs_and_async_scheduling(tiny_models, t
     """A step that scores prompt chunks runs eagerly beside graph-replayed steps; the chunks'
     results reach the host with the step that ends the prompt (async scheduling collects a step
     late)."""
-    from infer.models.load import load_model
-
     model = tiny_models["llama-tiny"]
-    loaded = load_model(tiny_checkpoints["llama-tiny"], dtype=torch.float32, device="cuda")
-    config = EngineConfig(
-        device="cuda",
-        dtype="float32",
-        max_batch_size=4,
-        max_seq_len=128,
-        use_chunked_prefill=True,
-        prefill_chunk_size=16,
-        use_prefix_caching=True,
-        use_cuda_graphs=True,
-        async_scheduling=True,
-    )
-    engine = Engine(config, loaded_model=loaded)
+    engine = cuda_engine(tiny_checkpoints["llama-tiny"])
     prompts = [
         np.random.default_rng(length).integers(3, 200, size=length).tolist() for length in PROMPT_LENGTHS
     ]
@@ -179,7 +149,7 @@ def test_prompt_logprobs_on_cuda_with_graphs_and_async_scheduling(tiny_models, t
     requests = [
         (prompt, SamplingParams(max_new_tokens=3, temperature=0.0, prompt_logprobs=4)) for prompt in prompts
     ]
-    results = run(engine, [generation, *requests])
+    results = run_together(engine, [generation, *requests])
     for (prompt, _), result in zip(requests, results[1:], strict=True):
         scored = result["prompt_logprobs"]
         expected = reference_logprobs(model, prompt)[:-1]
