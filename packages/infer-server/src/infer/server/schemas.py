@@ -100,6 +100,25 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _token_ids(value: Any, field: str, many: str) -> list[int]:
+    """`value` as a token-id input of `field` (a list of integers >= 0, not empty), or the refusal
+    that names what the field takes: a string, token ids, or `many` of either."""
+    if not isinstance(value, list) or not all(_is_token_id(item) for item in value):
+        raise PydanticCustomError(
+            INVALID_VALUE,
+            f"{field} must be a string, a list of token ids (integers >= 0), or {many} of either",
+        )
+    if not value:
+        raise PydanticCustomError(EMPTY_INPUT, f"{field} must not be empty")
+    return value
+
+
+def _as_list(value: str | list[int] | list[str | list[int]]) -> list[str | list[int]]:
+    """One text or token-id input, or a list of them, as a list of inputs."""
+    is_batch = isinstance(value, list) and bool(value) and not isinstance(value[0], int)
+    return list(value) if is_batch else [value]
+
+
 def _holds_image_part(value: Any) -> bool:
     """Whether a prompt is (or lists) an image content part: OpenAI's chat and Responses shapes,
     or Hugging Face's."""
@@ -412,20 +431,12 @@ class CompletionRequest(_SamplingRequest):
                 "/v1/completions takes no images; send them as image_url content parts of a "
                 "/v1/chat/completions message"
             )
-        if not isinstance(value, list) or not all(_is_token_id(item) for item in value):
-            raise PydanticCustomError(
-                INVALID_VALUE,
-                "prompt must be a string, a list of token ids (integers >= 0), or a batch of either",
-            )
-        if not value:
-            raise PydanticCustomError(EMPTY_INPUT, "prompt must not be empty")
-        return value
+        return _token_ids(value, "prompt", "a batch")
 
     @property
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request, one or a batch, in order."""
-        is_batch = isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
-        return list(self.prompt) if is_batch else [self.prompt]
+        return _as_list(self.prompt)
 
     @field_validator("max_tokens")
     @classmethod
@@ -1054,17 +1065,9 @@ class EmbeddingRequest(_Strict):
             if not value:
                 raise PydanticCustomError(EMPTY_INPUT, "input must not be an empty string")
             return value
-        if not isinstance(value, list) or not all(_is_token_id(item) for item in value):
-            raise PydanticCustomError(
-                INVALID_VALUE,
-                "input must be a string, a list of token ids (integers >= 0), or a list of either",
-            )
-        if not value:
-            raise PydanticCustomError(EMPTY_INPUT, "input must not be empty")
-        return value
+        return _token_ids(value, "input", "a list")
 
     @property
     def inputs(self) -> list[str | list[int]]:
         """The request's inputs, one or many, in order."""
-        is_batch = isinstance(self.input, list) and not isinstance(self.input[0], int)
-        return list(self.input) if is_batch else [self.input]
+        return _as_list(self.input)
