@@ -17,6 +17,7 @@ from infer.kernels.decoder_stack_cpu import (
     DecoderStackCpu,
     decoder_stack_cpu_ref,
 )
+from infer.kernels.int4_linear import dequantize_int4, int4_linear, int4_linear_ref, pack_int4, unpack_int4
 from infer.kernels.int8_linear_cpu import (
     Int8CpuScale,
     int8_cpu_scale,
@@ -85,6 +86,7 @@ __all__ = [
     "assert_gated_close",
     "decode_warm_up_lengths",
     "decoder_stack_cpu_ref",
+    "dequantize_int4",
     "dequantize_weight",
     "extend_tile_size",
     "gated_gemv",
@@ -93,6 +95,8 @@ __all__ = [
     "gelu_tanh_and_mul_ref",
     "gemv",
     "gemv_ref",
+    "int4_linear",
+    "int4_linear_ref",
     "int8_cpu_scale",
     "int8_linear_cpu",
     "int8_linear_cpu_supports",
@@ -102,6 +106,7 @@ __all__ = [
     "normed_gated_gemv_ref",
     "normed_gemv",
     "normed_gemv_ref",
+    "pack_int4",
     "paged_attention",
     "paged_attention_cpu",
     "paged_attention_ref",
@@ -124,4 +129,5 @@ __all__ = [
     "silu_and_mul_ref",
     "store_kv",
     "store_kv_ref",
+    "unpack_int4",
 ]
