@@ -159,28 +159,31 @@ def scale_shape(out_features: int, in_features: int, block_size: tuple[int, int]
 # The float32 bytes of the block rows a weight is quantized at a time: its temporaries (a padded
 # float32 copy, the scaled blocks) stay a few times this, not a few times the whole weight, so
 # quantizing at load peaks near the final footprint (an LM head of 151936 x 4096 in bf16 made
-# 2.3 GiB temporaries at once, issue 55).
+# 2.3 GiB temporaries at once, issue 55; docs/benchmarks/quantization.md#quantizing-at-load).
 QUANTIZE_CHUNK_BYTES = 64 * 2**20
 
 
 def quantize_weight(
-    weight: torch.Tensor, method: str, block_size: tuple[int, int]
+    weight: torch.Tensor, method: str, block_size: tuple[int, int], device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(8-bit weight, float32 scales) of a dense [out, in] weight, symmetric, one scale per block:
     scale = absmax / QMAX (1 for an all-zero block), weight = round(W / scale) for int8, W / scale
     rounded to the nearest float8_e4m3fn for fp8. Whole rows of blocks at a time
-    (QUANTIZE_CHUNK_BYTES), each independent of the others, so the result is the same."""
+    (QUANTIZE_CHUNK_BYTES), each independent of the others, so the result is the same. The result
+    is on `device` (default: the weight's); a weight elsewhere (the loader's, on the host) goes
+    there a chunk at a time, so the device never holds it dense."""
+    device = weight.device if device is None else torch.device(device)
     rows, cols = block_size
     out_features, in_features = weight.shape
     grid = scale_shape(out_features, in_features, block_size)
     quantized = torch.empty(
-        weight.shape, dtype=torch.int8 if method == "int8" else torch.float8_e4m3fn, device=weight.device
+        weight.shape, dtype=torch.int8 if method == "int8" else torch.float8_e4m3fn, device=device
     )
-    scale = torch.empty(grid, dtype=torch.float32, device=weight.device)
+    scale = torch.empty(grid, dtype=torch.float32, device=device)
     block_rows_per_chunk = max(1, QUANTIZE_CHUNK_BYTES // (rows * grid[1] * cols * 4))
     for first in range(0, grid[0], block_rows_per_chunk):
         last = min(grid[0], first + block_rows_per_chunk)
-        chunk = weight[first * rows : min(last * rows, out_features)]
+        chunk = weight[first * rows : min(last * rows, out_features)].to(device)
         quantized[first * rows : first * rows + chunk.shape[0]], scale[first:last] = _quantize_rows(
             chunk, method, block_size
         )

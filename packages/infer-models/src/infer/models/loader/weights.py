@@ -190,16 +190,19 @@ def load_weights(
                     part.repeat_interleave(source.repeat_rows, dim=0)[:rows]
                     for part, rows in zip(parts, source.part_rows, strict=True)
                 ]
-            value = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)).to(device)
+            value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if name in quantized_at_load:
+                # Dense on the host; on the device only a chunk at a time, as it is quantized.
+                module = model.get_submodule(name.rpartition(".")[0])
+                weight, scale = quantize_weight(value, quantization.method, module.block_size, device)
+                module.weight_scale = nn.Parameter(scale, requires_grad=False)
+                value = weight
+            else:
+                value = value.to(device)
             if value.device.type == "cpu" and value.data_ptr() % CPU_ALIGNMENT:
                 # A tensor read as stored starts wherever the file put it; vectorized CPU
                 # kernels (ATen's int8 one among them) want their operands aligned.
                 value = value.clone()
-            if name in quantized_at_load:
-                module = model.get_submodule(name.rpartition(".")[0])
-                weight, scale = quantize_weight(value, quantization.method, module.block_size)
-                module.weight_scale = nn.Parameter(scale, requires_grad=False)
-                value = weight
             loaded = nn.Parameter(value, requires_grad=False)
             for module_name, leaf in aliases[name]:
                 setattr(model.get_submodule(module_name), leaf, loaded)
