@@ -70,7 +70,8 @@ def _row_chunks(num_rows: int, bytes_per_row: int) -> list[tuple[int, int]]:
 def _check_zeros(zeros: torch.Tensor, symmetric: bool, what: str) -> torch.Tensor | None:
     if zeros.max().item() > QMAX:
         raise Int4FormatError(
-            f"{what}: a zero point above {QMAX} (GPTQ v1 stores 15 for 16, which 4 bits cannot hold)"
+            f"{what}: a zero point above {QMAX} (a GPTQ v1 checkpoint's stored 15 means 16, which 4 "
+            "bits cannot hold)"
         )
     if not symmetric:
         return zeros
@@ -219,6 +220,8 @@ def pack_gptq(
     """A GPTQ Linear's tensors (suffix -> tensor) for `q` `[N, K]` (columns in the checkpoint's
     order), `scales`/`zeros` `[N, G]` and `g_idx` `[K]`: v1 (`zero_offset` 1) stores zeros minus 1."""
     out_features, in_features = q.shape
+    if (zeros < zero_offset).any():
+        raise ValueError("GPTQ's v1 format cannot store a zero point of 0 (it stores zero - 1)")
     qweight = _pack_words(
         q.t().reshape(in_features // PACK_FACTOR, PACK_FACTOR, out_features).transpose(1, 2)
     )

@@ -96,7 +96,7 @@ class Quantization:
         return self.block_size or (1, in_features)
 
     def quantizes(self, module_name: str) -> bool:
-        """Whether the Linear called `module_name` ("layers.0.mlp.down_proj", "lm_head") is 8-bit."""
+        """Whether the Linear called `module_name` ("layers.0.mlp.down_proj", "lm_head") is quantized."""
         if module_name == "lm_head":
             return not self.in_checkpoint and not self.is_int4
         return not any(module_name == i or module_name.endswith("." + i) for i in self.ignored)

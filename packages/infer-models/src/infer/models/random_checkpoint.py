@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from infer.models.config import TORCH_DTYPES
+from infer.models.int4_weights import pack_awq, pack_gptq, quantize_int4_unpacked
 from infer.models.quantization import (
     DEFAULT_BLOCKS,
     FP8_BLOCK,
@@ -401,8 +402,6 @@ class _Int4Writer:
 
     def pack(self, weight_name: str, dense: torch.Tensor) -> list[torch.Tensor]:
         """The tensors of `self.tensors(weight_name)` for the dense weight."""
-        from infer.models.int4_weights import pack_awq, pack_gptq, quantize_int4_unpacked
-
         group = self.raw["group_size"]
         symmetric = self.method == "gptq" and self.raw.get("sym", True)
         perm = self._columns_order(weight_name, dense.shape[1])

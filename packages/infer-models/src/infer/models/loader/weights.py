@@ -10,9 +10,9 @@ error, a corrupt header naming the file.
 quantized at load, their dense weight quantized on the device as it arrives. 4-bit Linears take
 a GPTQ or AWQ checkpoint's packed tensors repacked on the device, one Linear at a time
 (infer.models.loader.int4_checkpoint), or their dense weight quantized as it arrives
-(infer.models.int4_weights.quantize_int4). A tensor-parallel
-shard's parameters (infer.models.tensor_parallel) take their rank's part of each tensor, checked
-against the whole tensor's shape.
+(infer.models.int4_weights.quantize_int4). A tensor-parallel shard's parameters
+(infer.models.tensor_parallel) take their rank's part of each tensor, checked against the whole
+tensor's shape.
 """
 
 import json
