@@ -50,7 +50,7 @@ def test_defaults_are_valid_and_continuous():
         ({"dtype": "fp8"}, "dtype must be one of"),
         ({"device": "tpu"}, "device must be auto, cpu, cuda or cuda:N"),
         ({"model": ""}, "model must be a non-empty string"),
-        ({"quantization": "int4"}, "quantization must be one of"),
+        ({"quantization": "int3"}, "quantization must be one of"),
         ({"device_memory_limit_gib": 0}, "device_memory_limit_gib must be a number > 0"),
     ],
 )
@@ -133,6 +133,7 @@ def test_cli_parses_the_quantization_and_the_memory_limit():
     config = _parse(["--quantization", "int8", "--device-memory-limit-gib", "16"])
     assert (config.quantization, config.device_memory_limit_gib) == ("int8", 16.0)
     assert _parse([]).quantization is None
+    assert _parse(["--quantization", "int4"]).quantization == "int4"
 
 
 def test_native_cpu_kernels_are_on_unless_turned_off():

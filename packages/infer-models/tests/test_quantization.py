@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from infer.models import quantization
 from infer.models.config import ModelConfig
 from infer.models.forward_batch import ForwardBatch
+from infer.models.int4_weights import quantize_int4
 from infer.models.load import load_causal_lm
 from infer.models.loader.weights import CheckpointError
 from infer.models.quantization import (
@@ -158,7 +159,7 @@ def test_published_quantization_configs_parse():
     ("raw", "named"),
     [
         ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size"),
-        ({"quant_method": "awq", "bits": 4}, "awq"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
         (
             {
                 "quant_method": "compressed-tensors",
@@ -195,8 +196,8 @@ def test_requested_quantization_meets_the_checkpoints():
     at_load = resolve_quantization(None, "int8")
     assert at_load == Quantization("int8", None, in_checkpoint=False)
     assert at_load.quantizes("lm_head")
-    with pytest.raises(QuantizationConfigError, match="int4"):
-        resolve_quantization(None, "int4")
+    with pytest.raises(QuantizationConfigError, match="int3"):
+        resolve_quantization(None, "int3")
 
 
 @pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["whole", "a-block-row-at-a-time"])
@@ -239,21 +240,27 @@ def test_quantizing_in_chunks_gives_the_bits_of_quantizing_whole(method, monkeyp
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("weight_device", ["cuda", "cpu"])
-@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("method", ["int8", "fp8", "int4"])
 def test_quantizing_a_large_weight_on_cuda_peaks_near_its_quantized_size(method, weight_device):
     """Issue 55: quantizing at load made float32 temporaries of the whole weight (2.3 GiB for a
-    qwen3-8b LM head in bf16, an OOM under --device-memory-limit-gib 16). A weight on the host
-    (as the loader reads it) is never on the device whole: the peak is the same bound without
-    the weight."""
+    qwen3-8b LM head in bf16, an OOM under --device-memory-limit-gib 16). int4 (which keeps the
+    LM head dense, but quantizes MLP weights of 12288 x 4096) packs each chunk as it is made. A
+    weight on the host (as the loader reads it) is never on the device whole: the peak is the
+    same bound without the weight."""
     weight = torch.randn(151936, 4096, device=weight_device, dtype=torch.bfloat16)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    quantized, scale = quantize_weight(weight, method, (128, 128), "cuda")
-    assert quantized.is_cuda and scale.is_cuda
+    if method == "int4":
+        packed = quantize_int4(weight, 128, torch.bfloat16, device="cuda")
+        assert packed.qweight.is_cuda and packed.scales.is_cuda and packed.zeros.is_cuda
+        output = packed.qweight.numel() + packed.scales.numel() * 2 + packed.zeros.numel()
+    else:
+        quantized, scale = quantize_weight(weight, method, (128, 128), "cuda")
+        assert quantized.is_cuda and scale.is_cuda
+        output = quantized.numel() + scale.numel() * 4
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
-    output = quantized.numel() + scale.numel() * 4
     # The output, and a chunk's temporaries: a few float32 copies of QUANTIZE_CHUNK_BYTES.
     assert extra <= output + 6 * quantization.QUANTIZE_CHUNK_BYTES, (extra, output)
 

@@ -333,6 +333,33 @@ def test_cli_refuses_to_quantize_a_vision_preset_in_one_line(tmp_path):
         args.func(args)
 
 
+def test_cli_writes_a_gptq_act_order_checkpoint_and_refuses_act_order_elsewhere(tmp_path):
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers())
+    out = tmp_path / "gptq"
+    args = parser.parse_args(
+        ["random", "qwen3", "--preset", "tiny", "--out", str(out), "--quantization", "gptq", "--act-order"]
+    )
+    assert args.func(args) == 0
+    raw = ModelConfig.from_file(out).quantization
+    assert (raw.method, raw.act_order, raw.symmetric, raw.zero_offset) == ("gptq", True, True, 1)
+    args = parser.parse_args(
+        [
+            "random",
+            "qwen3",
+            "--preset",
+            "tiny",
+            "--out",
+            str(tmp_path / "awq"),
+            "--quantization",
+            "awq",
+            "--act-order",
+        ]
+    )
+    with pytest.raises(SystemExit, match="needs --quantization gptq"):
+        args.func(args)
+
+
 def test_cli_rejects_a_preset_of_another_architecture(tmp_path):
     parser = argparse.ArgumentParser()
     register_cli(parser.add_subparsers())

@@ -66,7 +66,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=QUANTIZATION_METHODS,
         default=None,
-        help="8-bit Linear weights, quantized at load on a dense checkpoint (default: as stored)",
+        help="8-bit (int8, fp8) or 4-bit (int4) Linear weights, quantized at load on a dense checkpoint "
+        "(default: as stored; GPTQ and AWQ checkpoints load 4-bit)",
     )
     parser.add_argument(
         "--device-memory-limit-gib",

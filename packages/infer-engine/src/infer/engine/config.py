@@ -201,9 +201,10 @@ class EngineConfig:
     )
     quantization: str | None = _flag(
         None,
-        "Linear weights in 8 bits: int8 (per output channel) or fp8 (128x128 blocks); None: as the "
-        "checkpoint stores them (an fp8 or int8 checkpoint is detected), else dense. On a dense "
-        "checkpoint the weights are quantized at load, the LM head included",
+        "Linear weights in 8 bits: int8 (per output channel) or fp8 (128x128 blocks), or in 4 bits: "
+        "int4 (groups of 128 with zero points); None: as the checkpoint stores them (an fp8, int8, "
+        "GPTQ or AWQ checkpoint is detected), else dense. On a dense checkpoint the weights are "
+        "quantized at load, the LM head included in 8 bits (int4 keeps it, as GPTQ and AWQ do)",
         choices=QUANTIZATION_METHODS,
     )
     load_format: str = _flag(

@@ -28,6 +28,7 @@ from infer.models.linear import Linear
 from infer.models.linear_method import (
     CpuInt8Method,
     DenseMethod,
+    Int4Method,
     LinearMethod,
     QuantizedMethod,
     TritonGemvMethod,
@@ -62,6 +63,8 @@ class KernelPolicy:
 
     def linear_method(self, linear: Linear) -> LinearMethod:
         """The method for `linear`'s weight (loaded) on this device."""
+        if linear.group_size is not None:
+            return Int4Method(pdl=self.pdl)
         if linear.weight_scale is None:
             if self.use_triton_gemv and self.on_cuda:
                 return TritonGemvMethod(pdl=self.pdl)

@@ -1,18 +1,20 @@
-"""Linear layers: `x @ weight.T + bias`, dense or with 8-bit weights, computed by the method the
-kernel policy picked for them (infer.models.linear_method).
+"""Linear layers: `x @ weight.T + bias`, dense or with 8-bit or 4-bit weights, computed by the
+method the kernel policy picked for them (infer.models.linear_method).
 
-A Linear's weight is dense (the model's dtype) or 8-bit with block scales (see
-infer.models.quantization); `quantize` turns a dense Linear, still on the meta device, into an
-8-bit one before the loader fills it. Until `apply_kernel_policy` picks otherwise, a dense Linear
-runs `DenseMethod` (ATen) and an 8-bit one `QuantizedMethod` (`quantized_linear`, whose block
-size covers per-channel int8 and block-wise fp8 alike), both right on any device.
+A Linear's weight is dense (the model's dtype), 8-bit with block scales (see
+infer.models.quantization) or 4-bit packed with group scales and zero points
+(infer.kernels.int4_linear's layout); `quantize` and `quantize_int4` turn a dense Linear, still on
+the meta device, into one of those before the loader fills it. Until `apply_kernel_policy` picks
+otherwise, a dense Linear runs `DenseMethod` (ATen), an 8-bit one `QuantizedMethod`
+(`quantized_linear`, whose block size covers per-channel int8 and block-wise fp8 alike) and a
+4-bit one `Int4Method` (`int4_linear`), all right on any device.
 """
 
 import torch
 from torch import nn
 
-from infer.models.linear_method import DenseMethod, LinearMethod, QuantizedMethod
-from infer.models.quantization import Quantization, scale_shape
+from infer.models.linear_method import DenseMethod, Int4Method, LinearMethod, QuantizedMethod
+from infer.models.quantization import Quantization, int4_group_for, scale_shape
 
 
 class Linear(nn.Module):
@@ -38,6 +40,12 @@ class Linear(nn.Module):
         # 8-bit weights: float32 scales, one per block of `block_size` weights (None: dense).
         self.weight_scale: nn.Parameter | None = None
         self.block_size: tuple[int, int] | None = None
+        # 4-bit weights (`weight` packed uint8 [out, in / 2]): columns per scale, uint8 zero
+        # points per group (None: symmetric) and the input's column order (GPTQ act-order; None:
+        # as they are). group_size None: not 4-bit.
+        self.group_size: int | None = None
+        self.weight_zero: nn.Parameter | None = None
+        self.input_perm: nn.Parameter | None = None
         # How forward computes: picked by the kernel policy (infer.models.kernel_policy).
         self.method: LinearMethod = DenseMethod()
 
@@ -60,6 +68,24 @@ class Linear(nn.Module):
         self.block_size = block_size
         self.method = QuantizedMethod()
 
+    def quantize_int4(
+        self, group_size: int, *, symmetric: bool, scale_dtype: torch.dtype, act_order: bool
+    ) -> None:
+        """Makes this Linear's weight 4-bit in groups of `group_size` columns: new, empty
+        parameters on the weight's device for the loader to fill (`symmetric`: no zero points;
+        `act_order`: a column order, which the loader drops where the columns are in order)."""
+        device, groups = self.weight.device, self.in_features // group_size
+
+        def empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.weight = empty(self.out_features, self.in_features // 2, dtype=torch.uint8)
+        self.weight_scale = empty(self.out_features, groups, dtype=scale_dtype)
+        self.weight_zero = None if symmetric else empty(self.out_features, groups, dtype=torch.uint8)
+        self.input_perm = empty(self.in_features, dtype=torch.int64) if act_order else None
+        self.group_size = group_size
+        self.method = Int4Method()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x)
         return out if self.tp_reduce is None else self.tp_reduce.all_reduce(out)
@@ -70,11 +96,18 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         quantized = f", {self.weight.dtype}, block_size={self.block_size}" if self.block_size else ""
+        if self.group_size is not None:
+            quantized = f", int4, group_size={self.group_size}"
         return f"in_features={self.in_features}, out_features={self.out_features}{quantized}"
 
 
 def quantize_linears(model: nn.Module, quantization: Quantization) -> None:
-    """Makes every Linear of `model` that `quantization` covers 8-bit, before its weights load.
+    """Makes every Linear of `model` that `quantization` covers 8-bit or 4-bit, before its
+    weights load.
+
+    4-bit scales keep the checkpoint's float16 (GPTQ and AWQ store them so: exact, and half the
+    bytes of float32) or, quantized at load, the model's dtype. A fused 4-bit Linear's parts
+    concatenate by rows, their groups lining up as every part has the same inputs.
 
     A fused Linear takes its parts' scales concatenated, which lines their blocks up only when
     every part but the last fills whole blocks of rows; otherwise (SmolLM2's k and v, 192 rows
@@ -83,6 +116,14 @@ def quantize_linears(model: nn.Module, quantization: Quantization) -> None:
     """
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or not quantization.quantizes(name):
+            continue
+        if quantization.is_int4:
+            module.quantize_int4(
+                int4_group_for(quantization, module.in_features, name),
+                symmetric=quantization.symmetric,
+                scale_dtype=torch.float16 if quantization.in_checkpoint else module.weight.dtype,
+                act_order=quantization.act_order,
+            )
             continue
         rows, cols = quantization.block_for(module.in_features)
         if quantization.in_checkpoint and any(size % rows for size in module.output_sizes[:-1]):

@@ -12,6 +12,9 @@ once by the kernel policy (infer.models.kernel_policy) and applied by `Linear.fo
 - `QuantizedMethod`: 8-bit weights with block scales (int8, fp8) through `quantized_linear`; an
   int8 gate/up projection's one CUDA row takes `quantized_gated_gemv` (`gated_gemv` set), its
   one-row product being that GEMV anyway.
+- `Int4Method`: 4-bit weights with group scales and zero points (GPTQ, AWQ, int4 at load)
+  through `int4_linear`, x's columns gathered first where the weight's are in act-order; a
+  gate/up projection and its activation run as two ops.
 - `CpuInt8Method`: per-channel int8 weights on a CPU through `int8_linear_cpu`: a few rows in
   infer.kernels' AVX2 kernel where `native` (EngineConfig.use_native_cpu_kernels) and it builds,
   else ATen's int8 product.
@@ -43,6 +46,7 @@ from infer.kernels import (
     gated_gemv,
     gelu_tanh_and_mul,
     gemv,
+    int4_linear,
     int8_linear_cpu,
     quantized_gated_gemv,
     quantized_linear,
@@ -151,6 +155,26 @@ class QuantizedMethod(DenseMethod):
                 x, weight, scale, block_size, layer.bias, activation=activation, pdl=self.pdl
             )
         return super().apply_gated(layer, x, activation)
+
+
+@dataclass(frozen=True)
+class Int4Method(DenseMethod):
+    """Packed 4-bit weights (infer.kernels.int4_linear's layout) through `int4_linear`. A GPTQ
+    act-order weight's columns are stored sorted by group (`layer.input_perm`), so x's columns
+    are gathered in that order first."""
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if layer.input_perm is not None:
+            x = x.index_select(-1, layer.input_perm)
+        return int4_linear(
+            x,
+            layer.weight,
+            layer.weight_scale,
+            layer.weight_zero,
+            layer.group_size,
+            layer.bias,
+            pdl=launches_pdl(self.pdl, x),
+        )
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Weight-only 8-bit quantization: the checkpoint formats we read, and quantizing at load.
+"""Weight-only 8-bit and 4-bit quantization: the checkpoint formats we read, and quantizing at load.
 
 A quantized Linear stores an 8-bit `weight` [out, in] and a float32 `weight_scale` with one scale
 per block of `block_size = (rows, cols)` weights: W[n, k] = weight[n, k] * scale[n // rows, k // cols].
@@ -20,6 +20,17 @@ stored in the model's dtype.
 `quantization="int8"` (or "fp8") on an unquantized checkpoint quantizes at load instead, every
 Linear including the LM head (a separate 8-bit copy when it shares the embedding, whose lookup
 keeps the full table): per output channel for int8, 128x128 blocks for fp8, scales absmax / qmax.
+
+4-bit weights (w4a16, infer.kernels.int4_linear's layout; infer.models.int4_weights repacks and
+quantizes them) come from two published formats, read as they are stored and repacked at load:
+- GPTQ (`quant_method: "gptq"`, bits 4; GPTQModel, AutoGPTQ): a `group_size` (-1: one group a
+  row), `sym` (symmetric: every zero point 8), `desc_act` (act-order: a `g_idx` that permutes the
+  columns into groups) and `checkpoint_format` "gptq" (v1, the zero points stored minus 1) or
+  "gptq_v2" (as they are).
+- AWQ (`quant_method: "awq"`, AutoAWQ's `version: "gemm"` with `zero_point: true`).
+Both keep embeddings, norms and the LM head in the model's dtype, and so does
+`quantization="int4"`, which quantizes a dense checkpoint's attention and MLP projections at load
+(round to nearest, groups of 128 columns, a zero point per group).
 """
 
 import math
@@ -28,7 +39,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-QUANTIZATION_METHODS = ("fp8", "int8")
+# What `quantization=` may ask for at load (int4: on a dense checkpoint, or a 4-bit one as stored).
+QUANTIZATION_METHODS = ("fp8", "int8", "int4")
+# The 4-bit formats: two of checkpoints, and "int4", quantized at load.
+INT4_METHODS = ("gptq", "awq", "int4")
+# Columns per scale when we quantize at load or write a 4-bit checkpoint (GPTQ's and AWQ's usual).
+INT4_GROUP = 128
+# The smallest group `int4_group_for` falls back to where a Linear's inputs are not a multiple of 128.
+INT4_MIN_GROUP = 16
 WEIGHT_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 # The largest magnitude each 8-bit format holds: a block's absmax maps onto it.
 QMAX = {"fp8": torch.finfo(torch.float8_e4m3fn).max, "int8": 127.0}
@@ -52,6 +70,18 @@ class Quantization:
     in_checkpoint: bool = True
     # Modules the checkpoint leaves unquantized (its ignore list), by name without the decoder prefix.
     ignored: tuple[str, ...] = ()
+    # 4-bit: columns per scale (None: one group a row, GPTQ's -1); symmetric: no zero points
+    # stored in our layout (GPTQ's sym, every zero 8); act_order: GPTQ's desc_act, a column
+    # permutation per Linear; zero_offset: what the checkpoint's stored zero points lack (1 in
+    # GPTQ's v1 format).
+    group_size: int | None = None
+    symmetric: bool = False
+    act_order: bool = False
+    zero_offset: int = 0
+
+    @property
+    def is_int4(self) -> bool:
+        return self.method in INT4_METHODS
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -66,9 +96,9 @@ class Quantization:
         return self.block_size or (1, in_features)
 
     def quantizes(self, module_name: str) -> bool:
-        """Whether the Linear called `module_name` ("layers.0.mlp.down_proj", "lm_head") is 8-bit."""
+        """Whether the Linear called `module_name` ("layers.0.mlp.down_proj", "lm_head") is quantized."""
         if module_name == "lm_head":
-            return not self.in_checkpoint
+            return not self.in_checkpoint and not self.is_int4
         return not any(module_name == i or module_name.endswith("." + i) for i in self.ignored)
 
 
@@ -94,10 +124,64 @@ def parse_quantization_config(raw: dict | None) -> Quantization | None:
         return Quantization("fp8", tuple(block), ignored=_strip_ignored(ignored))
     if method == "compressed-tensors":
         return _parse_compressed_tensors(raw)
+    if method == "gptq":
+        return _parse_gptq(raw)
+    if method == "awq":
+        return _parse_awq(raw)
     raise QuantizationConfigError(
         f"quantization_config: quant_method {method!r} is not supported; supported: fp8 (block-wise), "
-        "compressed-tensors (int8 per channel)"
+        "compressed-tensors (int8 per channel), gptq and awq (4-bit)"
     )
+
+
+def _int4_group(raw: dict) -> int | None:
+    if raw.get("bits") != 4:
+        raise QuantizationConfigError(
+            f"quantization_config: {raw['quant_method']} is supported with bits 4, got {raw.get('bits')!r}"
+        )
+    group = raw.get("group_size")
+    if group == -1:
+        return None
+    if isinstance(group, bool) or not isinstance(group, int) or group < 2 or group % 2:
+        raise QuantizationConfigError(
+            f"quantization_config: group_size must be -1 or an even number of columns, got {group!r}"
+        )
+    return group
+
+
+def _parse_gptq(raw: dict) -> Quantization:
+    group = _int4_group(raw)
+    checkpoint_format = raw.get("checkpoint_format", "gptq")
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise QuantizationConfigError(
+            f"quantization_config: gptq checkpoint_format {checkpoint_format!r} is not supported "
+            "(gptq, gptq_v2; marlin and other repacked formats are not)"
+        )
+    if raw.get("lm_head"):
+        raise QuantizationConfigError(
+            "quantization_config: a 4-bit LM head (gptq lm_head: true) is not supported"
+        )
+    return Quantization(
+        "gptq",
+        None,
+        ignored=_strip_ignored(tuple(raw.get("modules_to_not_convert") or ())),
+        group_size=group,
+        symmetric=bool(raw.get("sym", True)),
+        act_order=bool(raw.get("desc_act", False)),
+        zero_offset=1 if checkpoint_format == "gptq" else 0,
+    )
+
+
+def _parse_awq(raw: dict) -> Quantization:
+    group = _int4_group(raw)
+    version = str(raw.get("version", "gemm")).lower()
+    if version != "gemm" or raw.get("zero_point", True) is not True:
+        raise QuantizationConfigError(
+            "quantization_config: awq is supported as version 'gemm' with zero_point true, got "
+            f"version {raw.get('version')!r}, zero_point {raw.get('zero_point')!r}"
+        )
+    ignored = tuple(raw.get("modules_to_not_convert") or ())
+    return Quantization("awq", None, ignored=_strip_ignored(ignored), group_size=group)
 
 
 def _parse_compressed_tensors(raw: dict) -> Quantization:
@@ -138,7 +222,10 @@ def resolve_quantization(in_checkpoint: Quantization | None, requested: str | No
             f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, got {requested!r}"
         )
     if in_checkpoint is not None:
-        if requested not in (None, in_checkpoint.method):
+        # "int4" asks for 4-bit weights, which a GPTQ or AWQ checkpoint gives as stored.
+        if requested not in (None, in_checkpoint.method) and not (
+            requested == "int4" and in_checkpoint.is_int4
+        ):
             raise QuantizationConfigError(
                 f"the checkpoint's weights are {in_checkpoint.method}; it cannot be loaded as {requested} "
                 f"(leave quantization unset, or set it to {in_checkpoint.method})"
@@ -146,7 +233,26 @@ def resolve_quantization(in_checkpoint: Quantization | None, requested: str | No
         return in_checkpoint
     if requested is None:
         return None
+    if requested == "int4":
+        return Quantization("int4", None, in_checkpoint=False, group_size=INT4_GROUP)
     return Quantization(requested, DEFAULT_BLOCKS[requested], in_checkpoint=False)
+
+
+def int4_group_for(quantization: Quantization, in_features: int, module_name: str) -> int:
+    """The group of a 4-bit Linear with `in_features` inputs: the checkpoint's (all of a row for
+    GPTQ's -1). Quantizing at load, where `in_features` is not a multiple of 128 (SmolLM2's 576),
+    the largest power of two below 128 that divides it (64 there), at least INT4_MIN_GROUP: a
+    smaller group is a finer scale, never a coarser one."""
+    group = quantization.group_size or in_features
+    if not quantization.in_checkpoint:
+        while in_features % group and group > INT4_MIN_GROUP:
+            group //= 2
+    if in_features % group or group % 2:
+        raise QuantizationConfigError(
+            f"{module_name}: {in_features} inputs are not a whole number of {quantization.method} groups "
+            f"of {group} columns (4-bit groups must be even and divide the inputs)"
+        )
+    return group
 
 
 def scale_shape(out_features: int, in_features: int, block_size: tuple[int, int]) -> tuple[int, int]:

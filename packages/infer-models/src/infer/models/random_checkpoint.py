@@ -26,6 +26,13 @@ published checkpoints (see infer.models.quantization): "fp8" as Qwen3-8B-FP8 (fl
 weights, float32 `weight_scale_inv` per 128x128 block), "int8" as compressed-tensors w8a8
 (int8 weights, float32 `weight_scale` [out, 1]); embeddings, norms and the LM head stay in
 `dtype`. Each is the same random weight a dense checkpoint of the same seed holds, quantized.
+"gptq" and "awq" write them 4-bit (infer.models.int4_weights' packers), as GPTQModel and AutoAWQ
+do: int32 `qweight` and `qzeros`, float16 `scales` (GPTQ: `g_idx` too), groups of 128 columns (or
+the largest power of two below that divides every projection's inputs, for tiny shapes),
+rounded to nearest; GPTQ symmetric in its v1 format unless `quantization_config` (merged into
+the written one) says `sym: false`, `checkpoint_format: "gptq_v2"` or `desc_act: true` (then each
+Linear's columns are grouped in a random order, one per input: q, k and v share theirs, as gate
+and up do).
 """
 
 import argparse
@@ -34,16 +41,18 @@ import json
 import math
 import string
 import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from infer.models.config import TORCH_DTYPES
+from infer.models.int4_weights import pack_awq, pack_gptq, quantize_int4_unpacked
 from infer.models.quantization import (
     DEFAULT_BLOCKS,
     FP8_BLOCK,
-    QUANTIZATION_METHODS,
+    INT4_GROUP,
     SCALE_NAMES,
     WEIGHT_DTYPES,
     Quantization,
@@ -249,8 +258,11 @@ _TORCH_TO_SAFETENSORS = {
     torch.float16: "F16",
     torch.bfloat16: "BF16",
     torch.int8: "I8",
+    torch.int32: "I32",
     torch.float8_e4m3fn: "F8_E4M3",
 }
+# What `make_random_checkpoint` writes: the 8-bit formats and the published 4-bit ones.
+RANDOM_QUANTIZATIONS = ("fp8", "int8", "gptq", "awq")
 # What a published checkpoint of each format writes into config.json.
 QUANTIZATION_CONFIGS = {
     "fp8": {
@@ -277,7 +289,20 @@ QUANTIZATION_CONFIGS = {
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
     },
+    # GPTQModel's config (group_size set where written).
+    "gptq": {
+        "bits": 4, "checkpoint_format": "gptq", "damp_percent": 0.01, "desc_act": False,
+        "group_size": INT4_GROUP, "lm_head": False, "pack_dtype": "int32", "quant_method": "gptq",
+        "static_groups": False, "sym": True, "true_sequential": True,
+    },
+    # AutoAWQ's.
+    "awq": {
+        "bits": 4, "group_size": INT4_GROUP, "modules_to_not_convert": None, "quant_method": "awq",
+        "version": "gemm", "zero_point": True,
+    },
 }  # fmt: skip
+# Checkpoint tensors of a 4-bit projection, the packed weight first.
+INT4_TENSORS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
 _QUANTIZED_PROJECTIONS = (
     "q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
     "gate_proj.weight", "up_proj.weight", "down_proj.weight",
@@ -292,20 +317,23 @@ def make_random_checkpoint(
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
     quantization: str | None = None,
+    quantization_config: dict | None = None,
     weights: bool = True,
 ) -> Path:
     """Writes a random checkpoint of preset `arch_preset` (a key of PRESETS) into `out_dir`,
-    its projections 8-bit when `quantization` is "fp8" or "int8". `weights=False` writes all but
-    the weights: a folder that `load_format="dummy"` loads (infer.models.load)."""
+    its projections 8-bit when `quantization` is "fp8" or "int8", 4-bit when "gptq" or "awq"
+    (`quantization_config`: entries that replace the written config's, see the module).
+    `weights=False` writes all but the weights: a folder that `load_format="dummy"` loads
+    (infer.models.load)."""
     if arch_preset not in PRESETS:
         raise ValueError(f"unknown preset {arch_preset!r}; presets: {', '.join(PRESETS)}")
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
     if dtype not in TORCH_DTYPES.values():
         raise ValueError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype}")
-    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+    if quantization is not None and quantization not in RANDOM_QUANTIZATIONS:
         raise ValueError(
-            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}"
+            f"quantization must be one of {', '.join(RANDOM_QUANTIZATIONS)}, got {quantization!r}"
         )
     preset = PRESETS[arch_preset]
     if quantization is not None and preset.vision is not None:
@@ -322,20 +350,81 @@ def make_random_checkpoint(
     hf_config.save_pretrained(out)
     if preset.vision is not None:
         _write_image_processor(out, preset, hf_config)
+    shapes = _tensor_shapes(hf_config)
+    int4 = None
     if quantization is not None:
         # Added to the file, not the config object: transformers' model (which gives the tensor
-        # shapes below) would otherwise set up its own quantizer.
+        # shapes) would otherwise set up its own quantizer.
         config_path = out / "config.json"
         written = json.loads(config_path.read_text())
-        written["quantization_config"] = QUANTIZATION_CONFIGS[quantization]
+        raw = {**QUANTIZATION_CONFIGS[quantization], **(quantization_config or {})}
+        if quantization in INT4_TENSORS:
+            raw["group_size"] = _int4_group(shapes)
+            int4 = _Int4Writer(quantization, raw, seed)
+        written["quantization_config"] = raw
         config_path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     (out / "generation_config.json").write_text(json.dumps(_generation_config(hf_config), indent=2) + "\n")
     _write_tokenizer(out, preset.arch, preset.config["vocab_size"], specials)
     if not weights:
         return out
-    tensors = _tensor_specs(_tensor_shapes(hf_config), dtype, quantization)
-    _write_weights(out, tensors, preset.arch, shards=shards, seed=seed, quantization=quantization)
+    tensors = _tensor_specs(shapes, dtype, quantization, int4)
+    _write_weights(out, tensors, preset.arch, shards=shards, seed=seed, quantization=quantization, int4=int4)
     return out
+
+
+def _int4_group(shapes: dict[str, tuple[int, ...]]) -> int:
+    """INT4_GROUP, halved until it divides every quantized projection's inputs."""
+    group = INT4_GROUP
+    while any(shape[1] % group for name, shape in shapes.items() if name.endswith(_QUANTIZED_PROJECTIONS)):
+        group //= 2
+    return group
+
+
+@dataclass
+class _Int4Writer:
+    """How a 4-bit format's projections are written: `raw`, its quantization_config."""
+
+    method: str  # "gptq" or "awq"
+    raw: dict
+    seed: int
+    # Each projection's dense [out, in] shape, by its checkpoint name ("....q_proj.weight").
+    dense_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def tensors(self, weight_name: str) -> list[str]:
+        base = weight_name.removesuffix("weight")
+        return [base + suffix for suffix in INT4_TENSORS[self.method]]
+
+    def specs(self, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        (n, k), groups = shape, shape[1] // self.raw["group_size"]
+        qweight = (k // 8, n) if self.method == "gptq" else (k, n // 8)
+        specs = [(qweight, torch.int32), ((groups, n // 8), torch.int32), ((groups, n), torch.float16)]
+        return specs + [((k,), torch.int32)] if self.method == "gptq" else specs
+
+    def pack(self, weight_name: str, dense: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors of `self.tensors(weight_name)` for the dense weight."""
+        group = self.raw["group_size"]
+        symmetric = self.method == "gptq" and self.raw.get("sym", True)
+        perm = self._columns_order(weight_name, dense.shape[1])
+        q, scales, zeros = quantize_int4_unpacked(dense[:, perm], group, torch.float16, symmetric=symmetric)
+        if self.method == "awq":
+            return list(pack_awq(q, scales, zeros).values())
+        order = torch.argsort(perm)  # back to the checkpoint's columns, each with its group
+        g_idx = (torch.arange(dense.shape[1]) // group)[order]
+        zero_offset = 1 if self.raw.get("checkpoint_format", "gptq") == "gptq" else 0
+        return list(pack_gptq(q[:, order], scales, zeros, g_idx, zero_offset=zero_offset).values())
+
+    def _columns_order(self, weight_name: str, in_features: int) -> torch.Tensor:
+        """GPTQ act-order's order of the columns (identity without desc_act): random, one per
+        input (a layer's q, k and v share it, as gate and up do)."""
+        if not (self.method == "gptq" and self.raw.get("desc_act")):
+            return torch.arange(in_features)
+        shared = (
+            weight_name.replace("k_proj", "q_proj")
+            .replace("v_proj", "q_proj")
+            .replace("up_proj", "gate_proj")
+        )
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(shared.encode()))
+        return torch.randperm(in_features, generator=generator)
 
 
 def _hf_config(preset: Preset, specials: "_Specials", dtype: torch.dtype):
@@ -482,13 +571,21 @@ def random_tensor(name: str, shape: tuple[int, ...], arch: str, generator: torch
 
 
 def _tensor_specs(
-    shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, quantization: str | None
+    shapes: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    quantization: str | None,
+    int4: "_Int4Writer | None",
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """(shape, dtype) of every tensor written, in order: an 8-bit projection's scale follows it."""
+    """(shape, dtype) of every tensor written, in order: an 8-bit projection's scale follows it,
+    a 4-bit one's tensors follow its packed weight."""
     specs = {}
     for name, shape in shapes.items():
         if quantization is None or not name.endswith(_QUANTIZED_PROJECTIONS):
             specs[name] = (shape, dtype)
+            continue
+        if int4 is not None:
+            int4.dense_shapes[name] = shape
+            specs.update(zip(int4.tensors(name), int4.specs(shape), strict=True))
             continue
         specs[name] = (shape, WEIGHT_DTYPES[quantization])
         scale_name = name.removesuffix("weight") + SCALE_NAMES[quantization]
@@ -509,12 +606,21 @@ def _write_weights(
     shards: int,
     seed: int,
     quantization: str | None,
+    int4: "_Int4Writer | None" = None,
 ) -> None:
     # A weight and its scale stay in one shard and are made together: the scale is kept from its
-    # weight's quantization until it is written, right after it.
-    units = [[name] for name in specs if not name.endswith(tuple(SCALE_NAMES.values()))]
+    # weight's quantization until it is written, right after it (4-bit: the packed weight's
+    # zero points, scales and g_idx after it).
+    if int4 is not None:
+        companions = tuple(f".{suffix}" for suffix in INT4_TENSORS[int4.method][1:])
+        units = [[name] for name in specs if not name.endswith(companions)]
+        for unit in units:
+            if unit[0].endswith(".qweight"):
+                unit.extend(int4.tensors(unit[0].removesuffix("qweight") + "weight")[1:])
+    else:
+        units = [[name] for name in specs if not name.endswith(tuple(SCALE_NAMES.values()))]
     for unit in units:
-        if quantization is not None:
+        if quantization is not None and int4 is None:
             scale_name = unit[0].removesuffix("weight") + SCALE_NAMES[quantization]
             if scale_name in specs:
                 unit.append(scale_name)
@@ -526,6 +632,12 @@ def _write_weights(
     def make(name: str) -> torch.Tensor:
         if name in pending_scales:
             return pending_scales.pop(name)
+        if int4 is not None and name.endswith(".qweight"):
+            weight_name = name.removesuffix("qweight") + "weight"
+            dense = random_tensor(weight_name, int4.dense_shapes[weight_name], arch, generator)
+            qweight, *rest = int4.pack(weight_name, dense)
+            pending_scales.update(zip(int4.tensors(weight_name)[1:], rest, strict=True))
+            return qweight
         shape, dtype = specs[name]
         dense = random_tensor(name, shape, arch, generator)
         if dtype.itemsize != 1:
@@ -722,7 +834,8 @@ def _write_tokenizer(out: Path, arch: str, vocab_size: int, specials: _Specials)
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Adds `random ARCH --preset P --out DIR [--shards N] [--seed S] [--dtype D] [--quantization Q]`."""
+    """Adds `random ARCH --preset P --out DIR [--shards N] [--seed S] [--dtype D] [--quantization Q]
+    [--act-order]`."""
     parser = subparsers.add_parser("random", help="write a random-weight checkpoint with real or tiny shapes")
     parser.add_argument("arch", choices=sorted({p.arch for p in PRESETS.values()}))
     parser.add_argument("--preset", required=True, help=f"one of {', '.join(PRESETS)} (or 'tiny')")
@@ -732,10 +845,16 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=list(TORCH_DTYPES), default="bfloat16")
     parser.add_argument(
         "--quantization",
-        choices=QUANTIZATION_METHODS,
+        choices=RANDOM_QUANTIZATIONS,
         default=None,
         help="write the attention and MLP projections 8-bit: fp8 (128x128 blocks, as Qwen3-8B-FP8) or "
-        "int8 (per channel, compressed-tensors)",
+        "int8 (per channel, compressed-tensors); or 4-bit: gptq (GPTQModel's v1 format, symmetric) or "
+        "awq (AutoAWQ's gemm), groups of 128",
+    )
+    parser.add_argument(
+        "--act-order",
+        action="store_true",
+        help="with --quantization gptq: desc_act, each Linear's columns grouped in a random order",
     )
     parser.set_defaults(func=_run_cli)
 
@@ -748,6 +867,8 @@ def _run_cli(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"preset {args.preset!r} is not a {args.arch} preset; choose from {', '.join(names)}"
         )
+    if args.act_order and args.quantization != "gptq":
+        raise SystemExit("--act-order is GPTQ's desc_act: it needs --quantization gptq")
     try:
         out = make_random_checkpoint(
             name,
@@ -756,6 +877,7 @@ def _run_cli(args: argparse.Namespace) -> int:
             seed=args.seed,
             dtype=TORCH_DTYPES[args.dtype],
             quantization=args.quantization,
+            quantization_config={"desc_act": True} if args.act_order else None,
         )
     except ValueError as error:  # a setting the preset cannot take: one line, as the CLI's mistakes
         raise SystemExit(str(error)) from None

@@ -89,6 +89,11 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
 
     if tp.size == 1:
         return
+    if model.quantization is not None and model.quantization.is_int4:
+        raise ValueError(
+            f"tensor parallelism does not shard 4-bit weights ({model.quantization.method}) yet: serve "
+            "the dense checkpoint, or use one GPU"
+        )
     if model.quantization is not None and model.quantization.block_size is not None:
         raise ValueError(
             f"tensor parallelism shards 8-bit weights with one scale per output row (int8); "

@@ -7,9 +7,12 @@ missing tensors, unexpected tensors, wrong shapes and 8-bit weights stored in an
 error, a corrupt header naming the file.
 
 8-bit Linears (infer.models.quantization) take their weights and scales as stored, or, when
-quantized at load, their dense weight quantized on the device as it arrives. A tensor-parallel
-shard's parameters (infer.models.tensor_parallel) take their rank's part of each tensor, checked
-against the whole tensor's shape.
+quantized at load, their dense weight quantized on the device as it arrives. 4-bit Linears take
+a GPTQ or AWQ checkpoint's packed tensors repacked on the device, one Linear at a time
+(infer.models.loader.int4_checkpoint), or their dense weight quantized as it arrives
+(infer.models.int4_weights.quantize_int4). A tensor-parallel shard's parameters
+(infer.models.tensor_parallel) take their rank's part of each tensor, checked against the whole
+tensor's shape.
 """
 
 import json
@@ -23,6 +26,15 @@ from safetensors import safe_open
 from torch import nn
 
 from infer.models.config import ModelConfig
+from infer.models.int4_weights import Int4FormatError, quantize_int4
+from infer.models.loader.int4_checkpoint import (
+    INT4_PARAMETERS,
+    Int4Source,
+    expected_tensors,
+    int4_source,
+    load_int4_linear,
+    optional_tensors,
+)
 from infer.models.quantization import SAFETENSORS_DTYPES, Quantization, quantize_weight
 from infer.models.weight_map import WeightSource, is_recomputed, weight_source
 
@@ -137,9 +149,20 @@ def load_weights(
     prefix = next((p for p in prefixes if f"{p}embed_tokens.weight" in tensors), prefixes[0])
     params = dict(model.named_parameters())
     sources, quantized_at_load, shards, full_rest = {}, set(), {}, {}
+    int4_sources: dict[str, Int4Source] = {}
     for name, param in params.items():
         module_path, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_path)
+        if getattr(module, "group_size", None) is not None and leaf in INT4_PARAMETERS:
+            if quantization.in_checkpoint:
+                int4_sources.setdefault(module_path, int4_source(module_path, module, config, prefix))
+                continue
+            if leaf != "weight":
+                continue  # made from the weight as it loads
+            quantized_at_load.add(name)
+            shards[name], full_rest[name] = None, (module.in_features,)
+            sources[name] = weight_source(name, module.out_features, config, prefix)
+            continue
         block_size = getattr(module, "block_size", None)
         shards[name] = getattr(module, "tp_shard", None)
         if leaf == "weight_scale" and shards[name] is not None and shards[name].dim == 1:
@@ -163,7 +186,16 @@ def load_weights(
             scale_block_rows=block_size[0] if block_size else 1,
         )
     _check_against(
-        sources, params, full_rest, tensors, config, ignored_prefixes, folder, quantization, quantized_at_load
+        sources,
+        params,
+        full_rest,
+        tensors,
+        config,
+        ignored_prefixes,
+        folder,
+        quantization,
+        quantized_at_load,
+        int4_sources,
     )
 
     aliases = _parameter_aliases(model)
@@ -191,8 +223,15 @@ def load_weights(
                     for part, rows in zip(parts, source.part_rows, strict=True)
                 ]
             value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            if name in quantized_at_load:
-                # Dense on the host; on the device only a chunk at a time, as it is quantized.
+            # A weight quantized at load stays dense on the host; on the device only a chunk at
+            # a time, as it is quantized.
+            if name in quantized_at_load and quantization.is_int4:
+                module = model.get_submodule(name.rpartition(".")[0])
+                packed = quantize_int4(value, module.group_size, module.weight_scale.dtype, device=device)
+                module.weight_scale = nn.Parameter(packed.scales, requires_grad=False)
+                module.weight_zero = nn.Parameter(packed.zeros, requires_grad=False)
+                value = packed.qweight
+            elif name in quantized_at_load:
                 module = model.get_submodule(name.rpartition(".")[0])
                 weight, scale = quantize_weight(value, quantization.method, module.block_size, device)
                 module.weight_scale = nn.Parameter(scale, requires_grad=False)
@@ -206,6 +245,13 @@ def load_weights(
             loaded = nn.Parameter(value, requires_grad=False)
             for module_name, leaf in aliases[name]:
                 setattr(model.get_submodule(module_name), leaf, loaded)
+        for module_name, source in int4_sources.items():
+            try:
+                load_int4_linear(
+                    model.get_submodule(module_name), source, quantization, read, tensors, device
+                )
+            except Int4FormatError as error:
+                raise CheckpointError(f"checkpoint {folder}: {error}") from None
 
 
 def fill_random_weights(model: nn.Module, arch: str, *, dtype: torch.dtype, device, seed: int = 0) -> None:
@@ -234,8 +280,20 @@ def _check_against(
     folder: Path,
     quantization: Quantization | None,
     quantized_at_load: set[str],
+    int4_sources: dict[str, Int4Source],
 ) -> None:
     missing, wrong_shapes, wrong_dtypes, used = [], [], [], set()
+    for source in int4_sources.values():
+        used.update(optional_tensors(source))
+        for tensor_name, (shape, dtypes) in expected_tensors(source, quantization).items():
+            used.add(tensor_name)
+            if tensor_name not in tensors:
+                missing.append(tensor_name)
+                continue
+            if (found := tensors[tensor_name].shape) != shape:
+                wrong_shapes.append(f"{tensor_name}: expected {list(shape)}, got {list(found)}")
+            if (found_dtype := tensors[tensor_name].dtype) not in dtypes:
+                wrong_dtypes.append(f"{tensor_name}: expected {' or '.join(dtypes)}, got {found_dtype}")
     for name, source in sources.items():
         expected_rest = full_rest[name]
         stored_8bit = params[name].dtype.itemsize == 1 and name not in quantized_at_load
