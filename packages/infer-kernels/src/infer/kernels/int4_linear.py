@@ -15,15 +15,50 @@ The weight the model means is `W[n, k] = (q[n, k] - zero[n, k // group_size]) * 
 group_size]`. A GPTQ checkpoint with act-order (`desc_act`, a `g_idx` that is not sorted) has
 its columns permuted by the loader so that groups are contiguous; the caller gathers x's columns
 by the same permutation.
+
+Decode reads every weight once per token, so its time is the weight's bytes over HBM bandwidth:
+half a byte per weight (plus a scale and a zero point per group) against bf16's two. The Triton
+kernels (infer.kernels.int4_kernels) take the paths of quantized_linear's 8-bit ones, by the rows
+M of x:
+
+- M = 1: a GEMV streaming `[BLOCK_N, BLOCK_K / 2]`-byte tiles, unpacked and dequantized in
+  registers, fp32 FMAs into a 2D accumulator reduced once after the K loop; K split across
+  programs (a fixed-order sum after) when the output tiles alone would leave SMs idle; under
+  PDL the first tile is read before waiting for the kernel before.
+- M > 1: tensor cores, the dequantized weight tile in x's dtype as the MMA's left operand.
+- M >= 512 (prefill chunks; CUDA, half-precision x): the weight dequantized to x's dtype in one
+  pass, then cuBLAS.
+
+A tile never straddles two groups (its K width is a power of two dividing group_size), so a row's
+scale and zero point are constant over it. Accumulation is in fp32 throughout. The GEMV's
+weights are the reference's to the bit (`(q - zero) * scale` in fp32) and its products the same,
+so only the order of the sums differs; the tensor-core kernel and the prefill path round the
+weight to x's dtype first (a relative error of at most 2^-9 per weight in bf16, 2^-11 in fp16),
+as `F.linear(x, dequantize_int4(..., x.dtype))` does. Interpreted runs (Triton's interpreter has
+no bf16 dot) and fp32 x take fp32 dots.
 """
 
 import torch
 import torch.nn.functional as F
+import triton
 
-from infer.kernels._dispatch import check_dtype, check_same_device
+from infer.kernels._dispatch import check_dtype, check_same_device, num_sms, use_triton
+from infer.kernels.int4_kernels import _int4_dequantize_kernel, _int4_dot_kernel, _int4_gemv_kernel
+from infer.kernels.pdl import launch_options
+from infer.kernels.quantized_linear import _MAX_SPLIT_K, _split_k, _split_k_sum_kernel
 
 # The zero point of symmetric weights (GPTQ's sym=True): q in 0..15 means q - 8 in -8..7.
 SYMMETRIC_ZERO = 8
+
+# Rows of x up to which the FMA kernel runs (as quantized_linear's: the FMA kernel re-reads the
+# weight tile for each row of x, the tensor-core one from M = 2 does not).
+_GEMV_MAX_M = 1
+# Rows of x from which the weight is dequantized to x's dtype in one pass and cuBLAS multiplies:
+# the 8-bit path's threshold (quantized_linear._DEQUANTIZE_MIN_M, measured for int8 and fp8 on an
+# H100), taken over until the 4-bit one is measured.
+_DEQUANTIZE_MIN_M = 512
+# tl.dot needs every dim to be at least 16.
+_MIN_DOT = 16
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -85,7 +120,162 @@ def int4_linear(
     """`x @ W.T + bias` for `x` `[..., K]` and the packed 4-bit W described in the module; `pdl`
     launches a one-row product with programmatic dependent launch where the kernel runs."""
     _check(x, qweight, scales, zeros, group_size, bias)
+    if use_triton(x):
+        return _launch(x, qweight, scales, zeros, group_size, bias, pdl=pdl)
     return int4_linear_ref(x, qweight, scales, zeros, group_size, bias)
+
+
+def _launch(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None,
+    *,
+    kernel: str | None = None,
+    config: dict | None = None,
+    split_k: int | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """Run one kernel. `kernel` ("gemv", "dot" or "dequantize": the weight dequantized to x's dtype
+    in one pass, then cuBLAS), `config` and `split_k` override the choice by shape (for tests and
+    tuning)."""
+    N, K = qweight.shape[0], qweight.shape[1] * 2
+    x = x if x.stride(-1) == 1 else x.contiguous()  # read only: a copy changes nothing the caller sees
+    qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    rows = x.reshape(-1, K)
+    M = rows.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0 or K == 0:
+        out.zero_()
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], N)
+    k_cap = group_size & -group_size  # the widest tile inside one group
+    if kernel is None:
+        kernel = "gemv" if M <= _GEMV_MAX_M or k_cap < _MIN_DOT else "dot"
+        if M >= _DEQUANTIZE_MIN_M and x.is_cuda and x.dtype != torch.float32:
+            kernel = "dequantize"
+    if kernel == "dequantize":
+        weight = _dequantized(qweight, scales, zeros, group_size, x.dtype, pdl)
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+    if config is None:
+        config = _gemv_config(N, K, k_cap) if kernel == "gemv" else _dot_config(M, k_cap)
+    config = dict(config)
+    block_k = config["BLOCK_K"]
+    if group_size % block_k:
+        raise ValueError(f"BLOCK_K {block_k} straddles groups of {group_size} columns")
+    if kernel == "gemv":
+        config.setdefault("UNROLL", 1)
+        tiles = M * triton.cdiv(N, config["BLOCK_N"])
+        split_unit = block_k * config["UNROLL"]  # whole unrolled steps: as many bytes a split
+        min_splits = config.pop("MIN_SPLITS", 1)
+    else:
+        tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
+        split_unit = block_k
+        # Decode batches: at most ~4096 columns a program (deep layers such as down_proj).
+        min_splits = triton.cdiv(K, 4096) if M <= 64 else 1
+    if split_k is None:
+        splits, k_per_split = _split_k(tiles, K, split_unit, num_sms(x.device), min(min_splits, _MAX_SPLIT_K))
+    else:
+        k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+        splits = triton.cdiv(K, k_per_split)
+    target = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    options = launch_options(x, pdl)
+    args = (
+        rows,
+        qweight,
+        scales,
+        scales if zeros is None else zeros,
+        scales if bias is None else bias,
+        target,
+    )
+    strides = (
+        rows.stride(0),
+        qweight.stride(0),
+        *scales.stride(),
+        *((0, 0) if zeros is None else zeros.stride()),
+        M * N if splits > 1 else 0,
+        N,
+        group_size,
+        k_per_split // 2,  # bytes a split (k_per_split is a multiple of the even BLOCK_K)
+    )
+    common = dict(**options, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None and splits == 1, **config)
+    if kernel == "gemv":
+        _int4_gemv_kernel[(M, triton.cdiv(N, config["BLOCK_N"]), splits)](*args, N, K, *strides, **common)
+    else:
+        native = x.is_cuda and x.dtype != torch.float32
+        _int4_dot_kernel[(tiles, splits)](*args, M, N, K, *strides, **common, NATIVE_DOT=native)
+    if splits > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(M * N, block),)](
+            target,
+            bias if bias is not None else target,
+            out,
+            M * N,
+            N,
+            SPLIT_K=splits,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+            num_warps=4,
+            **options,
+        )
+    return out.view(*x.shape[:-1], N)
+
+
+def _dequantized(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int, dtype, pdl: bool
+) -> torch.Tensor:
+    """`dequantize_int4` in one Triton pass (reads half a byte, writes dtype's bytes a weight)."""
+    N, K = qweight.shape[0], qweight.shape[1] * 2
+    out = torch.empty((N, K), dtype=dtype, device=qweight.device)
+    block_n, block_k = 32, min(group_size & -group_size, 128)
+    _int4_dequantize_kernel[(triton.cdiv(N, block_n), K // block_k)](
+        qweight,
+        scales,
+        scales if zeros is None else zeros,
+        out,
+        N,
+        K,
+        qweight.stride(0),
+        *scales.stride(),
+        *((0, 0) if zeros is None else zeros.stride()),
+        group_size,
+        HAS_ZEROS=zeros is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+        **launch_options(qweight, pdl),
+    )
+    return out
+
+
+def _gemv_config(N: int, K: int, k_cap: int) -> dict:
+    """Starting points, not yet swept on a GPU: the tile of the 8-bit GEMV with per-128-column
+    scales (quantized_linear._gemv_config: 16 x 128 weights, 2 KiB, loop unrolled 4 times) kept
+    at 2 KiB of packed bytes, 32 x 128 weights for groups of 128, with 4 warps (16 bytes a
+    thread); K split at least 8 ways for deep rows (K >= 8192, down_proj), as there."""
+    block_k = min(k_cap, 256)
+    block_n = max(16, min(128, 4096 // block_k))
+    # A grid's second dimension holds at most 65535 programs (an LM head of 2^21 rows).
+    block_n = max(block_n, triton.next_power_of_2(triton.cdiv(N, 65535)))
+    config = dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=max(1, 512 // block_k), num_warps=4, num_stages=1)
+    if K >= 8192:
+        config["MIN_SPLITS"] = 8
+    return config
+
+
+def _dot_config(M: int, k_cap: int) -> dict:
+    """quantized_linear._dot_config's tiles for block scales (not yet swept for 4 bits): decode
+    batches (M <= 64) thin tiles of 32 weight rows, 256 columns deep where the group allows;
+    more rows 128 x 128 tiles, 128 columns deep."""
+    if M <= 64:
+        block_m = max(_MIN_DOT, triton.next_power_of_2(M))
+        return dict(
+            BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=min(256, k_cap), GROUP_N=8, num_warps=4, num_stages=4
+        )
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=min(128, k_cap), GROUP_N=8, num_warps=8, num_stages=3)
 
 
 def _check_weight(
