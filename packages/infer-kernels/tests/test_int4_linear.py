@@ -6,14 +6,19 @@ byte k // 2 of row n, low nibble for even k, high for odd, minus the group's zer
 there is none), times the group's scale; sums of products in float64.
 
 Kernels against `int4_linear_ref`. Inputs are scaled so that outputs are of order 1 (x ~ N(0, 1),
-weights ~ 1/sqrt(K)). The GEMV, and the tensor-core kernel where its dots are fp32 (the
-interpreter, fp32 x), compute each weight `(q - zero) * scale` in fp32 exactly as the reference
-does and multiply it by the same x, so the two differ only in the order of K fp32 additions:
-- bf16 / fp16 outputs: that difference is far below one ulp of the output, and the two roundings
+weights ~ 1/sqrt(K)). The tensor-core kernel where its dots are fp32 (the interpreter, fp32 x)
+computes each weight `(q - zero) * scale` in fp32 exactly as the reference does and multiplies it
+by the same x, so the two differ only in the order of K fp32 additions. The GEMV sums products
+`(q - zero) * x` (exact for half-precision x, one rounding for fp32 x) eight at a time, then
+multiplies each such sum by its group's scale (one rounding) where the reference rounds each
+weight and each product: a few more roundings of 2^-24 a term, below the sums' own error once
+K is past a few dozen. So:
+- bf16 / fp16 outputs: the difference is far below one ulp of the output, and the two roundings
   may still land on neighbouring values: the tolerance table's two ulps (`assert_close`), as
   test_quantized_linear argues;
 - fp32 outputs: the summation bound of test_quantized_linear, 4 * sqrt(K) * 2^-24 * (|x| @ |W|.T)
-  per element (plus 1e-6).
+  per element (plus 1e-6), which at the smallest K here (64) is 32 roundings of the largest
+  term.
 Where the weight is rounded to x's dtype first (the tensor-core kernel on a GPU with half-precision
 x, and the dequantize-then-cuBLAS path), each product errs by at most the unit roundoff u of that
 dtype (2^-8 in bf16, 2^-11 in fp16) times |x_k W_nk|, so the sums differ by at most
@@ -223,13 +228,19 @@ def test_interpreted_small_tiles(triton_on_cpu, split_k):
 
 
 @pytest.mark.parametrize("M", [1, 3])
-@pytest.mark.parametrize("group_size", [8, 48, 320])
+@pytest.mark.parametrize("group_size", [8, 12, 48, 320])
 def test_interpreted_other_group_sizes(triton_on_cpu, group_size, M):
     """Groups that are not 32, 64 or 128: tiles the largest power of two dividing the group (8
     and 16 columns: the GEMV also takes M > 1 when a tile is too narrow for tl.dot), one group
-    a row (K = 320)."""
-    K = 960 if group_size == 48 else 320
-    check(M, 24, K, group_size, False, torch.bfloat16, True, "cpu")
+    a row (K = 320); 12 has no factor 8 (a word of the GEMV): dequantize-then-matmul."""
+    K = 960 if group_size in (12, 48) else 320
+    kernel = "dequantize" if group_size == 12 else None
+    qweight, scales, zeros = make_weight(24, K, group_size, False, "cpu")
+    x, bias = make_x(M, K, torch.bfloat16, "cpu"), make_bias(24, torch.bfloat16, "cpu")
+    out = int4_linear(x, qweight, scales, zeros, group_size, bias)
+    assert_matches_reference(
+        out, x, qweight, scales, zeros, group_size, bias, rounded_weight=kernel is not None
+    )
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
@@ -281,6 +292,13 @@ def test_the_bounds_catch_a_swapped_nibble_or_a_dropped_zero(x_dtype, rounded_we
     ):
         with pytest.raises(AssertionError):
             assert_matches_reference(wrong, x, qweight, scales, zeros, 64, rounded_weight=rounded_weight)
+
+
+def test_a_gemv_tile_of_part_of_a_word_is_refused():
+    qweight, scales, zeros = make_weight(32, 256, 64, False, "cpu")
+    config = dict(BLOCK_N=16, BLOCK_K=4, UNROLL=1, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="BLOCK_K 4 is not a multiple of 8"):
+        _launch(torch.randn(1, 256), qweight, scales, zeros, 64, None, kernel="gemv", config=config)
 
 
 def test_a_tile_across_groups_is_refused():
@@ -343,3 +361,17 @@ def test_cuda_dequantized_weight_is_the_reference_bit_for_bit(cuda, symmetric):
 def test_cuda_each_kernel_and_split(cuda, kernel, split_k):
     for M in (1, 5):
         check(M, 1000, 2560, 128, False, torch.bfloat16, True, cuda, kernel=kernel, split_k=split_k, pdl=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prmt", [True, False])
+@pytest.mark.parametrize("group_size", GROUPS)
+def test_cuda_gemv_unpacks_with_and_without_its_ptx(cuda, group_size, prmt):
+    """The GEMV's PTX unpacking (PRMT, which the interpreter cannot run) and the plain Triton one,
+    each against the reference, with tiles of several widths."""
+    for block_n, block_k in [(64, 128), (32, 32), (16, 8)]:
+        config = dict(BLOCK_N=block_n, BLOCK_K=min(block_k, group_size), UNROLL=2, num_warps=4, PRMT=prmt)
+        for symmetric in (True, False):
+            check(
+                1, 1000, 2560, group_size, symmetric, torch.float16, True, cuda, kernel="gemv", config=config
+            )

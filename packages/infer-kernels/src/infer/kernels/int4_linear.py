@@ -21,20 +21,24 @@ half a byte per weight (plus a scale and a zero point per group) against bf16's 
 kernels (infer.kernels.int4_kernels) take the paths of quantized_linear's 8-bit ones, by the rows
 M of x:
 
-- M = 1: a GEMV streaming `[BLOCK_N, BLOCK_K / 2]`-byte tiles, unpacked and dequantized in
-  registers, fp32 FMAs into a 2D accumulator reduced once after the K loop; K split across
-  programs (a fixed-order sum after) when the output tiles alone would leave SMs idle; under
-  PDL the first tile is read before waiting for the kernel before.
+- M = 1: a GEMV streaming the packed rows as 32-bit words (16-byte loads), unpacked in
+  registers, fp32 FMAs, each group's scale applied to its partial sums, a 2D accumulator reduced
+  once after the K loop; K split across programs (a fixed-order sum after) while the programs
+  would number fewer than two a SM; under PDL the first tile is read before waiting for the
+  kernel before.
 - M > 1: tensor cores, the dequantized weight tile in x's dtype as the MMA's left operand.
 - M >= 512 (prefill chunks; CUDA, half-precision x): the weight dequantized to x's dtype in one
-  pass, then cuBLAS.
+  pass, then cuBLAS. Also any M for groups with no factor of 8 (no checkpoint's): the GEMV
+  reads whole words of 8 columns.
 
 A tile never straddles two groups (its K width is a power of two dividing group_size), so a row's
-scale and zero point are constant over it. Accumulation is in fp32 throughout. The GEMV's
-weights are the reference's to the bit (`(q - zero) * scale` in fp32) and its products the same,
-so only the order of the sums differs; the tensor-core kernel and the prefill path round the
-weight to x's dtype first (a relative error of at most 2^-9 per weight in bf16, 2^-11 in fp16),
-as `F.linear(x, dequantize_int4(..., x.dtype))` does. Interpreted runs (Triton's interpreter has
+scale and zero point are constant over it. Accumulation is in fp32 throughout. The GEMV sums
+exact products `(q - zero) * x` (for half-precision x) and multiplies each run of 8 by the
+group's scale, where the reference multiplies each weight by it: the two differ by a few fp32
+roundings a term and the order of the sums, far below a half-precision ulp. The tensor-core
+kernel and the prefill path round the weight `(q - zero) * scale` to x's dtype first (a
+relative error of at most 2^-8 per weight in bf16, 2^-11 in fp16: the unit roundoff), as
+`F.linear(x, dequantize_int4(..., x.dtype))` does. Interpreted runs (Triton's interpreter has
 no bf16 dot) and fp32 x take fp32 dots.
 """
 
@@ -59,6 +63,9 @@ _GEMV_MAX_M = 1
 _DEQUANTIZE_MIN_M = 512
 # tl.dot needs every dim to be at least 16.
 _MIN_DOT = 16
+# Columns in one 32-bit word of the packed weight, the GEMV's unit. Groups with no factor of 8
+# (none that checkpoints use) take the dequantize-then-matmul path.
+_WORD = 8
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -143,7 +150,6 @@ def _launch(
     tuning)."""
     N, K = qweight.shape[0], qweight.shape[1] * 2
     x = x if x.stride(-1) == 1 else x.contiguous()  # read only: a copy changes nothing the caller sees
-    qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     rows = x.reshape(-1, K)
     M = rows.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -155,7 +161,7 @@ def _launch(
     k_cap = group_size & -group_size  # the widest tile inside one group
     if kernel is None:
         kernel = "gemv" if M <= _GEMV_MAX_M or k_cap < _MIN_DOT else "dot"
-        if M >= _DEQUANTIZE_MIN_M and x.is_cuda and x.dtype != torch.float32:
+        if k_cap < _WORD or (M >= _DEQUANTIZE_MIN_M and x.is_cuda and x.dtype != torch.float32):
             kernel = "dequantize"
     if kernel == "dequantize":
         weight = _dequantized(qweight, scales, zeros, group_size, x.dtype, pdl)
@@ -166,23 +172,31 @@ def _launch(
     block_k = config["BLOCK_K"]
     if group_size % block_k:
         raise ValueError(f"BLOCK_K {block_k} straddles groups of {group_size} columns")
+    if kernel == "gemv" and block_k % _WORD:
+        raise ValueError(f"the GEMV reads whole 32-bit words: BLOCK_K {block_k} is not a multiple of 8")
     if kernel == "gemv":
         config.setdefault("UNROLL", 1)
         tiles = M * triton.cdiv(N, config["BLOCK_N"])
-        split_unit = block_k * config["UNROLL"]  # whole unrolled steps: as many bytes a split
-        min_splits = config.pop("MIN_SPLITS", 1)
+        if split_k is None:
+            unit = block_k * config["UNROLL"]  # whole unrolled steps: as many bytes a split
+            k_per_split = (
+                triton.cdiv(triton.cdiv(K, _gemv_splits(tiles, K, unit, num_sms(x.device))), unit) * unit
+            )
     else:
         tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
-        split_unit = block_k
-        # Decode batches: at most ~4096 columns a program (deep layers such as down_proj).
-        min_splits = triton.cdiv(K, 4096) if M <= 64 else 1
-    if split_k is None:
-        splits, k_per_split = _split_k(tiles, K, split_unit, num_sms(x.device), min(min_splits, _MAX_SPLIT_K))
-    else:
+        if split_k is None:
+            # Decode batches: at most ~4096 columns a program (deep layers such as down_proj).
+            min_splits = min(triton.cdiv(K, 4096) if M <= 64 else 1, _MAX_SPLIT_K)
+            _, k_per_split = _split_k(tiles, K, block_k, num_sms(x.device), min_splits)
+    if split_k is not None:
         k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
-        splits = triton.cdiv(K, k_per_split)
+    splits = triton.cdiv(K, k_per_split)
     target = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
     options = launch_options(x, pdl)
+    if kernel == "gemv":
+        if not qweight.is_contiguous() or qweight.data_ptr() % 4:
+            qweight = qweight.clone(memory_format=torch.contiguous_format)  # whole, aligned words
+        qweight = qweight.view(torch.int32)  # 8 columns a word (K is a multiple of BLOCK_K)
     args = (
         rows,
         qweight,
@@ -198,11 +212,20 @@ def _launch(
         *((0, 0) if zeros is None else zeros.stride()),
         M * N if splits > 1 else 0,
         N,
-        group_size,
-        k_per_split // 2,  # bytes a split (k_per_split is a multiple of the even BLOCK_K)
+        # Bytes a split, or words for the GEMV (k_per_split is a multiple of BLOCK_K).
+        k_per_split // (_WORD if kernel == "gemv" else 2),
     )
-    common = dict(**options, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None and splits == 1, **config)
+    # The group size is a compile-time constant (checkpoints use 32, 64 or 128): a tile's group
+    # is then a shift of its column, not a division.
+    common = dict(
+        **options,
+        GROUP_SIZE=group_size,
+        HAS_ZEROS=zeros is not None,
+        HAS_BIAS=bias is not None and splits == 1,
+        **config,
+    )
     if kernel == "gemv":
+        common["PRMT"] = x.is_cuda and common.get("PRMT", True)
         _int4_gemv_kernel[(M, triton.cdiv(N, config["BLOCK_N"]), splits)](*args, N, K, *strides, **common)
     else:
         native = x.is_cuda and x.dtype != torch.float32
@@ -241,7 +264,7 @@ def _dequantized(
         qweight.stride(0),
         *scales.stride(),
         *((0, 0) if zeros is None else zeros.stride()),
-        group_size,
+        GROUP_SIZE=group_size,
         HAS_ZEROS=zeros is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -252,18 +275,27 @@ def _dequantized(
 
 
 def _gemv_config(N: int, K: int, k_cap: int) -> dict:
-    """Starting points, not yet swept on a GPU: the tile of the 8-bit GEMV with per-128-column
-    scales (quantized_linear._gemv_config: 16 x 128 weights, 2 KiB, loop unrolled 4 times) kept
-    at 2 KiB of packed bytes, 32 x 128 weights for groups of 128, with 4 warps (16 bytes a
-    thread); K split at least 8 ways for deep rows (K >= 8192, down_proj), as there."""
+    """Starting points, not yet swept on a GPU. Tiles of 8192 weights (4 KiB packed: 64 rows x 128
+    columns for groups of 128) with 4 warps, so that each thread holds two rows of 16 bytes and
+    the x values it loads and converts serve both: in the SASS for sm_90 (Triton 3.9) a 64 x 128
+    tile's loop body is 287 instructions a thread for its 64 weights, a 32 x 128 tile's (one row
+    a thread) 240 for 32. The loop unrolled to 512 columns a step (16 KiB a program in flight)."""
     block_k = min(k_cap, 256)
-    block_n = max(16, min(128, 4096 // block_k))
-    # A grid's second dimension holds at most 65535 programs (an LM head of 2^21 rows).
+    block_n = max(16, min(256, 8192 // block_k))
+    # A grid's second dimension holds at most 65535 programs (an LM head of 2^22 rows).
     block_n = max(block_n, triton.next_power_of_2(triton.cdiv(N, 65535)))
-    config = dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=max(1, 512 // block_k), num_warps=4, num_stages=1)
-    if K >= 8192:
-        config["MIN_SPLITS"] = 8
-    return config
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=max(1, 512 // block_k), num_warps=4, num_stages=1)
+
+
+def _gemv_splits(tiles: int, K: int, split_unit: int, num_sms: int) -> int:
+    """K splits for the GEMV: doubled while the programs number fewer than two a SM (its tiles are
+    twice the 8-bit GEMV's bytes, so fewer programs cover a weight), each split keeping a whole
+    unrolled step. Not yet measured: the 8-bit rule (quantized_linear._split_k) stops at half
+    the SMs."""
+    splits = 1
+    while splits < _MAX_SPLIT_K and tiles * splits < 2 * num_sms and K // (2 * splits) >= split_unit:
+        splits *= 2
+    return splits
 
 
 def _dot_config(M: int, k_cap: int) -> dict:
