@@ -36,7 +36,10 @@ import torch
 
 from infer.kernels import (
     assert_close,
+    assert_gated_close,
     dequantize_int4,
+    int4_gated_gemv,
+    int4_gated_gemv_ref,
     int4_linear,
     int4_linear_ref,
     pack_int4,
@@ -146,12 +149,8 @@ def assert_matches_reference(out, x, qweight, scales, zeros, group_size, bias=No
     if expected.dtype != torch.float32 and not rounded_weight:
         assert_close(out, expected)
         return
-    K = x.shape[-1]
-    weight = dequantize_int4(qweight, scales, zeros, group_size)
-    magnitude = (x.float().abs().reshape(-1, K) @ weight.abs().T).reshape(out.shape)
-    if bias is not None:
-        magnitude += bias.float().abs()
-    bound = 1e-6 + 4 * math.sqrt(K) * 2.0**-24 * magnitude
+    magnitude = sum_magnitude(x, qweight, scales, zeros, group_size, bias).reshape(out.shape)
+    bound = 1e-6 + 4 * math.sqrt(x.shape[-1]) * 2.0**-24 * magnitude
     if rounded_weight:
         u = torch.finfo(x.dtype).eps / 2
         bound += u * magnitude + 2 * u * (expected.float().abs() + u * magnitude)
@@ -160,6 +159,29 @@ def assert_matches_reference(out, x, qweight, scales, zeros, group_size, bias=No
     assert (error <= bound).all(), (
         f"error {error.flatten()[worst].item():.3g} above its bound {bound.flatten()[worst].item():.3g}"
     )
+
+
+def sum_magnitude(x, qweight, scales, zeros, group_size, bias=None):
+    """`|x| @ |W|.T + |bias|`, the magnitude the sums' rounding errors are relative to."""
+    weight = dequantize_int4(qweight, scales, zeros, group_size)
+    magnitude = x.float().abs().reshape(-1, x.shape[-1]) @ weight.abs().T
+    return magnitude if bias is None else magnitude + bias.float().abs()
+
+
+def check_gated(N, K, group_size, symmetric, x_dtype, with_bias, activation, device):
+    """int4_gated_gemv of a [2N, K] gate/up weight against the unfused reference."""
+    qweight, scales, zeros = make_weight(2 * N, K, group_size, symmetric, device)
+    x = make_x(1, K, x_dtype, device)
+    bias = make_bias(2 * N, x_dtype, device) if with_bias else None
+    out = int4_gated_gemv(x, qweight, scales, zeros, group_size, bias, activation=activation, pdl=True)
+    expected = int4_gated_gemv_ref(x, qweight, scales, zeros, group_size, bias, activation=activation)
+    gate_up = int4_linear_ref(x, qweight, scales, zeros, group_size, bias)
+    error = None
+    if x_dtype == torch.float32:
+        error = 1e-6 + 4 * math.sqrt(K) * 2.0**-24 * sum_magnitude(
+            x, qweight, scales, zeros, group_size, bias
+        )
+    assert_gated_close(out, expected, gate_up, activation, error)
 
 
 def check(M, N, K, group_size, symmetric, x_dtype, with_bias, device, scale_dtype=torch.float32, **launch):
@@ -256,6 +278,28 @@ def test_interpreted_matches_the_byte_by_byte_oracle(triton_on_cpu, kernel):
     expected = x.double() @ _weight_by_element(qweight, scales, zeros, 32).T
     y = _launch(x, qweight, scales, zeros, 32, None, kernel=kernel)
     torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group_size", GROUPS)
+def test_interpreted_gated_matches_the_unfused_pair(triton_on_cpu, group_size, symmetric):
+    """The gate/up projection with its activation in one kernel: up rows N past their gate rows,
+    with scales and zeros of their own; N = 37 leaves a partial tile of rows."""
+    for x_dtype, with_bias, activation in [
+        (torch.bfloat16, True, "silu"),
+        (torch.float16, False, "silu"),
+        (torch.float32, True, "gelu_tanh"),
+    ]:
+        check_gated(37, 256, group_size, symmetric, x_dtype, with_bias, activation, "cpu")
+
+
+def test_gated_refuses_more_than_one_row_and_an_odd_weight():
+    qweight, scales, zeros = make_weight(40, 256, 64, False, "cpu")
+    with pytest.raises(ValueError, match="x must be one row of K = 256"):
+        int4_gated_gemv(torch.randn(2, 256), qweight, scales, zeros, 64, activation="silu")
+    qweight, scales, zeros = make_weight(41, 256, 64, False, "cpu")
+    with pytest.raises(ValueError, match="even number of rows"):
+        int4_gated_gemv_ref(torch.randn(1, 256), qweight, scales, zeros, 64, activation="silu")
 
 
 def test_interpreted_keeps_leading_dims_and_reads_strided_x(triton_on_cpu):
@@ -361,6 +405,14 @@ def test_cuda_dequantized_weight_is_the_reference_bit_for_bit(cuda, symmetric):
 def test_cuda_each_kernel_and_split(cuda, kernel, split_k):
     for M in (1, 5):
         check(M, 1000, 2560, 128, False, torch.bfloat16, True, cuda, kernel=kernel, split_k=split_k, pdl=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("N, K", [(12288, 4096), (200, 1024)])
+def test_cuda_gated_matches_the_unfused_pair(cuda, N, K, activation):
+    """Qwen3-8B's gate/up projection, and a narrow one with a partial tile."""
+    check_gated(N, K, 128, False, torch.bfloat16, N == 200, activation, cuda)
 
 
 @pytest.mark.gpu

@@ -19,12 +19,18 @@ subtract (I2F runs at a quarter of the FMA rate on Hopper; quantized_linear's in
 - `_int4_dequantize_kernel`: `_dequantized_tile` of the whole weight in x's dtype in one pass,
   for cuBLAS (prefill).
 
-Their speed is not yet measured (kernels-bench/bench_int4_linear.py); what is counted here is the
-SASS each compiles to for sm_90 (Triton 3.9, `triton.compile` without a GPU), quoted where it chose."""
+The GEMV's cost, counted in the SASS for sm_90 (Triton 3.9, bf16 x, zero points): a 64 x 128
+tile's loop body is 287 instructions a thread for its 64 weights, 4.5 a weight (7.5 with x read
+a column at a time and one row a thread; about 9 with bytes unpacked by Triton's shifts and masks
+and each weight scaled, as `_dequantized_tile` does). At the H200's published figures (4.8 TB/s
+of HBM, 9.6e12 weights a second; 132 SMs issuing 4 x 32 lanes a clock at 1.98 GHz) a weight
+leaves about 3.5 instruction issues, so the GEMV may be bound by its instructions rather than by
+HBM: measure before tuning. Their speed is not yet measured (kernels-bench/bench_int4_linear.py)."""
 
 import triton
 import triton.language as tl
 
+from infer.kernels.activation import gated_activation
 from infer.kernels.pdl import await_inputs
 
 # 2^23 as a float: its bits OR-ed with q (0..15) are the float 2^23 + q.
@@ -114,15 +120,13 @@ def _word_bits(words, PRMT: tl.constexpr):
 
 
 @triton.jit
-def _word_products(words, offset, x_ptrs, PRMT: tl.constexpr):
-    """`[BLOCK_N, W]` words of the packed weight -> the sum over each word's 8 columns of `(q -
-    zero) * x` (each product exact for half-precision x): a chain of multiply-adds, x's column
-    8j + p read where column p of word j needs it."""
-    bits = _word_bits(words, PRMT)
-    x = _columns_of_8(tl.load(x_ptrs).to(tl.float32))
-    t = tl.zeros(words.shape, tl.float32)
+def _word_products(words, offset, x):
+    """`[BLOCK_N, W]` words of the packed weight (`_word_bits` of them) -> the sum over each
+    word's 8 columns of `(q - zero) * x` (each product exact for half-precision x), a chain of
+    multiply-adds; `x` is x's 8 columns of the words (`_columns_of_8`)."""
+    t = tl.zeros(words[0].shape, tl.float32)
     for p in tl.static_range(8):
-        q = bits[p].to(tl.float32, bitcast=True) - offset[:, None]  # 2^23 + q - (2^23 + zero): exact
+        q = words[p].to(tl.float32, bitcast=True) - offset[:, None]  # 2^23 + q - (2^23 + zero): exact
         t += q * x[p][None, :]
     return t
 
@@ -167,18 +171,15 @@ def _int4_gemv_kernel(
     BLOCK_K: tl.constexpr,
     UNROLL: tl.constexpr,
     PRMT: tl.constexpr,
+    GATED: tl.constexpr,
+    GELU_TANH: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """The weight read as 32-bit words (`w_ptr` int32, `w_row_stride` in words), 8 columns each.
-    Each word's 8 products are summed first, then scaled by their group's scale into the
-    `[BLOCK_N, BLOCK_K // 8]` accumulator: one multiply-add a word instead of a multiply a
-    weight. In the SASS for sm_90 (Triton 3.9, bf16 x, zero points) a 64 x 128 tile's loop body
-    is 287 instructions a thread for its 64 weights, 4.5 a weight (7.5 with x read a column at a
-    time and one row a thread; about 9 with bytes unpacked by Triton's shifts and masks and each
-    weight scaled, as `_dequantized_tile` does). At the H200's published figures (4.8 TB/s of
-    HBM, 9.6e12 weights a second; 132 SMs issuing 4 x 32 lanes a clock at 1.98 GHz) a weight
-    leaves about 3.5 instruction issues, so the kernel may be bound by its instructions rather
-    than by HBM: measure before tuning."""
+    """The weight read as 32-bit words (`w_ptr` int32, `w_row_stride` in words), 8 columns each;
+    each word's 8 products summed, then scaled by their group's scale into the `[BLOCK_N,
+    BLOCK_K // 8]` accumulator: one multiply-add a word instead of a multiply a weight. GATED
+    (one row, unsplit): the weight is `[2N, K]`, gate rows then up rows, each program streams
+    the up rows of its gate rows too and writes `act(gate) * up` (quantized_linear's)."""
     m = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -190,27 +191,51 @@ def _int4_gemv_kernel(
     k_stop = tl.minimum(k_start + 8 * words_per_split, K)
     words = word_start + tl.arange(0, BLOCK_K // 8)
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride + words[None, :]
+    up_ptrs = w_ptrs + N.to(tl.int64) * w_row_stride  # GATED: the up rows, N past the gate rows
     x_ptrs = x_ptr + m * x_row_stride + (8 * words)[:, None] + tl.arange(0, 8)[None, :]  # [W, 8]
     strides = (scale_row_stride, scale_col_stride, zero_row_stride, zero_col_stride)
     # The first tile (words, scales, zeros) before waiting for the kernel before: no kernel
     # writes a weight, and under PDL the weight stream starts while that kernel ends.
-    w = tl.load(w_ptrs, mask=row_mask[:, None], other=0)
-    scale, offset = _group_scale_and_offset(
-        scale_ptr, zero_ptr, rows, row_mask, k_start // GROUP_SIZE, *strides, HAS_ZEROS
-    )
+    w = _word_bits(tl.load(w_ptrs, mask=row_mask[:, None], other=0), PRMT)
+    group = k_start // GROUP_SIZE
+    scale, offset = _group_scale_and_offset(scale_ptr, zero_ptr, rows, row_mask, group, *strides, HAS_ZEROS)
+    if GATED:
+        up = _word_bits(tl.load(up_ptrs, mask=row_mask[:, None], other=0), PRMT)
+        up_scale, up_offset = _group_scale_and_offset(
+            scale_ptr, zero_ptr, rows + N, row_mask, group, *strides, HAS_ZEROS
+        )
     await_inputs(PDL)
-    acc = _word_products(w, offset, x_ptrs, PRMT) * scale[:, None]
+    x = _columns_of_8(tl.load(x_ptrs).to(tl.float32))
+    acc = _word_products(w, offset, x) * scale[:, None]
+    if GATED:
+        up_acc = _word_products(up, up_offset, x) * up_scale[:, None]
     for k0 in tl.range(k_start + BLOCK_K, k_stop, BLOCK_K, loop_unroll_factor=UNROLL):
         w_ptrs += BLOCK_K // 8
         x_ptrs += BLOCK_K
-        w = tl.load(w_ptrs, mask=row_mask[:, None], other=0)
+        x = _columns_of_8(tl.load(x_ptrs).to(tl.float32))
+        w = _word_bits(tl.load(w_ptrs, mask=row_mask[:, None], other=0), PRMT)
+        group = k0 // GROUP_SIZE
         scale, offset = _group_scale_and_offset(
-            scale_ptr, zero_ptr, rows, row_mask, k0 // GROUP_SIZE, *strides, HAS_ZEROS
+            scale_ptr, zero_ptr, rows, row_mask, group, *strides, HAS_ZEROS
         )
-        acc += _word_products(w, offset, x_ptrs, PRMT) * scale[:, None]
+        acc += _word_products(w, offset, x) * scale[:, None]
+        if GATED:
+            up_ptrs += BLOCK_K // 8
+            up = _word_bits(tl.load(up_ptrs, mask=row_mask[:, None], other=0), PRMT)
+            up_scale, up_offset = _group_scale_and_offset(
+                scale_ptr, zero_ptr, rows + N, row_mask, group, *strides, HAS_ZEROS
+            )
+            up_acc += _word_products(up, up_offset, x) * up_scale[:, None]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    if GATED:
+        up_y = tl.sum(up_acc, axis=1)
+        if HAS_BIAS:
+            up_y += tl.load(bias_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
+        # Gate and up rounded to the output dtype first, as the unfused projection stores them.
+        out_type = out_ptr.dtype.element_ty
+        y = gated_activation(y.to(out_type).to(tl.float32), up_y.to(out_type).to(tl.float32), GELU_TANH)
     out_ptrs = out_ptr + split * out_split_stride + m * out_row_stride + rows
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 

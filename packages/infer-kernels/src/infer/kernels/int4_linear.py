@@ -49,7 +49,13 @@ import triton
 from infer.kernels._dispatch import check_dtype, check_same_device, num_sms, use_triton
 from infer.kernels.int4_kernels import _int4_dequantize_kernel, _int4_dot_kernel, _int4_gemv_kernel
 from infer.kernels.pdl import launch_options
-from infer.kernels.quantized_linear import _MAX_SPLIT_K, _split_k, _split_k_sum_kernel
+from infer.kernels.quantized_linear import (
+    _ACTIVATIONS,
+    _MAX_SPLIT_K,
+    _check_gate_up,
+    _split_k,
+    _split_k_sum_kernel,
+)
 
 # The zero point of symmetric weights (GPTQ's sym=True): q in 0..15 means q - 8 in -8..7.
 SYMMETRIC_ZERO = 8
@@ -132,6 +138,41 @@ def int4_linear(
     return int4_linear_ref(x, qweight, scales, zeros, group_size, bias)
 
 
+def int4_gated_gemv_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str,
+) -> torch.Tensor:
+    """The reference: `int4_linear_ref`, then the gated activation."""
+    _check_gated(x, qweight, scales, zeros, group_size, bias, activation)
+    return _ACTIVATIONS[activation](int4_linear_ref(x, qweight, scales, zeros, group_size, bias))
+
+
+def int4_gated_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """`quantized_gated_gemv` for a 4-bit `[gate; up]` weight (2N rows, in the layout above):
+    `act(gate) * up` of one row x in one kernel, gate and up rounded to x's dtype first, as
+    `int4_linear` and the activation op store them."""
+    _check_gated(x, qweight, scales, zeros, group_size, bias, activation)
+    if use_triton(x) and qweight.numel() > 0 and group_size & -group_size >= _WORD:
+        return _launch(x, qweight, scales, zeros, group_size, bias, activation=activation, pdl=pdl)
+    return int4_gated_gemv_ref(x, qweight, scales, zeros, group_size, bias, activation=activation)
+
+
 def _launch(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -143,12 +184,15 @@ def _launch(
     kernel: str | None = None,
     config: dict | None = None,
     split_k: int | None = None,
+    activation: str | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """Run one kernel. `kernel` ("gemv", "dot" or "dequantize": the weight dequantized to x's dtype
     in one pass, then cuBLAS), `config` and `split_k` override the choice by shape (for tests and
-    tuning)."""
+    tuning). `activation` ("silu" or "gelu_tanh"; one row): `int4_gated_gemv`."""
     N, K = qweight.shape[0], qweight.shape[1] * 2
+    if activation is not None:
+        kernel, split_k, N = "gemv", 1, N // 2  # the activation needs whole sums of gate and up
     x = x if x.stride(-1) == 1 else x.contiguous()  # read only: a copy changes nothing the caller sees
     rows = x.reshape(-1, K)
     M = rows.shape[0]
@@ -177,19 +221,9 @@ def _launch(
     if kernel == "gemv":
         config.setdefault("UNROLL", 1)
         tiles = M * triton.cdiv(N, config["BLOCK_N"])
-        if split_k is None:
-            unit = block_k * config["UNROLL"]  # whole unrolled steps: as many bytes a split
-            k_per_split = (
-                triton.cdiv(triton.cdiv(K, _gemv_splits(tiles, K, unit, num_sms(x.device))), unit) * unit
-            )
     else:
         tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
-        if split_k is None:
-            # Decode batches: at most ~4096 columns a program (deep layers such as down_proj).
-            min_splits = min(triton.cdiv(K, 4096) if M <= 64 else 1, _MAX_SPLIT_K)
-            _, k_per_split = _split_k(tiles, K, block_k, num_sms(x.device), min_splits)
-    if split_k is not None:
-        k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    k_per_split = _k_per_split(kernel, config, tiles, M, K, split_k, x.device)
     splits = triton.cdiv(K, k_per_split)
     target = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
     options = launch_options(x, pdl)
@@ -226,25 +260,33 @@ def _launch(
     )
     if kernel == "gemv":
         common["PRMT"] = x.is_cuda and common.get("PRMT", True)
-        _int4_gemv_kernel[(M, triton.cdiv(N, config["BLOCK_N"]), splits)](*args, N, K, *strides, **common)
+        _int4_gemv_kernel[(M, triton.cdiv(N, config["BLOCK_N"]), splits)](
+            *args, N, K, *strides, **common, GATED=activation is not None, GELU_TANH=activation == "gelu_tanh"
+        )
     else:
         native = x.is_cuda and x.dtype != torch.float32
         _int4_dot_kernel[(tiles, splits)](*args, M, N, K, *strides, **common, NATIVE_DOT=native)
     if splits > 1:
         block = 1024
+        partial_sums = (target, bias if bias is not None else target, out, M * N, N)
         _split_k_sum_kernel[(triton.cdiv(M * N, block),)](
-            target,
-            bias if bias is not None else target,
-            out,
-            M * N,
-            N,
-            SPLIT_K=splits,
-            HAS_BIAS=bias is not None,
-            BLOCK=block,
-            num_warps=4,
-            **options,
+            *partial_sums, SPLIT_K=splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **options
         )
     return out.view(*x.shape[:-1], N)
+
+
+def _k_per_split(kernel: str, config: dict, tiles: int, M: int, K: int, split_k: int | None, device) -> int:
+    """Columns a program of `tiles` output tiles reads: K / `split_k` in whole tiles where given,
+    else the GEMV's `_gemv_splits` in whole unrolled steps, or the tensor-core kernel's 8-bit rule."""
+    block_k = config["BLOCK_K"]
+    if split_k is not None:
+        return triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    if kernel == "gemv":
+        unit = block_k * config["UNROLL"]  # whole unrolled steps: as many bytes a split
+        return triton.cdiv(triton.cdiv(K, _gemv_splits(tiles, K, unit, num_sms(device))), unit) * unit
+    # Decode batches: at most ~4096 columns a program (deep layers such as down_proj).
+    min_splits = min(triton.cdiv(K, 4096) if M <= 64 else 1, _MAX_SPLIT_K)
+    return _split_k(tiles, K, block_k, num_sms(device), min_splits)[1]
 
 
 def _dequantized(
@@ -324,6 +366,13 @@ def _check_weight(
         raise ValueError(f"scales must be {list(groups)}, got {list(scales.shape)}")
     if zeros is not None and (zeros.dtype != torch.uint8 or tuple(zeros.shape) != groups):
         raise ValueError(f"zeros must be uint8 {list(groups)}, got {zeros.dtype} {list(zeros.shape)}")
+
+
+def _check_gated(x, qweight, scales, zeros, group_size, bias, activation) -> None:
+    _check(x, qweight, scales, zeros, group_size, bias)
+    if x.numel() != qweight.shape[1] * 2:
+        raise ValueError(f"x must be one row of K = {qweight.shape[1] * 2}, got x of shape {list(x.shape)}")
+    _check_gate_up(qweight, activation)
 
 
 def _check(
