@@ -308,6 +308,10 @@ def test_interpreted_keeps_leading_dims_and_reads_strided_x(triton_on_cpu):
     out = int4_linear(x, qweight, scales, zeros, 64)
     assert out.shape == (2, 3, 40)
     assert_matches_reference(out, x, qweight, scales, zeros, 64)
+    column_major = qweight.T.contiguous().T  # the same bytes, K / 2 apart along a row: copied
+    for kernel in ("gemv", "dot", "dequantize"):
+        out = _launch(x, column_major, scales, zeros, 64, None, kernel=kernel)
+        assert_matches_reference(out, x, qweight, scales, zeros, 64, rounded_weight=kernel == "dequantize")
     for strided in (x[:, ::2], torch.randn(256, 4).T):
         assert_matches_reference(
             int4_linear(strided, qweight, scales, zeros, 64), strided, qweight, scales, zeros, 64

@@ -20,12 +20,13 @@ subtract (I2F runs at a quarter of the FMA rate on Hopper; quantized_linear's in
   for cuBLAS (prefill).
 
 The GEMV's cost, counted in the SASS for sm_90 (Triton 3.9, bf16 x, zero points): a 64 x 128
-tile's loop body is 287 instructions a thread for its 64 weights, 4.5 a weight (7.5 with x read
-a column at a time and one row a thread; about 9 with bytes unpacked by Triton's shifts and masks
-and each weight scaled, as `_dequantized_tile` does). At the H200's published figures (4.8 TB/s
-of HBM, 9.6e12 weights a second; 132 SMs issuing 4 x 32 lanes a clock at 1.98 GHz) a weight
-leaves about 3.5 instruction issues, so the GEMV may be bound by its instructions rather than by
-HBM: measure before tuning. Their speed is not yet measured (kernels-bench/bench_int4_linear.py)."""
+tile's loop body is 285 instructions a thread for its 64 weights, 4.5 a weight (362 without the
+PTX unpacking; 156 for a 32 x 128 tile's 32 weights, one row a thread, 4.9 a weight; about 9 a
+weight with bytes unpacked by Triton's shifts and masks and each weight scaled, as
+`_dequantized_tile` does). At the H200's published figures (4.8 TB/s of HBM, 9.6e12 weights a
+second; 132 SMs issuing 4 x 32 lanes a clock at 1.98 GHz) a weight leaves about 3.5 instruction
+issues, so the GEMV may be bound by its instructions rather than by HBM: measure before tuning.
+Their speed is not yet measured (kernels-bench/bench_int4_linear.py)."""
 
 import triton
 import triton.language as tl
@@ -179,7 +180,7 @@ def _int4_gemv_kernel(
     each word's 8 products summed, then scaled by their group's scale into the `[BLOCK_N,
     BLOCK_K // 8]` accumulator: one multiply-add a word instead of a multiply a weight. GATED
     (one row, unsplit): the weight is `[2N, K]`, gate rows then up rows, each program streams
-    the up rows of its gate rows too and writes `act(gate) * up` (quantized_linear's)."""
+    the up rows of its gate rows too and writes `act(gate) * up`, as quantized_linear's GEMV."""
     m = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -287,7 +288,8 @@ def _int4_dot_kernel(
     tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # x rows
     row_mask = rows < N
     token_mask = tokens < M
-    byte_start = split * bytes_per_split  # in bytes, as in _int4_gemv_kernel
+    # In bytes, so that Triton sees the alignment the launch argument has (the GEMV's words too).
+    byte_start = split * bytes_per_split
     k_start = 2 * byte_start
     w_ptrs = (
         w_ptr + rows.to(tl.int64)[:, None] * w_row_stride + (byte_start + tl.arange(0, BLOCK_K // 2))[None, :]

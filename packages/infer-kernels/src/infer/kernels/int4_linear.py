@@ -191,6 +191,7 @@ def _launch(
     in one pass, then cuBLAS), `config` and `split_k` override the choice by shape (for tests and
     tuning). `activation` ("silu" or "gelu_tanh"; one row): `int4_gated_gemv`."""
     N, K = qweight.shape[0], qweight.shape[1] * 2
+    qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     if activation is not None:
         kernel, split_k, N = "gemv", 1, N // 2  # the activation needs whole sums of gate and up
     x = x if x.stride(-1) == 1 else x.contiguous()  # read only: a copy changes nothing the caller sees
@@ -320,8 +321,8 @@ def _gemv_config(N: int, K: int, k_cap: int) -> dict:
     """Starting points, not yet swept on a GPU. Tiles of 8192 weights (4 KiB packed: 64 rows x 128
     columns for groups of 128) with 4 warps, so that each thread holds two rows of 16 bytes and
     the x values it loads and converts serve both: in the SASS for sm_90 (Triton 3.9) a 64 x 128
-    tile's loop body is 287 instructions a thread for its 64 weights, a 32 x 128 tile's (one row
-    a thread) 240 for 32. The loop unrolled to 512 columns a step (16 KiB a program in flight)."""
+    tile's loop body is 285 instructions a thread for its 64 weights, a 32 x 128 tile's (one row
+    a thread) 156 for 32. The loop unrolled to 512 columns a step (16 KiB a program in flight)."""
     block_k = min(k_cap, 256)
     block_n = max(16, min(256, 8192 // block_k))
     # A grid's second dimension holds at most 65535 programs (an LM head of 2^22 rows).
