@@ -6,21 +6,20 @@ byte k // 2 of row n, low nibble for even k, high for odd, minus the group's zer
 there is none), times the group's scale; sums of products in float64.
 
 Kernels against `int4_linear_ref`. Inputs are scaled so that outputs are of order 1 (x ~ N(0, 1),
-weights ~ 1/sqrt(K)). The tensor-core kernel where its dots are fp32 (the interpreter, fp32 x)
-computes each weight `(q - zero) * scale` in fp32 exactly as the reference does and multiplies it
-by the same x, so the two differ only in the order of K fp32 additions. The GEMV sums products
-`(q - zero) * x` (exact for half-precision x, one rounding for fp32 x) eight at a time, then
-multiplies each such sum by its group's scale (one rounding) where the reference rounds each
-weight and each product: a few more roundings of 2^-24 a term, below the sums' own error once
-K is past a few dozen. So:
+weights ~ 1/sqrt(K)). The reference rounds each weight `(q - zero) * scale` and each product to
+fp32 and sums them. The kernels multiply `q - zero` (exact in any dtype) by x, exactly for
+half-precision x (one rounding for fp32 x), sum those products (eight at a time in the GEMV, a
+tile's in the MMA) and multiply the sums by the group's scale (one rounding): a few more
+roundings of 2^-24 a term and another order of the sums, below the sums' own error once K is
+past a few dozen. So:
 - bf16 / fp16 outputs: the difference is far below one ulp of the output, and the two roundings
   may still land on neighbouring values: the tolerance table's two ulps (`assert_close`), as
   test_quantized_linear argues;
 - fp32 outputs: the summation bound of test_quantized_linear, 4 * sqrt(K) * 2^-24 * (|x| @ |W|.T)
   per element (plus 1e-6), which at the smallest K here (64) is 32 roundings of the largest
   term.
-Where the weight is rounded to x's dtype first (the tensor-core kernel on a GPU with half-precision
-x, and the dequantize-then-cuBLAS path), each product errs by at most the unit roundoff u of that
+Where the weight is rounded to x's dtype first (the dequantize-then-cuBLAS path of prefill chunks),
+each product errs by at most the unit roundoff u of that
 dtype (2^-8 in bf16, 2^-11 in fp16) times |x_k W_nk|, so the sums differ by at most
 u * (|x| @ |W|.T); each side's rounding of its sum to x's dtype adds at most u of its magnitude:
 `assert_matches_reference(..., rounded_weight=True)` allows both, plus the fp32 summation bound.
@@ -195,8 +194,8 @@ def check(M, N, K, group_size, symmetric, x_dtype, with_bias, device, scale_dtyp
     else:
         out = int4_linear(x, qweight, scales, zeros, group_size, bias, pdl=True)
     kernel = launch.get("kernel")
-    on_tensor_cores = x.is_cuda and (kernel == "dot" or (kernel is None and M > 1))
-    rounded = x_dtype != torch.float32 and (kernel == "dequantize" or on_tensor_cores)
+    dequantized = kernel == "dequantize" or (kernel is None and x.is_cuda and M >= 512)
+    rounded = x_dtype != torch.float32 and dequantized
     assert_matches_reference(out, x, qweight, scales, zeros, group_size, bias, rounded)
 
 
@@ -345,7 +344,7 @@ def test_the_bounds_catch_a_swapped_nibble_or_a_dropped_zero(x_dtype, rounded_we
 def test_a_gemv_tile_of_part_of_a_word_is_refused():
     qweight, scales, zeros = make_weight(32, 256, 64, False, "cpu")
     config = dict(BLOCK_N=16, BLOCK_K=4, UNROLL=1, num_warps=4, num_stages=1)
-    with pytest.raises(ValueError, match="BLOCK_K 4 is not a multiple of 8"):
+    with pytest.raises(ValueError, match="BLOCK_K 4: the kernels read whole words of 8 columns"):
         _launch(torch.randn(1, 256), qweight, scales, zeros, 64, None, kernel="gemv", config=config)
 
 
@@ -382,7 +381,7 @@ def test_cuda_model_shapes_match_reference(cuda, N, K, M, x_dtype, symmetric):
     qweight, scales, zeros = cached_weight(N, K, symmetric)
     x = make_x(M, K, x_dtype, cuda)
     out = int4_linear(x, qweight, scales, zeros, 128, pdl=True)
-    assert_matches_reference(out, x, qweight, scales, zeros, 128, rounded_weight=M > 1)
+    assert_matches_reference(out, x, qweight, scales, zeros, 128, rounded_weight=M >= 512)
 
 
 @pytest.mark.gpu
@@ -422,12 +421,15 @@ def test_cuda_gated_matches_the_unfused_pair(cuda, N, K, activation):
 @pytest.mark.gpu
 @pytest.mark.parametrize("prmt", [True, False])
 @pytest.mark.parametrize("group_size", GROUPS)
-def test_cuda_gemv_unpacks_with_and_without_its_ptx(cuda, group_size, prmt):
-    """The GEMV's PTX unpacking (PRMT, which the interpreter cannot run) and the plain Triton one,
-    each against the reference, with tiles of several widths."""
+def test_cuda_unpacks_with_and_without_its_ptx(cuda, group_size, prmt):
+    """Both kernels' PTX unpacking (PRMT, which the interpreter cannot run) and the plain Triton
+    one, each against the reference, with tiles of several widths."""
     for block_n, block_k in [(64, 128), (32, 32), (16, 8)]:
         config = dict(BLOCK_N=block_n, BLOCK_K=min(block_k, group_size), UNROLL=2, num_warps=4, PRMT=prmt)
         for symmetric in (True, False):
             check(
                 1, 1000, 2560, group_size, symmetric, torch.float16, True, cuda, kernel="gemv", config=config
             )
+    for block_n, block_k in [(64, 128), (32, 32)]:
+        config = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=min(block_k, group_size), GROUP_N=8, PRMT=prmt)
+        check(7, 1000, 2560, group_size, False, torch.bfloat16, True, cuda, kernel="dot", config=config)

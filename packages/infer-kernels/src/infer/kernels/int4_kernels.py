@@ -12,12 +12,13 @@ subtract (I2F runs at a quarter of the FMA rate on Hopper; quantized_linear's in
   accumulator `[BLOCK_N, BLOCK_K // 8]`, reduced once after the K loop. Under PDL the first
   tile's words, scales and zeros are read before `await_inputs` (no kernel writes a weight); K
   may be split across programs (`_split_k_sum_kernel` adds the parts in a fixed order).
-- `_int4_dot_kernel` (M > 1): `_dequantized_tile`, `(q - zero) * scale` in fp32 (the reference's
-  weight to the bit; `tl.interleave` puts the high nibbles' columns between the low ones'),
-  rounded to x's dtype, is the MMA's left operand and x the right one (`W @ x.T`), fp32
-  accumulation, as quantized_linear's `_dot_kernel`.
-- `_int4_dequantize_kernel`: `_dequantized_tile` of the whole weight in x's dtype in one pass,
-  for cuBLAS (prefill).
+- `_int4_dot_kernel` (M > 1) reads the same words: `_word_columns`, the tile's `q - zero` in
+  column order, in x's dtype (exact), is the MMA's left operand and x the right one (`W @ x.T`,
+  as quantized_linear's `_dot_kernel`); each tile's fp32 sums are multiplied by its group's
+  scale into the accumulator.
+- `_int4_dequantize_kernel`: `_dequantized_tile`, `(q - zero) * scale` in fp32 (the reference's
+  weight to the bit; `tl.interleave` puts the high nibbles' columns between the low ones'), for
+  the whole weight in x's dtype in one pass, for cuBLAS (prefill).
 
 The GEMV's cost, counted in the SASS for sm_90 (Triton 3.9, bf16 x, zero points): a 64 x 128
 tile's loop body is 285 instructions a thread for its 64 weights, 4.5 a weight (362 without the
@@ -147,6 +148,23 @@ def _columns_of_8(x):
 
 
 @triton.jit
+def _word_columns(bits, offset):
+    """`_word_bits` of `[BLOCK_N, W]` words -> `[BLOCK_N, 8 * W]` floats q - zero (exact) in
+    column order: joins nest as the reshape reads them, column 4a + 2b + c at [a, b, c]."""
+    q0 = bits[0].to(tl.float32, bitcast=True) - offset[:, None]
+    q1 = bits[1].to(tl.float32, bitcast=True) - offset[:, None]
+    q2 = bits[2].to(tl.float32, bitcast=True) - offset[:, None]
+    q3 = bits[3].to(tl.float32, bitcast=True) - offset[:, None]
+    q4 = bits[4].to(tl.float32, bitcast=True) - offset[:, None]
+    q5 = bits[5].to(tl.float32, bitcast=True) - offset[:, None]
+    q6 = bits[6].to(tl.float32, bitcast=True) - offset[:, None]
+    q7 = bits[7].to(tl.float32, bitcast=True) - offset[:, None]
+    even = tl.join(tl.join(q0, q4), tl.join(q2, q6))
+    odd = tl.join(tl.join(q1, q5), tl.join(q3, q7))
+    return tl.reshape(tl.join(even, odd), [q0.shape[0], 8 * q0.shape[1]])
+
+
+@triton.jit
 def _int4_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -260,10 +278,11 @@ def _int4_dot_kernel(
     zero_col_stride,
     out_split_stride,
     out_row_stride,
-    bytes_per_split,
+    words_per_split,
     GROUP_SIZE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PRMT: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -288,27 +307,28 @@ def _int4_dot_kernel(
     tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # x rows
     row_mask = rows < N
     token_mask = tokens < M
-    # In bytes, so that Triton sees the alignment the launch argument has (the GEMV's words too).
-    byte_start = split * bytes_per_split
-    k_start = 2 * byte_start
-    w_ptrs = (
-        w_ptr + rows.to(tl.int64)[:, None] * w_row_stride + (byte_start + tl.arange(0, BLOCK_K // 2))[None, :]
-    )
+    # In words, as in _int4_gemv_kernel (16-byte loads).
+    word_start = split * words_per_split
+    k_start = 8 * word_start
+    words = word_start + tl.arange(0, BLOCK_K // 8)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride + words[None, :]
     x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * x_row_stride + (k_start + tl.arange(0, BLOCK_K))[None, :]
     strides = (scale_row_stride, scale_col_stride, zero_row_stride, zero_col_stride)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_start, tl.minimum(k_start + 2 * bytes_per_split, K), BLOCK_K):
-        w = tl.load(w_ptrs, mask=row_mask[:, None], other=0)
+    for k0 in range(k_start, tl.minimum(k_start + 8 * words_per_split, K), BLOCK_K):
+        w = _word_bits(tl.load(w_ptrs, mask=row_mask[:, None], other=0), PRMT)
         x = tl.load(x_ptrs, mask=token_mask[:, None], other=0.0)
         scale, offset = _group_scale_and_offset(
             scale_ptr, zero_ptr, rows, row_mask, k0 // GROUP_SIZE, *strides, HAS_ZEROS
         )
-        tile = _dequantized_tile(w, scale, offset)
+        # q - zero is exact in x's dtype, so the MMA's products are too; the scale multiplies the
+        # tile's fp32 sums, one multiply-add an output instead of a multiply a weight.
+        q = _word_columns(w, offset)
         if NATIVE_DOT:
-            acc = tl.dot(tile.to(x_ptr.dtype.element_ty), tl.trans(x), acc)
+            acc += tl.dot(q.to(x_ptr.dtype.element_ty), tl.trans(x)) * scale[:, None]
         else:
-            acc = tl.dot(tile, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-        w_ptrs += BLOCK_K // 2
+            acc += tl.dot(q, tl.trans(x.to(tl.float32)), input_precision="ieee") * scale[:, None]
+        w_ptrs += BLOCK_K // 8
         x_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]

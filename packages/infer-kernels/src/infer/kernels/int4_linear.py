@@ -26,18 +26,19 @@ M of x:
   once after the K loop; K split across programs (a fixed-order sum after) while the programs
   would number fewer than two a SM; under PDL the first tile is read before waiting for the
   kernel before.
-- M > 1: tensor cores, the dequantized weight tile in x's dtype as the MMA's left operand.
+- M > 1: tensor cores, the weight tile's `q - zero` in x's dtype (exact) as the MMA's left
+  operand, the group's scale applied to the tile's fp32 sums.
 - M >= 512 (prefill chunks; CUDA, half-precision x): the weight dequantized to x's dtype in one
   pass, then cuBLAS. Also any M for groups with no factor of 8 (no checkpoint's): the GEMV
   reads whole words of 8 columns.
 
 A tile never straddles two groups (its K width is a power of two dividing group_size), so a row's
-scale and zero point are constant over it. Accumulation is in fp32 throughout. The GEMV sums
-exact products `(q - zero) * x` (for half-precision x) and multiplies each run of 8 by the
-group's scale, where the reference multiplies each weight by it: the two differ by a few fp32
-roundings a term and the order of the sums, far below a half-precision ulp. The tensor-core
-kernel and the prefill path round the weight `(q - zero) * scale` to x's dtype first (a
-relative error of at most 2^-8 per weight in bf16, 2^-11 in fp16: the unit roundoff), as
+scale and zero point are constant over it. Accumulation is in fp32 throughout. The GEMV and the
+tensor-core kernel multiply exact `q - zero` by x (exactly, for half-precision x), sum the
+products and multiply the sums by the group's scale, where the reference multiplies each weight
+by it: the two differ by a few fp32 roundings a term and the order of the sums, far below a
+half-precision ulp. The prefill path rounds the weight `(q - zero) * scale` to x's dtype first
+(a relative error of at most 2^-8 per weight in bf16, 2^-11 in fp16: the unit roundoff), as
 `F.linear(x, dequantize_int4(..., x.dtype))` does. Interpreted runs (Triton's interpreter has
 no bf16 dot) and fp32 x take fp32 dots.
 """
@@ -217,8 +218,8 @@ def _launch(
     block_k = config["BLOCK_K"]
     if group_size % block_k:
         raise ValueError(f"BLOCK_K {block_k} straddles groups of {group_size} columns")
-    if kernel == "gemv" and block_k % _WORD:
-        raise ValueError(f"the GEMV reads whole 32-bit words: BLOCK_K {block_k} is not a multiple of 8")
+    if block_k % _WORD or (kernel == "dot" and block_k < _MIN_DOT):
+        raise ValueError(f"BLOCK_K {block_k}: the kernels read whole words of 8 columns, tl.dot 16 of them")
     if kernel == "gemv":
         config.setdefault("UNROLL", 1)
         tiles = M * triton.cdiv(N, config["BLOCK_N"])
@@ -228,10 +229,9 @@ def _launch(
     splits = triton.cdiv(K, k_per_split)
     target = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
     options = launch_options(x, pdl)
-    if kernel == "gemv":
-        if not qweight.is_contiguous() or qweight.data_ptr() % 4:
-            qweight = qweight.clone(memory_format=torch.contiguous_format)  # whole, aligned words
-        qweight = qweight.view(torch.int32)  # 8 columns a word (K is a multiple of BLOCK_K)
+    if not qweight.is_contiguous() or qweight.data_ptr() % 4:
+        qweight = qweight.clone(memory_format=torch.contiguous_format)  # whole, aligned words
+    qweight = qweight.view(torch.int32)  # 8 columns a word (K is a multiple of BLOCK_K)
     args = (
         rows,
         qweight,
@@ -247,8 +247,7 @@ def _launch(
         *((0, 0) if zeros is None else zeros.stride()),
         M * N if splits > 1 else 0,
         N,
-        # Bytes a split, or words for the GEMV (k_per_split is a multiple of BLOCK_K).
-        k_per_split // (_WORD if kernel == "gemv" else 2),
+        k_per_split // _WORD,  # words a split (k_per_split is a multiple of BLOCK_K)
     )
     # The group size is a compile-time constant (checkpoints use 32, 64 or 128): a tile's group
     # is then a shift of its column, not a division.
@@ -259,8 +258,8 @@ def _launch(
         HAS_BIAS=bias is not None and splits == 1,
         **config,
     )
+    common["PRMT"] = x.is_cuda and common.get("PRMT", True)
     if kernel == "gemv":
-        common["PRMT"] = x.is_cuda and common.get("PRMT", True)
         _int4_gemv_kernel[(M, triton.cdiv(N, config["BLOCK_N"]), splits)](
             *args, N, K, *strides, **common, GATED=activation is not None, GELU_TANH=activation == "gelu_tanh"
         )
@@ -342,13 +341,16 @@ def _gemv_splits(tiles: int, K: int, split_unit: int, num_sms: int) -> int:
 
 
 def _dot_config(M: int, k_cap: int) -> dict:
-    """quantized_linear._dot_config's tiles for block scales (not yet swept for 4 bits): decode
-    batches (M <= 64) thin tiles of 32 weight rows, 256 columns deep where the group allows;
-    more rows 128 x 128 tiles, 128 columns deep."""
+    """quantized_linear._dot_config's tiles (not yet swept for 4 bits) but for decode batches (M
+    <= 64) 64 weight rows a tile where 8 bits take 32: in the SASS for sm_90 (Triton 3.9, groups
+    of 128, 16 rows of x, 4 warps) a 32 x 128 weight tile's loop body is 249 instructions a
+    thread for its 32 weights, a 64 x 128 one's 351 for 64, a 128 x 128 one's 581 for 128 (the
+    dequantized tile goes to the MMA's operand layout through shared memory). More rows of x:
+    128 x 128 tiles, 128 columns deep."""
     if M <= 64:
         block_m = max(_MIN_DOT, triton.next_power_of_2(M))
         return dict(
-            BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=min(256, k_cap), GROUP_N=8, num_warps=4, num_stages=4
+            BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=min(256, k_cap), GROUP_N=8, num_warps=4, num_stages=4
         )
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=min(128, k_cap), GROUP_N=8, num_warps=8, num_stages=3)
 
