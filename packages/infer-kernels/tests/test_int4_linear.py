@@ -253,7 +253,7 @@ def test_interpreted_small_tiles(triton_on_cpu, split_k):
 def test_interpreted_other_group_sizes(triton_on_cpu, group_size, M):
     """Groups that are not 32, 64 or 128: tiles the largest power of two dividing the group (8
     and 16 columns: the GEMV also takes M > 1 when a tile is too narrow for tl.dot), one group
-    a row (K = 320); 12 has no factor 8 (a word of the GEMV): dequantize-then-matmul."""
+    a row (K = 320); 12 has no factor 8 (a word, as both kernels read): dequantize-then-matmul."""
     K = 960 if group_size in (12, 48) else 320
     kernel = "dequantize" if group_size == 12 else None
     qweight, scales, zeros = make_weight(24, K, group_size, False, "cpu")
