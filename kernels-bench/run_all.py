@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import bench_activation  # noqa: E402
 import bench_add_rms_norm  # noqa: E402
+import bench_int4_linear  # noqa: E402
 import bench_paged_attention  # noqa: E402
 import bench_qk_norm_rope  # noqa: E402
 import bench_quantized_linear  # noqa: E402
@@ -37,6 +38,7 @@ BENCH_MODULES = [
     bench_token_bitmask,
     bench_paged_attention,
     bench_quantized_linear,
+    bench_int4_linear,
 ]
 
 

@@ -17,7 +17,15 @@ from infer.kernels.decoder_stack_cpu import (
     DecoderStackCpu,
     decoder_stack_cpu_ref,
 )
-from infer.kernels.int4_linear import dequantize_int4, int4_linear, int4_linear_ref, pack_int4, unpack_int4
+from infer.kernels.int4_linear import (
+    dequantize_int4,
+    int4_gated_gemv,
+    int4_gated_gemv_ref,
+    int4_linear,
+    int4_linear_ref,
+    pack_int4,
+    unpack_int4,
+)
 from infer.kernels.int8_linear_cpu import (
     Int8CpuScale,
     int8_cpu_scale,
@@ -95,6 +103,8 @@ __all__ = [
     "gelu_tanh_and_mul_ref",
     "gemv",
     "gemv_ref",
+    "int4_gated_gemv",
+    "int4_gated_gemv_ref",
     "int4_linear",
     "int4_linear_ref",
     "int8_cpu_scale",

@@ -1,0 +1,373 @@
+"""The Triton kernels of `int4_linear` (its layout, launcher and references: infer.kernels.int4_linear).
+
+A tile is `BLOCK_N` weight rows by `BLOCK_K` columns and never straddles two groups (BLOCK_K is a
+power of two dividing group_size), so one scale and one zero point a row serve the whole tile
+and no column is ever masked (K is a multiple of group_size). Each nibble q becomes a float
+through the bits of 2^23 + q, less 2^23 + zero: `q - zero` exactly, in integer ops and one float
+subtract (I2F runs at a quarter of the FMA rate on Hopper; quantized_linear's int8 does the same).
+
+- `_int4_gemv_kernel` (M = 1) reads the weight as 32-bit words, 8 columns each (on CUDA unpacked
+  by a few lines of PTX, `_UNPACK_PTX`), sums each word's 8 products `(q - zero) * x` (exact for
+  half-precision x) in a chain of FMAs, and adds that times its group's scale into a 2D fp32
+  accumulator `[BLOCK_N, BLOCK_K // 8]`, reduced once after the K loop. Under PDL the first
+  tile's words, scales and zeros are read before `await_inputs` (no kernel writes a weight); K
+  may be split across programs (`_split_k_sum_kernel` adds the parts in a fixed order).
+- `_int4_dot_kernel` (M > 1) reads the same words: `_word_columns`, the tile's `q - zero` in
+  column order, in x's dtype (exact), is the MMA's left operand and x the right one (`W @ x.T`,
+  as quantized_linear's `_dot_kernel`); each tile's fp32 sums are multiplied by its group's
+  scale into the accumulator.
+- `_int4_dequantize_kernel`: `_dequantized_tile`, `(q - zero) * scale` in fp32 (the reference's
+  weight to the bit; `tl.interleave` puts the high nibbles' columns between the low ones'), for
+  the whole weight in x's dtype in one pass, for cuBLAS (prefill).
+
+The GEMV's cost, counted in the SASS for sm_90 (Triton 3.9, bf16 x, zero points): a 64 x 128
+tile's loop body is 285 instructions a thread for its 64 weights, 4.5 a weight (362 without the
+PTX unpacking; 156 for a 32 x 128 tile's 32 weights, one row a thread, 4.9 a weight; about 9 a
+weight with bytes unpacked by Triton's shifts and masks and each weight scaled, as
+`_dequantized_tile` does). At the H200's published figures (4.8 TB/s of HBM, 9.6e12 weights a
+second; 132 SMs issuing 4 x 32 lanes a clock at 1.98 GHz) a weight leaves about 3.5 instruction
+issues, so the GEMV may be bound by its instructions rather than by HBM: measure before tuning.
+Their speed is not yet measured (kernels-bench/bench_int4_linear.py)."""
+
+import triton
+import triton.language as tl
+
+from infer.kernels.activation import gated_activation
+from infer.kernels.pdl import await_inputs
+
+# 2^23 as a float: its bits OR-ed with q (0..15) are the float 2^23 + q.
+_TWO_TO_23 = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _group_scale_and_offset(
+    scale_ptr,
+    zero_ptr,
+    rows,
+    row_mask,
+    group,
+    scale_row_stride,
+    scale_col_stride,
+    zero_row_stride,
+    zero_col_stride,
+    HAS_ZEROS: tl.constexpr,
+):
+    """Group `group`'s scale of each row, and the float whose bits are 2^23 + the row's zero point
+    (subtracted from the float of bits 2^23 + q, it leaves q - zero exactly)."""
+    rows = rows.to(tl.int64)
+    scale = tl.load(scale_ptr + rows * scale_row_stride + group * scale_col_stride, mask=row_mask, other=0.0)
+    if HAS_ZEROS:
+        zero = tl.load(zero_ptr + rows * zero_row_stride + group * zero_col_stride, mask=row_mask, other=0)
+        offset = zero.to(tl.float32) + _TWO_TO_23
+    else:
+        offset = tl.full(rows.shape, _TWO_TO_23 + 8.0, tl.float32)  # SYMMETRIC_ZERO
+    return scale.to(tl.float32), offset
+
+
+@triton.jit
+def _dequantized_tile(w, scale, offset):
+    """`[BLOCK_N, BLOCK_K // 2]` bytes -> `[BLOCK_N, BLOCK_K]` fp32 weights `(q - zero) * scale`,
+    column 2j from byte j's low nibble and 2j + 1 from its high one."""
+    low = ((w & 0x0F).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - offset[:, None]
+    high = ((w >> 4).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - offset[:, None]
+    return tl.interleave(low, high) * scale[:, None]
+
+
+@triton.jit
+def _nibble(words, p: tl.constexpr):
+    """The bits of 2^23 + q for nibble p of each 32-bit word (column 8j + p of word j)."""
+    return ((words >> (4 * p)) & 0x0F) | 0x4B000000
+
+
+# Bytes of the packed word first spread to 0x0F0F0F0F (even columns) and 0xF0F0F0F0 >> 4 (odd),
+# then one PRMT a column puts its byte under 2^23's exponent byte (0x4B; selector 0x744k: byte
+# k of the spread word, then zero, zero, 0x4B from the constant): 11 integer instructions a word,
+# where Triton's shift-and-mask compiles to three a column (SHF, SGXT, LOP3 on sm_90).
+_UNPACK_PTX = tl.constexpr(
+    """{
+.reg .b32 even, odd;
+and.b32 even, $8, 0x0F0F0F0F;
+shr.b32 odd, $8, 4;
+and.b32 odd, odd, 0x0F0F0F0F;
+prmt.b32 $0, even, 0x4B000000, 0x7440;
+prmt.b32 $1, odd, 0x4B000000, 0x7440;
+prmt.b32 $2, even, 0x4B000000, 0x7441;
+prmt.b32 $3, odd, 0x4B000000, 0x7441;
+prmt.b32 $4, even, 0x4B000000, 0x7442;
+prmt.b32 $5, odd, 0x4B000000, 0x7442;
+prmt.b32 $6, even, 0x4B000000, 0x7443;
+prmt.b32 $7, odd, 0x4B000000, 0x7443;
+}"""
+)
+
+
+@triton.jit
+def _word_bits(words, PRMT: tl.constexpr):
+    """The 8 columns of each word as the bits of 2^23 + q, int32 (PRMT: the PTX above, on CUDA)."""
+    if PRMT:
+        return tl.inline_asm_elementwise(
+            _UNPACK_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.int32,) * 8, is_pure=True, pack=1
+        )
+    else:
+        return (
+            _nibble(words, 0),
+            _nibble(words, 1),
+            _nibble(words, 2),
+            _nibble(words, 3),
+            _nibble(words, 4),
+            _nibble(words, 5),
+            _nibble(words, 6),
+            _nibble(words, 7),
+        )
+
+
+@triton.jit
+def _word_products(words, offset, x):
+    """`[BLOCK_N, W]` words of the packed weight (`_word_bits` of them) -> the sum over each
+    word's 8 columns of `(q - zero) * x` (each product exact for half-precision x), a chain of
+    multiply-adds; `x` is x's 8 columns of the words (`_columns_of_8`)."""
+    t = tl.zeros(words[0].shape, tl.float32)
+    for p in tl.static_range(8):
+        q = words[p].to(tl.float32, bitcast=True) - offset[:, None]  # 2^23 + q - (2^23 + zero): exact
+        t += q * x[p][None, :]
+    return t
+
+
+@triton.jit
+def _columns_of_8(x):
+    """`[W, 8]` -> its 8 columns, each `[W]` (loaded as one 16-byte vector a row, then split)."""
+    x = tl.reshape(x, [x.shape[0], 2, 2, 2])  # [j, a, b, c] is column 4a + 2b + c
+    c0, c1 = tl.split(x)
+    b0c0, b1c0 = tl.split(c0)
+    b0c1, b1c1 = tl.split(c1)
+    x0, x4 = tl.split(b0c0)
+    x2, x6 = tl.split(b1c0)
+    x1, x5 = tl.split(b0c1)
+    x3, x7 = tl.split(b1c1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _word_columns(bits, offset):
+    """`_word_bits` of `[BLOCK_N, W]` words -> `[BLOCK_N, 8 * W]` floats q - zero (exact) in
+    column order: joins nest as the reshape reads them, column 4a + 2b + c at [a, b, c]."""
+    q0 = bits[0].to(tl.float32, bitcast=True) - offset[:, None]
+    q1 = bits[1].to(tl.float32, bitcast=True) - offset[:, None]
+    q2 = bits[2].to(tl.float32, bitcast=True) - offset[:, None]
+    q3 = bits[3].to(tl.float32, bitcast=True) - offset[:, None]
+    q4 = bits[4].to(tl.float32, bitcast=True) - offset[:, None]
+    q5 = bits[5].to(tl.float32, bitcast=True) - offset[:, None]
+    q6 = bits[6].to(tl.float32, bitcast=True) - offset[:, None]
+    q7 = bits[7].to(tl.float32, bitcast=True) - offset[:, None]
+    even = tl.join(tl.join(q0, q4), tl.join(q2, q6))
+    odd = tl.join(tl.join(q1, q5), tl.join(q3, q7))
+    return tl.reshape(tl.join(even, odd), [q0.shape[0], 8 * q0.shape[1]])
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    zero_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
+    x_row_stride,
+    w_row_stride,
+    scale_row_stride,
+    scale_col_stride,
+    zero_row_stride,
+    zero_col_stride,
+    out_split_stride,
+    out_row_stride,
+    words_per_split,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UNROLL: tl.constexpr,
+    PRMT: tl.constexpr,
+    GATED: tl.constexpr,
+    GELU_TANH: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The weight read as 32-bit words (`w_ptr` int32, `w_row_stride` in words), 8 columns each;
+    each word's 8 products summed, then scaled by their group's scale into the `[BLOCK_N,
+    BLOCK_K // 8]` accumulator: one multiply-add a word instead of a multiply a weight. GATED
+    (one row, unsplit): the weight is `[2N, K]`, gate rows then up rows, each program streams
+    the up rows of its gate rows too and writes `act(gate) * up`, as quantized_linear's GEMV."""
+    m = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    row_mask = rows < N
+    # The split's first word and column. In words, so that Triton sees 16-byte alignment where
+    # the launch argument has it (k_start // 8 would lose what it can prove): 16-byte loads.
+    word_start = split * words_per_split
+    k_start = 8 * word_start
+    k_stop = tl.minimum(k_start + 8 * words_per_split, K)
+    words = word_start + tl.arange(0, BLOCK_K // 8)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride + words[None, :]
+    up_ptrs = w_ptrs + N.to(tl.int64) * w_row_stride  # GATED: the up rows, N past the gate rows
+    x_ptrs = x_ptr + m * x_row_stride + (8 * words)[:, None] + tl.arange(0, 8)[None, :]  # [W, 8]
+    strides = (scale_row_stride, scale_col_stride, zero_row_stride, zero_col_stride)
+    # The first tile (words, scales, zeros) before waiting for the kernel before: no kernel
+    # writes a weight, and under PDL the weight stream starts while that kernel ends.
+    w = _word_bits(tl.load(w_ptrs, mask=row_mask[:, None], other=0), PRMT)
+    group = k_start // GROUP_SIZE
+    scale, offset = _group_scale_and_offset(scale_ptr, zero_ptr, rows, row_mask, group, *strides, HAS_ZEROS)
+    if GATED:
+        up = _word_bits(tl.load(up_ptrs, mask=row_mask[:, None], other=0), PRMT)
+        up_scale, up_offset = _group_scale_and_offset(
+            scale_ptr, zero_ptr, rows + N, row_mask, group, *strides, HAS_ZEROS
+        )
+    await_inputs(PDL)
+    x = _columns_of_8(tl.load(x_ptrs).to(tl.float32))
+    acc = _word_products(w, offset, x) * scale[:, None]
+    if GATED:
+        up_acc = _word_products(up, up_offset, x) * up_scale[:, None]
+    for k0 in tl.range(k_start + BLOCK_K, k_stop, BLOCK_K, loop_unroll_factor=UNROLL):
+        w_ptrs += BLOCK_K // 8
+        x_ptrs += BLOCK_K
+        x = _columns_of_8(tl.load(x_ptrs).to(tl.float32))
+        w = _word_bits(tl.load(w_ptrs, mask=row_mask[:, None], other=0), PRMT)
+        group = k0 // GROUP_SIZE
+        scale, offset = _group_scale_and_offset(
+            scale_ptr, zero_ptr, rows, row_mask, group, *strides, HAS_ZEROS
+        )
+        acc += _word_products(w, offset, x) * scale[:, None]
+        if GATED:
+            up_ptrs += BLOCK_K // 8
+            up = _word_bits(tl.load(up_ptrs, mask=row_mask[:, None], other=0), PRMT)
+            up_scale, up_offset = _group_scale_and_offset(
+                scale_ptr, zero_ptr, rows + N, row_mask, group, *strides, HAS_ZEROS
+            )
+            up_acc += _word_products(up, up_offset, x) * up_scale[:, None]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    if GATED:
+        up_y = tl.sum(up_acc, axis=1)
+        if HAS_BIAS:
+            up_y += tl.load(bias_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
+        # Gate and up rounded to the output dtype first, as the unfused projection stores them.
+        out_type = out_ptr.dtype.element_ty
+        y = gated_activation(y.to(out_type).to(tl.float32), up_y.to(out_type).to(tl.float32), GELU_TANH)
+    out_ptrs = out_ptr + split * out_split_stride + m * out_row_stride + rows
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _int4_dot_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    zero_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    x_row_stride,
+    w_row_stride,
+    scale_row_stride,
+    scale_col_stride,
+    zero_row_stride,
+    zero_col_stride,
+    out_split_stride,
+    out_row_stride,
+    words_per_split,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PRMT: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    await_inputs(PDL)
+    # Tiles in groups of GROUP_N weight-row tiles, x-row tiles fastest within a group: programs
+    # that run together share weight tiles (and x tiles) in L2 (as quantized_linear's _dot_kernel).
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_N * num_m
+    first_n = (pid // per_group) * GROUP_N
+    tiles_in_group = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % tiles_in_group
+    pid_m = (pid % per_group) // tiles_in_group
+
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: output columns
+    tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # x rows
+    row_mask = rows < N
+    token_mask = tokens < M
+    # In words, as in _int4_gemv_kernel (16-byte loads).
+    word_start = split * words_per_split
+    k_start = 8 * word_start
+    words = word_start + tl.arange(0, BLOCK_K // 8)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride + words[None, :]
+    x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * x_row_stride + (k_start + tl.arange(0, BLOCK_K))[None, :]
+    strides = (scale_row_stride, scale_col_stride, zero_row_stride, zero_col_stride)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + 8 * words_per_split, K), BLOCK_K):
+        w = _word_bits(tl.load(w_ptrs, mask=row_mask[:, None], other=0), PRMT)
+        x = tl.load(x_ptrs, mask=token_mask[:, None], other=0.0)
+        scale, offset = _group_scale_and_offset(
+            scale_ptr, zero_ptr, rows, row_mask, k0 // GROUP_SIZE, *strides, HAS_ZEROS
+        )
+        # q - zero is exact in x's dtype, so the MMA's products are too; the scale multiplies the
+        # tile's fp32 sums, one multiply-add an output instead of a multiply a weight.
+        q = _word_columns(w, offset)
+        if NATIVE_DOT:
+            acc += tl.dot(q.to(x_ptr.dtype.element_ty), tl.trans(x)) * scale[:, None]
+        else:
+            acc += tl.dot(q, tl.trans(x.to(tl.float32)), input_precision="ieee") * scale[:, None]
+        w_ptrs += BLOCK_K // 8
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + split * out_split_stride + rows[:, None]
+    out_ptrs += tokens.to(tl.int64)[None, :] * out_row_stride
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & token_mask[None, :])
+
+
+@triton.jit
+def _int4_dequantize_kernel(
+    w_ptr,
+    scale_ptr,
+    zero_ptr,
+    out_ptr,
+    N,
+    K,
+    w_row_stride,
+    scale_row_stride,
+    scale_col_stride,
+    zero_row_stride,
+    zero_col_stride,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One pass: the `[N, K]` weight in out's dtype (the prefill path's weight for cuBLAS)."""
+    await_inputs(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    row_mask = rows < N
+    bytes_ = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride + bytes_[None, :]
+    w = tl.load(w_ptrs, mask=row_mask[:, None], other=0)
+    strides = (scale_row_stride, scale_col_stride, zero_row_stride, zero_col_stride)
+    scale, offset = _group_scale_and_offset(
+        scale_ptr, zero_ptr, rows, row_mask, k0 // GROUP_SIZE, *strides, HAS_ZEROS
+    )
+    tile = _dequantized_tile(w, scale, offset)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :]
+    tl.store(out_ptrs, tile.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
