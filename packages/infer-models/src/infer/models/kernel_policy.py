@@ -28,6 +28,7 @@ from infer.models.linear import Linear
 from infer.models.linear_method import (
     CpuInt8Method,
     DenseMethod,
+    GgufMethod,
     LinearMethod,
     QuantizedMethod,
     TritonGemvMethod,
@@ -62,6 +63,10 @@ class KernelPolicy:
 
     def linear_method(self, linear: Linear) -> LinearMethod:
         """The method for `linear`'s weight (loaded) on this device."""
+        if linear.gguf_format is not None:
+            if self.device.type != "cpu":
+                raise ValueError(f"GGUF block weights run on the CPU only, not on {self.device}")
+            return GgufMethod(native=self.use_native_cpu_kernels)
         if linear.weight_scale is None:
             if self.use_triton_gemv and self.on_cuda:
                 return TritonGemvMethod(pdl=self.pdl)

@@ -1,17 +1,19 @@
 """Linear layers: `x @ weight.T + bias`, dense or with 8-bit weights, computed by the method the
 kernel policy picked for them (infer.models.linear_method).
 
-A Linear's weight is dense (the model's dtype) or 8-bit with block scales (see
-infer.models.quantization); `quantize` turns a dense Linear, still on the meta device, into an
-8-bit one before the loader fills it. Until `apply_kernel_policy` picks otherwise, a dense Linear
-runs `DenseMethod` (ATen) and an 8-bit one `QuantizedMethod` (`quantized_linear`, whose block
-size covers per-channel int8 and block-wise fp8 alike), both right on any device.
+A Linear's weight is dense (the model's dtype), 8-bit with block scales (see
+infer.models.quantization), or a GGUF file's blocks (`gguf_format`, `pack_gguf`); `quantize` turns
+a dense Linear, still on the meta device, into an 8-bit one before the loader fills it. Until
+`apply_kernel_policy` picks otherwise, a dense Linear runs `DenseMethod` (ATen), an 8-bit one
+`QuantizedMethod` (`quantized_linear`, whose block size covers per-channel int8 and block-wise fp8
+alike), both right on any device, and a GGUF one `GgufMethod` (CPU).
 """
 
 import torch
 from torch import nn
 
-from infer.models.linear_method import DenseMethod, LinearMethod, QuantizedMethod
+from infer.kernels import gguf_row_bytes
+from infer.models.linear_method import DenseMethod, GgufMethod, LinearMethod, QuantizedMethod
 from infer.models.quantization import Quantization, scale_shape
 
 
@@ -38,6 +40,9 @@ class Linear(nn.Module):
         # 8-bit weights: float32 scales, one per block of `block_size` weights (None: dense).
         self.weight_scale: nn.Parameter | None = None
         self.block_size: tuple[int, int] | None = None
+        # A GGUF block format ("q4_1", infer.kernels' GGUF_FORMATS) where the weight is kept in the
+        # file's blocks, uint8 [out, in / 32 * block bytes] (infer.models.loader.gguf_weights).
+        self.gguf_format: str | None = None
         # How forward computes: picked by the kernel policy (infer.models.kernel_policy).
         self.method: LinearMethod = DenseMethod()
 
@@ -60,6 +65,16 @@ class Linear(nn.Module):
         self.block_size = block_size
         self.method = QuantizedMethod()
 
+    def pack_gguf(self, fmt: str) -> None:
+        """Makes this Linear's weight GGUF blocks of `fmt`: a new, empty uint8 parameter on the
+        weight's device, for the loader to fill."""
+        rows = (self.out_features, gguf_row_bytes(fmt, self.in_features))
+        self.weight = nn.Parameter(
+            torch.empty(rows, dtype=torch.uint8, device=self.weight.device), requires_grad=False
+        )
+        self.gguf_format = fmt
+        self.method = GgufMethod()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x)
         return out if self.tp_reduce is None else self.tp_reduce.all_reduce(out)
@@ -70,6 +85,7 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         quantized = f", {self.weight.dtype}, block_size={self.block_size}" if self.block_size else ""
+        quantized = f", gguf {self.gguf_format}" if self.gguf_format else quantized
         return f"in_features={self.in_features}, out_features={self.out_features}{quantized}"
 
 

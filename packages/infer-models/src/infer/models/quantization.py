@@ -29,6 +29,10 @@ import torch
 import torch.nn.functional as F
 
 QUANTIZATION_METHODS = ("fp8", "int8")
+# Not a format of this module: the weights of the GGUF file an alias's folder was converted from,
+# run in its own blocks (infer.models.loader.gguf_weights). What `--quantization` takes is either.
+GGUF_QUANTIZATION = "gguf"
+QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, GGUF_QUANTIZATION)
 WEIGHT_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 # The largest magnitude each 8-bit format holds: a block's absmax maps onto it.
 QMAX = {"fp8": torch.finfo(torch.float8_e4m3fn).max, "int8": 127.0}
