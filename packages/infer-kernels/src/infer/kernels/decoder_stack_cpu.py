@@ -28,7 +28,7 @@ import torch
 
 from infer.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from infer.kernels.gguf_linear_cpu import BLOCK as GGUF_BLOCK
-from infer.kernels.gguf_linear_cpu import GGUF_FORMATS, gguf_linear_cpu_ref, gguf_linear_cpu_supports
+from infer.kernels.gguf_linear_cpu import GGUF_FORMATS, gguf_linear_cpu_q8_ref, gguf_linear_cpu_supports
 from infer.kernels.int8_linear_cpu import ALIGNMENT, K_MULTIPLE
 from infer.kernels.native_cpu import load_native
 from infer.kernels.paged_attention import NATIVE_MAX_HEAD_DIM, paged_attention_ref
@@ -370,8 +370,8 @@ def decoder_stack_cpu_ref(
         return rms_norm_ref(x, weight, eps, offset=offset)
 
     def linear(x, layer: CpuLinear):
-        if layer.gguf_format is not None:
-            return gguf_linear_cpu_ref(x, layer.weight, layer.gguf_format, layer.bias)
+        if layer.gguf_format is not None:  # x rounded to int8 blocks as the kernel does
+            return gguf_linear_cpu_q8_ref(x, layer.weight, layer.gguf_format, layer.bias)
         weight = layer.weight.float()
         if layer.scale is not None:
             weight = weight * layer.scale[:, None]
