@@ -142,6 +142,8 @@ def main() -> None:
             ours = infer_decode(*engines[name], args.tokens)
             results[name, "llama.cpp"].append(llama["tok_s"])
             results[name, "infer"].append(ours["tok_s"])
+            # Each run as it ends: on a busy machine a run may be cut short, its figures kept.
+            print(f"run {name}: llama.cpp {llama['tok_s']:.1f} tok/s, infer {ours['tok_s']:.1f}", flush=True)
             first_tokens[name] = (llama["tokens"], ours["tokens"])
     print(
         f"greedy decode of {args.tokens} tokens, {args.threads} threads, {args.repeats} alternated runs: "

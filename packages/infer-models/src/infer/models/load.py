@@ -76,7 +76,8 @@ def load_causal_lm(
     `load_format="dummy"` (vLLM's name) reads no weights: they are made at random on the device
     (`fill_random_weights`), so a folder with config.json and a tokenizer is enough.
     `quantization="gguf"` reads the weights from the GGUF file an alias's folder was converted
-    from, Q4_0 / Q4_1 / Q8_0 tensors kept in their blocks (CPU only; infer.models.loader.gguf_weights)."""
+    from, Q4_0 / Q4_1 / Q8_0 tensors kept in their blocks, float32 activations (CPU only;
+    infer.models.loader.gguf_weights)."""
     folder = Path(folder)
     config = ModelConfig.from_file(folder)
     architecture = architecture_for(config.model_type)
