@@ -16,7 +16,9 @@
  *   2 * 15 * 127) and one vpmaddwd against ones (into int32), then one float multiply-add of
  *   dw * dx. Q4_1's offset adds m * dx * sum(qx); Q4_0's -8 subtracts 8 * sum(qx) from the integer
  *   dot, exactly. Q8_0's signed weights take the sign trick: |w| times x carrying w's sign.
- * - A weight block is unpacked once and used for every row of x (decode steps have a few).
+ * - One row of x (batch-1 decode) meets four weight rows at a time, each block of x loaded once for
+ *   the four and the rows ahead prefetched into L2; a few rows of x each meet a weight block
+ *   unpacked once for them all.
  * Threads split the weight's rows, through the OpenMP runtime torch already loaded.
  */
 #include <immintrin.h>
