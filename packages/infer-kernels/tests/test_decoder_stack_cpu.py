@@ -4,7 +4,9 @@ from the ops' PyTorch references: the residual stream it returns and the K/V it 
 Random blocks of three kinds (pre-norm as Llama, pre-norm with QK norms as Qwen 3, sandwich norms
 with (1 + w) scales, gelu and a sliding window as Gemma 3), float32 and int8 Linears, 1 to
 MAX_ROWS rows at different lengths over a shuffled block table. int8 products round each row of x
-to int16 (int8_linear_cpu's kernel), which the reference does not: their tolerance is wider.
+to int16 (int8_linear_cpu's kernel), which the reference does not: their tolerance is wider. GGUF
+blocks (Q4_1, Q8_0, Q4_0, made by gguf.quants) round x to int8 blocks of 32, and so does the
+reference (gguf_linear_cpu_q8_ref): they differ by fp32 sums.
 """
 
 import math
@@ -23,6 +25,10 @@ from infer.kernels import (
 )
 from infer.kernels.decoder_stack_cpu import MAX_ROWS
 
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType  # noqa: E402
+from gguf.quants import quantize  # noqa: E402
+
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux"
     or platform.machine() != "x86_64"
@@ -35,7 +41,8 @@ BLOCK_SIZE, NUM_CACHE_BLOCKS, MAX_POSITIONS = 4, 64, 256
 KINDS = ("llama", "qwen3", "gemma3")
 
 
-def make_stack(kind: str, quantized: bool, seed: int = 0, num_blocks: int = 3):
+def make_stack(kind: str, quantized: bool | str, seed: int = 0, num_blocks: int = 3):
+    """`quantized`: False (float32), True (int8 per channel) or a GGUF format ("q4_1")."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
@@ -46,6 +53,9 @@ def make_stack(kind: str, quantized: bool, seed: int = 0, num_blocks: int = 3):
         b = randn(n, scale=0.1) if bias else None
         if not quantized:
             return CpuLinear(weight, None, b)
+        if isinstance(quantized, str):
+            blocks = quantize(weight.numpy(), getattr(GGMLQuantizationType, quantized.upper()))
+            return CpuLinear(torch.from_numpy(blocks), None, b, gguf_format=quantized)
         scale = weight.abs().amax(dim=1) / 127
         return CpuLinear(torch.round(weight / scale[:, None]).to(torch.int8), scale, b)
 
@@ -120,7 +130,9 @@ def clone_step(step):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize(
+    "quantized", [False, True, "q4_1", "q8_0", "q4_0"], ids=["float32", "int8", "q4_1", "q8_0", "q4_0"]
+)
 @pytest.mark.parametrize("seq_lens", [[1], [7], [3, 9, 14], [2, 5, 6, 8, 11, 13, 16, 21]])
 def test_matches_the_reference(kind, quantized, seq_lens):
     assert len(seq_lens) <= MAX_ROWS
@@ -129,7 +141,9 @@ def test_matches_the_reference(kind, quantized, seq_lens):
     ours, theirs = clone_step(make_step(seq_lens)), clone_step(make_step(seq_lens))
     stack(*ours)
     decoder_stack_cpu_ref(shape, blocks, *theirs)
-    # float32: summation order only; int8: x rounded to int16 per row in each product.
+    # float32: summation order only; int8: x rounded to int16 per row in each product; GGUF: the
+    # reference rounds x the same way, so summation order, and room for one x entry whose rounding
+    # the two sums put on either side of a boundary (measured: 3.5e-6 at most over these cases).
     tolerance = dict(rtol=2e-3, atol=2e-3) if quantized else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ours[0], theirs[0], **tolerance)
     for (k_ours, v_ours), (k_ref, v_ref) in zip(ours[5], theirs[5], strict=True):

@@ -24,7 +24,7 @@ from infer.engine.config import (
 )
 from infer.engine.sampling_params import SamplingParams
 from infer.models import DEFAULT_MODEL
-from infer.models.quantization import QUANTIZATION_METHODS
+from infer.models.quantization import QUANTIZATION_CHOICES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,10 +64,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization",
-        choices=QUANTIZATION_METHODS,
+        choices=QUANTIZATION_CHOICES,
         default=None,
         help="8-bit (int8, fp8) or 4-bit (int4) Linear weights, quantized at load on a dense checkpoint "
-        "(default: as stored; GPTQ and AWQ checkpoints load 4-bit)",
+        "(default: as stored; GPTQ and AWQ checkpoints load 4-bit); gguf: an alias's GGUF file in its "
+        "own blocks (CPU)",
     )
     parser.add_argument(
         "--device-memory-limit-gib",

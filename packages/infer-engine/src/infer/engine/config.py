@@ -22,7 +22,7 @@ from infer.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfig
 from infer.models import DEFAULT_MODEL
 from infer.models.config import TORCH_DTYPES
 from infer.models.load import LOAD_FORMATS
-from infer.models.quantization import QUANTIZATION_METHODS
+from infer.models.quantization import QUANTIZATION_CHOICES
 
 # infer.models' dtype table, and "auto": float32 on the CPU (half precision is slow there and
 # gains nothing) and bfloat16 on CUDA, whatever the checkpoint stores.
@@ -204,8 +204,9 @@ class EngineConfig:
         "Linear weights in 8 bits: int8 (per output channel) or fp8 (128x128 blocks), or in 4 bits: "
         "int4 (groups of 128 with zero points); None: as the checkpoint stores them (an fp8, int8, "
         "GPTQ or AWQ checkpoint is detected), else dense. On a dense checkpoint the weights are "
-        "quantized at load, the LM head included in 8 bits (int4 keeps it, as GPTQ and AWQ do)",
-        choices=QUANTIZATION_METHODS,
+        "quantized at load, the LM head included in 8 bits (int4 keeps it, as GPTQ and AWQ do). "
+        "gguf (CPU): an alias's GGUF file run in its own Q4_0/Q4_1/Q8_0 blocks",
+        choices=QUANTIZATION_CHOICES,
     )
     load_format: str = _flag(
         "auto",
@@ -346,7 +347,7 @@ class EngineConfig:
             raise EngineConfigError(f"prefix_cache_quantized_fraction must be in (0, 1), got {share!r}")
         _check_int(self, "prefix_cache_quantize_min_tokens", minimum=0)
         if self.quantization is not None:
-            _check_choice(self, "quantization", QUANTIZATION_METHODS)
+            _check_choice(self, "quantization", QUANTIZATION_CHOICES)
         _check_choice(self, "load_format", LOAD_FORMATS)
         if self.load_format == "dummy" and self.quantization is not None:
             raise EngineConfigError(

@@ -2,9 +2,9 @@
 
 Each op has one public function that checks its inputs and dispatches, and a `*_ref` twin in
 plain PyTorch that is the test oracle and the CPU path, except where a CPU path of its own is
-faster (`paged_attention_cpu`, `rms_norm_cpu`, `rope_cpu`, `int8_linear_cpu`, each tested against
-its reference). `DecoderStackCpu` runs a model's blocks for a CPU step of decode rows in one C call
-(`decoder_stack_cpu_ref` composes the ops' references).
+faster (`paged_attention_cpu`, `rms_norm_cpu`, `rope_cpu`, `int8_linear_cpu`, `gguf_linear_cpu`,
+each tested against its reference). `DecoderStackCpu` runs a model's blocks for a CPU step of
+decode rows in one C call (`decoder_stack_cpu_ref` composes the ops' references).
 """
 
 from infer.kernels._version import INTERFACE_VERSION, __version__
@@ -16,6 +16,15 @@ from infer.kernels.decoder_stack_cpu import (
     CpuStackShape,
     DecoderStackCpu,
     decoder_stack_cpu_ref,
+)
+from infer.kernels.gguf_linear_cpu import (
+    GGUF_FORMATS,
+    dequantize_gguf,
+    gguf_linear_cpu,
+    gguf_linear_cpu_q8_ref,
+    gguf_linear_cpu_ref,
+    gguf_linear_cpu_supports,
+    gguf_row_bytes,
 )
 from infer.kernels.int4_linear import (
     dequantize_int4,
@@ -78,6 +87,7 @@ __all__ = [
     "CpuLinear",
     "CpuStackShape",
     "DecoderStackCpu",
+    "GGUF_FORMATS",
     "INTERFACE_VERSION",
     "Int8CpuScale",
     "KVStore",
@@ -94,6 +104,7 @@ __all__ = [
     "assert_gated_close",
     "decode_warm_up_lengths",
     "decoder_stack_cpu_ref",
+    "dequantize_gguf",
     "dequantize_int4",
     "dequantize_weight",
     "extend_tile_size",
@@ -103,6 +114,11 @@ __all__ = [
     "gelu_tanh_and_mul_ref",
     "gemv",
     "gemv_ref",
+    "gguf_linear_cpu",
+    "gguf_linear_cpu_q8_ref",
+    "gguf_linear_cpu_ref",
+    "gguf_linear_cpu_supports",
+    "gguf_row_bytes",
     "int4_gated_gemv",
     "int4_gated_gemv_ref",
     "int4_linear",

@@ -10,8 +10,9 @@ embedding, the final norm and the LM head stay with the caller.
 The blocks are pre-norm (Llama, Qwen 3) or sandwich-norm (Gemma 3: `pre_feedforward_norm` and
 `post_feedforward_norm` set), with optional per-head QK norms, every norm scaling by
 `norm_offset + weight`, a gated MLP (silu or gelu_tanh), neox rotary tables per block and an
-optional sliding window. Linears are float32, or int8 with one float32 scale per output channel
-(int8_linear_cpu's kernel, which rounds each row of x to int16). `decoder_stack_cpu_ref` is the
+optional sliding window. Linears are float32, int8 with one float32 scale per output channel
+(int8_linear_cpu's kernel, which rounds each row of x to int16), or a GGUF file's Q4_0 / Q4_1 /
+Q8_0 blocks (gguf_linear_cpu's kernel, which rounds x to int8 blocks of 32). `decoder_stack_cpu_ref` is the
 same stack in plain PyTorch from the ops' references: the oracle.
 
 `DecoderStackCpu(shape, blocks)` raises ValueError, naming the tensor, for what the C path does
@@ -26,6 +27,8 @@ from typing import NamedTuple
 import torch
 
 from infer.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
+from infer.kernels.gguf_linear_cpu import BLOCK as GGUF_BLOCK
+from infer.kernels.gguf_linear_cpu import GGUF_FORMATS, gguf_linear_cpu_q8_ref, gguf_linear_cpu_supports
 from infer.kernels.int8_linear_cpu import ALIGNMENT, K_MULTIPLE
 from infer.kernels.native_cpu import load_native
 from infer.kernels.paged_attention import NATIVE_MAX_HEAD_DIM, paged_attention_ref
@@ -41,11 +44,22 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 class CpuLinear(NamedTuple):
-    """`x @ (weight * scale[:, None]).T + bias`: weight [n, k] float32 (scale None) or int8."""
+    """`x @ (weight * scale[:, None]).T + bias`: weight [n, k] float32 (scale None) or int8; or,
+    with `gguf_format`, `x @ dequantize_gguf(weight, gguf_format).T + bias` for a weight of GGUF
+    blocks, uint8 [n, k / 32 * block bytes] (gguf_linear_cpu's kernel)."""
 
     weight: torch.Tensor
     scale: torch.Tensor | None = None  # [n] float32, one per output channel
     bias: torch.Tensor | None = None  # [n] float32
+    gguf_format: str | None = None  # a key of GGUF_FORMATS
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[n, k] of the weight it stands for."""
+        n, width = self.weight.shape
+        if self.gguf_format is None:
+            return n, width
+        return n, width // GGUF_FORMATS[self.gguf_format].block_bytes * GGUF_BLOCK
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,7 @@ class _Linear(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
+        ("gguf_type", ctypes.c_int64),
     ]
 
 
@@ -128,7 +143,7 @@ class DecoderStackCpu:
             raise ValueError("a decoder stack needs at least one block")
         self.shape, self.blocks = shape, blocks
         self.hidden_size = blocks[0].input_norm.shape[0]
-        self.intermediate_size = blocks[0].down.weight.shape[1]
+        self.intermediate_size = blocks[0].down.shape[1]
         self.max_positions = min(min(b.cos.shape[0], b.sin.shape[0]) for b in blocks)
         _check_shape(shape, self.hidden_size)
         for index, block in enumerate(blocks):
@@ -233,8 +248,11 @@ class DecoderStackCpu:
 
     def _block(self, b: CpuBlock) -> _Block:
         def linear(layer: CpuLinear) -> _Linear:
-            n, k = layer.weight.shape
-            return _Linear(layer.weight.data_ptr(), _pointer(layer.scale), _pointer(layer.bias), n, k)
+            n, k = layer.shape
+            gguf_type = 0 if layer.gguf_format is None else GGUF_FORMATS[layer.gguf_format].type_id
+            return _Linear(
+                layer.weight.data_ptr(), _pointer(layer.scale), _pointer(layer.bias), n, k, gguf_type
+            )
 
         return _Block(
             input_norm=b.input_norm.data_ptr(),
@@ -296,9 +314,16 @@ def _check_block(index: int, b: CpuBlock, shape: CpuStackShape, hidden: int, int
     }
     for name, (linear, n, k) in linears.items():
         w = linear.weight
-        if tuple(w.shape) != (n, k) or not w.is_contiguous():
+        if linear.gguf_format is not None:
+            if (
+                linear.scale is not None
+                or not gguf_linear_cpu_supports(w, linear.gguf_format, k)
+                or w.shape[0] != n
+            ):
+                fail(name, f"a {linear.gguf_format} weight must be contiguous uint8 blocks of [{n}, {k}]")
+        elif tuple(w.shape) != (n, k) or not w.is_contiguous():
             fail(name, f"weight must be contiguous [{n}, {k}], got {list(w.shape)}")
-        if linear.scale is None:
+        elif linear.scale is None:
             if w.dtype != torch.float32 or k % 8:
                 fail(name, f"a float32 weight (no scale) needs K % 8 == 0, got {w.dtype}, K = {k}")
         elif w.dtype != torch.int8 or k % K_MULTIPLE or w.data_ptr() % ALIGNMENT:
@@ -345,6 +370,8 @@ def decoder_stack_cpu_ref(
         return rms_norm_ref(x, weight, eps, offset=offset)
 
     def linear(x, layer: CpuLinear):
+        if layer.gguf_format is not None:  # x rounded to int8 blocks as the kernel does
+            return gguf_linear_cpu_q8_ref(x, layer.weight, layer.gguf_format, layer.bias)
         weight = layer.weight.float()
         if layer.scale is not None:
             weight = weight * layer.scale[:, None]

@@ -1,9 +1,10 @@
 """C kernels for the CPU, built on first use with the system's C compiler and loaded with ctypes,
 as Triton builds its launchers: no compiled code in the wheel, one build per machine.
 
-Three use them: `int8_linear_cpu` (int8 weights times a few rows), `paged_attention_cpu` (decode
-rows) and `DecoderStackCpu` (a model's blocks for a step of decode rows, which includes the other
-two sources). The first two take a `native` argument and take their ATen path with
+Four use them: `int8_linear_cpu` (int8 weights times a few rows), `gguf_linear_cpu` (GGUF's Q4_0,
+Q4_1 and Q8_0 blocks times rows), `paged_attention_cpu` (decode rows) and `DecoderStackCpu` (a
+model's blocks for a step of decode rows, which includes the other three sources). The first three
+take a `native` argument and take their ATen path with
 `native=False` (a model built with `KernelPolicy(use_native_cpu_kernels=False)`,
 EngineConfig.use_native_cpu_kernels) or where the library cannot be built; the engine's runner
 selects the third only where its policy allows it.
@@ -35,10 +36,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
+# F16C (the GGUF blocks' fp16 scales) comes with AVX2 on every x86 CPU that has it.
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 LIBRARIES = ("-lm",)
 
-SOURCES = ("int8_gemv_cpu.c", "decode_attention_cpu.c", "decoder_stack_cpu.c")
+SOURCES = ("int8_gemv_cpu.c", "gguf_gemv_cpu.c", "decode_attention_cpu.c", "decoder_stack_cpu.c")
 
 
 def native_cpu_kernels_available() -> bool:

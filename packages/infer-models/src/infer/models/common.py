@@ -23,6 +23,8 @@ from torch import nn
 from infer.kernels import (
     KVStore,
     add_rms_norm,
+    dequantize_gguf,
+    gguf_row_bytes,
     qk_norm_rope,
     rms_norm,
     rms_norm_add_rms_norm,
@@ -45,8 +47,29 @@ class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+        # A GGUF block format where the table is kept in the file's blocks (Linear.gguf_format):
+        # a lookup dequantizes the rows it reads, to float32.
+        self.gguf_format: str | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the embeddings it returns."""
+        return torch.float32 if self.gguf_format else self.weight.dtype
+
+    def pack_gguf(self, fmt: str) -> None:
+        """Makes the table GGUF blocks of `fmt`: an empty uint8 parameter for the loader to fill."""
+        rows = (self.weight.shape[0], gguf_row_bytes(fmt, self.weight.shape[1]))
+        self.weight = nn.Parameter(
+            torch.empty(rows, dtype=torch.uint8, device=self.weight.device), requires_grad=False
+        )
+        self.gguf_format = fmt
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_format is not None:
+            if self.tp is not None:
+                raise ValueError("a GGUF embedding table is not split over tensor-parallel ranks")
+            rows = self.weight.index_select(0, ids.reshape(-1))
+            return dequantize_gguf(rows, self.gguf_format).view(*ids.shape, -1)
         if self.tp is None:
             return F.embedding(ids, self.weight)
         # This rank's rows for the ids in its slice, zeros for the others: summed over ranks.
@@ -345,7 +368,7 @@ class CausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of activations and of the KV cache: the embedding's (never 8-bit)."""
-        return self.embed_tokens.weight.dtype
+        return self.embed_tokens.dtype
 
     def embed(self, input_ids: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         """Token embeddings; with `batch.image_embeds`, those image embeddings at their tokens."""

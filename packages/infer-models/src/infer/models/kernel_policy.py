@@ -28,6 +28,7 @@ from infer.models.linear import Linear
 from infer.models.linear_method import (
     CpuInt8Method,
     DenseMethod,
+    GgufMethod,
     Int4Method,
     LinearMethod,
     QuantizedMethod,
@@ -65,6 +66,10 @@ class KernelPolicy:
         """The method for `linear`'s weight (loaded) on this device."""
         if linear.group_size is not None:
             return Int4Method(pdl=self.pdl)
+        if linear.gguf_format is not None:
+            if self.device.type != "cpu":
+                raise ValueError(f"GGUF block weights run on the CPU only, not on {self.device}")
+            return GgufMethod(native=self.use_native_cpu_kernels)
         if linear.weight_scale is None:
             if self.use_triton_gemv and self.on_cuda:
                 return TritonGemvMethod(pdl=self.pdl)

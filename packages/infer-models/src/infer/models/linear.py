@@ -2,18 +2,20 @@
 method the kernel policy picked for them (infer.models.linear_method).
 
 A Linear's weight is dense (the model's dtype), 8-bit with block scales (see
-infer.models.quantization) or 4-bit packed with group scales and zero points
-(infer.kernels.int4_linear's layout); `quantize` and `quantize_int4` turn a dense Linear, still on
-the meta device, into one of those before the loader fills it. Until `apply_kernel_policy` picks
-otherwise, a dense Linear runs `DenseMethod` (ATen), an 8-bit one `QuantizedMethod`
-(`quantized_linear`, whose block size covers per-channel int8 and block-wise fp8 alike) and a
-4-bit one `Int4Method` (`int4_linear`), all right on any device.
+infer.models.quantization), 4-bit packed with group scales and zero points
+(infer.kernels.int4_linear's layout), or a GGUF file's blocks (`gguf_format`, `pack_gguf`);
+`quantize` and `quantize_int4` turn a dense Linear, still on the meta device, into an 8-bit or
+4-bit one before the loader fills it. Until `apply_kernel_policy` picks otherwise, a dense Linear
+runs `DenseMethod` (ATen), an 8-bit one `QuantizedMethod` (`quantized_linear`, whose block size
+covers per-channel int8 and block-wise fp8 alike) and a 4-bit one `Int4Method` (`int4_linear`),
+all right on any device, and a GGUF one `GgufMethod` (CPU).
 """
 
 import torch
 from torch import nn
 
-from infer.models.linear_method import DenseMethod, Int4Method, LinearMethod, QuantizedMethod
+from infer.kernels import gguf_row_bytes
+from infer.models.linear_method import DenseMethod, GgufMethod, Int4Method, LinearMethod, QuantizedMethod
 from infer.models.quantization import Quantization, int4_group_for, scale_shape
 
 
@@ -46,6 +48,9 @@ class Linear(nn.Module):
         self.group_size: int | None = None
         self.weight_zero: nn.Parameter | None = None
         self.input_perm: nn.Parameter | None = None
+        # A GGUF block format ("q4_1", infer.kernels' GGUF_FORMATS) where the weight is kept in the
+        # file's blocks, uint8 [out, in / 32 * block bytes] (infer.models.loader.gguf_weights).
+        self.gguf_format: str | None = None
         # How forward computes: picked by the kernel policy (infer.models.kernel_policy).
         self.method: LinearMethod = DenseMethod()
 
@@ -86,6 +91,16 @@ class Linear(nn.Module):
         self.group_size = group_size
         self.method = Int4Method()
 
+    def pack_gguf(self, fmt: str) -> None:
+        """Makes this Linear's weight GGUF blocks of `fmt`: a new, empty uint8 parameter on the
+        weight's device, for the loader to fill."""
+        rows = (self.out_features, gguf_row_bytes(fmt, self.in_features))
+        self.weight = nn.Parameter(
+            torch.empty(rows, dtype=torch.uint8, device=self.weight.device), requires_grad=False
+        )
+        self.gguf_format = fmt
+        self.method = GgufMethod()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x)
         return out if self.tp_reduce is None else self.tp_reduce.all_reduce(out)
@@ -98,6 +113,8 @@ class Linear(nn.Module):
         quantized = f", {self.weight.dtype}, block_size={self.block_size}" if self.block_size else ""
         if self.group_size is not None:
             quantized = f", int4, group_size={self.group_size}"
+        if self.gguf_format is not None:
+            quantized = f", gguf {self.gguf_format}"
         return f"in_features={self.in_features}, out_features={self.out_features}{quantized}"
 
 

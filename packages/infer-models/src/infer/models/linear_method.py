@@ -18,6 +18,8 @@ once by the kernel policy (infer.models.kernel_policy) and applied by `Linear.fo
 - `CpuInt8Method`: per-channel int8 weights on a CPU through `int8_linear_cpu`: a few rows in
   infer.kernels' AVX2 kernel where `native` (EngineConfig.use_native_cpu_kernels) and it builds,
   else ATen's int8 product.
+- `GgufMethod`: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks on a CPU through `gguf_linear_cpu`: the C
+  kernel where `native` and it builds, else the weight dequantized and ATen's product.
 
 `apply_gated(layer, x, activation)` is a gate/up projection followed by its activation
 (`act(gate) * up`); methods without a fused kernel for it run the two ops.
@@ -46,6 +48,7 @@ from infer.kernels import (
     gated_gemv,
     gelu_tanh_and_mul,
     gemv,
+    gguf_linear_cpu,
     int4_linear,
     int8_linear_cpu,
     quantized_gated_gemv,
@@ -187,3 +190,14 @@ class CpuInt8Method(DenseMethod):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         return int8_linear_cpu(x, layer.weight, self.scale, layer.bias, native=self.native)
+
+
+@dataclass(frozen=True)
+class GgufMethod(DenseMethod):
+    """A GGUF file's blocks (`layer.gguf_format`) on a CPU through `gguf_linear_cpu`. `native`:
+    its C kernel where it builds."""
+
+    native: bool = True
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return gguf_linear_cpu(x, layer.weight, layer.gguf_format, layer.bias, native=self.native)

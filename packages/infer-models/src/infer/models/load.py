@@ -13,9 +13,10 @@ from infer.models.config import ModelConfig
 from infer.models.kernel_policy import KernelPolicy, apply_kernel_policy
 from infer.models.linear import quantize_linears
 from infer.models.loader.fetch import fetch_model, models_dir
+from infer.models.loader.gguf_weights import load_gguf_causal_lm
 from infer.models.loader.tokenizer import Tokenizer
 from infer.models.loader.weights import fill_random_weights, load_weights
-from infer.models.quantization import resolve_quantization
+from infer.models.quantization import GGUF_QUANTIZATION, resolve_quantization
 from infer.models.random_checkpoint import PRESETS, make_random_checkpoint
 from infer.models.registry import architecture_for
 from infer.models.tensor_parallel import TensorParallel, shard_model
@@ -73,11 +74,23 @@ def load_causal_lm(
     plain kernel policy, `KernelPolicy(device)`, until the engine applies its own. With
     `tensor_parallel`, the model is that rank's shard (infer.models.tensor_parallel).
     `load_format="dummy"` (vLLM's name) reads no weights: they are made at random on the device
-    (`fill_random_weights`), so a folder with config.json and a tokenizer is enough."""
+    (`fill_random_weights`), so a folder with config.json and a tokenizer is enough.
+    `quantization="gguf"` reads the weights from the GGUF file an alias's folder was converted
+    from, Q4_0 / Q4_1 / Q8_0 tensors kept in their blocks, float32 activations (CPU only;
+    infer.models.loader.gguf_weights)."""
     folder = Path(folder)
     config = ModelConfig.from_file(folder)
-    dtype = dtype or config.dtype or torch.float32
     architecture = architecture_for(config.model_type)
+    if quantization == GGUF_QUANTIZATION:
+        if tensor_parallel is not None or load_format != "auto":
+            raise ValueError(
+                "quantization 'gguf' reads the GGUF file whole: no tensor parallelism, no dummy weights"
+            )
+        if dtype not in (None, torch.float32):
+            raise ValueError(f"quantization 'gguf' runs float32 activations, not {dtype}")
+        model = load_gguf_causal_lm(folder, config, architecture.model_class)
+        return apply_kernel_policy(model.eval(), KernelPolicy(device))
+    dtype = dtype or config.dtype or torch.float32
     resolved = resolve_quantization(config.quantization, quantization)
     # Built on the meta device: no memory and no random init until the real weights arrive.
     with torch.device("meta"):

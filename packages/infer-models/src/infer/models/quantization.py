@@ -47,6 +47,10 @@ INT4_METHODS = ("gptq", "awq", "int4")
 INT4_GROUP = 128
 # The smallest group `int4_group_for` falls back to where a Linear's inputs are not a multiple of 128.
 INT4_MIN_GROUP = 16
+# Not a format of this module: the weights of the GGUF file an alias's folder was converted from,
+# run in its own blocks (infer.models.loader.gguf_weights). What `--quantization` takes is either.
+GGUF_QUANTIZATION = "gguf"
+QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, GGUF_QUANTIZATION)
 WEIGHT_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 # The largest magnitude each 8-bit format holds: a block's absmax maps onto it.
 QMAX = {"fp8": torch.finfo(torch.float8_e4m3fn).max, "int8": 127.0}

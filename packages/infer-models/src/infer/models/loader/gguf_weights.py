@@ -1,0 +1,190 @@
+"""A model's weights read from a GGUF file as it is stored: Q4_0, Q4_1 and Q8_0 tensors stay in
+their blocks (infer.kernels' GGUF_FORMATS), run by `gguf_linear_cpu`; F32, F16 and BF16 tensors,
+and blocks of other formats (dequantized by gguf.quants at load), are dense.
+
+The alias's folder (fetch_model) still gives the config and the tokenizer; the weights come from
+the GGUF file it was converted from (`gguf_file_for`). We undo the layout change llama.cpp's
+converter makes, as transformers does when it dequantizes (transformers'
+modeling_gguf_pytorch_utils.LlamaTensorProcessor): Llama's q and k rows are permuted within each
+head; a packed row is whole blocks of one output row, so rows of blocks move and blocks stay whole.
+Llama only for now: other families (Gemma's norms stored as 1 + w, Qwen 3's QK norms) raise.
+
+On the meta-device model, `pack_for_gguf` turns every Linear whose GGUF tensors share one block
+format (and the embedding, which the tied LM head shares) into a packed one; `load_gguf_weights`
+then fills every parameter.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from infer.kernels import GGUF_FORMATS, dequantize_gguf
+from infer.models.config import ModelConfig
+from infer.models.linear import Linear
+from infer.models.weight_map import FUSED_PROJECTIONS
+
+# GGUF tensor names (after "blk.N.") and ours (after "layers.N."), Llama's.
+LLAMA_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+LLAMA_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+DENSE_TYPES = ("F32", "F16", "BF16")
+MANIFEST_FILE = "infer_manifest.json"
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """One tensor as stored: `fmt` a block format of GGUF_FORMATS with `data` uint8
+    [rows, row bytes], or None with `data` dense [rows, ...] (float32 unless stored F16/BF16)."""
+
+    fmt: str | None
+    data: torch.Tensor
+
+    def dense(self) -> torch.Tensor:
+        return self.data if self.fmt is None else dequantize_gguf(self.data, self.fmt)
+
+
+def gguf_file_for(folder: Path) -> Path:
+    """The GGUF file an alias's folder was converted from (its manifest names the alias)."""
+    from infer.models.loader.fetch import KNOWN_MODELS, infer_home, locate_gguf
+
+    manifest_path = Path(folder) / MANIFEST_FILE
+    alias = (
+        json.loads(manifest_path.read_text()).get("source", {}).get("alias")
+        if manifest_path.is_file()
+        else None
+    )
+    if alias not in KNOWN_MODELS:
+        raise ValueError(
+            f"{folder} was not converted from a known alias's GGUF file (quantization 'gguf' runs the "
+            f"GGUF file of one of {sorted(KNOWN_MODELS)})"
+        )
+    scratch = infer_home() / "gguf" / alias
+    scratch.mkdir(parents=True, exist_ok=True)
+    return locate_gguf(KNOWN_MODELS[alias], scratch)[0]
+
+
+def load_gguf_causal_lm(
+    folder: Path, config: ModelConfig, model_class, *, packed: bool = True, gguf_path: Path | None = None
+) -> nn.Module:
+    """`model_class(config)` with the weights of the folder's GGUF file (or `gguf_path`, a file of
+    the same model), float32 activations (the GGUF kernels take and return them): block tensors
+    packed, or with `packed=False` every tensor dequantized to float32 (the oracle the packed
+    model is tested against)."""
+    tensors = read_gguf_tensors(gguf_path or gguf_file_for(folder), config)
+    with torch.device("meta"):
+        model = model_class(config).to(torch.float32)
+        if packed:
+            pack_for_gguf(model, tensors, config)
+    model.quantization = None
+    load_gguf_weights(model, tensors, config, dtype=torch.float32)
+    return model
+
+
+def read_gguf_tensors(path: Path, config: ModelConfig) -> dict[str, GgufTensor]:
+    """Every tensor of the GGUF file by our unfused name ("layers.0.self_attn.q_proj.weight"),
+    llama.cpp's q/k permutation undone."""
+    import gguf
+
+    if config.model_type != "llama":
+        raise ValueError(f"quantization 'gguf' reads Llama models only, not {config.model_type}")
+    tensors = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        name = _our_name(tensor.name)
+        kind = tensor.tensor_type.name
+        if kind.lower() in GGUF_FORMATS:
+            fmt, data = kind.lower(), torch.from_numpy(np.array(tensor.data))
+        elif kind in DENSE_TYPES:
+            fmt, data = None, torch.from_numpy(np.array(tensor.data))
+            data = data.view(torch.bfloat16) if kind == "BF16" else data
+        else:
+            fmt, data = None, torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            data = _unpermute_rows(data, heads)
+        tensors[name] = GgufTensor(fmt, data)
+    return tensors
+
+
+def _our_name(gguf_name: str) -> str:
+    stem, _, leaf = gguf_name.rpartition(".")
+    if stem.startswith("blk."):
+        _, index, part = stem.split(".", 2)
+        if part not in LLAMA_BLOCK_NAMES:
+            raise ValueError(f"GGUF tensor {gguf_name} is not one of a Llama block's")
+        return f"layers.{index}.{LLAMA_BLOCK_NAMES[part]}.{leaf}"
+    if stem not in LLAMA_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name} is not one of a Llama model's")
+    return f"{LLAMA_NAMES[stem]}.{leaf}"
+
+
+def _unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """transformers' reverse permutation: within each head, rows (i, half) -> (half, i)."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape).contiguous()
+
+
+def _parts(name: str) -> list[str]:
+    """The unfused tensors behind our Linear `name` ("layers.0.self_attn.qkv_proj")."""
+    parent, _, leaf = name.rpartition(".")
+    return [f"{parent}.{part}" for part in FUSED_PROJECTIONS[leaf]] if leaf in FUSED_PROJECTIONS else [name]
+
+
+def pack_for_gguf(model: nn.Module, tensors: dict[str, GgufTensor], config: ModelConfig) -> None:
+    """Makes packed, on `model` (meta device), every Linear whose tensors share one block format,
+    and the embedding where its table is stored in blocks (the tied LM head with it)."""
+    embedding = tensors["embed_tokens.weight"].fmt
+    if embedding is not None:
+        model.embed_tokens.pack_gguf(embedding)
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        if name == "lm_head" and config.tie_word_embeddings:
+            if embedding is not None:
+                module.pack_gguf(embedding)
+            continue
+        formats = {tensors[f"{part}.weight"].fmt for part in _parts(name)}
+        if len(formats) == 1 and None not in formats:
+            module.pack_gguf(formats.pop())
+
+
+def load_gguf_weights(
+    model: nn.Module, tensors: dict[str, GgufTensor], config: ModelConfig, *, dtype: torch.dtype
+) -> None:
+    """Fills every parameter of `model` (after `pack_for_gguf`) from `tensors`: packed ones as
+    stored, dense ones cast to `dtype`."""
+    used = set()
+    for name, param in list(model.named_parameters()):
+        module_name, _, leaf = name.rpartition(".")
+        if module_name == "lm_head" and config.tie_word_embeddings:
+            continue
+        parts = [f"{part}.{leaf}" for part in _parts(module_name)]
+        missing = [part for part in parts if part not in tensors]
+        if missing:
+            raise ValueError(f"the GGUF file has no {', '.join(missing)} for {name}")
+        used.update(parts)
+        packed = param.dtype == torch.uint8
+        values = [tensors[part].data if packed else tensors[part].dense().to(dtype) for part in parts]
+        value = values[0] if len(values) == 1 else torch.cat(values, dim=0)
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{name}: the GGUF file gives {list(value.shape)}, the model wants {list(param.shape)}"
+            )
+        setattr(model.get_submodule(module_name), leaf, nn.Parameter(value.contiguous(), requires_grad=False))
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    unused = sorted(set(tensors) - used - {"lm_head.weight"})
+    if unused:
+        raise ValueError(f"the GGUF file has tensors the model does not read: {', '.join(unused[:5])}")
