@@ -19,11 +19,13 @@ import torch
 from infer.kernels import (
     GGUF_FORMATS,
     dequantize_gguf,
+    gguf_cpu_variants,
     gguf_linear_cpu,
     gguf_linear_cpu_q8_ref,
     gguf_linear_cpu_ref,
     gguf_linear_cpu_supports,
     native_cpu_kernels_available,
+    use_gguf_cpu_variant,
 )
 from infer.kernels.gguf_linear_cpu import quantize_rows_q8_ref
 
@@ -107,6 +109,26 @@ def test_native_kernel_matches_the_q8_reference(fmt, n, k, rows):
     expected = gguf_linear_cpu_q8_ref(x, weight, fmt)
     assert out.dtype == torch.float32 and out.shape == (rows, n)
     assert ((out.double() - expected.double()).abs() <= bound(x, weight, fmt)).all()
+
+
+@needs_native
+@pytest.mark.parametrize("variant", gguf_cpu_variants())
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
+@pytest.mark.parametrize("n, k", SHAPES + [(13, 96)])
+def test_each_one_row_variant_matches_the_q8_reference(variant, fmt, n, k):
+    """Every one-row variant this CPU runs (AVX2, AVX-512 VNNI), on an odd count of blocks (k = 96)
+    and rows not a multiple of four too."""
+    weight = packed(fmt, n, k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
+    x[0, :32] = 0
+    use_gguf_cpu_variant(variant)
+    try:
+        out = gguf_linear_cpu(x, weight, fmt)
+    finally:
+        use_gguf_cpu_variant(None)
+    assert (
+        (out.double() - gguf_linear_cpu_q8_ref(x, weight, fmt).double()).abs() <= bound(x, weight, fmt)
+    ).all()
 
 
 @needs_native

@@ -170,6 +170,36 @@ static void one_x_row(int type, const uint8_t *w, int64_t row_bytes, int64_t blo
     }
 }
 
+#include "gguf_gemv_avx512.c"
+
+/* The one-row kernels, by what they need of the CPU (bits of gguf_gemv_variants). */
+#define GGUF_VARIANT_AVX2 0
+#define GGUF_VARIANT_AVX512_VNNI 1
+
+static int gguf_cpu_has_avx512_vnni(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+/* A bit a variant this CPU runs: 1 << GGUF_VARIANT_AVX2 always (the library needs AVX2 to load). */
+int gguf_gemv_variants(void) {
+    return 1 << GGUF_VARIANT_AVX2 | (gguf_cpu_has_avx512_vnni() ? 1 << GGUF_VARIANT_AVX512_VNNI : 0);
+}
+
+/* The variant gguf_gemv's one-row product takes: the best the CPU runs until gguf_gemv_use_variant
+ * picks one (the tests run each). */
+static int gguf_variant = -1;
+
+/* Picks `variant` (GGUF_VARIANT_*), or the best one the CPU runs for -1. Returns 0, or -1 for a
+ * variant this CPU does not run. */
+int gguf_gemv_use_variant(int variant) {
+    if (variant == -1) variant = gguf_cpu_has_avx512_vnni() ? GGUF_VARIANT_AVX512_VNNI : GGUF_VARIANT_AVX2;
+    if (variant < 0 || !(gguf_gemv_variants() >> variant & 1)) return -1;
+    gguf_variant = variant;
+    return 0;
+}
+
 /* One weight row (its `blocks` blocks at w) times every row of q, into out[r * n]: each weight
  * block unpacked once a row of x, read from L1 for the others. */
 static inline __attribute__((always_inline)) void row_times_rows(int type, int64_t stride, const uint8_t *w,
@@ -219,9 +249,12 @@ int gguf_gemv(int type, const float *x, const uint8_t *w, float *out, int64_t m,
     }
     int64_t blocks = k / GGUF_BLOCK;
     if (m == 1) {
-        one_x_row(type, w, row_bytes, blocks, &q, out, n, threads);
+        if (gguf_variant < 0) gguf_gemv_use_variant(-1);
+        int status = 0;
+        if (gguf_variant == GGUF_VARIANT_AVX512_VNNI) status = one_x_row_avx512(type, w, row_bytes, blocks, &q, out, n, threads);
+        else one_x_row(type, w, row_bytes, blocks, &q, out, n, threads);
         free_rows(&q);
-        return 0;
+        return status;
     }
     for (int64_t first = 0; first < m; first += GGUF_MAX_ROWS) {
         int64_t rows = m - first < GGUF_MAX_ROWS ? m - first : GGUF_MAX_ROWS;
