@@ -77,7 +77,12 @@ static inline __attribute__((always_inline)) void four_rows_avx512(int type, int
     int64_t b = 0;
     for (; b + 1 < blocks; b += 2) {
         const uint8_t *p = w0 + b * stride;
-        for (int r = 0; r < GGUF_FOUR; r++) _mm_prefetch((const char *)(p + ahead + r * row_bytes), _MM_HINT_T1);
+        /* Both lines from the pair's first byte: a pair advances up to 68 bytes, one line a step
+         * would leave a line in 16 unfetched (Q8_0), and a miss costs more than the extra hints. */
+        for (int r = 0; r < GGUF_FOUR; r++) {
+            _mm_prefetch((const char *)(p + ahead + r * row_bytes), _MM_HINT_T1);
+            _mm_prefetch((const char *)(p + ahead + r * row_bytes + 64), _MM_HINT_T1);
+        }
         __m512i xv = _mm512_loadu_si512((const void *)(xs + b * GGUF_BLOCK));
         __m512 dx = _mm512_mask_blend_ps(second, _mm512_set1_ps(q->d[b]), _mm512_set1_ps(q->d[b + 1]));
         __m512i start = _mm512_setzero_si512();

@@ -134,9 +134,9 @@ static inline __attribute__((always_inline)) void gguf_four_rows(int type, int64
     float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = w0 + b * stride;
-        if (((b * stride) & 63) < stride) { /* once a 64-byte line */
-            for (int r = 0; r < GGUF_FOUR; r++) _mm_prefetch((const char *)(p + ahead + r * row_bytes), _MM_HINT_T1);
-        }
+        /* Every block: rows do not start on a line, so "once a line" by the offset in the row
+         * skipped lines, and a miss costs more than the repeated hints. */
+        for (int r = 0; r < GGUF_FOUR; r++) _mm_prefetch((const char *)(p + ahead + r * row_bytes), _MM_HINT_T1);
         __m256i xv = _mm256_loadu_si256((const __m256i *)(q->qs + b * GGUF_BLOCK));
         float dx = q->d[b];
         int32_t sum = q->sum[b];
