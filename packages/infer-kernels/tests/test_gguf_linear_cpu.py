@@ -131,6 +131,33 @@ def test_each_one_row_variant_matches_the_q8_reference(variant, fmt, n, k):
     ).all()
 
 
+def q8_0_identity(k: int) -> torch.Tensor:
+    """The [k, k] identity in Q8_0 blocks (scale 1.0, one 1 a row): x times it is x as rounded."""
+    blocks = torch.zeros(k, k // 32, 34, dtype=torch.uint8)
+    blocks[..., :2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    rows = torch.arange(k)
+    blocks[rows, rows // 32, 2 + rows % 32] = 1
+    return blocks.reshape(k, -1)
+
+
+@needs_native
+@pytest.mark.parametrize("variant", gguf_cpu_variants())
+@pytest.mark.parametrize("rows", [1, 3])
+def test_x_is_rounded_as_the_reference_rounds_it(variant, rows):
+    """The kernel's int8 x, read back through the identity, equals `quantize_rows_q8_ref`'s exactly,
+    on halves (127 in a block makes its scale 1, so k + 0.5 stays a half), where roundf goes away
+    from zero and a round-to-even would not."""
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(7)) * 3
+    x[:, 0] = 127
+    x[:, 1:9] = torch.tensor([0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -126.5])
+    use_gguf_cpu_variant(variant)
+    try:
+        out = gguf_linear_cpu(x, q8_0_identity(64), "q8_0")
+    finally:
+        use_gguf_cpu_variant(None)
+    assert torch.equal(out, quantize_rows_q8_ref(x))
+
+
 @needs_native
 def test_native_kernel_takes_bias_and_leading_dims():
     weight, x, bias = packed("q4_1", 64, 96), torch.randn(2, 3, 96), torch.randn(64)

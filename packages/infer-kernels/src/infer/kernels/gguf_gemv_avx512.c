@@ -6,8 +6,10 @@
  * costs about half the AVX2 instructions:
  * - Q4_0 / Q4_1: the two blocks' 16 nibble bytes load as [a, b] and shift into [a, b, a >> 4,
  *   b >> 4]; x is laid out in that order once a call (x_pairs_q4), so no shuffle is needed.
- * - Q8_0: the signed weights offset by 128 (xor 0x80) into unsigned bytes; the 128 * sum(x) that
- *   adds is taken off in integers, as Q4_0's 8 * sum(x) is: both exact.
+ * - Q8_0: |w| times x carrying w's sign, as AVX2 does. (Offsetting w by 128 into unsigned bytes
+ *   and taking 128 * sum(x) off was one op less, but that offset swells each lane before its fp32
+ *   scaling, and the rounding of those large lanes did not cancel: x read back through a Q8_0
+ *   identity was off by 2^-10.)
  * An odd last block of a row goes through AVX2's block_dot. */
 
 #pragma GCC push_options
@@ -37,7 +39,7 @@ static inline __attribute__((always_inline)) __m512i pair_u8(int type, const uin
     if (type == GGUF_Q8_0) {
         __m256i lo = _mm256_loadu_si256((const __m256i *)(p + 2));
         __m256i hi = _mm256_loadu_si256((const __m256i *)(p + stride + 2));
-        return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8((char)0x80));
+        return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
     }
     int64_t q = type == GGUF_Q4_1 ? 4 : 2;
     __m256i ab = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + q))),
@@ -55,7 +57,14 @@ static inline __attribute__((always_inline)) void pair_dot(int type, int64_t str
     __mmask16 second = type == GGUF_Q8_0 ? GGUF_SECOND_Q8 : GGUF_SECOND_Q4;
     __m512 dw = _mm512_mask_blend_ps(second, _mm512_set1_ps(half_to_float(p)),
                                      _mm512_set1_ps(half_to_float(p + stride)));
-    __m512i dot = _mm512_dpbusd_epi32(start, pair_u8(type, p, stride), xv);
+    __m512i w = pair_u8(type, p, stride), dot;
+    if (type == GGUF_Q8_0) {
+        /* |w| times x carrying w's sign (AVX2's vpsignb trick, which AVX-512 lacks, by a mask). */
+        __mmask64 negative = _mm512_movepi8_mask(w);
+        dot = _mm512_dpbusd_epi32(start, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv));
+    } else {
+        dot = _mm512_dpbusd_epi32(start, w, xv);
+    }
     *acc = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(dot), *acc);
     if (type == GGUF_Q4_1) *offset += half_to_float(p + 2) * ss0 + half_to_float(p + stride + 2) * ss1;
 }
@@ -69,9 +78,9 @@ static inline __attribute__((always_inline)) void four_rows_avx512(int type, int
     const uint8_t *w0 = w + i * row_bytes;
     int64_t ahead = i + GGUF_FOUR + GGUF_PREFETCH_ROWS <= n_rows ? GGUF_PREFETCH_ROWS * row_bytes : 0;
     __mmask16 second = type == GGUF_Q8_0 ? GGUF_SECOND_Q8 : GGUF_SECOND_Q4;
-    /* The integer correction sits in one lane of each block: Q8_0's 128 * sum, Q4_0's 8 * sum. */
-    int32_t times = type == GGUF_Q8_0 ? 128 : type == GGUF_Q4_0 ? 8 : 0;
-    __mmask16 lane1 = type == GGUF_Q8_0 ? 1 << 8 : 1 << 4;
+    /* Q4_0's integer correction, 8 * sum, sits in one lane of each block. */
+    int32_t times = type == GGUF_Q4_0 ? 8 : 0;
+    __mmask16 lane1 = 1 << 4;
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
     int64_t b = 0;
