@@ -68,16 +68,36 @@ static int quantize_rows_q8(const float *x, int64_t m, int64_t k, QuantizedRows 
     if (q->qs == NULL || q->d == NULL || q->sum == NULL || q->scaled_sum == NULL) return -1;
     for (int64_t b = 0; b < blocks; b++) {
         const float *xb = x + b * GGUF_BLOCK;
-        float largest = 0.f;
-        for (int j = 0; j < GGUF_BLOCK; j++) largest = fmaxf(largest, fabsf(xb[j]));
-        float d = largest / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
-        int32_t sum = 0;
-        for (int j = 0; j < GGUF_BLOCK; j++) {
-            int8_t v = (int8_t)roundf(xb[j] * inverse);
-            q->qs[b * GGUF_BLOCK + j] = v;
-            sum += v;
+        __m256 v[4], largest = _mm256_setzero_ps(), magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            largest = _mm256_max_ps(largest, _mm256_and_ps(v[j], magnitude));
         }
-        q->d[b] = d, q->sum[b] = sum, q->scaled_sum[b] = d * (float)sum;
+        __m128 top = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+        top = _mm_max_ps(top, _mm_movehl_ps(top, top));
+        top = _mm_max_ss(top, _mm_movehdup_ps(top));
+        float d = _mm_cvtss_f32(top) / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+        __m256i ints[4], sum = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            /* roundf (half away from zero) exactly: the truncation plus one, with the sign, where the
+             * dropped fraction (exact in fp32) is at least one half. */
+            __m256 scaled = _mm256_mul_ps(v[j], _mm256_set1_ps(inverse));
+            __m256 whole = _mm256_round_ps(scaled, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __m256 half_up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(scaled, whole), magnitude), _mm256_set1_ps(0.5f),
+                                           _CMP_GE_OQ);
+            __m256 one = _mm256_or_ps(_mm256_set1_ps(1.f), _mm256_andnot_ps(magnitude, scaled));
+            ints[j] = _mm256_cvttps_epi32(_mm256_add_ps(whole, _mm256_and_ps(half_up, one)));
+            sum = _mm256_add_epi32(sum, ints[j]);
+        }
+        /* int32 to int8 in order: the packs interleave 128-bit lanes, the permute undoes it. */
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]), _mm256_packs_epi32(ints[2], ints[3]));
+        packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q->qs + b * GGUF_BLOCK), packed);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+        int32_t total = _mm_cvtsi128_si32(s4);
+        q->d[b] = d, q->sum[b] = total, q->scaled_sum[b] = d * (float)total;
     }
     return 0;
 }
