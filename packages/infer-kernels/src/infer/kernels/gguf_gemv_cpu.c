@@ -19,6 +19,8 @@
  * - One row of x (batch-1 decode) meets four weight rows at a time, each block of x loaded once for
  *   the four and the rows ahead prefetched into L2; a few rows of x each meet a weight block
  *   unpacked once for them all.
+ * - On a CPU with AVX-512 VNNI the one-row product takes gguf_gemv_avx512.c's two-blocks-a-step
+ *   variant instead (gguf_gemv_variants / gguf_gemv_use_variant); the AVX2 one stays for the rest.
  * Threads split the weight's rows, through the OpenMP runtime torch already loaded.
  */
 #include <immintrin.h>
