@@ -1,5 +1,5 @@
 /* gguf_gemv_cpu.c's one-row product (batch-1 decode) with AVX-512 VNNI, included by it and chosen at
- * run time where the CPU reports avx512f/bw/vl/dq and avx512_vnni (gguf_gemv_variant).
+ * run time where the CPU reports avx512f/bw/vl/dq and avx512_vnni (gguf_gemv_use_variant).
  *
  * Two blocks a step in one 512-bit register: one vpdpbusd (unsigned weight bytes times signed x,
  * four products into each int32) where AVX2 takes vpmaddubsw + vpmaddwd a block, so a block pair
@@ -33,8 +33,8 @@ static void x_pairs_q4(const int8_t *qs, int64_t blocks, int8_t *pairs) {
     if (b < blocks) __builtin_memcpy(pairs + b * GGUF_BLOCK, qs + b * GGUF_BLOCK, GGUF_BLOCK);
 }
 
-/* Blocks b and b + 1 of a weight row at p (stride bytes a block) as 64 unsigned bytes, in the order
- * of x's pair. */
+/* Blocks b and b + 1 of a weight row at p (stride bytes a block) as 64 bytes in the order of x's
+ * pair: Q4's nibbles unpacked (unsigned), Q8_0's quants as stored (signed). */
 static inline __attribute__((always_inline)) __m512i pair_u8(int type, const uint8_t *p, int64_t stride) {
     if (type == GGUF_Q8_0) {
         __m256i lo = _mm256_loadu_si256((const __m256i *)(p + 2));
