@@ -19,11 +19,13 @@ import torch
 from infer.kernels import (
     GGUF_FORMATS,
     dequantize_gguf,
+    gguf_cpu_variants,
     gguf_linear_cpu,
     gguf_linear_cpu_q8_ref,
     gguf_linear_cpu_ref,
     gguf_linear_cpu_supports,
     native_cpu_kernels_available,
+    use_gguf_cpu_variant,
 )
 from infer.kernels.gguf_linear_cpu import quantize_rows_q8_ref
 
@@ -107,6 +109,53 @@ def test_native_kernel_matches_the_q8_reference(fmt, n, k, rows):
     expected = gguf_linear_cpu_q8_ref(x, weight, fmt)
     assert out.dtype == torch.float32 and out.shape == (rows, n)
     assert ((out.double() - expected.double()).abs() <= bound(x, weight, fmt)).all()
+
+
+@needs_native
+@pytest.mark.parametrize("variant", gguf_cpu_variants())
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
+@pytest.mark.parametrize("n, k", SHAPES + [(13, 96)])
+def test_each_one_row_variant_matches_the_q8_reference(variant, fmt, n, k):
+    """Every one-row variant this CPU runs (AVX2, AVX-512 VNNI), on an odd count of blocks (k = 96)
+    and rows not a multiple of four too."""
+    weight = packed(fmt, n, k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
+    x[0, :32] = 0
+    use_gguf_cpu_variant(variant)
+    try:
+        out = gguf_linear_cpu(x, weight, fmt)
+    finally:
+        use_gguf_cpu_variant(None)
+    assert (
+        (out.double() - gguf_linear_cpu_q8_ref(x, weight, fmt).double()).abs() <= bound(x, weight, fmt)
+    ).all()
+
+
+def q8_0_identity(k: int) -> torch.Tensor:
+    """The [k, k] identity in Q8_0 blocks (scale 1.0, one 1 a row): x times it is x as rounded."""
+    blocks = torch.zeros(k, k // 32, 34, dtype=torch.uint8)
+    blocks[..., :2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    rows = torch.arange(k)
+    blocks[rows, rows // 32, 2 + rows % 32] = 1
+    return blocks.reshape(k, -1)
+
+
+@needs_native
+@pytest.mark.parametrize("variant", gguf_cpu_variants())
+@pytest.mark.parametrize("rows", [1, 3])
+def test_x_is_rounded_as_the_reference_rounds_it(variant, rows):
+    """The kernel's int8 x, read back through the identity, equals `quantize_rows_q8_ref`'s exactly,
+    on halves (127 in a block makes its scale 1, so k + 0.5 stays a half), where roundf goes away
+    from zero and a round-to-even would not."""
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(7)) * 3
+    x[:, 0] = 127
+    x[:, 1:9] = torch.tensor([0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -126.5])
+    use_gguf_cpu_variant(variant)
+    try:
+        out = gguf_linear_cpu(x, q8_0_identity(64), "q8_0")
+    finally:
+        use_gguf_cpu_variant(None)
+    assert torch.equal(out, quantize_rows_q8_ref(x))
 
 
 @needs_native

@@ -20,11 +20,13 @@ from infer.kernels.decoder_stack_cpu import (
 from infer.kernels.gguf_linear_cpu import (
     GGUF_FORMATS,
     dequantize_gguf,
+    gguf_cpu_variants,
     gguf_linear_cpu,
     gguf_linear_cpu_q8_ref,
     gguf_linear_cpu_ref,
     gguf_linear_cpu_supports,
     gguf_row_bytes,
+    use_gguf_cpu_variant,
 )
 from infer.kernels.int4_linear import (
     dequantize_int4,
@@ -114,6 +116,7 @@ __all__ = [
     "gelu_tanh_and_mul_ref",
     "gemv",
     "gemv_ref",
+    "gguf_cpu_variants",
     "gguf_linear_cpu",
     "gguf_linear_cpu_q8_ref",
     "gguf_linear_cpu_ref",
@@ -156,4 +159,5 @@ __all__ = [
     "store_kv",
     "store_kv_ref",
     "unpack_int4",
+    "use_gguf_cpu_variant",
 ]

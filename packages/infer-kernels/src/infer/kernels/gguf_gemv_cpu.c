@@ -19,6 +19,8 @@
  * - One row of x (batch-1 decode) meets four weight rows at a time, each block of x loaded once for
  *   the four and the rows ahead prefetched into L2; a few rows of x each meet a weight block
  *   unpacked once for them all.
+ * - On a CPU with AVX-512 VNNI the one-row product takes gguf_gemv_avx512.c's two-blocks-a-step
+ *   variant instead (gguf_gemv_variants / gguf_gemv_use_variant); the AVX2 one stays for the rest.
  * Threads split the weight's rows, through the OpenMP runtime torch already loaded.
  */
 #include <immintrin.h>
@@ -68,16 +70,36 @@ static int quantize_rows_q8(const float *x, int64_t m, int64_t k, QuantizedRows 
     if (q->qs == NULL || q->d == NULL || q->sum == NULL || q->scaled_sum == NULL) return -1;
     for (int64_t b = 0; b < blocks; b++) {
         const float *xb = x + b * GGUF_BLOCK;
-        float largest = 0.f;
-        for (int j = 0; j < GGUF_BLOCK; j++) largest = fmaxf(largest, fabsf(xb[j]));
-        float d = largest / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
-        int32_t sum = 0;
-        for (int j = 0; j < GGUF_BLOCK; j++) {
-            int8_t v = (int8_t)roundf(xb[j] * inverse);
-            q->qs[b * GGUF_BLOCK + j] = v;
-            sum += v;
+        __m256 v[4], largest = _mm256_setzero_ps(), magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xb + 8 * j);
+            largest = _mm256_max_ps(largest, _mm256_and_ps(v[j], magnitude));
         }
-        q->d[b] = d, q->sum[b] = sum, q->scaled_sum[b] = d * (float)sum;
+        __m128 top = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+        top = _mm_max_ps(top, _mm_movehl_ps(top, top));
+        top = _mm_max_ss(top, _mm_movehdup_ps(top));
+        float d = _mm_cvtss_f32(top) / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+        __m256i ints[4], sum = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            /* roundf (half away from zero) exactly: the truncation plus one, with the sign, where the
+             * dropped fraction (exact in fp32) is at least one half. */
+            __m256 scaled = _mm256_mul_ps(v[j], _mm256_set1_ps(inverse));
+            __m256 whole = _mm256_round_ps(scaled, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __m256 half_up = _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(scaled, whole), magnitude), _mm256_set1_ps(0.5f),
+                                           _CMP_GE_OQ);
+            __m256 one = _mm256_or_ps(_mm256_set1_ps(1.f), _mm256_andnot_ps(magnitude, scaled));
+            ints[j] = _mm256_cvttps_epi32(_mm256_add_ps(whole, _mm256_and_ps(half_up, one)));
+            sum = _mm256_add_epi32(sum, ints[j]);
+        }
+        /* int32 to int8 in order: the packs interleave 128-bit lanes, the permute undoes it. */
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]), _mm256_packs_epi32(ints[2], ints[3]));
+        packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q->qs + b * GGUF_BLOCK), packed);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+        int32_t total = _mm_cvtsi128_si32(s4);
+        q->d[b] = d, q->sum[b] = total, q->scaled_sum[b] = d * (float)total;
     }
     return 0;
 }
@@ -134,9 +156,9 @@ static inline __attribute__((always_inline)) void gguf_four_rows(int type, int64
     float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = w0 + b * stride;
-        if (((b * stride) & 63) < stride) { /* once a 64-byte line */
-            for (int r = 0; r < GGUF_FOUR; r++) _mm_prefetch((const char *)(p + ahead + r * row_bytes), _MM_HINT_T1);
-        }
+        /* Every block: rows do not start on a line, so "once a line" by the offset in the row
+         * skipped lines, and a miss costs more than the repeated hints. */
+        for (int r = 0; r < GGUF_FOUR; r++) _mm_prefetch((const char *)(p + ahead + r * row_bytes), _MM_HINT_T1);
         __m256i xv = _mm256_loadu_si256((const __m256i *)(q->qs + b * GGUF_BLOCK));
         float dx = q->d[b];
         int32_t sum = q->sum[b];
@@ -168,6 +190,36 @@ static void one_x_row(int type, const uint8_t *w, int64_t row_bytes, int64_t blo
                       q->d[b], q->sum[b], q->scaled_sum[b], &acc, &offset);
         out[i] = hsum_ps(acc) + offset;
     }
+}
+
+#include "gguf_gemv_avx512.c"
+
+/* The one-row kernels, by what they need of the CPU (bits of gguf_gemv_variants). */
+#define GGUF_VARIANT_AVX2 0
+#define GGUF_VARIANT_AVX512_VNNI 1
+
+static int gguf_cpu_has_avx512_vnni(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+/* A bit a variant this CPU runs: 1 << GGUF_VARIANT_AVX2 always (the library needs AVX2 to load). */
+int gguf_gemv_variants(void) {
+    return 1 << GGUF_VARIANT_AVX2 | (gguf_cpu_has_avx512_vnni() ? 1 << GGUF_VARIANT_AVX512_VNNI : 0);
+}
+
+/* The variant gguf_gemv's one-row product takes: the best the CPU runs until gguf_gemv_use_variant
+ * picks one (the tests run each). */
+static int gguf_variant = -1;
+
+/* Picks `variant` (GGUF_VARIANT_*), or the best one the CPU runs for -1. Returns 0, or -1 for a
+ * variant this CPU does not run. */
+int gguf_gemv_use_variant(int variant) {
+    if (variant == -1) variant = gguf_cpu_has_avx512_vnni() ? GGUF_VARIANT_AVX512_VNNI : GGUF_VARIANT_AVX2;
+    if (variant < 0 || !(gguf_gemv_variants() >> variant & 1)) return -1;
+    gguf_variant = variant;
+    return 0;
 }
 
 /* One weight row (its `blocks` blocks at w) times every row of q, into out[r * n]: each weight
@@ -219,9 +271,12 @@ int gguf_gemv(int type, const float *x, const uint8_t *w, float *out, int64_t m,
     }
     int64_t blocks = k / GGUF_BLOCK;
     if (m == 1) {
-        one_x_row(type, w, row_bytes, blocks, &q, out, n, threads);
+        if (gguf_variant < 0) gguf_gemv_use_variant(-1);
+        int status = 0;
+        if (gguf_variant == GGUF_VARIANT_AVX512_VNNI) status = one_x_row_avx512(type, w, row_bytes, blocks, &q, out, n, threads);
+        else one_x_row(type, w, row_bytes, blocks, &q, out, n, threads);
         free_rows(&q);
-        return 0;
+        return status;
     }
     for (int64_t first = 0; first < m; first += GGUF_MAX_ROWS) {
         int64_t rows = m - first < GGUF_MAX_ROWS ? m - first : GGUF_MAX_ROWS;

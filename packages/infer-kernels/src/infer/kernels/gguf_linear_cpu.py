@@ -10,6 +10,8 @@ A CPU decode step is bound by reading the weights; Q4_1 reads 0.625 bytes a weig
   result is `gguf_linear_cpu_q8_ref`'s, the fp32 product of that rounded x and the dequantized
   weight, up to the order of fp32 sums. Elsewhere, ATen: the weight dequantized at each call
   (`dequantize_gguf`) and `F.linear`, `gguf_linear_cpu_ref`.
+  On one row (batch-1 decode) it takes the best variant the CPU runs: AVX-512 VNNI, else AVX2
+  (`gguf_cpu_variants`, `use_gguf_cpu_variant`).
 - `dequantize_gguf(weight, fmt)`: the fp32 weight, by gguf.quants' formulas; also the embedding
   lookup's path (`dequantize_gguf(weight[ids], fmt)`).
 """
@@ -129,6 +131,28 @@ def gguf_linear_cpu(
         )
     out = out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
+
+
+# The C kernel's one-row variants, by what they need of the CPU (gguf_gemv_cpu.c's GGUF_VARIANT_*).
+GGUF_CPU_VARIANTS = {"avx2": 0, "avx512_vnni": 1}
+
+
+def gguf_cpu_variants() -> list[str]:
+    """The C kernel's variants this CPU runs, best last (none where it does not build)."""
+    library = load_native("gguf_gemv_cpu.c")
+    if library is None:
+        return []
+    runs = library.gguf_gemv_variants()
+    return [name for name, bit in GGUF_CPU_VARIANTS.items() if runs >> bit & 1]
+
+
+def use_gguf_cpu_variant(name: str | None) -> None:
+    """Makes `gguf_linear_cpu`'s one-row product take the variant `name` (one of
+    `gguf_cpu_variants()`), or the best one the CPU runs for None (the default). For tests and
+    benchmarks; the decoder stack's library always takes the best."""
+    library = load_native("gguf_gemv_cpu.c")
+    if library is None or library.gguf_gemv_use_variant(-1 if name is None else GGUF_CPU_VARIANTS[name]) != 0:
+        raise ValueError(f"this CPU does not run gguf_gemv_cpu.c's {name} variant")
 
 
 def _gguf_gemv():

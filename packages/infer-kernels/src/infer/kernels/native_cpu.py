@@ -16,6 +16,10 @@ edit or another compiler builds anew.
 It returns None, having logged why once, where that cannot be done: not x86-64 with AVX2, no C
 compiler (`$CC`, else `cc`), or a failed build. Callers then take an ATen path.
 
+Every library is built for AVX2 (FLAGS); code for wider units is compiled inside it under a
+`#pragma GCC target` and chosen at run time by what the CPU reports (gguf_gemv_cpu.c's AVX-512
+VNNI one-row product, in gguf_gemv_avx512.c), so one build serves every x86-64 CPU with AVX2.
+
 The library links the OpenMP runtime by its soname, libgomp.so.1, which resolves to the one
 torch has already loaded: one thread pool in the process, sized by `torch.get_num_threads()`.
 """
