@@ -36,7 +36,7 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def _pythonpath(tree: Path) -> str:
+def tree_pythonpath(tree: Path) -> str:
     sources = sorted(str(p) for p in (tree / "packages").glob("*/src"))
     inherited = os.environ.get("PYTHONPATH", "")
     return os.pathsep.join(sources + ([inherited] if inherited else []))
@@ -47,7 +47,7 @@ def _run(tree: Path, patch: str, model: Path, bench_args: list[str]) -> dict:
         out = Path(tmp) / "report.json"
         command = [sys.executable, "-c", RUNNER, patch, "bench", "generate", "--model", str(model)]
         command += bench_args + ["--json", str(out)]
-        env = {**os.environ, "PYTHONPATH": _pythonpath(tree)}
+        env = {**os.environ, "PYTHONPATH": tree_pythonpath(tree)}
         subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
 

@@ -25,18 +25,13 @@ import shlex
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
+from ab_generate import tree_pythonpath
+
+from infer.bench.serving.matrix import server_process
+
 HERE = Path(__file__).resolve().parents[1]  # this tree: its bench client runs every workload
-HEALTH_TIMEOUT_S = 600.0
-
-
-def _pythonpath(tree: Path) -> str:
-    sources = sorted(str(p) for p in (tree / "packages").glob("*/src"))
-    inherited = os.environ.get("PYTHONPATH", "")
-    return os.pathsep.join(sources + ([inherited] if inherited else []))
 
 
 def _free_port() -> int:
@@ -45,50 +40,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(base_url: str, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            tail = log.read_text().splitlines()[-20:]
-            raise RuntimeError(f"the server exited with {server.returncode}:\n" + "\n".join(tail))
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"the server did not answer /health within {HEALTH_TIMEOUT_S:.0f} s")
-
-
 def _serve_and_bench(tree: Path, server_flags: list[str], workloads, bench_flags, out: Path, tag: str):
     """Starts a server of `tree`, runs each workload against it; returns {workload: report}."""
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
-    log = out / f"{tag}-server.log"
-    command = [sys.executable, "-m", "infer.server.cli", "serve", *server_flags]
-    command += ["--host", "127.0.0.1", "--port", str(port)]
-    with log.open("w") as log_file:
-        env = {**os.environ, "PYTHONPATH": _pythonpath(tree)}
-        server = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        _wait_healthy(base_url, server, log)
-        reports = {}
+    # `env` puts the variant's tree first on the server's PYTHONPATH (server_process takes a command).
+    command = [
+        "env",
+        f"PYTHONPATH={tree_pythonpath(tree)}",
+        sys.executable,
+        "-m",
+        "infer.server.cli",
+        "serve",
+    ]
+    command += [*server_flags, "--host", "127.0.0.1", "--port", str(port)]
+    reports = {}
+    with server_process(command, base_url, log_path=out / f"{tag}-server.log", stop_timeout_s=60.0):
         for workload in workloads:
             path = out / f"{tag}-{workload}.json"
             bench = [sys.executable, "-m", "infer.server.cli", "bench", "serve", "--base-url", base_url]
             bench += ["--workload", workload, "--no-records", "--json", str(path), *bench_flags]
-            env = {**os.environ, "PYTHONPATH": _pythonpath(HERE)}
+            env = {**os.environ, "PYTHONPATH": tree_pythonpath(HERE)}
             subprocess.run(bench, env=env, check=True, stdout=subprocess.DEVNULL)
             reports[workload] = json.loads(path.read_text())
-        return reports
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    return reports
 
 
 def _figures(report: dict) -> tuple[float, float]:
