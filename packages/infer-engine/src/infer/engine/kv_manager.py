@@ -202,9 +202,10 @@ class KVCacheManager:
                 f"num_new_tokens and num_lookahead_tokens must be >= 0, got {num_new_tokens} "
                 f"and {num_lookahead_tokens}"
             )
-        new_block_ids = self._take(
-            self.num_new_blocks(request, num_new_tokens, num_lookahead_tokens), request.request_id
-        )
+        num_blocks = self.num_new_blocks(request, num_new_tokens, num_lookahead_tokens)
+        if num_blocks == 0:  # the last block has room: most decode steps of most requests
+            return []
+        new_block_ids = self._take(num_blocks, request.request_id)
         if new_block_ids is None:
             return None
         if new_block_ids:

@@ -606,6 +606,8 @@ class Scheduler:
         """Positions past the step (its `num_tokens`, `num_drafts` of them drafts) to hold blocks
         for: the draft model's, where the step samples, up to the last position a sequence may
         have."""
+        if not self.num_lookahead_tokens:
+            return 0
         end = request.num_computed_tokens + num_tokens
         if end - num_drafts != request.num_tokens:
             return 0
