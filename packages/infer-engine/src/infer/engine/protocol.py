@@ -13,7 +13,8 @@ Errors are outputs: a request the core refuses or whose forward failed ends with
 """
 
 import enum
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -94,7 +95,11 @@ class EngineOutput:
         return self.finish_reason is not None
 
 
-@dataclass(frozen=True)
+# EngineStats too is made every step and crosses with the outputs: slots and no frozen
+# __setattr__, as EngineOutput, and pickled as its values in field order (`__reduce__`).
+
+
+@dataclass(slots=True)
 class EngineStats:
     """The core's counters and gauges after a step (metrics cross with the outputs, not polled)."""
 
@@ -198,6 +203,13 @@ class EngineStats:
     vision_encoder_skipped: int = 0
     vision_image_tokens_reused: int = 0
     vision_encoder_time_s: float = 0.0
+
+    def __reduce__(self):
+        return EngineStats, _engine_stats_values(self)
+
+
+# Every field's value, in order: EngineStats(*values) is the same stats.
+_engine_stats_values = operator.attrgetter(*(f.name for f in fields(EngineStats)))
 
 
 @dataclass(frozen=True)
