@@ -315,7 +315,7 @@ def test_act_order_parts_of_one_input_must_share_their_column_order(tmp_path):
 @pytest.mark.parametrize("chunk_bytes", [None, 3 * 256 * 4])
 def test_int4_at_load_puts_every_weight_within_half_a_step(scale_dtype, chunk_bytes, monkeypatch):
     if chunk_bytes is not None:  # a few rows a chunk, the last chunk partial
-        monkeypatch.setattr(int4_weights, "QUANTIZE_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(quantization, "QUANTIZE_CHUNK_BYTES", chunk_bytes)
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(37, 256, generator=generator) * torch.rand(37, 1, generator=generator)
     weight[3, :64] = 0  # an all-zero group

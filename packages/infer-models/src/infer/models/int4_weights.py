@@ -17,8 +17,9 @@ The published layouts (each tensor int32 words of 8 values, the lowest bits firs
   [0, 2, 4, 6, 1, 3, 5, 7] of its eight; `qzeros` `[G, N // 8]` packed the same way; `scales`
   `[G, N]`.
 
-Each function works on one tensor, in chunks of output rows of at most QUANTIZE_CHUNK_BYTES of
-float32 (or int32) temporaries, so that loading peaks near the packed footprint.
+Each function works on one tensor, in chunks of output rows of at most
+quantization.QUANTIZE_CHUNK_BYTES of float32 (or int32) temporaries (`row_chunks`), so that
+loading peaks near the packed footprint.
 """
 
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.kernels.int4_linear import SYMMETRIC_ZERO, pack_int4
-from infer.models.quantization import QUANTIZE_CHUNK_BYTES
+from infer.models.quantization import row_chunks
 
 # The values in a packed int32 word and their shifts, lowest bits first.
 PACK_FACTOR = 8
@@ -60,11 +61,6 @@ def _pack_words(values: torch.Tensor) -> torch.Tensor:
     """`_unpack_words`' inverse: `[..., W, 8]` values 0..15 -> int32 `[..., W]` (two's complement)."""
     shifts = torch.tensor(_SHIFTS, dtype=torch.int64, device=values.device)
     return (values.to(torch.int64) << shifts).sum(-1).to(torch.int32)
-
-
-def _row_chunks(num_rows: int, bytes_per_row: int) -> list[tuple[int, int]]:
-    step = max(1, QUANTIZE_CHUNK_BYTES // max(1, bytes_per_row))
-    return [(first, min(num_rows, first + step)) for first in range(0, num_rows, step)]
 
 
 def _check_zeros(zeros: torch.Tensor, symmetric: bool, what: str) -> torch.Tensor | None:
@@ -110,7 +106,7 @@ def repack_gptq(
     in_features, out_features = qweight.shape[0] * PACK_FACTOR, qweight.shape[1]
     perm = None if g_idx is None else act_order_permutation(g_idx, group_size, what)
     packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=qweight.device)
-    for first, last in _row_chunks(out_features, in_features * 4):
+    for first, last in row_chunks(out_features, in_features * 4):
         # [K // 8, n, 8] -> [K, n]: value j of word i is column 8i + j.
         q = _unpack_words(qweight[:, first:last]).permute(0, 2, 1).reshape(in_features, last - first).t()
         packed[first:last] = pack_int4(q if perm is None else q[:, perm])
@@ -126,7 +122,7 @@ def repack_awq(
     in_features, out_features = qweight.shape[0], qweight.shape[1] * PACK_FACTOR
     reverse = torch.tensor(AWQ_REVERSE_ORDER, device=qweight.device)
     packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=qweight.device)
-    for first, last in _row_chunks(out_features // PACK_FACTOR, in_features * 4 * PACK_FACTOR):
+    for first, last in row_chunks(out_features // PACK_FACTOR, in_features * 4 * PACK_FACTOR):
         q = _unpack_words(qweight[:, first:last])[..., reverse].reshape(in_features, -1).t()
         packed[first * PACK_FACTOR : last * PACK_FACTOR] = pack_int4(q)
     zeros = _unpack_words(qzeros)[..., reverse].reshape(qzeros.shape[0], -1).t().contiguous()
@@ -190,7 +186,7 @@ def quantize_int4(
     rows, in_features = weight.shape
     packed = torch.empty(rows, in_features // 2, dtype=torch.uint8, device=device)
     scales, zeros = _group_tensors(weight, group_size, scale_dtype, device)
-    for first, last in _row_chunks(rows, in_features * 4):
+    for first, last in row_chunks(rows, in_features * 4):
         q, scales[first:last], zeros[first:last] = _quantize_rows(
             weight[first:last].to(device), group_size, scale_dtype, symmetric
         )
@@ -205,7 +201,7 @@ def quantize_int4_unpacked(
     the writers of the published layouts."""
     q = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
     scales, zeros = _group_tensors(weight, group_size, scale_dtype, weight.device)
-    for first, last in _row_chunks(weight.shape[0], weight.shape[1] * 4):
+    for first, last in row_chunks(weight.shape[0], weight.shape[1] * 4):
         q[first:last], scales[first:last], zeros[first:last] = _quantize_rows(
             weight[first:last], group_size, scale_dtype, symmetric
         )

@@ -273,6 +273,12 @@ def scale_shape(out_features: int, in_features: int, block_size: tuple[int, int]
 QUANTIZE_CHUNK_BYTES = 64 * 2**20
 
 
+def row_chunks(num_rows: int, bytes_per_row: int) -> list[tuple[int, int]]:
+    """(first, last + 1) of each run of rows of at most QUANTIZE_CHUNK_BYTES (one row at least)."""
+    step = max(1, QUANTIZE_CHUNK_BYTES // max(1, bytes_per_row))
+    return [(first, min(num_rows, first + step)) for first in range(0, num_rows, step)]
+
+
 def quantize_weight(
     weight: torch.Tensor, method: str, block_size: tuple[int, int], device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,9 +296,7 @@ def quantize_weight(
         weight.shape, dtype=torch.int8 if method == "int8" else torch.float8_e4m3fn, device=device
     )
     scale = torch.empty(grid, dtype=torch.float32, device=device)
-    block_rows_per_chunk = max(1, QUANTIZE_CHUNK_BYTES // (rows * grid[1] * cols * 4))
-    for first in range(0, grid[0], block_rows_per_chunk):
-        last = min(grid[0], first + block_rows_per_chunk)
+    for first, last in row_chunks(grid[0], rows * grid[1] * cols * 4):
         chunk = weight[first * rows : min(last * rows, out_features)].to(device)
         quantized[first * rows : first * rows + chunk.shape[0]], scale[first:last] = _quantize_rows(
             chunk, method, block_size
