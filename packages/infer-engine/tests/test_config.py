@@ -51,6 +51,10 @@ def test_defaults_are_valid_and_continuous():
         ({"device": "tpu"}, "device must be auto, cpu, cuda or cuda:N"),
         ({"model": ""}, "model must be a non-empty string"),
         ({"quantization": "int3"}, "quantization must be one of"),
+        (
+            {"quantization": "gguf", "device": "cuda:0"},
+            "quantization 'gguf' runs a GGUF file's blocks on the CPU only",
+        ),
         ({"device_memory_limit_gib": 0}, "device_memory_limit_gib must be a number > 0"),
     ],
 )

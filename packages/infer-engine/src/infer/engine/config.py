@@ -348,6 +348,11 @@ class EngineConfig:
         _check_int(self, "prefix_cache_quantize_min_tokens", minimum=0)
         if self.quantization is not None:
             _check_choice(self, "quantization", QUANTIZATION_CHOICES)
+        if self.quantization == "gguf" and self.device.startswith("cuda"):
+            raise EngineConfigError(
+                f"quantization 'gguf' runs a GGUF file's blocks on the CPU only, got device={self.device!r}; "
+                "use device='cpu', or quantization 'int4', 'int8' or 'fp8' on CUDA"
+            )
         _check_choice(self, "load_format", LOAD_FORMATS)
         if self.load_format == "dummy" and self.quantization is not None:
             raise EngineConfigError(
