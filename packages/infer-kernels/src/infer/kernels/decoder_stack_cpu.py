@@ -30,7 +30,7 @@ from infer.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from infer.kernels.gguf_linear_cpu import BLOCK as GGUF_BLOCK
 from infer.kernels.gguf_linear_cpu import GGUF_FORMATS, gguf_linear_cpu_q8_ref, gguf_linear_cpu_supports
 from infer.kernels.int8_linear_cpu import ALIGNMENT, K_MULTIPLE
-from infer.kernels.native_cpu import load_native
+from infer.kernels.native_cpu import POINTER, SIZE, load_native, native_function
 from infer.kernels.paged_attention import NATIVE_MAX_HEAD_DIM, paged_attention_ref
 from infer.kernels.rms_norm import rms_norm_ref
 from infer.kernels.rope import rope_ref
@@ -131,6 +131,12 @@ class _Stack(ctypes.Structure):
     ]  # fmt: skip
 
 
+# decoder_stack_cpu.c's entry point: (stack, blocks, residual, rows, positions, slot mapping,
+# block tables, their row stride, lengths, threads) -> status.
+_DECODER_STACK_ARGS = (ctypes.POINTER(_Stack), ctypes.POINTER(_Block), POINTER, SIZE, POINTER, POINTER,
+                       POINTER, SIZE, POINTER, ctypes.c_int)  # fmt: skip
+
+
 def _pointer(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -207,10 +213,9 @@ class DecoderStackCpu:
         num_slots = self._caches(kv_layers)
         if int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < 0:
             raise ValueError(f"slot_mapping holds a slot outside the cache's {num_slots}")
-        library = load_native(SOURCE)
-        if library is None:
+        run = native_function(SOURCE, "decoder_stack", _DECODER_STACK_ARGS)
+        if run is None:
             raise RuntimeError("decoder_stack_cpu.c does not build here (DecoderStackCpu.runs_here())")
-        run = _decoder_stack(library)
         status = run(ctypes.byref(self._stack), self._blocks, residual.data_ptr(), rows, positions.data_ptr(),
                      slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                      seq_lens.data_ptr(), torch.get_num_threads())  # fmt: skip
@@ -269,16 +274,6 @@ class DecoderStackCpu:
             sin=b.sin.data_ptr(),
             sliding_window=b.sliding_window or 0,
         )
-
-
-def _decoder_stack(library: ctypes.CDLL):
-    run = library.decoder_stack
-    if run.argtypes is None:
-        pointer, size = ctypes.c_void_p, ctypes.c_int64
-        run.argtypes = [ctypes.POINTER(_Stack), ctypes.POINTER(_Block), pointer, size, pointer, pointer,
-                        pointer, size, pointer, ctypes.c_int]  # fmt: skip
-        run.restype = ctypes.c_int
-    return run
 
 
 def _check_shape(shape: CpuStackShape, hidden_size: int) -> None:

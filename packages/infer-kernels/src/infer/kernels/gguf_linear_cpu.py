@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from infer.kernels.native_cpu import load_native
+from infer.kernels.native_cpu import POINTER, SIZE, load_native, native_function
 
 BLOCK = 32  # weights a block, in every format here
 
@@ -106,6 +106,14 @@ def gguf_linear_cpu_supports(weight: torch.Tensor, fmt: str, in_features: int) -
     )
 
 
+# gguf_gemv_cpu.c's entry point: (format, x, weight, out, rows, n, k, threads) -> status.
+_GGUF_GEMV = (
+    "gguf_gemv_cpu.c",
+    "gguf_gemv",
+    (ctypes.c_int, POINTER, POINTER, POINTER, SIZE, SIZE, SIZE, ctypes.c_int),
+)
+
+
 def gguf_linear_cpu(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -116,7 +124,7 @@ def gguf_linear_cpu(
 ) -> torch.Tensor:
     """`x @ dequantize_gguf(weight, fmt).T + bias` in x's dtype, x `[..., K]` on the CPU, for a
     packed weight that `gguf_linear_cpu_supports`. `native`: the C kernel where it builds."""
-    gemv = _gguf_gemv() if native else None
+    gemv = native_function(*_GGUF_GEMV) if native else None
     if gemv is None:
         return gguf_linear_cpu_ref(x, weight, fmt, bias)
     rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
@@ -153,15 +161,3 @@ def use_gguf_cpu_variant(name: str | None) -> None:
     library = load_native("gguf_gemv_cpu.c")
     if library is None or library.gguf_gemv_use_variant(-1 if name is None else GGUF_CPU_VARIANTS[name]) != 0:
         raise ValueError(f"this CPU does not run gguf_gemv_cpu.c's {name} variant")
-
-
-def _gguf_gemv():
-    library = load_native("gguf_gemv_cpu.c")
-    if library is None:
-        return None
-    gemv = library.gguf_gemv
-    if gemv.argtypes is None:
-        pointer, size = ctypes.c_void_p, ctypes.c_int64
-        gemv.argtypes = [ctypes.c_int, pointer, pointer, pointer, size, size, size, ctypes.c_int]
-        gemv.restype = ctypes.c_int
-    return gemv

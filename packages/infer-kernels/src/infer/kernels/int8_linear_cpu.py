@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from infer.kernels.native_cpu import load_native
+from infer.kernels.native_cpu import POINTER, SIZE, native_function
 
 # ATen's kernel reads K in vectors of 16 int8s with aligned loads: another K gives wrong sums or
 # a crash, and so does a weight whose data does not start on a 64-byte boundary. The AVX2 kernel
@@ -68,6 +68,14 @@ def int8_cpu_scale(scale: torch.Tensor) -> Int8CpuScale:
     return Int8CpuScale(flat.to(torch.float32).contiguous(), flat.to(torch.bfloat16))
 
 
+# int8_gemv_cpu.c's entry point: (x, weight, scales, out, rows, n, k, threads) -> status.
+_INT8_GEMV = (
+    "int8_gemv_cpu.c",
+    "int8_gemv",
+    (POINTER, POINTER, POINTER, POINTER, SIZE, SIZE, SIZE, ctypes.c_int),
+)
+
+
 def int8_linear_cpu(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -80,7 +88,7 @@ def int8_linear_cpu(
     `int8_linear_cpu_supports`, the scales of `int8_cpu_scale`, x `[..., K]` on the CPU.
     `native`: a few rows may take the C kernel (else ATen's, always)."""
     rows = x.reshape(-1, x.shape[-1])
-    gemv = _int8_gemv() if native and rows.shape[0] <= AVX2_MAX_ROWS else None
+    gemv = native_function(*_INT8_GEMV) if native and rows.shape[0] <= AVX2_MAX_ROWS else None
     if gemv is not None:
         rows = rows.to(torch.float32).contiguous()
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
@@ -94,15 +102,3 @@ def int8_linear_cpu(
         out = torch._weight_int8pack_mm(rows.to(torch.bfloat16), weight, scale.bfloat16).to(x.dtype)
     out = out.view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
-
-
-def _int8_gemv():
-    library = load_native("int8_gemv_cpu.c")
-    if library is None:
-        return None
-    gemv = library.int8_gemv
-    if gemv.argtypes is None:
-        pointer, size = ctypes.c_void_p, ctypes.c_int64
-        gemv.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
-        gemv.restype = ctypes.c_int
-    return gemv

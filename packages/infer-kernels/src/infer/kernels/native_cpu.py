@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -72,6 +73,23 @@ def _unsupported_reason() -> str | None:
     if _compiler() is None:
         return "no C compiler ($CC, cc or gcc) on the PATH"
     return None
+
+
+# What the kernels' entry points take besides ints and floats: a tensor's data, and a size.
+POINTER, SIZE = ctypes.c_void_p, ctypes.c_int64
+
+
+def native_function(source: str, name: str, argtypes: Sequence) -> Callable[..., int] | None:
+    """Entry point `name` of the library built from `source` (`load_native`), declared to take
+    `argtypes` and to return a C int (0: done); None where the library cannot be built here."""
+    library = load_native(source)
+    if library is None:
+        return None
+    function = getattr(library, name)
+    if function.argtypes is None:
+        function.argtypes = list(argtypes)
+        function.restype = ctypes.c_int
+    return function
 
 
 @functools.cache

@@ -57,7 +57,7 @@ import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, num_sms, use_triton
 from infer.kernels.kv_fp8 import dequantize_fp8_ref, fp8_scale, is_fp8
-from infer.kernels.native_cpu import load_native
+from infer.kernels.native_cpu import POINTER, SIZE, native_function
 from infer.kernels.pdl import await_inputs, launch_options
 from infer.kernels.store_kv import check_fp8_scales
 
@@ -858,6 +858,13 @@ def paged_attention_cpu(
 # decode_attention_cpu.c keeps a head's output in a local buffer of this many floats (its
 # MAX_HEAD_DIM); DecoderStackCpu, which includes that file, takes the same bound.
 NATIVE_MAX_HEAD_DIM = 512
+# decode_attention_cpu.c's entry point (the argument order of `paged_attention_cpu`'s call) -> status.
+_DECODE_ATTENTION = (
+    "decode_attention_cpu.c",
+    "decode_attention",
+    (POINTER, SIZE, POINTER, POINTER, POINTER, SIZE, POINTER, POINTER, SIZE,
+     SIZE, SIZE, SIZE, SIZE, SIZE, SIZE, ctypes.c_float, ctypes.c_int),
+)  # fmt: skip
 
 
 def _decode_attention_native(
@@ -880,7 +887,7 @@ def _decode_attention_native(
         and seq_lens.is_contiguous()
         and block_tables.stride(1) == 1
     )
-    attend = _decode_attention() if takes else None
+    attend = native_function(*_DECODE_ATTENTION) if takes else None
     if attend is None:
         return False
     num_q_heads, (block_size, num_kv_heads) = q.shape[1], k_cache.shape[1:3]
@@ -893,19 +900,6 @@ def _decode_attention_native(
     if status != 0:
         raise MemoryError("decode_attention_cpu could not allocate a row's scores")
     return True
-
-
-def _decode_attention():
-    library = load_native("decode_attention_cpu.c")
-    if library is None:
-        return None
-    attend = library.decode_attention
-    if attend.argtypes is None:
-        pointer, size = ctypes.c_void_p, ctypes.c_int64
-        attend.argtypes = [pointer, size, pointer, pointer, pointer, size, pointer, pointer, size,
-                           size, size, size, size, size, size, ctypes.c_float, ctypes.c_int]  # fmt: skip
-        attend.restype = ctypes.c_int
-    return attend
 
 
 def _check(

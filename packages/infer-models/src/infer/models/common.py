@@ -24,7 +24,6 @@ from infer.kernels import (
     KVStore,
     add_rms_norm,
     dequantize_gguf,
-    gguf_row_bytes,
     qk_norm_rope,
     rms_norm,
     rms_norm_add_rms_norm,
@@ -34,7 +33,7 @@ from infer.kernels import (
 from infer.models.attention import attention, kv_store
 from infer.models.config import ModelConfig, RopeConfig
 from infer.models.forward_batch import ForwardBatch
-from infer.models.linear import Linear
+from infer.models.linear import Linear, empty_gguf_weight
 from infer.models.linear_method import launches_pdl
 from infer.models.quantization import Quantization
 
@@ -58,10 +57,8 @@ class Embedding(nn.Module):
 
     def pack_gguf(self, fmt: str) -> None:
         """Makes the table GGUF blocks of `fmt`: an empty uint8 parameter for the loader to fill."""
-        rows = (self.weight.shape[0], gguf_row_bytes(fmt, self.weight.shape[1]))
-        self.weight = nn.Parameter(
-            torch.empty(rows, dtype=torch.uint8, device=self.weight.device), requires_grad=False
-        )
+        num_embeddings, embedding_dim = self.weight.shape
+        self.weight = empty_gguf_weight(num_embeddings, embedding_dim, fmt, self.weight.device)
         self.gguf_format = fmt
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

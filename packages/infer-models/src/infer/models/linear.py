@@ -19,6 +19,13 @@ from infer.models.linear_method import DenseMethod, GgufMethod, Int4Method, Line
 from infer.models.quantization import Quantization, int4_group_for, scale_shape
 
 
+def empty_gguf_weight(rows: int, cols: int, fmt: str, device: torch.device) -> nn.Parameter:
+    """An empty parameter for a [rows, cols] weight in GGUF blocks of `fmt`, uint8 [rows, cols / 32
+    * block bytes], for the loader to fill (a Linear's or an embedding table's)."""
+    shape = (rows, gguf_row_bytes(fmt, cols))
+    return nn.Parameter(torch.empty(shape, dtype=torch.uint8, device=device), requires_grad=False)
+
+
 class Linear(nn.Module):
     """`x @ weight.T + bias` with uninitialised parameters: every weight comes from a checkpoint,
     and skipping nn.Linear's random init keeps building a model on the meta device instant."""
@@ -94,10 +101,7 @@ class Linear(nn.Module):
     def pack_gguf(self, fmt: str) -> None:
         """Makes this Linear's weight GGUF blocks of `fmt`: a new, empty uint8 parameter on the
         weight's device, for the loader to fill."""
-        rows = (self.out_features, gguf_row_bytes(fmt, self.in_features))
-        self.weight = nn.Parameter(
-            torch.empty(rows, dtype=torch.uint8, device=self.weight.device), requires_grad=False
-        )
+        self.weight = empty_gguf_weight(self.out_features, self.in_features, fmt, self.weight.device)
         self.gguf_format = fmt
         self.method = GgufMethod()
 
