@@ -1,4 +1,5 @@
-"""Sweeps the M = 1 GEMV configurations of quantized_linear on Qwen3-8B shapes (issue 16).
+"""Sweeps the M = 1 GEMV configurations of quantized_linear (int8, fp8) and int4_linear (int4:
+groups of 128 with zero points, what GPTQ and AWQ checkpoints become) on Qwen3-8B shapes.
 
 Each configuration runs back to back on distinct weight copies (more than the L2 holds) from one
 CUDA graph, as a model's layers run; bf16 `F.linear` and the configuration `_gemv_config` picks
@@ -8,6 +9,7 @@ Needs a CUDA GPU.
     python kernels-bench/sweep_quantized_gemv.py int8,fp8 [--json FILE]
     python kernels-bench/sweep_quantized_gemv.py int8,fp8 --gated   # gate_up with its activation
     python kernels-bench/sweep_quantized_gemv.py fp8 --folds 1,16 --splits 1,2   # FOLD too, fewer splits
+    python kernels-bench/sweep_quantized_gemv.py int4 --stages 1,2   # software pipelining too
 
 With `--gated` it sweeps `quantized_gated_gemv` on the gate/up shape (unsplit: the activation
 needs whole sums), and "default" is the unfused pair: the default GEMV, then `silu_and_mul`.
@@ -21,15 +23,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from harness import copy_bandwidth_gbps
 
-from infer.kernels import silu_and_mul
+from infer.kernels import pack_int4, silu_and_mul
+from infer.kernels.int4_linear import _launch as int4_launch
 from infer.kernels.quantized_linear import _k_tile_cap, _launch
 from infer.models.quantization import quantize_weight
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 # Bytes of weight copies per measurement: four times an H100's 50 MB L2.
 STREAMED_BYTES = 200e6
-COPY_BANDWIDTH = 3.0e12  # for the "ideal" column: an H100's measured device-to-device copy
+INT4_GROUP_SIZE = 128
 
 
 def streamed_us(calls: list[Callable[[], object]], repeats: int = 5) -> float:
@@ -57,29 +61,69 @@ def streamed_us(calls: list[Callable[[], object]], repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def configurations(method: str, folds: tuple[int, ...], splits: tuple[int, ...]):
+def configurations(method: str, folds: tuple[int, ...], splits: tuple[int, ...], stages: tuple[int, ...]):
     """(config, split_k) pairs: tile rows, tile columns, unroll, warps, products folded per
-    thread (FOLD), K splits. fp8 tiles of up to 32 rows stay inside a 128-row scale block, so
-    their columns may span 128-column blocks."""
+    thread (FOLD; 8-bit only), K splits, software pipelining stages. fp8 tiles of up to 32 rows
+    stay inside a 128-row scale block, so their columns may span 128-column blocks; int4 tiles
+    stay inside a group of 128 columns."""
+    if method == "int4":
+        grid = itertools.product([16, 32, 64, 128], [(128, 1), (128, 2), (128, 4), (128, 8)], [2, 4, 8])
+        for (block_n, (block_k, unroll), warps), stage, split in itertools.product(grid, stages, splits):
+            config = dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, num_stages=stage)
+            yield config, split
+        return
     if method == "int8":
         grid = itertools.product([4, 8, 16, 32], [(256, 1), (512, 1), (1024, 1), (2048, 1)], [2, 4, 8])
     else:
         grid = itertools.product([8, 16, 32], [(128, 1), (128, 4), (256, 1), (512, 1), (1024, 1)], [4, 8])
     for (block_n, (block_k, unroll), warps), fold, split in itertools.product(grid, folds, splits):
-        config = dict(
-            BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, num_stages=1, FOLD=fold
-        )
-        yield config, split
+        for stage in stages:
+            config = dict(
+                BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, num_stages=stage, FOLD=fold
+            )
+            yield config, split
+
+
+def quantized_weights(method: str, n: int, k: int) -> list[tuple]:
+    """Distinct copies of one shape's weight in `method`'s format, more bytes than the L2 holds:
+    each the launcher's weight arguments after x."""
+    count = max(2, int(STREAMED_BYTES // (n * k)))
+    if method == "int4":
+        groups = (n, k // INT4_GROUP_SIZE)
+
+        def int4_weight():
+            qweight = pack_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda"))
+            scales = (torch.rand(groups, device="cuda") / (5 * k**0.5)).to(torch.bfloat16)
+            zeros = torch.randint(0, 16, groups, dtype=torch.uint8, device="cuda")
+            return qweight, scales, zeros, INT4_GROUP_SIZE
+
+        return [int4_weight() for _ in range(2 * count)]  # half the bytes a copy
+    block = (1, k) if method == "int8" else (128, 128)
+    return [
+        (*quantize_weight(torch.randn(n, k, device="cuda") * k**-0.5, method, block), block)
+        for _ in range(count)
+    ]
+
+
+def launcher(method: str) -> Callable:
+    """The format's `_launch(x, *weight, bias, **overrides)`."""
+    return int4_launch if method == "int4" else _launch
 
 
 def sweep_shape(
-    method: str, n: int, k: int, sweep: bool, gated: bool, folds: tuple[int, ...], splits: tuple[int, ...]
+    method: str,
+    n: int,
+    k: int,
+    sweep: bool,
+    gated: bool,
+    folds: tuple[int, ...],
+    splits: tuple[int, ...],
+    stages: tuple[int, ...],
+    copy_gbps: float,
 ) -> dict:
-    block = (1, k) if method == "int8" else (128, 128)
-    weights = [
-        quantize_weight(torch.randn(n, k, device="cuda") * k**-0.5, method, block)
-        for _ in range(max(2, int(STREAMED_BYTES // (n * k))))
-    ]
+    weights = quantized_weights(method, n, k)
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights[0] if isinstance(t, torch.Tensor))
+    launch = launcher(method)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     dense = [
         torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -88,32 +132,40 @@ def sweep_shape(
     bf16_us = streamed_us([lambda w=w: F.linear(x, w) for w in dense])
     del dense
     if gated:
-        default = [lambda q=q, s=s: silu_and_mul(_launch(x, q, s, block, None)) for q, s in weights]
+        default = [lambda w=w: silu_and_mul(launch(x, *w, None)) for w in weights]
     else:
-        default = [lambda q=q, s=s: _launch(x, q, s, block, None) for q, s in weights]
+        default = [lambda w=w: launch(x, *w, None) for w in weights]
     default_us = streamed_us(default)
     activation = "silu" if gated else None
     rows = []
-    for config, split in configurations(method, folds, splits) if sweep else ():
+    for config, split in configurations(method, folds, splits, stages) if sweep else ():
         if gated and split > 1:
             continue
         too_deep = config["BLOCK_K"] * config["UNROLL"] * split > k
         # A tile whose rows take scales of their own (int8's) stays inside one scale block.
-        straddles = block[0] % config["BLOCK_N"] and config["BLOCK_K"] > _k_tile_cap(k, block[1])
+        block = weights[0][-1]
+        straddles = (
+            method != "int4" and block[0] % config["BLOCK_N"] and config["BLOCK_K"] > _k_tile_cap(k, block[1])
+        )
         if too_deep or straddles:
             continue
         calls = [
-            lambda q=q, s=s, config=config, split=split: _launch(
-                x, q, s, block, None, kernel="gemv", config=config, split_k=split, activation=activation
+            lambda w=w, config=config, split=split: launch(
+                x, *w, None, kernel="gemv", config=config, split_k=split, activation=activation
             )
-            for q, s in weights
+            for w in weights
         ]
-        rows.append((streamed_us(calls), config, split))
+        try:
+            rows.append((streamed_us(calls), config, split))
+        except Exception as error:  # a configuration the compiler refuses (registers, shared memory)
+            print(
+                f"    skipped {config} split {split}: {type(error).__name__}: {str(error)[:120]}", flush=True
+            )
     rows.sort(key=lambda row: row[0])
     return {
         "bf16_us": bf16_us,
         "default_us": default_us,
-        "ideal_us": n * k / COPY_BANDWIDTH * 1e6,
+        "ideal_us": weight_bytes / (copy_gbps * 1e9) * 1e6,
         "best": rows[:8],
     }
 
@@ -122,7 +174,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("methods", help="comma-separated: int8, fp8")
+    parser.add_argument("methods", help="comma-separated: int8, fp8, int4")
     parser.add_argument("--json", type=Path, help="write every shape's best configurations here")
     parser.add_argument("--gated", action="store_true", help="gate_up with its activation, fused")
     parser.add_argument(
@@ -130,16 +182,21 @@ def main() -> None:
     )
     parser.add_argument("--folds", default="1", help="comma-separated FOLD values to sweep")
     parser.add_argument("--splits", default="1,2,4,8", help="comma-separated K splits to sweep")
+    parser.add_argument("--stages", default="1", help="comma-separated num_stages to sweep")
     args = parser.parse_args()
     torch.manual_seed(0)
     results = {}
-    folds, splits = (tuple(int(v) for v in arg.split(",")) for arg in (args.folds, args.splits))
+    folds, splits, stages = (
+        tuple(int(v) for v in arg.split(",")) for arg in (args.folds, args.splits, args.stages)
+    )
+    copy_gbps = copy_bandwidth_gbps()
+    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (the ideal column: the weight's bytes at it)")
     for method in args.methods.split(","):
         for name, (n, k) in SHAPES.items():
             if args.gated and name != "gate_up":
                 continue
             result = results[f"{method}/{name}"] = sweep_shape(
-                method, n, k, not args.no_sweep, args.gated, folds, splits
+                method, n, k, not args.no_sweep, args.gated, folds, splits, stages, copy_gbps
             )
             print(
                 f"{method} {name} {n}x{k}: bf16 {result['bf16_us']:.1f} µs, "
