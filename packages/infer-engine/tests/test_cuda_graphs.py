@@ -17,6 +17,8 @@ from infer.engine.engine import Engine
 from infer.models.load import load_model
 from infer.models.random_checkpoint import make_random_checkpoint
 
+from .conftest import drop_weight_files
+
 
 def test_buckets_are_powers_of_two_capped_by_the_largest():
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
@@ -254,6 +256,7 @@ def test_graph_logits_equal_the_eager_forward_at_real_shape_in_bf16(tmp_path):
     sums in another order; the engine tests compare tokens across that.)"""
     folder = make_random_checkpoint("llama-3.2-1b", tmp_path / "llama", dtype=torch.bfloat16)
     loaded = load_model(folder, dtype=torch.bfloat16, device="cuda")
+    drop_weight_files(folder)
     engine = Engine(
         EngineConfig(
             **PLAIN
@@ -288,6 +291,7 @@ def test_one_request_with_pdl_gives_the_tokens_and_logprobs_of_plain_launches(tm
         pytest.skip("PDL needs compute capability 9.0 or newer")
     folder = make_random_checkpoint("qwen3-1.7b", tmp_path / "qwen3", dtype=torch.bfloat16)
     loaded = load_model(folder, dtype=torch.bfloat16, device="cuda")
+    drop_weight_files(folder)
     prompt = torch.randint(0, 32000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True, logprobs=3)
     eager = dict(use_cuda_graphs=False, async_scheduling=False)
@@ -335,6 +339,7 @@ def test_mixed_step_graph_logits_equal_the_eager_forward_at_real_shape_in_bf16(t
     token), so a's tokens are checked against the recompute oracle too."""
     folder = make_random_checkpoint("llama-3.2-1b", tmp_path / "llama", dtype=torch.bfloat16)
     loaded = load_model(folder, dtype=torch.bfloat16, device="cuda")
+    drop_weight_files(folder)
     engine = Engine(
         EngineConfig(
             device="cuda",

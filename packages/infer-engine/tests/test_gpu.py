@@ -16,6 +16,7 @@ import importlib
 import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -75,7 +76,11 @@ def real_shape(request, tmp_path_factory):
     params = SamplingParams(temperature=0, max_new_tokens=NUM_TOKENS, ignore_eos=True)
     oracle = RecomputeOracle(loaded)
     expected = [oracle.generate(prompt, params).token_ids for prompt in prompts]
-    return request.param, loaded, prompts, params, expected
+    yield request.param, loaded, prompts, params, expected
+    # Kept while its tests run (a speculative test loads it again as its own draft), deleted
+    # after: every pytest-xdist worker writes each preset's gigabytes, and kept for the whole run
+    # they filled the GPU machine's 64 GiB disk.
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.gpu
