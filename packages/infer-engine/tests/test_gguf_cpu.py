@@ -20,11 +20,12 @@ import torch
 
 from infer.engine import Engine, EngineConfig, SamplingParams
 from infer.kernels import DecoderStackCpu, gguf_linear_cpu_q8_ref
+from infer.kernels.native_cpu import load_native
 from infer.models import load_model
 from infer.models.forward_batch import ForwardBatch
 from infer.models.kernel_policy import KernelPolicy, apply_kernel_policy
 from infer.models.linear import Linear
-from infer.models.linear_method import GgufMethod
+from infer.models.linear_method import DequantizedGgufMethod, GgufMethod
 from infer.models.loader.gguf_weights import load_gguf_causal_lm
 
 PROMPTS = [
@@ -127,3 +128,32 @@ def test_greedy_tokens_through_the_engine_equal_the_dense_models_but_near_ties(m
                 )
     assert engine.core.runner.cpu_decode.num_steps > 0, "the C decoder stack did not run"
     print(f"near ties where the packed model chose another token: {near_ties}")
+
+
+@pytest.fixture
+def no_c_compiler(monkeypatch, tmp_path):
+    """As on a machine without a C compiler: no C kernel builds (none built before is found)."""
+    monkeypatch.setenv("INFER_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    load_native.cache_clear()
+    yield
+    load_native.cache_clear()  # what loads next, after monkeypatch's undo, finds the real kernels
+
+
+@pytest.mark.parametrize("without", ["a C compiler", "the C kernels"])
+def test_without_its_c_kernel_a_packed_model_runs_its_weights_dequantized_once(models, request, without):
+    """Dequantized at every call, the weights of a decode step cost more than the step (SmolLM2's
+    Q4_1 file decoded at a quarter of transformers' speed): without the C kernel the policy
+    dequantizes each weight once, and the packed model computes what the dense model does."""
+    packed, dense, _ = models
+    if without == "a C compiler":
+        request.getfixturevalue("no_c_compiler")
+    loaded = load_model("smollm2-135m-instruct", dtype=torch.float32, quantization="gguf")
+    policy = KernelPolicy("cpu", use_native_cpu_kernels=without != "the C kernels")
+    model = apply_kernel_policy(loaded.model, policy)
+    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    assert linears and all(isinstance(linear.method, DequantizedGgufMethod) for linear in linears)
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8  # the blocks are kept
+    for prompt in PROMPTS:
+        ids = greedy(dense, packed.tokenizer.encode(prompt, add_special_tokens=False), 8)
+        assert torch.equal(logits(model, ids), logits(dense, ids))

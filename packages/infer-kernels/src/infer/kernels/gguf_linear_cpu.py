@@ -9,7 +9,8 @@ A CPU decode step is bound by reading the weights; Q4_1 reads 0.625 bytes a weig
   its entries) per block, integer dot products per block, fp32 sums of their scaled results. Its
   result is `gguf_linear_cpu_q8_ref`'s, the fp32 product of that rounded x and the dequantized
   weight, up to the order of fp32 sums. Elsewhere, ATen: the weight dequantized at each call
-  (`dequantize_gguf`) and `F.linear`, `gguf_linear_cpu_ref`.
+  (`dequantize_gguf`) and `F.linear`, `gguf_linear_cpu_ref`; a model whose Linears call it many
+  times dequantizes once instead where `gguf_linear_cpu_native()` is false.
   On one row (batch-1 decode) it takes the best variant the CPU runs: AVX-512 VNNI, else AVX2
   (`gguf_cpu_variants`, `use_gguf_cpu_variant`).
 - `dequantize_gguf(weight, fmt)`: the fp32 weight, by gguf.quants' formulas; also the embedding
@@ -112,6 +113,13 @@ _GGUF_GEMV = (
     "gguf_gemv",
     (ctypes.c_int, POINTER, POINTER, POINTER, SIZE, SIZE, SIZE, ctypes.c_int),
 )
+
+
+def gguf_linear_cpu_native() -> bool:
+    """Whether `gguf_linear_cpu`'s C kernel runs here: it builds (a C compiler is present) and
+    INFER_KERNELS_BACKEND is not torch. Where it does not, `gguf_linear_cpu` dequantizes the
+    weight at every call."""
+    return native_function(*_GGUF_GEMV) is not None
 
 
 def gguf_linear_cpu(

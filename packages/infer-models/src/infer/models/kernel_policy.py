@@ -21,13 +21,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from infer.kernels import int8_cpu_scale, int8_linear_cpu_supports, normed_gated_gemv_fills_one_wave
+from infer.kernels import (
+    gguf_linear_cpu_native,
+    int8_cpu_scale,
+    int8_linear_cpu_supports,
+    normed_gated_gemv_fills_one_wave,
+)
 from infer.kernels.normed_gemv import MAX_K as NORMED_GEMV_MAX_K
 from infer.models.common import Attention, RMSNorm
 from infer.models.linear import Linear
 from infer.models.linear_method import (
     CpuInt8Method,
     DenseMethod,
+    DequantizedGgufMethod,
     GgufMethod,
     Int4Method,
     LinearMethod,
@@ -42,8 +48,8 @@ class KernelPolicy:
     """`device`: where the model runs. `use_triton_gemv` (CUDA): one-row dense Linears on
     infer.kernels' GEMV, and a pre-norm fused into its projection's kernel. `use_pdl` (CUDA):
     one-row inputs launch with programmatic dependent launch. `use_native_cpu_kernels` (CPU):
-    infer.kernels' C kernels for int8 Linears and decode attention, and the engine's C decoder
-    stack for decode steps."""
+    infer.kernels' C kernels for int8 and GGUF Linears and decode attention, and the engine's C
+    decoder stack for decode steps; a GGUF weight without its C kernel is dequantized once."""
 
     device: torch.device
     use_triton_gemv: bool = False
@@ -69,7 +75,9 @@ class KernelPolicy:
         if linear.gguf_format is not None:
             if self.device.type != "cpu":
                 raise ValueError(f"GGUF block weights run on the CPU only, not on {self.device}")
-            return GgufMethod(native=self.use_native_cpu_kernels)
+            if self.use_native_cpu_kernels and gguf_linear_cpu_native():
+                return GgufMethod()
+            return DequantizedGgufMethod.of(linear)
         if linear.weight_scale is None:
             if self.use_triton_gemv and self.on_cuda:
                 return TritonGemvMethod(pdl=self.pdl)

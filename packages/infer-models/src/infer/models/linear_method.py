@@ -20,6 +20,8 @@ once by the kernel policy (infer.models.kernel_policy) and applied by `Linear.fo
   else ATen's int8 product.
 - `GgufMethod`: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks on a CPU through `gguf_linear_cpu`: the C
   kernel where `native` and it builds, else the weight dequantized and ATen's product.
+- `DequantizedGgufMethod`: a GGUF weight where that C kernel does not run (no C compiler, or
+  the C kernels turned off): dequantized once, at build, and `DenseMethod`'s product on it.
 
 `apply_gated(layer, x, activation)` is a gate/up projection followed by its activation
 (`act(gate) * up`); methods without a fused kernel for it run the two ops.
@@ -45,6 +47,7 @@ import torch.nn.functional as F
 
 from infer.kernels import (
     Int8CpuScale,
+    dequantize_gguf,
     gated_gemv,
     gelu_tanh_and_mul,
     gemv,
@@ -201,3 +204,21 @@ class GgufMethod(DenseMethod):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         return gguf_linear_cpu(x, layer.weight, layer.gguf_format, layer.bias, native=self.native)
+
+
+@dataclass(frozen=True, eq=False)
+class DequantizedGgufMethod(DenseMethod):
+    """A GGUF weight where gguf_gemv_cpu.c does not run: its fp32 `weight` [N, K], dequantized
+    once at build (`of(layer)`), through `dense_linear`. Dequantizing at every call instead, as
+    `gguf_linear_cpu` then does, decoded SmolLM2's Q4_1 file at a quarter of transformers' speed
+    (docs/benchmarks/quantization.md#cpu-without-a-c-compiler); the price is the fp32 copy, 6.4x
+    the packed Q4_1 bytes, beside them."""
+
+    weight: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, layer) -> "DequantizedGgufMethod":
+        return cls(weight=dequantize_gguf(layer.weight.data, layer.gguf_format))
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x.to(self.weight.dtype), self.weight, layer.bias).to(x.dtype)
