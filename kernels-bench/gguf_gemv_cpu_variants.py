@@ -14,7 +14,8 @@ import time
 import torch
 
 from infer.kernels import GGUF_FORMATS, gguf_cpu_variants, use_gguf_cpu_variant
-from infer.kernels.gguf_linear_cpu import _gguf_gemv
+from infer.kernels.gguf_linear_cpu import _GGUF_GEMV
+from infer.kernels.native_cpu import native_function
 
 SHAPES = {
     "q|k|v": (960, 576),
@@ -43,7 +44,7 @@ def main() -> None:
     parser.add_argument("--formats", default="q4_1,q8_0")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    gemv, variants = _gguf_gemv(), gguf_cpu_variants()
+    gemv, variants = native_function(*_GGUF_GEMV), gguf_cpu_variants()
     assert gemv is not None, "the C kernels do not build here"
     for fmt in args.formats.split(","):
         type_id, block_bytes = GGUF_FORMATS[fmt]
