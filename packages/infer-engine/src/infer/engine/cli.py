@@ -102,8 +102,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const=True,
         default=True,
-        help="on a CPU, decode attention and int8 Linears through infer-kernels' C kernels (true, the "
-        "default) or ATen's (false)",
+        help="on a CPU, decode attention and int8 and GGUF Linears through infer-kernels' C kernels "
+        "(true, the default) or ATen's (false; a GGUF weight then dequantized once, to fp32)",
     )
     parser.add_argument(
         "--speculative-config",

@@ -170,8 +170,9 @@ class EngineConfig:
     use_native_cpu_kernels: bool = _flag(
         True,
         "on a CPU, infer-kernels' C kernels (x86-64 with AVX2, built with the system's C compiler "
-        "at start-up, once a machine) for decode steps' attention and int8 Linears, where ATen "
-        "would run them; ATen's where they cannot be built: true or false",
+        "at start-up, once a machine) for decode steps' attention and int8 and GGUF Linears, where "
+        "ATen would run them; ATen's where they cannot be built (a GGUF weight then dequantized "
+        "once, to fp32): true or false",
     )
     use_prefix_caching: bool | None = _flag(
         None,
