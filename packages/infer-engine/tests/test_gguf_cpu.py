@@ -15,6 +15,8 @@ file (bf16 weights, Llama's q/k permutation undone by transformers): within the 
 the weights.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -132,8 +134,8 @@ def test_greedy_tokens_through_the_engine_equal_the_dense_models_but_near_ties(m
 
 @pytest.fixture
 def no_c_compiler(monkeypatch, tmp_path):
-    """As on a machine without a C compiler: no C kernel builds (none built before is found)."""
-    monkeypatch.setenv("INFER_HOME", str(tmp_path))
+    """As on a machine without a C compiler: $CC names no file, so no C kernel builds (a build
+    asks the compiler its version before it looks for a library built before)."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     load_native.cache_clear()
     yield
@@ -148,12 +150,11 @@ def test_without_its_c_kernel_a_packed_model_runs_its_weights_dequantized_once(m
     packed, dense, _ = models
     if without == "a C compiler":
         request.getfixturevalue("no_c_compiler")
-    loaded = load_model("smollm2-135m-instruct", dtype=torch.float32, quantization="gguf")
     policy = KernelPolicy("cpu", use_native_cpu_kernels=without != "the C kernels")
-    model = apply_kernel_policy(loaded.model, policy)
+    model = apply_kernel_policy(copy.deepcopy(packed.model), policy)
     linears = [module for module in model.modules() if isinstance(module, Linear)]
     assert linears and all(isinstance(linear.method, DequantizedGgufMethod) for linear in linears)
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8  # the blocks are kept
     for prompt in PROMPTS:
-        ids = greedy(dense, packed.tokenizer.encode(prompt, add_special_tokens=False), 8)
+        ids = packed.tokenizer.encode(prompt, add_special_tokens=False)
         assert torch.equal(logits(model, ids), logits(dense, ids))
