@@ -1,5 +1,5 @@
 """A probe for issue 16's CPU target: one-row int8 GEMVs of SmolLM2's shapes through ATen's
-`_weight_int8pack_mm` (what `infer.kernels.int8_linear_cpu` calls) against Inductor's C++ GEMM
+`_weight_int8pack_mm` (what `infer.kernels.cpu.int8_linear` calls) against Inductor's C++ GEMM
 template for the same op (`torch.compile` with max-autotune and freezing, the CPP backend only).
 
 Each shape runs as one module of `copies` calls on distinct weights (more bytes than the caches

@@ -14,8 +14,8 @@ import time
 import torch
 
 from infer.kernels import GGUF_FORMATS, gguf_cpu_variants, use_gguf_cpu_variant
-from infer.kernels.gguf_linear_cpu import _GGUF_GEMV
-from infer.kernels.native_cpu import native_function
+from infer.kernels.cpu.gguf_linear import _GGUF_GEMV
+from infer.kernels.cpu.native import native_function
 
 SHAPES = {
     "q|k|v": (960, 576),

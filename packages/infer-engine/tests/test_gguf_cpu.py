@@ -22,7 +22,7 @@ import torch
 
 from infer.engine import Engine, EngineConfig, SamplingParams
 from infer.kernels import DecoderStackCpu, gguf_linear_cpu_q8_ref
-from infer.kernels.native_cpu import load_native
+from infer.kernels.cpu.native import load_native
 from infer.models import load_model
 from infer.models.forward_batch import ForwardBatch
 from infer.models.kernel_policy import KernelPolicy, apply_kernel_policy

@@ -23,7 +23,7 @@ from infer.kernels import (
     decoder_stack_cpu_ref,
     rope_tables,
 )
-from infer.kernels.decoder_stack_cpu import MAX_ROWS
+from infer.kernels.cpu.decoder_stack import MAX_ROWS
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402

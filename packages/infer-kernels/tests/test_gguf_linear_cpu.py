@@ -27,7 +27,7 @@ from infer.kernels import (
     native_cpu_kernels_available,
     use_gguf_cpu_variant,
 )
-from infer.kernels.gguf_linear_cpu import quantize_rows_q8_ref
+from infer.kernels.cpu.gguf_linear import quantize_rows_q8_ref
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402

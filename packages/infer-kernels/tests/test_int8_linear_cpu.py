@@ -20,11 +20,11 @@ from infer.kernels import (
     int8_cpu_scale,
     int8_linear_cpu,
     int8_linear_cpu_supports,
-    native_cpu,
     native_cpu_kernels_available,
     quantized_linear_ref,
 )
-from infer.kernels.int8_linear_cpu import AVX2_MAX_ROWS
+from infer.kernels.cpu import native
+from infer.kernels.cpu.int8_linear import AVX2_MAX_ROWS
 
 # SmolLM2-135M's Linears (q|k|v, o, gate|up, down, LM head), and smaller ones.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (100, 64), (64, 16)]
@@ -157,7 +157,7 @@ def test_weights_the_kernel_cannot_take_are_refused(monkeypatch):
 @needs_avx2
 def test_a_build_is_kept_under_infer_home_and_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("INFER_HOME", str(tmp_path))
-    build = native_cpu.load_native.__wrapped__
+    build = native.load_native.__wrapped__
     assert build("int8_gemv_cpu.c") is not None
     (library,) = (tmp_path / "kernels").glob("int8_gemv_cpu-*.so")
     built_at = library.stat().st_mtime_ns
@@ -170,14 +170,14 @@ def test_a_build_is_kept_under_infer_home_and_reused(monkeypatch, tmp_path):
 def test_without_a_compiler_the_kernel_is_not_used_and_says_why(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("INFER_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger="infer.kernels.native_cpu"):
-        assert native_cpu.load_native.__wrapped__("int8_gemv_cpu.c") is None
+    with caplog.at_level(logging.WARNING, logger="infer.kernels.cpu.native"):
+        assert native.load_native.__wrapped__("int8_gemv_cpu.c") is None
     assert "int8_gemv_cpu.c is not used" in caplog.text
     assert not list(tmp_path.glob("kernels/*.so"))
 
 
 def test_infer_kernels_backend_torch_turns_the_kernel_off(monkeypatch, caplog):
     monkeypatch.setenv("INFER_KERNELS_BACKEND", "torch")
-    with caplog.at_level(logging.WARNING, logger="infer.kernels.native_cpu"):
-        assert native_cpu.load_native.__wrapped__("int8_gemv_cpu.c") is None
+    with caplog.at_level(logging.WARNING, logger="infer.kernels.cpu.native"):
+        assert native.load_native.__wrapped__("int8_gemv_cpu.c") is None
     assert "INFER_KERNELS_BACKEND=torch" in caplog.text

@@ -30,6 +30,14 @@ others = [
 assert not others, f"other infer packages are importable in the bare venv: {others}"
 requires = sorted(re.match(r"[\\w.-]+", r).group() for r in importlib.metadata.requires("infer-kernels"))
 assert requires == ["torch", "triton"], f"infer-kernels must depend on torch and triton only, got {requires}"
+# The C kernels' sources ship beside their loader, and build from the installed wheel where they can.
+import pathlib, shutil
+from infer.kernels import native_cpu_kernels_available
+from infer.kernels.cpu import native
+missing = [s for s in native.SOURCES if not (pathlib.Path(native.__file__).parent / s).is_file()]
+assert not missing, f"the wheel lacks the C sources {missing}"
+if shutil.which("cc") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+    assert native_cpu_kernels_available(), "the C kernels do not build from the installed wheel"
 print("ok")
 """
 

@@ -10,14 +10,14 @@ decode rows in one C call (`decoder_stack_cpu_ref` composes the ops' references)
 from infer.kernels._version import INTERFACE_VERSION, __version__
 from infer.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
 from infer.kernels.argmax import argmax, argmax_ref
-from infer.kernels.decoder_stack_cpu import (
+from infer.kernels.cpu.decoder_stack import (
     CpuBlock,
     CpuLinear,
     CpuStackShape,
     DecoderStackCpu,
     decoder_stack_cpu_ref,
 )
-from infer.kernels.gguf_linear_cpu import (
+from infer.kernels.cpu.gguf_linear import (
     GGUF_FORMATS,
     dequantize_gguf,
     gguf_cpu_variants,
@@ -29,6 +29,13 @@ from infer.kernels.gguf_linear_cpu import (
     gguf_row_bytes,
     use_gguf_cpu_variant,
 )
+from infer.kernels.cpu.int8_linear import (
+    Int8CpuScale,
+    int8_cpu_scale,
+    int8_linear_cpu,
+    int8_linear_cpu_supports,
+)
+from infer.kernels.cpu.native import native_cpu_kernels_available
 from infer.kernels.int4_linear import (
     dequantize_int4,
     int4_gated_gemv,
@@ -38,13 +45,6 @@ from infer.kernels.int4_linear import (
     pack_int4,
     unpack_int4,
 )
-from infer.kernels.int8_linear_cpu import (
-    Int8CpuScale,
-    int8_cpu_scale,
-    int8_linear_cpu,
-    int8_linear_cpu_supports,
-)
-from infer.kernels.native_cpu import native_cpu_kernels_available
 from infer.kernels.normed_gemv import (
     normed_gated_gemv,
     normed_gated_gemv_fills_one_wave,

@@ -56,8 +56,8 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import check_dtype, check_same_device, num_sms, use_triton
+from infer.kernels.cpu.native import POINTER, SIZE, native_function
 from infer.kernels.kv_fp8 import dequantize_fp8_ref, fp8_scale, is_fp8
-from infer.kernels.native_cpu import POINTER, SIZE, native_function
 from infer.kernels.pdl import await_inputs, launch_options
 from infer.kernels.store_kv import check_fp8_scales
 
@@ -789,7 +789,7 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """The CPU path (same contract as paged_attention_ref). With `native`, decode rows in fp32 go
     to decode_attention_cpu.c, one C call for them all (`_decode_attention_native`), where it
-    builds here (infer.kernels.native_cpu). Otherwise each decode row's keys (the last
+    builds here (infer.kernels.cpu.native). Otherwise each decode row's keys (the last
     `sliding_window` of them with one) are gathered through its block table, or through
     `decode_key_slots[b]` (its keys' slots, made once for every layer) when given, and attended
     by `F.scaled_dot_product_attention`, which computes in fp32 for any input dtype. Extend rows

@@ -24,7 +24,7 @@ from infer.kernels import (
     int8_cpu_scale,
     int8_linear_cpu_supports,
 )
-from infer.kernels.decoder_stack_cpu import MAX_ROWS
+from infer.kernels.cpu.decoder_stack import MAX_ROWS
 from infer.models.forward_batch import ForwardBatch
 from infer.models.linear import Linear
 

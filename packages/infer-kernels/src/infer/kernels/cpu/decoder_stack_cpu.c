@@ -1,5 +1,5 @@
 /* A decoder-only model's stack of blocks for a CPU step of decode rows, in one call: the C path of
- * `DecoderStackCpu` (decoder_stack_cpu.py). Built on first use by infer.kernels.native_cpu.
+ * `DecoderStackCpu` (decoder_stack.py). Built on first use by infer.kernels.cpu.native.
  *
  * Why: a CPU pays per op, not per byte. SmolLM2's step through the PyTorch path makes about 80 ops
  * and as many Python calls a layer, 30 layers a token: on the CI-class VM that was 8 of the 20 ms

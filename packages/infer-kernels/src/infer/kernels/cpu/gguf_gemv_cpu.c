@@ -1,6 +1,6 @@
 /* A few fp32 rows times a weight stored in GGUF's blocks of 32 (Q4_0, Q4_1, Q8_0), on an x86 CPU
  * with AVX2: the decode-step product of `gguf_linear_cpu`, as llama.cpp computes it. Built on first
- * use by infer.kernels.native_cpu.
+ * use by infer.kernels.cpu.native.
  *
  * out[r, i] = sum over blocks b of row i of the weight: dot(w_b, x_b), x fp32 [m, k], k % 32 == 0;
  * the weight [n, k / 32 blocks] is the file's bytes, block after block:

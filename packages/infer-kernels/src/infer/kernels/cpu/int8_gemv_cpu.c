@@ -1,5 +1,5 @@
 /* A few rows times int8 weights with one scale per output channel, on an x86 CPU with AVX2: the
- * decode-step product of `int8_linear_cpu`. Built on first use by infer.kernels.native_cpu.
+ * decode-step product of `int8_linear_cpu`. Built on first use by infer.kernels.cpu.native.
  *
  * out[r, i] = (sum_j x[r, j] * w[i, j]) * scale[i], x fp32 [m, k], w int8 [n, k], k % 16 == 0.
  *

@@ -4,7 +4,7 @@ A packed weight [N, K] is a uint8 tensor [N, K // 32 * block bytes]: each row th
 one after another (`GGUF_FORMATS` gives each format's bytes and layout; gguf.quants is the spec).
 A CPU decode step is bound by reading the weights; Q4_1 reads 0.625 bytes a weight, 1/6.4 of fp32.
 
-- `gguf_linear_cpu(x, weight, fmt)`: gguf_gemv_cpu.c (infer.kernels.native_cpu) where `native` and
+- `gguf_linear_cpu(x, weight, fmt)`: gguf_gemv_cpu.c (infer.kernels.cpu.native) where `native` and
   it builds, as llama.cpp computes: x rounded to int8 in blocks of 32 with a scale (and the sum of
   its entries) per block, integer dot products per block, fp32 sums of their scaled results. Its
   result is `gguf_linear_cpu_q8_ref`'s, the fp32 product of that rounded x and the dequantized
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from infer.kernels.native_cpu import POINTER, SIZE, load_native, native_function
+from infer.kernels.cpu.native import POINTER, SIZE, load_native, native_function
 
 BLOCK = 32  # weights a block, in every format here
 

@@ -1,5 +1,5 @@
 /* Decode rows' attention over the paged KV cache, fp32, on an x86 CPU with AVX2 and FMA: the
- * decode path of `paged_attention_cpu`. Built on first use by infer.kernels.native_cpu.
+ * decode path of `paged_attention_cpu`. Built on first use by infer.kernels.cpu.native.
  *
  * For each decode row b and query head h (its KV head h / (num_q_heads / num_kv_heads)):
  *   out[b, h] = softmax(scale * q[b, h] . K[t], t in [first, seq_len)) @ V[t]

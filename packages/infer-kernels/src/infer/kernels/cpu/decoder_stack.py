@@ -3,7 +3,7 @@
 A CPU pays per op, not per byte. Through the PyTorch path SmolLM2's decode step makes about 80 ops
 and as many Python calls a block, 30 blocks a token, which on the CI-class VM took 8 ms of an int8
 token's 20 (docs/benchmarks/generation.md#cpu-smollm2-135m-instruct). `DecoderStackCpu` runs every
-block of a step of up to MAX_ROWS decode rows in `decoder_stack_cpu.c` (infer.kernels.native_cpu),
+block of a step of up to MAX_ROWS decode rows in `decoder_stack_cpu.c` (infer.kernels.cpu.native),
 which includes the int8 product of int8_gemv_cpu.c and the attention of decode_attention_cpu.c; the
 embedding, the final norm and the LM head stay with the caller.
 
@@ -27,10 +27,10 @@ from typing import NamedTuple
 import torch
 
 from infer.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
-from infer.kernels.gguf_linear_cpu import BLOCK as GGUF_BLOCK
-from infer.kernels.gguf_linear_cpu import GGUF_FORMATS, gguf_linear_cpu_q8_ref, gguf_linear_cpu_supports
-from infer.kernels.int8_linear_cpu import ALIGNMENT, K_MULTIPLE
-from infer.kernels.native_cpu import POINTER, SIZE, load_native, native_function
+from infer.kernels.cpu.gguf_linear import BLOCK as GGUF_BLOCK
+from infer.kernels.cpu.gguf_linear import GGUF_FORMATS, gguf_linear_cpu_q8_ref, gguf_linear_cpu_supports
+from infer.kernels.cpu.int8_linear import ALIGNMENT, K_MULTIPLE
+from infer.kernels.cpu.native import POINTER, SIZE, load_native, native_function
 from infer.kernels.paged_attention import NATIVE_MAX_HEAD_DIM, paged_attention_ref
 from infer.kernels.rms_norm import rms_norm_ref
 from infer.kernels.rope import rope_ref
@@ -171,7 +171,7 @@ class DecoderStackCpu:
 
     @staticmethod
     def runs_here() -> bool:
-        """Whether the C library builds here (infer.kernels.native_cpu)."""
+        """Whether the C library builds here (infer.kernels.cpu.native)."""
         return load_native(SOURCE) is not None
 
     def __call__(

@@ -2,7 +2,7 @@
 
 A CPU decode step is bound by reading the weights; int8 reads a quarter of fp32's bytes. Two
 kernels:
-- up to AVX2_MAX_ROWS rows (decode steps), int8_gemv_cpu.c, a C kernel of infer.kernels.native_cpu
+- up to AVX2_MAX_ROWS rows (decode steps), int8_gemv_cpu.c, a C kernel of infer.kernels.cpu.native
   (with `native=True`, the default). It rounds each row of x to int16 and
   multiplies in integers, prefetching the weights into L2; on the 2-core CI-class VM it reads
   SmolLM2's int8 weights 1.65-3.0x faster than ATen's kernel with its conversions
@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from infer.kernels.native_cpu import POINTER, SIZE, native_function
+from infer.kernels.cpu.native import POINTER, SIZE, native_function
 
 # ATen's kernel reads K in vectors of 16 int8s with aligned loads: another K gives wrong sums or
 # a crash, and so does a weight whose data does not start on a 64-byte boundary. The AVX2 kernel
