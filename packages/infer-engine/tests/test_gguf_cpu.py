@@ -72,7 +72,8 @@ def greedy(model, ids: list[int], count: int) -> list[int]:
 def test_the_packed_model_keeps_its_blocks(models):
     packed, _, _ = models
     model = packed.model
-    assert model.embed_tokens.gguf_format == "q8_0" and model.lm_head.weight is model.embed_tokens.weight
+    # The file's Q8_0 table, repacked at load four rows to a stream (infer.kernels' GGUF_REPACKED).
+    assert model.embed_tokens.gguf_format == "q8_0x4" and model.lm_head.weight is model.embed_tokens.weight
     assert model.layers[0].self_attn.qkv_proj.gguf_format == "q4_1"
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
     # Q4_1 reads 20 bytes a block of 32: 0.625 a weight.

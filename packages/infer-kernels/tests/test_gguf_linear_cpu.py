@@ -2,7 +2,8 @@
 `gguf.quants.dequantize` (the package llama.cpp publishes), on random blocks and on the default
 model's file; `gguf_linear_cpu`'s C kernel against `gguf_linear_cpu_q8_ref`, the fp32 product of x
 rounded the kernel's way (int8 blocks of 32) and the weight as stored; its ATen path against
-`gguf_linear_cpu_ref`.
+`gguf_linear_cpu_ref`. The repacked layout "q8_0x4" (`repack_gguf`) byte for byte against the
+file's, and the kernel on it against the reference computed from the file's bytes.
 
 The kernel sums a block's products in integers (exact) and the blocks' scaled sums in fp32; the
 float64 oracle differs by those fp32 roundings, K / 32 additions of terms up to |out|: a bound of
@@ -20,11 +21,14 @@ from infer.kernels import (
     GGUF_FORMATS,
     dequantize_gguf,
     gguf_cpu_variants,
+    gguf_file_format,
+    gguf_file_rows,
     gguf_linear_cpu,
     gguf_linear_cpu_q8_ref,
     gguf_linear_cpu_ref,
     gguf_linear_cpu_supports,
     native_cpu_kernels_available,
+    repack_gguf,
     use_gguf_cpu_variant,
 )
 from infer.kernels.cpu.gguf_linear import quantize_rows_q8_ref
@@ -44,7 +48,13 @@ needs_native = pytest.mark.skipif(
 
 
 def packed(fmt: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """A random [n, k] weight quantized by gguf itself: uint8 [n, k / 32 * block bytes]."""
+    """A random [n, k] weight quantized by gguf itself: uint8 [n, k / 32 * block bytes], in the
+    file's layout (`file_bytes`) or repacked into `fmt`'s."""
+    file_bytes = packed_file(gguf_file_format(fmt), n, k, seed)
+    return file_bytes if fmt in TYPES else repack_gguf(file_bytes, gguf_file_format(fmt))
+
+
+def packed_file(fmt: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     if fmt == "q4_1":
         weight += 0.01  # off-centre blocks, where Q4_1's m matters
@@ -58,7 +68,7 @@ def bound(x: torch.Tensor, weight: torch.Tensor, fmt: str) -> torch.Tensor:
     return 2e-6 * (x.shape[-1] / 32) * terms + 1e-6
 
 
-@pytest.mark.parametrize("fmt", GGUF_FORMATS)
+@pytest.mark.parametrize("fmt", TYPES)
 def test_dequantize_matches_gguf_on_random_blocks(fmt):
     # Raw random bytes: every nibble and int8 value, every fp16 scale but NaN and infinity.
     generator = torch.Generator().manual_seed(1)
@@ -101,14 +111,18 @@ def test_dequantize_matches_gguf_on_the_default_model_file():
 def test_native_kernel_matches_the_q8_reference(fmt, n, k, rows):
     if n == 49152 and rows > 2:
         pytest.skip("the LM head's shape once a row count is enough")
-    weight = packed(fmt, n, k)
+    weight, file_bytes, file_format = (
+        packed(fmt, n, k),
+        packed_file(gguf_file_format(fmt), n, k),
+        gguf_file_format(fmt),
+    )
     assert gguf_linear_cpu_supports(weight, fmt, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
     x[0, :32] = 0  # a block of zeros: scale 0
     out = gguf_linear_cpu(x, weight, fmt)
-    expected = gguf_linear_cpu_q8_ref(x, weight, fmt)
+    expected = gguf_linear_cpu_q8_ref(x, file_bytes, file_format)
     assert out.dtype == torch.float32 and out.shape == (rows, n)
-    assert ((out.double() - expected.double()).abs() <= bound(x, weight, fmt)).all()
+    assert ((out.double() - expected.double()).abs() <= bound(x, file_bytes, file_format)).all()
 
 
 @needs_native
@@ -117,8 +131,12 @@ def test_native_kernel_matches_the_q8_reference(fmt, n, k, rows):
 @pytest.mark.parametrize("n, k", SHAPES + [(13, 96)])
 def test_each_one_row_variant_matches_the_q8_reference(variant, fmt, n, k):
     """Every one-row variant this CPU runs (AVX2, AVX-512 VNNI), on an odd count of blocks (k = 96)
-    and rows not a multiple of four too."""
-    weight = packed(fmt, n, k)
+    and rows not a multiple of four too; a repacked layout against the file's bytes."""
+    weight, file_bytes, file_format = (
+        packed(fmt, n, k),
+        packed_file(gguf_file_format(fmt), n, k),
+        gguf_file_format(fmt),
+    )
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
     x[0, :32] = 0
     use_gguf_cpu_variant(variant)
@@ -126,9 +144,8 @@ def test_each_one_row_variant_matches_the_q8_reference(variant, fmt, n, k):
         out = gguf_linear_cpu(x, weight, fmt)
     finally:
         use_gguf_cpu_variant(None)
-    assert (
-        (out.double() - gguf_linear_cpu_q8_ref(x, weight, fmt).double()).abs() <= bound(x, weight, fmt)
-    ).all()
+    expected = gguf_linear_cpu_q8_ref(x, file_bytes, file_format)
+    assert ((out.double() - expected.double()).abs() <= bound(x, file_bytes, file_format)).all()
 
 
 def q8_0_identity(k: int) -> torch.Tensor:
@@ -173,6 +190,34 @@ def test_aten_path_is_the_reference(fmt):
     torch.testing.assert_close(
         gguf_linear_cpu(x, weight, fmt, native=False), gguf_linear_cpu_ref(x, weight, fmt)
     )
+
+
+@pytest.mark.parametrize("n", [8, 11, 3])
+def test_q8_0x4_interleaves_each_group_of_four_rows_block_by_block(n):
+    """repack_gguf against the layout spelled out byte by byte: group g's block index b holds rows
+    4g..4g+3's fp16 scales, then their 32 quants; the rows past the last group stay as they are."""
+    k, blocks = 96, 3
+    file_bytes = packed_file("q8_0", n, k).view(n, blocks, 34)
+    stored = repack_gguf(file_bytes.reshape(n, -1), "q8_0")
+    assert stored.shape == (n, blocks * 34) and stored.dtype == torch.uint8
+    stream = stored.reshape(-1)
+    for row in range(n - n % 4):
+        group, r = divmod(row, 4)
+        for b in range(blocks):
+            at = group * 4 * blocks * 34 + b * 136
+            assert torch.equal(stream[at + 2 * r : at + 2 * r + 2], file_bytes[row, b, :2])
+            assert torch.equal(stream[at + 8 + 32 * r : at + 8 + 32 * (r + 1)], file_bytes[row, b, 2:])
+    assert torch.equal(stored[n - n % 4 :], file_bytes[n - n % 4 :].reshape(n % 4, blocks * 34))
+
+
+@pytest.mark.parametrize("n", [8, 11, 3])
+def test_q8_0x4_gives_back_the_files_rows(n):
+    file_bytes = packed_file("q8_0", n, 64)
+    stored = repack_gguf(file_bytes, "q8_0")
+    assert torch.equal(gguf_file_rows(stored, "q8_0x4"), file_bytes)
+    ids = torch.tensor([n - 1, 0, n // 2, n - 1, 2])
+    assert torch.equal(gguf_file_rows(stored, "q8_0x4", ids), file_bytes[ids])
+    assert torch.equal(dequantize_gguf(stored, "q8_0x4"), dequantize_gguf(file_bytes, "q8_0"))
 
 
 def test_q8_rounding_costs_at_most_half_a_step_a_block():

@@ -24,6 +24,8 @@ from infer.kernels import (
     KVStore,
     add_rms_norm,
     dequantize_gguf,
+    gguf_file_format,
+    gguf_file_rows,
     qk_norm_rope,
     rms_norm,
     rms_norm_add_rms_norm,
@@ -65,8 +67,8 @@ class Embedding(nn.Module):
         if self.gguf_format is not None:
             if self.tp is not None:
                 raise ValueError("a GGUF embedding table is not split over tensor-parallel ranks")
-            rows = self.weight.index_select(0, ids.reshape(-1))
-            return dequantize_gguf(rows, self.gguf_format).view(*ids.shape, -1)
+            rows = gguf_file_rows(self.weight, self.gguf_format, ids.reshape(-1))
+            return dequantize_gguf(rows, gguf_file_format(self.gguf_format)).view(*ids.shape, -1)
         if self.tp is None:
             return F.embedding(ids, self.weight)
         # This rank's rows for the ids in its slice, zeros for the others: summed over ranks.

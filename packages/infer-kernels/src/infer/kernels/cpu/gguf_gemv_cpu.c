@@ -7,7 +7,8 @@
  *   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles q;  w = (q - 8) d
  *   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of q;   w = q d + m
  *   Q8_0 (34 bytes): fp16 d, 32 int8 q;                w = q d
- * A nibble byte j holds element j in its low half and element j + 16 in its high half.
+ * A nibble byte j holds element j in its low half and element j + 16 in its high half. Or Q8_0
+ * repacked at load four rows to a stream (GGUF_Q8_0_X4, the layout gguf_gemv_q8x4.c describes).
  *
  * Why it is shaped this way (llama.cpp's ggml_vec_dot_q4_1_q8_1 and its siblings):
  * - Each block of 32 entries of x is rounded to int8 with its own scale dx = max |x_b| / 127 (fp32
@@ -20,7 +21,8 @@
  *   the four and the rows ahead prefetched into L2; a few rows of x each meet a weight block
  *   unpacked once for them all.
  * - On a CPU with AVX-512 VNNI the one-row product takes gguf_gemv_avx512.c's two-blocks-a-step
- *   variant instead (gguf_gemv_variants / gguf_gemv_use_variant); the AVX2 one stays for the rest.
+ *   variant instead (gguf_gemv_variants / gguf_gemv_use_variant); the AVX2 one stays for the rest,
+ *   and reads GGUF_Q8_0_X4 under either variant (gguf_gemv_q8x4.c).
  * Threads split the weight's rows, through the OpenMP runtime torch already loaded.
  */
 #include <immintrin.h>
@@ -31,6 +33,7 @@
 #define GGUF_Q4_0 2
 #define GGUF_Q4_1 3
 #define GGUF_Q8_0 8
+#define GGUF_Q8_0_X4 108 /* infer's own: Q8_0 four rows interleaved (gguf_gemv_q8x4.c) */
 #define GGUF_BLOCK 32
 #define GGUF_MAX_ROWS 8
 
@@ -192,6 +195,8 @@ static void one_x_row(int type, const uint8_t *w, int64_t row_bytes, int64_t blo
     }
 }
 
+#include "gguf_gemv_q8x4.c"
+
 #include "gguf_gemv_avx512.c"
 
 /* The one-row kernels, by what they need of the CPU (bits of gguf_gemv_variants). */
@@ -246,13 +251,30 @@ static void row_times_x(int type, const uint8_t *w, int64_t blocks, const Quanti
     else row_times_rows(GGUF_Q4_0, 18, w, blocks, q, m, out, n);
 }
 
+/* out [m, n] = x (q, m <= GGUF_MAX_ROWS rows) times the weight: each weight row (each group of four,
+ * for GGUF_Q8_0_X4) a task, its blocks unpacked once for the m rows. */
+static void few_x_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t blocks, const QuantizedRows *q,
+                       int64_t m, float *out, int64_t n, int threads) {
+    if (type != GGUF_Q8_0_X4) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t i = 0; i < n; i++) row_times_x(type, w + i * row_bytes, blocks, q, m, out + i, n);
+        return;
+    }
+    int64_t groups = n / GGUF_FOUR;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        group_times_rows(w + g * GGUF_FOUR * row_bytes, blocks, q, m, out + g * GGUF_FOUR, n);
+    for (int64_t i = groups * GGUF_FOUR; i < n; i++) row_times_x(GGUF_Q8_0, w + i * row_bytes, blocks, q, m, out + i, n);
+}
+
 /* Bytes of one row of a weight of `type` with k columns; 0 for a type this file does not take. */
 static int64_t gguf_row_bytes(int type, int64_t k) {
     int64_t blocks = k / GGUF_BLOCK;
     switch (type) {
     case GGUF_Q4_0: return blocks * 18;
     case GGUF_Q4_1: return blocks * 20;
-    case GGUF_Q8_0: return blocks * 34;
+    case GGUF_Q8_0:
+    case GGUF_Q8_0_X4: return blocks * 34;
     default: return 0;
     }
 }
@@ -273,7 +295,9 @@ int gguf_gemv(int type, const float *x, const uint8_t *w, float *out, int64_t m,
     if (m == 1) {
         if (gguf_variant < 0) gguf_gemv_use_variant(-1);
         int status = 0;
-        if (gguf_variant == GGUF_VARIANT_AVX512_VNNI) status = one_x_row_avx512(type, w, row_bytes, blocks, &q, out, n, threads);
+        /* GGUF_Q8_0_X4 takes its AVX2 pass under either variant: an AVX-512 one is not written yet. */
+        if (type == GGUF_Q8_0_X4) one_x_row_q8x4(w, row_bytes, blocks, &q, out, n, threads);
+        else if (gguf_variant == GGUF_VARIANT_AVX512_VNNI) status = one_x_row_avx512(type, w, row_bytes, blocks, &q, out, n, threads);
         else one_x_row(type, w, row_bytes, blocks, &q, out, n, threads);
         free_rows(&q);
         return status;
@@ -282,10 +306,7 @@ int gguf_gemv(int type, const float *x, const uint8_t *w, float *out, int64_t m,
         int64_t rows = m - first < GGUF_MAX_ROWS ? m - first : GGUF_MAX_ROWS;
         QuantizedRows part = {q.qs + first * k, q.d + first * blocks, q.sum + first * blocks,
                               q.scaled_sum + first * blocks};
-        float *part_out = out + first * n;
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t i = 0; i < n; i++)
-            row_times_x(type, w + i * row_bytes, blocks, &part, rows, part_out + i, n);
+        few_x_rows(type, w, row_bytes, blocks, &part, rows, out + first * n, n, threads);
     }
     free_rows(&q);
     return 0;

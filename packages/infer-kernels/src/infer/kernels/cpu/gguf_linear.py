@@ -14,7 +14,14 @@ A CPU decode step is bound by reading the weights; Q4_1 reads 0.625 bytes a weig
   On one row (batch-1 decode) it takes the best variant the CPU runs: AVX-512 VNNI, else AVX2
   (`gguf_cpu_variants`, `use_gguf_cpu_variant`).
 - `dequantize_gguf(weight, fmt)`: the fp32 weight, by gguf.quants' formulas; also the embedding
-  lookup's path (`dequantize_gguf(weight[ids], fmt)`).
+  lookup's path (`dequantize_gguf(gguf_file_rows(weight, fmt, ids), gguf_file_format(fmt))`).
+
+One layout is not the file's: "q8_0x4" (`repack_gguf(weight, "q8_0")`, made once at load) holds
+the same bytes with each group of four rows interleaved, block index by block index: the four
+rows' fp16 scales (8 bytes, converted by one instruction) then their four blocks of 32 int8
+quants (128 bytes), so that the one-row product reads one stream with its quants 8-byte aligned
+(llama.cpp's CPU backend repacks Q4_0 so, block_q4_0x4). The last n % 4 rows stay as the file has
+them, after the groups. `gguf_file_rows` gives rows back in the file's layout.
 """
 
 import ctypes
@@ -36,7 +43,17 @@ class GgufFormat(NamedTuple):
     block_bytes: int
 
 
-GGUF_FORMATS = {"q4_0": GgufFormat(2, 18), "q4_1": GgufFormat(3, 20), "q8_0": GgufFormat(8, 34)}
+# The file's formats by their ggml ids; "q8_0x4" is infer's own layout of Q8_0 (the module's
+# docstring), its id past ggml's.
+GGUF_FORMATS = {
+    "q4_0": GgufFormat(2, 18),
+    "q4_1": GgufFormat(3, 20),
+    "q8_0": GgufFormat(8, 34),
+    "q8_0x4": GgufFormat(108, 34),
+}
+# A file format -> the layout the one-row product reads faster (repack_gguf).
+GGUF_REPACKED = {"q8_0": "q8_0x4"}
+ROWS_A_GROUP = 4  # weight rows interleaved in a repacked layout
 
 
 def gguf_row_bytes(fmt: str, in_features: int) -> int:
@@ -46,8 +63,57 @@ def gguf_row_bytes(fmt: str, in_features: int) -> int:
     return in_features // BLOCK * GGUF_FORMATS[fmt].block_bytes
 
 
+def gguf_file_format(fmt: str) -> str:
+    """The file format whose blocks `fmt` holds: itself, or the one it was repacked from."""
+    return next((file for file, layout in GGUF_REPACKED.items() if layout == fmt), fmt)
+
+
+def repack_gguf(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A packed weight in the file format `fmt` (a key of GGUF_REPACKED) as its repacked layout,
+    the same shape and bytes (the module's docstring)."""
+    if fmt != "q8_0":
+        raise ValueError(f"repack_gguf takes q8_0 weights (GGUF_REPACKED), got {fmt}")
+    n, row_bytes = weight.shape
+    head = n - n % ROWS_A_GROUP
+    groups = weight[:head].reshape(-1, ROWS_A_GROUP, row_bytes // 34, 34).transpose(1, 2)
+    interleaved = torch.cat([groups[..., :2].flatten(-2), groups[..., 2:].flatten(-2)], dim=-1)
+    return torch.cat([interleaved.reshape(head, row_bytes), weight[head:]]).contiguous()
+
+
+def _unpack_groups(groups: torch.Tensor) -> torch.Tensor:
+    """Whole groups of a repacked weight, uint8 [groups * 4, row bytes], in the file's layout."""
+    row_bytes = groups.shape[1]
+    blocks = groups.reshape(-1, row_bytes // 34, ROWS_A_GROUP * 34)
+    scales = blocks[..., : 2 * ROWS_A_GROUP].unflatten(-1, (ROWS_A_GROUP, 2))
+    quants = blocks[..., 2 * ROWS_A_GROUP :].unflatten(-1, (ROWS_A_GROUP, 32))
+    return torch.cat([scales, quants], dim=-1).transpose(1, 2).reshape(-1, row_bytes)
+
+
+def gguf_file_rows(weight: torch.Tensor, fmt: str, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `ids` (int64 [m]; every row for None) of a packed weight in `fmt`, uint8 [m, row
+    bytes] in the file's layout: the rows as stored for a file format, unpacked for a repacked one."""
+    if fmt not in GGUF_REPACKED.values():
+        return weight if ids is None else weight.index_select(0, ids)
+    n = weight.shape[0]
+    head = n - n % ROWS_A_GROUP
+    if ids is None:
+        return torch.cat([_unpack_groups(weight[:head]), weight[head:]])
+    if head == 0:
+        return weight.index_select(0, ids)
+    # Each id's group (its four stored rows) unpacked, and the id's row of it; rows past the last
+    # group as stored.
+    in_group = ids < head
+    first = torch.where(in_group, ids - ids % ROWS_A_GROUP, 0)
+    group_rows = (first[:, None] + torch.arange(ROWS_A_GROUP)).reshape(-1)
+    unpacked = _unpack_groups(weight.index_select(0, group_rows)).view(len(ids), ROWS_A_GROUP, -1)
+    picked = unpacked[torch.arange(len(ids)), ids % ROWS_A_GROUP]
+    return torch.where(in_group[:, None], picked, weight.index_select(0, torch.where(in_group, 0, ids)))
+
+
 def dequantize_gguf(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """The float32 [N, K] of a packed weight [N, K // 32 * block bytes] in `fmt`."""
+    if fmt in GGUF_REPACKED.values():
+        return dequantize_gguf(gguf_file_rows(weight, fmt), gguf_file_format(fmt))
     rows = weight.shape[0]
     blocks = weight.reshape(rows, -1, GGUF_FORMATS[fmt].block_bytes)
     d = blocks[..., :2].contiguous().view(torch.float16).float()  # [N, blocks, 1]

@@ -1,6 +1,9 @@
 """A model's weights read from a GGUF file as it is stored: Q4_0, Q4_1 and Q8_0 tensors stay in
 their blocks (infer.kernels' GGUF_FORMATS), run by `gguf_linear_cpu`; F32, F16 and BF16 tensors,
-and blocks of other formats (dequantized by gguf.quants at load), are dense.
+and blocks of other formats (dequantized by gguf.quants at load), are dense. Q8_0 blocks are
+repacked at load into infer.kernels' "q8_0x4" layout (GGUF_REPACKED: the same bytes, four rows
+interleaved), which the one-row product reads faster
+(docs/benchmarks/quantization.md#cpu-the-default-models-gguf-file-as-shipped-issue-55).
 
 The alias's folder (fetch_model) still gives the config and the tokenizer; the weights come from
 the GGUF file it was converted from (`gguf_file_for`). We undo the layout change llama.cpp's
@@ -10,8 +13,8 @@ head; a packed row is whole blocks of one output row, so rows of blocks move and
 Llama only for now: other families (Gemma's norms stored as 1 + w, Qwen 3's QK norms) raise.
 
 On the meta-device model, `pack_for_gguf` turns every Linear whose GGUF tensors share one block
-format (and the embedding, which the tied LM head shares) into a packed one; `load_gguf_weights`
-then fills every parameter.
+format (and the embedding, which the tied LM head shares) into a packed one, in the layout it will
+hold; `load_gguf_weights` then fills every parameter, repacking where that layout asks.
 """
 
 import json
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from infer.kernels import GGUF_FORMATS, dequantize_gguf
+from infer.kernels import GGUF_FORMATS, GGUF_REPACKED, dequantize_gguf, gguf_file_format, repack_gguf
 from infer.models.config import ModelConfig
 from infer.models.linear import Linear
 from infer.models.weight_map import FUSED_PROJECTIONS
@@ -146,6 +149,7 @@ def pack_for_gguf(model: nn.Module, tensors: dict[str, GgufTensor], config: Mode
     """Makes packed, on `model` (meta device), every Linear whose tensors share one block format,
     and the embedding where its table is stored in blocks (the tied LM head with it)."""
     embedding = tensors["embed_tokens.weight"].fmt
+    embedding = GGUF_REPACKED.get(embedding, embedding)
     if embedding is not None:
         model.embed_tokens.pack_gguf(embedding)
     for name, module in model.named_modules():
@@ -157,7 +161,8 @@ def pack_for_gguf(model: nn.Module, tensors: dict[str, GgufTensor], config: Mode
             continue
         formats = {tensors[f"{part}.weight"].fmt for part in _parts(name)}
         if len(formats) == 1 and None not in formats:
-            module.pack_gguf(formats.pop())
+            fmt = formats.pop()
+            module.pack_gguf(GGUF_REPACKED.get(fmt, fmt))
 
 
 def load_gguf_weights(
@@ -178,6 +183,9 @@ def load_gguf_weights(
         packed = param.dtype == torch.uint8
         values = [tensors[part].data if packed else tensors[part].dense().to(dtype) for part in parts]
         value = values[0] if len(values) == 1 else torch.cat(values, dim=0)
+        layout = getattr(model.get_submodule(module_name), "gguf_format", None)
+        if packed and layout in GGUF_REPACKED.values():
+            value = repack_gguf(value, gguf_file_format(layout))
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(
                 f"{name}: the GGUF file gives {list(value.shape)}, the model wants {list(param.shape)}"
