@@ -146,3 +146,39 @@ def test_max_token_chars_bounds_every_tokens_text(alias):
     tokenizer = load_tokenizer(alias)
     longest = max(len(tokenizer.decode([token_id])) for token_id in range(tokenizer.vocab_size))
     assert longest <= tokenizer.max_token_chars
+
+
+@pytest.fixture(scope="module")
+def random_checkpoint_folder(tmp_path_factory):
+    """A random checkpoint's folder: its tokenizer_config.json names PreTrainedTokenizerFast."""
+    from infer.models.random_checkpoint import make_random_checkpoint
+
+    return make_random_checkpoint("qwen3-tiny", tmp_path_factory.mktemp("qwen3-tiny"), weights=False)
+
+
+@pytest.mark.parametrize("source", [*ALIASES, "random checkpoint"])
+def test_the_tokenizer_is_the_one_auto_tokenizer_loads(source, request):
+    """`load_hf_tokenizer` skips AutoTokenizer (see its doc); the oracle is AutoTokenizer itself."""
+    from transformers import AutoTokenizer
+
+    if source == "random checkpoint":
+        folder = request.getfixturevalue("random_checkpoint_folder")
+        ours = Tokenizer(folder).hf_tokenizer
+    else:
+        folder = fetch_model(source)
+        ours = load_tokenizer(source).hf_tokenizer
+    auto = AutoTokenizer.from_pretrained(folder)
+    assert type(ours) is type(auto)
+    assert ours.get_vocab() == auto.get_vocab()
+    assert ours.all_special_ids == auto.all_special_ids
+    added = {i: (token.content, token.special) for i, token in auto.added_tokens_decoder.items()}
+    assert {i: (token.content, token.special) for i, token in ours.added_tokens_decoder.items()} == added
+    assert ours.clean_up_tokenization_spaces == auto.clean_up_tokenization_spaces
+    specials = "".join(token for token, _ in added.values())
+    for text in [*TEXTS, specials + " and text " + specials]:
+        for add_special_tokens in (True, False):
+            ids = auto.encode(text, add_special_tokens=add_special_tokens)
+            assert ours.encode(text, add_special_tokens=add_special_tokens) == ids
+            for skip in (True, False):
+                expected = auto.decode(ids, skip_special_tokens=skip)
+                assert ours.decode(ids, skip_special_tokens=skip) == expected

@@ -1,7 +1,8 @@
 """Text <-> token ids for a Hugging Face folder, and streaming detokenization.
 
-`Tokenizer` wraps `transformers.AutoTokenizer` with the few operations the engine needs.
-`IncrementalDetokenizer` turns generated ids into text deltas one token at a time.
+`Tokenizer` wraps the transformers tokenizer that `AutoTokenizer` would load, with the few
+operations the engine needs. `IncrementalDetokenizer` turns generated ids into text deltas one
+token at a time.
 """
 
 import re
@@ -20,10 +21,8 @@ class Tokenizer:
     """The tokenizer saved in a Hugging Face folder (tokenizer.json + tokenizer_config.json)."""
 
     def __init__(self, folder: str | PathLike):
-        from transformers import AutoTokenizer
-
         self.folder = Path(folder)
-        self.hf_tokenizer = AutoTokenizer.from_pretrained(self.folder)
+        self.hf_tokenizer = load_hf_tokenizer(self.folder)
         self._vocab: dict[str, int] = self.hf_tokenizer.get_vocab()
         # transformers' decode spends more time checking its arguments than the Rust decoder
         # spends decoding, and streaming decodes twice per generated token. Without a clean-up
@@ -86,6 +85,28 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.folder)!r}, vocab_size={self.vocab_size})"
+
+
+def load_hf_tokenizer(folder: Path):
+    """The tokenizer `AutoTokenizer.from_pretrained(folder)` gives, built by the class that
+    tokenizer_config.json names, without AutoTokenizer when the folder names one.
+
+    transformers 5's AutoTokenizer reads the model's config through AutoConfig first, which
+    imports the model family's modeling helpers (torch._dynamo among them), in every process that
+    loads a tokenizer, both of `infer serve`'s included. SmolLM2's `Tokenizer` in a fresh process
+    (torch already imported; the 2-core VM, 2026-11-30): 5.10-5.74 s through AutoTokenizer,
+    2.70-3.18 s this way. test_tokenizer.py checks that the two ways give the same tokenizer."""
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    from infer.models.chat_template import read_tokenizer_config
+
+    name = read_tokenizer_config(folder).get("tokenizer_class")
+    named_class = tokenizer_class_from_name(name) if isinstance(name, str) else None
+    if named_class is None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder)
+    return named_class.from_pretrained(folder)
 
 
 class IncrementalDetokenizer:
