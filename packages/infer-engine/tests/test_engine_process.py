@@ -36,3 +36,23 @@ def test_the_engine_process_exits_cleanly_without_nanobind_leak_warnings(tiny_ch
     assert engine.client.process.exitcode == 0
     stderr = capfd.readouterr().err
     assert "leaked" not in stderr, stderr
+
+
+def test_spawn_raises_the_loaders_error_when_the_tokenizer_cannot_load(tiny_checkpoints, tmp_path):
+    """The frontend's tokenizer loads while the child builds (Engine.spawn): a folder whose
+    tokenizer is broken fails both, and the error raised is the loader's, as
+    `load_model_info` raises it in this process, not the child's EngineStartError."""
+    import shutil
+
+    from infer.engine.engine_process import EngineStartError
+    from infer.models.load import load_model_info
+
+    folder = tmp_path / "broken-tokenizer"
+    shutil.copytree(tiny_checkpoints["llama-tiny"], folder)
+    (folder / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(Exception) as expected:
+        load_model_info(folder)
+    assert not isinstance(expected.value, EngineStartError)
+    with pytest.raises(type(expected.value)) as raised:
+        Engine.spawn(EngineConfig(model=str(folder), max_seq_len=64))
+    assert str(raised.value) == str(expected.value)

@@ -48,16 +48,31 @@ class Engine:
         """The core in a child process; returns once it is built (weights loaded, warmed up).
         Raises EngineStartError with the child's reason when it could not be built.
         `client_options`: ProcClient's (startup_timeout_s, unresponsive_timeout_s)."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from infer.engine.engine_process import ProcClient
-        from infer.models.load import load_model_info
+        from infer.models.load import load_model_info, model_folder
 
-        model_info = load_model_info(config.model, config.load_format)
-        if config.data_parallel_size > 1:
-            from infer.engine.data_parallel import DataParallelClient
+        # A name that is no model fails here, before a child starts; an alias is fetched here once.
+        folder = model_folder(config.model, config.load_format)
+        # The frontend's tokenizer then loads while the child builds the core, not before it:
+        # their seconds overlap. Should both fail, the loader's error is the one raised.
+        with ThreadPoolExecutor(1, thread_name_prefix="infer-model-info") as loader:
+            model_info = loader.submit(load_model_info, folder)
+            try:
+                if config.data_parallel_size > 1:
+                    from infer.engine.data_parallel import DataParallelClient
 
-            client = DataParallelClient(config, **client_options)
-        else:
-            client = ProcClient(config, **client_options)
+                    client = DataParallelClient(config, **client_options)
+                else:
+                    client = ProcClient(config, **client_options)
+            except BaseException:
+                model_info.exception()  # waits for the loader
+                model_info.result()
+                raise
+            if model_info.exception() is not None:
+                client.shutdown()
+            model_info = model_info.result()
         engine = cls.__new__(cls)
         engine._connect(client, model_info, client.initial_stats)
         engine.core = None
