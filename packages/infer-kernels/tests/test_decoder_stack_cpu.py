@@ -21,6 +21,8 @@ from infer.kernels import (
     CpuStackShape,
     DecoderStackCpu,
     decoder_stack_cpu_ref,
+    gguf_file_format,
+    repack_gguf,
     rope_tables,
 )
 from infer.kernels.cpu.decoder_stack import MAX_ROWS
@@ -54,8 +56,13 @@ def make_stack(kind: str, quantized: bool | str, seed: int = 0, num_blocks: int 
         if not quantized:
             return CpuLinear(weight, None, b)
         if isinstance(quantized, str):
-            blocks = quantize(weight.numpy(), getattr(GGMLQuantizationType, quantized.upper()))
-            return CpuLinear(torch.from_numpy(blocks), None, b, gguf_format=quantized)
+            file_format = gguf_file_format(quantized)
+            blocks = torch.from_numpy(
+                quantize(weight.numpy(), getattr(GGMLQuantizationType, file_format.upper()))
+            )
+            if quantized != file_format:  # a layout repacked at load ("q8_0x4")
+                blocks = repack_gguf(blocks, file_format)
+            return CpuLinear(blocks, None, b, gguf_format=quantized)
         scale = weight.abs().amax(dim=1) / 127
         return CpuLinear(torch.round(weight / scale[:, None]).to(torch.int8), scale, b)
 
@@ -131,7 +138,9 @@ def clone_step(step):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
-    "quantized", [False, True, "q4_1", "q8_0", "q4_0"], ids=["float32", "int8", "q4_1", "q8_0", "q4_0"]
+    "quantized",
+    [False, True, "q4_1", "q8_0", "q8_0x4", "q4_0"],
+    ids=["float32", "int8", "q4_1", "q8_0", "q8_0x4", "q4_0"],
 )
 @pytest.mark.parametrize("seq_lens", [[1], [7], [3, 9, 14], [2, 5, 6, 8, 11, 13, 16, 21]])
 def test_matches_the_reference(kind, quantized, seq_lens):
