@@ -41,7 +41,8 @@ static inline void four_rows_q8x4(const uint8_t *g, int64_t blocks, int64_t ahea
     __m128 acc = _mm_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *p = g + b * GGUF_X4_BLOCK;
-        /* 136 bytes a step: three hints cover every line of it wherever it starts. */
+        /* 136 bytes a step: three hints cover every line of it wherever it starts. Without them the
+         * pass was slower (docs/benchmarks/quantization.md#where-a-decode-step-goes-avx2-only-vm). */
         for (int line = 0; line < 3; line++) _mm_prefetch((const char *)(p + ahead + 64 * line), _MM_HINT_T1);
         __m256i xv = _mm256_loadu_si256((const __m256i *)(q->qs + b * GGUF_BLOCK));
         acc = _mm_fmadd_ps(x4_scales(p, q->d[b]), _mm_cvtepi32_ps(x4_dots(p, xv)), acc);
