@@ -54,6 +54,8 @@ GGUF_FORMATS = {
 # A file format -> the layout the one-row product reads faster (repack_gguf).
 GGUF_REPACKED = {"q8_0": "q8_0x4"}
 ROWS_A_GROUP = 4  # weight rows interleaved in a repacked layout
+_Q8_0_BYTES = GGUF_FORMATS["q8_0"].block_bytes  # a Q8_0 block: its fp16 scale, then BLOCK int8 quants
+_SCALE_BYTES = _Q8_0_BYTES - BLOCK
 
 
 def gguf_row_bytes(fmt: str, in_features: int) -> int:
@@ -75,17 +77,18 @@ def repack_gguf(weight: torch.Tensor, fmt: str) -> torch.Tensor:
         raise ValueError(f"repack_gguf takes q8_0 weights (GGUF_REPACKED), got {fmt}")
     n, row_bytes = weight.shape
     head = n - n % ROWS_A_GROUP
-    groups = weight[:head].reshape(-1, ROWS_A_GROUP, row_bytes // 34, 34).transpose(1, 2)
-    interleaved = torch.cat([groups[..., :2].flatten(-2), groups[..., 2:].flatten(-2)], dim=-1)
+    groups = weight[:head].reshape(-1, ROWS_A_GROUP, row_bytes // _Q8_0_BYTES, _Q8_0_BYTES).transpose(1, 2)
+    scales, quants = groups[..., :_SCALE_BYTES], groups[..., _SCALE_BYTES:]
+    interleaved = torch.cat([scales.flatten(-2), quants.flatten(-2)], dim=-1)
     return torch.cat([interleaved.reshape(head, row_bytes), weight[head:]]).contiguous()
 
 
 def _unpack_groups(groups: torch.Tensor) -> torch.Tensor:
     """Whole groups of a repacked weight, uint8 [groups * 4, row bytes], in the file's layout."""
     row_bytes = groups.shape[1]
-    blocks = groups.reshape(-1, row_bytes // 34, ROWS_A_GROUP * 34)
-    scales = blocks[..., : 2 * ROWS_A_GROUP].unflatten(-1, (ROWS_A_GROUP, 2))
-    quants = blocks[..., 2 * ROWS_A_GROUP :].unflatten(-1, (ROWS_A_GROUP, 32))
+    blocks = groups.reshape(-1, row_bytes // _Q8_0_BYTES, ROWS_A_GROUP * _Q8_0_BYTES)
+    scales = blocks[..., : _SCALE_BYTES * ROWS_A_GROUP].unflatten(-1, (ROWS_A_GROUP, _SCALE_BYTES))
+    quants = blocks[..., _SCALE_BYTES * ROWS_A_GROUP :].unflatten(-1, (ROWS_A_GROUP, BLOCK))
     return torch.cat([scales, quants], dim=-1).transpose(1, 2).reshape(-1, row_bytes)
 
 
