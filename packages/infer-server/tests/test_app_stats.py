@@ -195,3 +195,29 @@ def test_stats_and_metrics_count_every_prompt_token_the_tokenizer_counts(
         assert cached > 0
     else:
         assert cached == 0
+
+
+def test_a_reader_sees_the_latest_step_while_the_engine_thread_holds_back(server, monkeypatch):
+    """A busy engine's thread refreshes the gauges only every GAUGE_REFRESH_S; /metrics and
+    /v1/stats refresh them on reading. With the period made endless, the thread's last refresh
+    was taken idle, before the request below: only a refresh on reading shows it running."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from infer.server import engine_loop
+
+    monkeypatch.setattr(engine_loop, "GAUGE_REFRESH_S", float("inf"))
+    body = {"model": server.model, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(base_url=server.base_url, timeout=120.0) as client,
+        client.stream("POST", "/v1/completions", json=body) as stream,
+    ):
+        events = (line for line in stream.iter_lines() if line.startswith("data:"))
+        next(events), next(events)  # generating
+        running = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(client.get("/metrics").text)
+            for sample in family.samples
+        }["infer_requests_running"]
+        history = client.get("/v1/stats").json()["history"]["requests_running"]
+    assert running == 1
+    assert history[-1][1] == 1

@@ -69,6 +69,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     from infer.engine.config import from_cli_args, resolve_device
 
     args = build_serve_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        print("infer serve: --event-loop uvloop: uvloop is not installed", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -127,6 +130,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         port=args.port,
         served_model_name=served_model_name,
         drain_timeout_s=args.drain_timeout_s,
+        event_loop=args.event_loop,
         log_level=args.log_level,
         limits=limits,
         media_policy=media_policy(args),
@@ -172,7 +176,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
     from infer.engine.engine_process import DEFAULT_UNRESPONSIVE_TIMEOUT_S
     from infer.models import DEFAULT_MODEL
     from infer.server.limits import DEFAULT_MAX_REQUEST_BYTES
-    from infer.server.serve import DEFAULT_DRAIN_TIMEOUT_S
+    from infer.server.serve import DEFAULT_DRAIN_TIMEOUT_S, EVENT_LOOPS
     from infer.server.served_models import DEFAULT_WAIT_TIMEOUT_S
 
     parser = argparse.ArgumentParser(
@@ -191,6 +195,13 @@ def build_serve_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
         help="on SIGTERM, how long requests in flight may run before they are aborted (default %(default)s)",
+    )
+    parser.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default="auto",
+        help="the HTTP server's event loop: uvloop (a dependency on Linux and macOS; faster "
+        "streaming) or Python's asyncio; auto takes uvloop where it is installed (default %(default)s)",
     )
     parser.add_argument(
         "--max-request-bytes",

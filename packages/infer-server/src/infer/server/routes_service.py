@@ -62,6 +62,7 @@ async def metrics(request: Request) -> Response:
     """The server's metrics; with several models, each family's samples carry a `model` label
     (infer.server.metrics.render_by_model)."""
     server: ServerState = request.app.state.server
+    _refresh_gauges(server)
     models = server.models.models
     if len(models) == 1:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
@@ -75,12 +76,20 @@ async def stats(request: Request, model: str | None = None) -> Response:
     several models, those of `?model=NAME` (default: the first), with `model` and `models` (every
     name) added so the dashboard can tell."""
     server: ServerState = request.app.state.server
+    _refresh_gauges(server)
     if len(server.models) == 1:
         return JSONResponse(server.stats.snapshot())
     chosen = server.models.get(model)
     return JSONResponse(
         {**chosen.stats.snapshot(), "model": chosen.served_model_name, "models": server.models.names}
     )
+
+
+def _refresh_gauges(server: ServerState) -> None:
+    # A busy engine refreshes them only every infer.server.engine_loop.GAUGE_REFRESH_S: a reader
+    # gets the latest step's figures.
+    for engine_loop in server.models.engine_loops():
+        engine_loop.refresh_gauges()
 
 
 @router.get("/dashboard")

@@ -29,6 +29,9 @@ from infer.server.server_state import FAILED, READY, ServerState
 logger = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# uvicorn's names: "auto" is uvloop where it is installed (infer-server depends on it where it
+# builds), else asyncio.
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 # After the drain, uvicorn's own wait for connections to close: only idle keep-alive ones remain.
 _GRACEFUL_SHUTDOWN_S = 5
 
@@ -126,6 +129,7 @@ def build_server(
     port: int = 8000,
     served_model_name: str | None = None,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    event_loop: str = "auto",
     log_level: str = "info",
     limits: RequestLimits | None = None,
     media_policy: MediaPolicy | None = None,
@@ -137,7 +141,8 @@ def build_server(
 ) -> DrainingServer:
     """The server, not started: `.run()` blocks until it exits, `.request_drain()` drains it.
     `engine_or_factory`: one model's, or {name: engine or factory} of several (create_app).
-    `exit_on_failure`: stop (and set `.failure`) when the engine fails to load or in a step."""
+    `exit_on_failure`: stop (and set `.failure`) when the engine fails to load or in a step.
+    `event_loop`: one of EVENT_LOOPS."""
     app = create_app(
         engine_or_factory,
         served_model_name=served_model_name,
@@ -153,6 +158,7 @@ def build_server(
         host=host,
         port=port,
         log_level=log_level,
+        loop=event_loop,
         timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
         # The server's own keep-alive; clients such as openai reuse connections between requests.
         timeout_keep_alive=30,
