@@ -2,9 +2,10 @@
 from the ops' PyTorch references: the residual stream it returns and the K/V it writes.
 
 Random blocks of three kinds (pre-norm as Llama, pre-norm with QK norms as Qwen 3, sandwich norms
-with (1 + w) scales, gelu and a sliding window as Gemma 3), float32 and int8 Linears, 1 to
+with (1 + w) scales, gelu and a sliding window as Gemma 3), float32, bf16 and int8 Linears, 1 to
 MAX_ROWS rows at different lengths over a shuffled block table. int8 products round each row of x
-to int16 (int8_linear_cpu's kernel), which the reference does not: their tolerance is wider. GGUF
+to int16 (int8_linear_cpu's kernel), which the reference does not: their tolerance is wider. bf16
+weights are widened exactly, as the reference's upcast does: float32's tolerance. GGUF
 blocks (Q4_1, Q8_0, Q4_0, made by gguf.quants) round x to int8 blocks of 32, and so does the
 reference (gguf_linear_cpu_q8_ref): they differ by fp32 sums.
 """
@@ -44,7 +45,7 @@ KINDS = ("llama", "qwen3", "gemma3")
 
 
 def make_stack(kind: str, quantized: bool | str, seed: int = 0, num_blocks: int = 3):
-    """`quantized`: False (float32), True (int8 per channel) or a GGUF format ("q4_1")."""
+    """`quantized`: False (float32), True (int8 per channel), "bf16" or a GGUF format ("q4_1")."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
@@ -55,6 +56,8 @@ def make_stack(kind: str, quantized: bool | str, seed: int = 0, num_blocks: int 
         b = randn(n, scale=0.1) if bias else None
         if not quantized:
             return CpuLinear(weight, None, b)
+        if quantized == "bf16":
+            return CpuLinear(weight.to(torch.bfloat16), None, b)
         if isinstance(quantized, str):
             file_format = gguf_file_format(quantized)
             blocks = torch.from_numpy(
@@ -139,8 +142,8 @@ def clone_step(step):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     "quantized",
-    [False, True, "q4_1", "q8_0", "q8_0x4", "q4_0"],
-    ids=["float32", "int8", "q4_1", "q8_0", "q8_0x4", "q4_0"],
+    [False, "bf16", True, "q4_1", "q8_0", "q8_0x4", "q4_0"],
+    ids=["float32", "bf16", "int8", "q4_1", "q8_0", "q8_0x4", "q4_0"],
 )
 @pytest.mark.parametrize("seq_lens", [[1], [7], [3, 9, 14], [2, 5, 6, 8, 11, 13, 16, 21]])
 def test_matches_the_reference(kind, quantized, seq_lens):
@@ -150,10 +153,12 @@ def test_matches_the_reference(kind, quantized, seq_lens):
     ours, theirs = clone_step(make_step(seq_lens)), clone_step(make_step(seq_lens))
     stack(*ours)
     decoder_stack_cpu_ref(shape, blocks, *theirs)
-    # float32: summation order only; int8: x rounded to int16 per row in each product; GGUF: the
-    # reference rounds x the same way, so summation order, and room for one x entry whose rounding
-    # the two sums put on either side of a boundary (measured: 3.5e-6 at most over these cases).
-    tolerance = dict(rtol=2e-3, atol=2e-3) if quantized else dict(rtol=1e-4, atol=1e-4)
+    # float32 and bf16 (widened exactly): summation order only; int8: x rounded to int16 per row in
+    # each product; GGUF: the reference rounds x the same way, so summation order, and room for one
+    # x entry whose rounding the two sums put on either side of a boundary (measured: 3.5e-6 at
+    # most over these cases).
+    exact = quantized in (False, "bf16")
+    tolerance = dict(rtol=1e-4, atol=1e-4) if exact else dict(rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(ours[0], theirs[0], **tolerance)
     for (k_ours, v_ours), (k_ref, v_ref) in zip(ours[5], theirs[5], strict=True):
         torch.testing.assert_close(k_ours, k_ref, **tolerance)

@@ -2,14 +2,20 @@
 
 Each op has one public function that checks its inputs and dispatches, and a `*_ref` twin in
 plain PyTorch that is the test oracle and the CPU path, except where a CPU path of its own is
-faster (`paged_attention_cpu`, `rms_norm_cpu`, `rope_cpu`, `int8_linear_cpu`, `gguf_linear_cpu`,
-each tested against its reference). `DecoderStackCpu` runs a model's blocks for a CPU step of
-decode rows in one C call (`decoder_stack_cpu_ref` composes the ops' references).
+faster (`paged_attention_cpu`, `rms_norm_cpu`, `rope_cpu`, `int8_linear_cpu`, `bf16_linear_cpu`,
+`gguf_linear_cpu`, each tested against its reference). `DecoderStackCpu` runs a model's blocks for
+a CPU step of decode rows in one C call (`decoder_stack_cpu_ref` composes the ops' references).
 """
 
 from infer.kernels._version import INTERFACE_VERSION, __version__
 from infer.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
 from infer.kernels.argmax import argmax, argmax_ref
+from infer.kernels.cpu.bf16_linear import (
+    bf16_linear_cpu,
+    bf16_linear_cpu_native,
+    bf16_linear_cpu_ref,
+    bf16_linear_cpu_supports,
+)
 from infer.kernels.cpu.decoder_stack import (
     CpuBlock,
     CpuLinear,
@@ -111,6 +117,10 @@ __all__ = [
     "assert_close",
     "assert_gated_close",
     "decode_warm_up_lengths",
+    "bf16_linear_cpu",
+    "bf16_linear_cpu_native",
+    "bf16_linear_cpu_ref",
+    "bf16_linear_cpu_supports",
     "decoder_stack_cpu_ref",
     "dequantize_gguf",
     "dequantize_int4",

@@ -10,9 +10,10 @@ embedding, the final norm and the LM head stay with the caller.
 The blocks are pre-norm (Llama, Qwen 3) or sandwich-norm (Gemma 3: `pre_feedforward_norm` and
 `post_feedforward_norm` set), with optional per-head QK norms, every norm scaling by
 `norm_offset + weight`, a gated MLP (silu or gelu_tanh), neox rotary tables per block and an
-optional sliding window. Linears are float32, int8 with one float32 scale per output channel
-(int8_linear_cpu's kernel, which rounds each row of x to int16), or a GGUF file's Q4_0 / Q4_1 /
-Q8_0 blocks (gguf_linear_cpu's kernel, which rounds x to int8 blocks of 32). `decoder_stack_cpu_ref` is the
+optional sliding window. Linears are float32, bf16 (bf16_linear_cpu's kernel, which widens the
+weight to fp32 in registers), int8 with one float32 scale per output channel (int8_linear_cpu's
+kernel, which rounds each row of x to int16), or a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks
+(gguf_linear_cpu's kernel, which rounds x to int8 blocks of 32). `decoder_stack_cpu_ref` is the
 same stack in plain PyTorch from the ops' references: the oracle.
 
 `DecoderStackCpu(shape, blocks)` raises ValueError, naming the tensor, for what the C path does
@@ -44,7 +45,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 class CpuLinear(NamedTuple):
-    """`x @ (weight * scale[:, None]).T + bias`: weight [n, k] float32 (scale None) or int8; or,
+    """`x @ (weight * scale[:, None]).T + bias`: weight [n, k] float32 or bf16 (scale None) or int8; or,
     with `gguf_format`, `x @ dequantize_gguf(weight, gguf_format).T + bias` for a weight of GGUF
     blocks, uint8 [n, k / 32 * block bytes] (gguf_linear_cpu's kernel)."""
 
@@ -75,7 +76,7 @@ class CpuStackShape:
 
 @dataclass(frozen=True)
 class CpuBlock:
-    """One block's tensors (float32 but for int8 weights). q|k|v and gate|up are fused Linears."""
+    """One block's tensors (float32 but for bf16 and int8 weights). q|k|v and gate|up are fused Linears."""
 
     input_norm: torch.Tensor
     qkv: CpuLinear
@@ -104,6 +105,7 @@ class _Linear(ctypes.Structure):
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
         ("gguf_type", ctypes.c_int64),
+        ("bf16", ctypes.c_int64),
     ]
 
 
@@ -255,8 +257,9 @@ class DecoderStackCpu:
         def linear(layer: CpuLinear) -> _Linear:
             n, k = layer.shape
             gguf_type = 0 if layer.gguf_format is None else GGUF_FORMATS[layer.gguf_format].type_id
+            bf16 = int(layer.weight.dtype == torch.bfloat16)
             return _Linear(
-                layer.weight.data_ptr(), _pointer(layer.scale), _pointer(layer.bias), n, k, gguf_type
+                layer.weight.data_ptr(), _pointer(layer.scale), _pointer(layer.bias), n, k, gguf_type, bf16
             )
 
         return _Block(
@@ -319,8 +322,8 @@ def _check_block(index: int, b: CpuBlock, shape: CpuStackShape, hidden: int, int
         elif tuple(w.shape) != (n, k) or not w.is_contiguous():
             fail(name, f"weight must be contiguous [{n}, {k}], got {list(w.shape)}")
         elif linear.scale is None:
-            if w.dtype != torch.float32 or k % 8:
-                fail(name, f"a float32 weight (no scale) needs K % 8 == 0, got {w.dtype}, K = {k}")
+            if w.dtype not in (torch.float32, torch.bfloat16) or k % 8:
+                fail(name, f"a float32 or bf16 weight (no scale) needs K % 8 == 0, got {w.dtype}, K = {k}")
         elif w.dtype != torch.int8 or k % K_MULTIPLE or w.data_ptr() % ALIGNMENT:
             fail(name, f"an int8 weight needs K % {K_MULTIPLE} == 0 and {ALIGNMENT}-byte alignment")
         vector(f"{name} scale", linear.scale, n, optional=True)

@@ -18,11 +18,13 @@
  * Every norm scales by (offset + weight). `residual` comes in as the embedded tokens and goes out as
  * the stream after the last block, before the final norm.
  *
- * Linears are float32, int8 with a float32 scale per output channel (int8_gemv_cpu.c's kernel), or
- * a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks (gguf_gemv_cpu.c's kernel).
+ * Linears are float32, bf16 (bf16_gemv_cpu.c's kernel: widened to fp32 in registers), int8 with a
+ * float32 scale per output channel (int8_gemv_cpu.c's kernel), or a GGUF file's Q4_0 / Q4_1 / Q8_0
+ * blocks (gguf_gemv_cpu.c's kernel); activations are float32 throughout.
  * Attention is decode_attention_cpu.c's. Threads split each product's weight rows and attention's
  * heads; the norms, rotations and activation, a few thousand floats a row, run on one.
  */
+#include "bf16_gemv_cpu.c"
 #include "decode_attention_cpu.c"
 #include "gguf_gemv_cpu.c"
 #include "int8_gemv_cpu.c"
@@ -30,11 +32,12 @@
 #include <string.h>
 
 typedef struct {
-    const void *weight; /* [n, k]: float32, int8 where scale is set, GGUF blocks where gguf_type is */
+    const void *weight; /* [n, k]: float32, bf16 where bf16 is set, int8 where scale is, GGUF blocks where gguf_type is */
     const float *scale; /* [n]: one per output channel; NULL for a float32 weight */
     const float *bias;  /* [n] or NULL */
     int64_t n, k;
     int64_t gguf_type; /* 0, or the ggml type id of the weight's blocks (GGUF_Q4_0, ...) */
+    int64_t bf16;      /* 1: the weight is bf16 (16-bit words), 0: another format */
 } Linear;
 
 typedef struct {
@@ -110,7 +113,9 @@ static void gemv_f32(const float *x, int64_t m, const float *w, float *out, int6
 
 /* out [m, n] = x [m, k] @ W.T + bias; returns 0, or -1 where int8_gemv or gguf_gemv failed. */
 static int linear(const Linear *l, const float *x, int64_t m, float *out, int threads) {
-    if (l->gguf_type != 0) {
+    if (l->bf16) {
+        bf16_gemv(x, l->weight, out, m, l->n, l->k, threads);
+    } else if (l->gguf_type != 0) {
         if (gguf_gemv((int)l->gguf_type, x, l->weight, out, m, l->n, l->k, threads) != 0) return -1;
     } else if (l->scale == NULL) {
         gemv_f32(x, m, l->weight, out, l->n, l->k, threads);

@@ -1,13 +1,14 @@
 """C kernels for the CPU, built on first use with the system's C compiler and loaded with ctypes,
 as Triton builds its launchers: no compiled code in the wheel, one build per machine.
 
-Four use them: `int8_linear_cpu` (int8 weights times a few rows), `gguf_linear_cpu` (GGUF's Q4_0,
-Q4_1 and Q8_0 blocks times rows), `paged_attention_cpu` (decode rows) and `DecoderStackCpu` (a
-model's blocks for a step of decode rows, which includes the other three sources). The first three
-take a `native` argument and take their ATen path with
-`native=False` (a model built with `KernelPolicy(use_native_cpu_kernels=False)`,
-EngineConfig.use_native_cpu_kernels) or where the library cannot be built; the engine's runner
-selects the third only where its policy allows it.
+Five use them: `int8_linear_cpu` (int8 weights times a few rows), `bf16_linear_cpu` (bf16
+weights times a few rows), `gguf_linear_cpu` (GGUF's Q4_0, Q4_1 and Q8_0 blocks times rows),
+`paged_attention_cpu` (decode rows) and `DecoderStackCpu` (a model's blocks for a step of decode
+rows, which includes the other four sources). The first four take a `native` argument and take
+their ATen path with `native=False` (a model built with
+`KernelPolicy(use_native_cpu_kernels=False)`, EngineConfig.use_native_cpu_kernels) or where the
+library cannot be built; the engine's runner selects `paged_attention_cpu` only where its policy
+allows it.
 
 `load_native(source)` compiles `source` (a .c file beside this module) into a shared library
 under `$INFER_HOME/kernels` (INFER_HOME defaults to ~/.cache/infer), named by a hash of every
@@ -45,7 +46,13 @@ logger = logging.getLogger(__name__)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 LIBRARIES = ("-lm",)
 
-SOURCES = ("int8_gemv_cpu.c", "gguf_gemv_cpu.c", "decode_attention_cpu.c", "decoder_stack_cpu.c")
+SOURCES = (
+    "int8_gemv_cpu.c",
+    "bf16_gemv_cpu.c",
+    "gguf_gemv_cpu.c",
+    "decode_attention_cpu.c",
+    "decoder_stack_cpu.c",
+)
 
 
 def native_cpu_kernels_available() -> bool:
