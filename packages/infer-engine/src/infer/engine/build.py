@@ -31,6 +31,7 @@ from infer.engine.scheduler import Scheduler
 from infer.engine.startup_progress import startup_phase
 from infer.engine.step_memory import measure_step_memory
 from infer.engine.structured_output import StructuredOutput
+from infer.models.bf16_cpu import takes_fp32_activations, widen_activations
 from infer.models.kernel_policy import KernelPolicy
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,11 @@ def build_engine_parts(config: EngineConfig, loaded_model=None, *, tensor_parall
     kernel_policy = KernelPolicy(
         device, config.use_triton_gemv, config.use_pdl, config.use_native_cpu_kernels
     )
+    if takes_fp32_activations(model, device, config.use_native_cpu_kernels):
+        # bf16 weights on a CPU: widened in registers by the C kernels, float32 activations and
+        # KV cache, so that decode steps take the C stack (infer.models.bf16_cpu).
+        widen_activations(model)
+        logger.info("bf16 weights under float32 activations and KV cache on the CPU")
     shape = _kv_cache_shape(config, model, max_seq_len)
     draft = _load_draft_model(config, loaded_model, device, max_seq_len)
     draft_shape = _kv_cache_shape(config, draft.model, max_seq_len) if draft is not None else None

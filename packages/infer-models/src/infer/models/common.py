@@ -51,11 +51,16 @@ class Embedding(nn.Module):
         # A GGUF block format where the table is kept in the file's blocks (Linear.gguf_format):
         # a lookup dequantizes the rows it reads, to float32.
         self.gguf_format: str | None = None
+        # Where set, the dtype a lookup widens its rows to: a bf16 table under float32
+        # activations on a CPU (infer.models.bf16_cpu); None: the table's own.
+        self.activation_dtype: torch.dtype | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the embeddings it returns."""
-        return torch.float32 if self.gguf_format else self.weight.dtype
+        if self.gguf_format:
+            return torch.float32
+        return self.activation_dtype or self.weight.dtype
 
     def pack_gguf(self, fmt: str) -> None:
         """Makes the table GGUF blocks of `fmt`: an empty uint8 parameter for the loader to fill."""
@@ -70,7 +75,8 @@ class Embedding(nn.Module):
             rows = gguf_file_rows(self.weight, self.gguf_format, ids.reshape(-1))
             return dequantize_gguf(rows, gguf_file_format(self.gguf_format)).view(*ids.shape, -1)
         if self.tp is None:
-            return F.embedding(ids, self.weight)
+            rows = F.embedding(ids, self.weight)
+            return rows if self.activation_dtype is None else rows.to(self.activation_dtype)
         # This rank's rows for the ids in its slice, zeros for the others: summed over ranks.
         ((start, length),) = self.tp_shard.ranges
         local = ids - start

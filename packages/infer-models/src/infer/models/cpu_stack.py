@@ -3,13 +3,14 @@ CPU, a step whose rows are all decode tokens (up to its MAX_ROWS) runs every blo
 instead of ~80 ops and Python calls a block (docs/architecture.md, "A CPU decode step's blocks in
 one C call").
 
-`CpuDecodeStack.for_model(model)` builds it from the model's loaded weights (float32, int8 per
-channel, or GGUF Q4_0 / Q4_1 / Q8_0 blocks), or says why the model does not fit (other 8-bit
-weights, norms that do not share one eps and offset, activations other than float32, a block of
-another shape, a library that does not build here); the engine's runner builds it where its
-kernel policy allows the C kernels, and selects it per step (`takes(batch)`) as it selects a CUDA
-graph. The C stack is the KV cache's writer on the steps it runs. The PyTorch path stays the
-oracle: infer-engine's tests/test_cpu_stack.py holds the two to the same tokens and logprobs.
+`CpuDecodeStack.for_model(model)` builds it from the model's loaded weights (float32, bf16 under
+float32 activations (infer.models.bf16_cpu), int8 per channel, or GGUF Q4_0 / Q4_1 / Q8_0
+blocks), or says why the model does not fit (other 8-bit weights, norms that do not share one eps
+and offset, activations other than float32, a block of another shape, a library that does not
+build here); the engine's runner builds it where its kernel policy allows the C kernels, and
+selects it per step (`takes(batch)`) as it selects a CUDA graph. The C stack is the KV cache's
+writer on the steps it runs. The PyTorch path stays the oracle: infer-engine's
+tests/test_cpu_stack.py holds the two to the same tokens and logprobs.
 """
 
 import logging

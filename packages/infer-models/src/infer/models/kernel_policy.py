@@ -31,6 +31,7 @@ from infer.kernels.normed_gemv import MAX_K as NORMED_GEMV_MAX_K
 from infer.models.common import Attention, RMSNorm
 from infer.models.linear import Linear
 from infer.models.linear_method import (
+    CpuBf16Method,
     CpuInt8Method,
     DenseMethod,
     DequantizedGgufMethod,
@@ -81,6 +82,8 @@ class KernelPolicy:
         if linear.weight_scale is None:
             if self.use_triton_gemv and self.on_cuda:
                 return TritonGemvMethod(pdl=self.pdl)
+            if self.device.type == "cpu" and linear.weight.dtype == torch.bfloat16:
+                return CpuBf16Method(native=self.use_native_cpu_kernels)
             return DenseMethod(pdl=self.pdl)
         int8 = linear.weight.dtype == torch.int8
         if self.device.type == "cpu" and int8 and self._cpu_int8_fits(linear):

@@ -18,6 +18,9 @@ once by the kernel policy (infer.models.kernel_policy) and applied by `Linear.fo
 - `CpuInt8Method`: per-channel int8 weights on a CPU through `int8_linear_cpu`: a few rows in
   infer.kernels' AVX2 kernel where `native` (EngineConfig.use_native_cpu_kernels) and it builds,
   else ATen's int8 product.
+- `CpuBf16Method`: a bf16 weight under float32 activations on a CPU (infer.models.bf16_cpu)
+  through `bf16_linear_cpu`: a few rows in infer.kernels' AVX2 kernel where `native` and it
+  builds, else the weight upcast and ATen's fp32 product; bf16 activations take `DenseMethod`'s.
 - `GgufMethod`: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks on a CPU through `gguf_linear_cpu`: the C
   kernel where `native` and it builds, else the weight dequantized and ATen's product.
 - `DequantizedGgufMethod`: a GGUF weight where that C kernel does not run (no C compiler, or
@@ -47,6 +50,7 @@ import torch.nn.functional as F
 
 from infer.kernels import (
     Int8CpuScale,
+    bf16_linear_cpu,
     dequantize_gguf,
     gated_gemv,
     gelu_tanh_and_mul,
@@ -193,6 +197,19 @@ class CpuInt8Method(DenseMethod):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         return int8_linear_cpu(x, layer.weight, self.scale, layer.bias, native=self.native)
+
+
+@dataclass(frozen=True)
+class CpuBf16Method(DenseMethod):
+    """A bf16 weight on a CPU: float32 inputs through `bf16_linear_cpu` (`native`: a few rows may
+    take the C kernel), bf16 inputs as `DenseMethod`."""
+
+    native: bool = True
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return super().apply(layer, x)
+        return bf16_linear_cpu(x, layer.weight, layer.bias, native=self.native)
 
 
 @dataclass(frozen=True)
