@@ -375,3 +375,36 @@ def test_a_draft_model_with_fewer_positions_than_max_seq_len_is_refused(tiny_mod
     speculative = {"method": "draft_model", "model": str(short), "num_speculative_tokens": 2}
     with pytest.raises(EngineConfigError, match=r"holds 64 positions, fewer than max_seq_len \(160\)"):
         make_engine(target, speculative_config=speculative)
+
+
+def test_a_bf16_draft_model_on_the_cpu_runs_as_its_bf16_target(tiny_checkpoints):
+    """On a CPU a bf16 target runs its bf16 weights under float32 activations
+    (infer.models.bf16_cpu); its draft model is loaded in bf16 and widened the same way, so a
+    draft of the target's own checkpoint drafts the target's own greedy tokens: all are kept."""
+    from infer.kernels import DecoderStackCpu
+
+    if not DecoderStackCpu.runs_here():
+        pytest.skip("the C kernels do not build here")
+    path = str(tiny_checkpoints["llama-tiny"])
+    speculative = {
+        "method": "draft_model",
+        "model": path,
+        "num_speculative_tokens": 3,
+        "min_acceptance_rate": 0,
+    }
+    config = EngineConfig(
+        model=path,
+        device="cpu",
+        dtype="bfloat16",
+        max_batch_size=2,
+        max_seq_len=160,
+        speculative_config=speculative,
+    )
+    engine = Engine(config)
+    vocab_size = engine.core.runner.model.config.vocab_size
+    params = SamplingParams(temperature=0, max_new_tokens=NUM_TOKENS, ignore_eos=True)
+    for prompt in random_prompts([20, 33], vocab_size, seed=5):
+        engine.add_request(prompt, params)
+    run_to_completion(engine)
+    counts = engine.core.scheduler.spec_decode_counts
+    assert counts.num_draft_tokens > 0 and counts.num_accepted_tokens == counts.num_draft_tokens, counts

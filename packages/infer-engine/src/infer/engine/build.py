@@ -121,13 +121,14 @@ def build_engine_parts(config: EngineConfig, loaded_model=None, *, tensor_parall
     kernel_policy = KernelPolicy(
         device, config.use_triton_gemv, config.use_pdl, config.use_native_cpu_kernels
     )
-    if takes_fp32_activations(model, device, config.use_native_cpu_kernels):
-        # bf16 weights on a CPU: widened in registers by the C kernels, float32 activations and
-        # KV cache, so that decode steps take the C stack (infer.models.bf16_cpu).
-        widen_activations(model)
-        logger.info("bf16 weights under float32 activations and KV cache on the CPU")
-    shape = _kv_cache_shape(config, model, max_seq_len)
     draft = _load_draft_model(config, loaded_model, device, max_seq_len)
+    for each in (model, draft.model if draft is not None else None):
+        if each is not None and takes_fp32_activations(each, device, config.use_native_cpu_kernels):
+            # bf16 weights on a CPU: widened in registers by the C kernels, float32 activations
+            # and KV cache, so that decode steps take the C stack (infer.models.bf16_cpu).
+            widen_activations(each)
+            logger.info("bf16 weights under float32 activations and KV cache on the CPU")
+    shape = _kv_cache_shape(config, model, max_seq_len)
     draft_shape = _kv_cache_shape(config, draft.model, max_seq_len) if draft is not None else None
     kv_pool = _build_kv_pool(
         config,
