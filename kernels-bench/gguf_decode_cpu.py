@@ -81,20 +81,6 @@ def write_q8_0_copy(source: Path, target: Path) -> None:
     writer.close()
 
 
-# Hugging Face names of a llama block's tensors by their GGUF names (llama.cpp's convert_hf_to_gguf).
-BLOCK_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
 def write_dense_copy(source: Path, folder: Path, target: Path, kind: str) -> None:
     """A GGUF of `folder`'s safetensors (a llama checkpoint) in `kind` ("BF16" or "F32"; norms
     F32), with `source`'s metadata and tensor names. q and k are permuted as llama.cpp's converter
@@ -103,6 +89,8 @@ def write_dense_copy(source: Path, folder: Path, target: Path, kind: str) -> Non
     import numpy as np
     import torch
     from safetensors.torch import load_file
+
+    from infer.models.loader.gguf_weights import our_tensor_name
 
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(target, arch=reader.fields["general.architecture"].contents())
@@ -124,15 +112,10 @@ def write_dense_copy(source: Path, folder: Path, target: Path, kind: str) -> Non
 
     for tensor in reader.tensors:
         name = tensor.name
-        if name == "token_embd.weight":
-            weight = hf["model.embed_tokens.weight"]
-        elif name == "output_norm.weight":
-            weight = hf["model.norm.weight"]
-        else:
-            _, layer, part, _ = name.split(".")
-            weight = hf[f"model.layers.{layer}.{BLOCK_TENSORS[part]}.weight"]
-            if part in ("attn_q", "attn_k"):
-                weight = permute(weight, heads if part == "attn_q" else kv_heads)
+        weight = hf[f"model.{our_tensor_name(name)}"]
+        part = name.split(".")[2] if name.startswith("blk.") else None
+        if part in ("attn_q", "attn_k"):
+            weight = permute(weight, heads if part == "attn_q" else kv_heads)
         stored = torch.from_numpy(
             gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type).reshape(weight.shape)
         )

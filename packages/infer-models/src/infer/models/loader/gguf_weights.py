@@ -105,7 +105,7 @@ def read_gguf_tensors(path: Path, config: ModelConfig) -> dict[str, GgufTensor]:
         raise ValueError(f"quantization 'gguf' reads Llama models only, not {config.model_type}")
     tensors = {}
     for tensor in gguf.GGUFReader(path).tensors:
-        name = _our_name(tensor.name)
+        name = our_tensor_name(tensor.name)
         kind = tensor.tensor_type.name
         if kind.lower() in GGUF_FORMATS:
             fmt, data = kind.lower(), torch.from_numpy(np.array(tensor.data))
@@ -121,7 +121,9 @@ def read_gguf_tensors(path: Path, config: ModelConfig) -> dict[str, GgufTensor]:
     return tensors
 
 
-def _our_name(gguf_name: str) -> str:
+def our_tensor_name(gguf_name: str) -> str:
+    """Our (and transformers', without its `model.`) name of a Llama GGUF file's tensor:
+    blk.3.attn_q.weight -> layers.3.self_attn.q_proj.weight. ValueError for another tensor."""
     stem, _, leaf = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, index, part = stem.split(".", 2)
