@@ -33,6 +33,25 @@ def reference(smollm2):
 
 
 @pytest.fixture(scope="module")
+def expected(smollm2, reference) -> tuple[list[int], list[int], torch.Tensor]:
+    """(the prompt, transformers' greedy tokens after it, each one's logprob): computed once, as
+    both paths below must give the same tokens."""
+    prompt = smollm2.chat_ids("Write a short story about a lighthouse keeper.")
+    input_ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        greedy = reference.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+        )[0, len(prompt) :].tolist()
+        logits = reference(torch.tensor([prompt + greedy])).logits[0, len(prompt) - 1 : -1]
+    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(greedy)[:, None])[:, 0]
+    return prompt, greedy, logprobs
+
+
+@pytest.fixture(scope="module")
 def bf16_engine(smollm2) -> Engine:
     config = EngineConfig(
         model=str(smollm2.loaded.path), device="cpu", dtype="bfloat16", max_seq_len=256, max_batch_size=1
@@ -62,10 +81,8 @@ def test_bf16_weights_run_under_float32_activations_on_the_stack(bf16_engine):
 
 
 @pytest.mark.parametrize("stack", [True, False], ids=["stack", "pytorch-path"])
-def test_greedy_tokens_and_logprobs_match_transformers_on_the_bf16_weights(
-    stack, bf16_engine, smollm2, reference
-):
-    prompt = smollm2.chat_ids("Write a short story about a lighthouse keeper.")
+def test_greedy_tokens_and_logprobs_match_transformers_on_the_bf16_weights(stack, bf16_engine, expected):
+    prompt, greedy, theirs = expected
     runner = bf16_engine.core.runner
     backend, runner.cpu_decode = runner.cpu_decode, runner.cpu_decode if stack else None
     try:
@@ -74,19 +91,7 @@ def test_greedy_tokens_and_logprobs_match_transformers_on_the_bf16_weights(
         assert (backend.num_steps > steps_before) == stack
     finally:
         runner.cpu_decode = backend
-    tokens = [token for token, _ in ours]
-    input_ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        greedy = reference.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-        )[0, len(prompt) :].tolist()
-        logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-    assert tokens == greedy
-    theirs = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert [token for token, _ in ours] == greedy
     torch.testing.assert_close(
         torch.tensor([logprob for _, logprob in ours]), theirs, rtol=0, atol=LOGPROB_ATOL
     )
