@@ -106,8 +106,8 @@ def test_dequantize_matches_gguf_on_the_default_model_file():
 
 @needs_native
 @pytest.mark.parametrize("fmt", GGUF_FORMATS)
-@pytest.mark.parametrize("n, k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 8, 11])
+@pytest.mark.parametrize("n, k", SHAPES + [(13, 96)])  # 13: a group of four's tail rows (q8_0x4)
+@pytest.mark.parametrize("rows", [1, 2, 8, 11, 19])
 def test_native_kernel_matches_the_q8_reference(fmt, n, k, rows):
     if n == 49152 and rows > 2:
         pytest.skip("the LM head's shape once a row count is enough")

@@ -251,20 +251,35 @@ static void row_times_x(int type, const uint8_t *w, int64_t blocks, const Quanti
     else row_times_rows(GGUF_Q4_0, 18, w, blocks, q, m, out, n);
 }
 
-/* out [m, n] = x (q, m <= GGUF_MAX_ROWS rows) times the weight: each weight row (each group of four,
- * for GGUF_Q8_0_X4) a task, its blocks unpacked once for the m rows. */
-static void few_x_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t blocks, const QuantizedRows *q,
-                       int64_t m, float *out, int64_t n, int threads) {
-    if (type != GGUF_Q8_0_X4) {
+/* Rows [first, first + rows) of q, as a QuantizedRows of their own. */
+static QuantizedRows rows_from(const QuantizedRows *q, int64_t first, int64_t k, int64_t blocks) {
+    QuantizedRows part = {q->qs + first * k, q->d + first * blocks, q->sum + first * blocks,
+                          q->scaled_sum + first * blocks};
+    return part;
+}
+
+/* out [m, n] = x (q, m rows) times the weight: each weight row (each group of four, for
+ * GGUF_Q8_0_X4) a task, which takes x GGUF_MAX_ROWS rows at a time, its blocks unpacked once for
+ * them. One parallel region and one pass over the weight for any m: a prompt's rows in chunks
+ * each a region would cost a fork and a join a chunk, and under a busy CPU each waits for both
+ * threads to be scheduled. */
+static void many_x_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t blocks, int64_t k,
+                        const QuantizedRows *q, int64_t m, float *out, int64_t n, int threads) {
+    int64_t groups = type == GGUF_Q8_0_X4 ? n / GGUF_FOUR : 0, tasks = groups + (n - groups * GGUF_FOUR);
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t i = 0; i < n; i++) row_times_x(type, w + i * row_bytes, blocks, q, m, out + i, n);
-        return;
+    for (int64_t t = 0; t < tasks; t++) {
+        for (int64_t first = 0; first < m; first += GGUF_MAX_ROWS) {
+            int64_t rows = m - first < GGUF_MAX_ROWS ? m - first : GGUF_MAX_ROWS;
+            QuantizedRows part = rows_from(q, first, k, blocks);
+            if (t < groups) {
+                group_times_rows(w + t * GGUF_FOUR * row_bytes, blocks, &part, rows, out + first * n + t * GGUF_FOUR, n);
+            } else {
+                int64_t i = groups * GGUF_FOUR + (t - groups); /* X4: the rows past the last group are Q8_0 */
+                row_times_x(type == GGUF_Q8_0_X4 ? GGUF_Q8_0 : type, w + i * row_bytes, blocks, &part, rows,
+                            out + first * n + i, n);
+            }
+        }
     }
-    int64_t groups = n / GGUF_FOUR;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++)
-        group_times_rows(w + g * GGUF_FOUR * row_bytes, blocks, q, m, out + g * GGUF_FOUR, n);
-    for (int64_t i = groups * GGUF_FOUR; i < n; i++) row_times_x(GGUF_Q8_0, w + i * row_bytes, blocks, q, m, out + i, n);
 }
 
 /* Bytes of one row of a weight of `type` with k columns; 0 for a type this file does not take. */
@@ -279,9 +294,8 @@ static int64_t gguf_row_bytes(int type, int64_t k) {
     }
 }
 
-/* out [m, n] = x [m, k] @ W.T for W [n, k] in blocks of `type`, k % 32 == 0; GGUF_MAX_ROWS rows of
- * x a pass over the weight. Returns 0, -1 where x's int8 copy could not be allocated, -2 for a type
- * or a k it does not take. */
+/* out [m, n] = x [m, k] @ W.T for W [n, k] in blocks of `type`, k % 32 == 0. Returns 0, -1 where
+ * x's int8 copy could not be allocated, -2 for a type or a k it does not take. */
 int gguf_gemv(int type, const float *x, const uint8_t *w, float *out, int64_t m, int64_t n, int64_t k,
               int threads) {
     int64_t row_bytes = gguf_row_bytes(type, k);
@@ -302,12 +316,7 @@ int gguf_gemv(int type, const float *x, const uint8_t *w, float *out, int64_t m,
         free_rows(&q);
         return status;
     }
-    for (int64_t first = 0; first < m; first += GGUF_MAX_ROWS) {
-        int64_t rows = m - first < GGUF_MAX_ROWS ? m - first : GGUF_MAX_ROWS;
-        QuantizedRows part = {q.qs + first * k, q.d + first * blocks, q.sum + first * blocks,
-                              q.scaled_sum + first * blocks};
-        few_x_rows(type, w, row_bytes, blocks, &part, rows, out + first * n, n, threads);
-    }
+    many_x_rows(type, w, row_bytes, blocks, k, &q, m, out, n, threads);
     free_rows(&q);
     return 0;
 }
