@@ -76,7 +76,11 @@ def serve_main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from infer.models.loader.fetch import check_model_name
+    from infer.server.cpu_weights import DENSE, default_cpu_weights
 
+    dense = args.quantization == DENSE  # the checkpoint's weights as stored, on any device
+    if dense:
+        args.quantization = None
     try:
         configs = [
             from_cli_args(argparse.Namespace(**{**vars(args), "model": name}))
@@ -114,6 +118,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     except OSError as error:
         print(f"infer serve: cannot listen on {args.host}:{args.port}: {error.strerror}", file=sys.stderr)
         return 2
+    if not dense:  # after the port: it may resolve (fetch) the model's folder
+        configs = [default_cpu_weights(config) for config in configs]
+        config = configs[0]
 
     def engine_factory(config):
         if args.engine_in_process:
@@ -175,6 +182,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
     from infer.engine.config import add_cli_arguments
     from infer.engine.engine_process import DEFAULT_UNRESPONSIVE_TIMEOUT_S
     from infer.models import DEFAULT_MODEL
+    from infer.models.quantization import QUANTIZATION_CHOICES
+    from infer.server.cpu_weights import DENSE
     from infer.server.limits import DEFAULT_MAX_REQUEST_BYTES
     from infer.server.serve import DEFAULT_DRAIN_TIMEOUT_S, EVENT_LOOPS
     from infer.server.served_models import DEFAULT_WAIT_TIMEOUT_S
@@ -270,6 +279,17 @@ def build_serve_parser() -> argparse.ArgumentParser:
         help="(default %(default)s)",
     )
     add_cli_arguments(parser)
+    # The engine flag again (the parser resolves the clash to this one), with `none` and the CPU's
+    # default: infer.server.cpu_weights.
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=(*QUANTIZATION_CHOICES, DENSE),
+        help="Linear weights: int8 or fp8 (8 bits), int4 (groups of 128), gguf (CPU: the GGUF file "
+        "a model was converted from, in its own blocks), none (the checkpoint's weights as stored) "
+        "(default: as the checkpoint stores them; on a CPU, gguf for a Llama model converted from a "
+        "GGUF file, as the default model is)",
+    )
     models = parser.add_argument_group(
         "models", "several models in one server: the request's `model` picks one"
     )
