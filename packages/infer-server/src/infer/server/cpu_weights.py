@@ -13,6 +13,7 @@ the engine's tests compare against transformers.
 """
 
 import logging
+from pathlib import Path
 
 from infer.engine.config import EngineConfig, resolve_device
 
@@ -25,8 +26,9 @@ DENSE = "none"
 def default_cpu_weights(config: EngineConfig) -> EngineConfig:
     """`config` with quantization "gguf" where `infer serve` runs on a CPU and nothing else asks
     for the weights: no quantization, dtype auto or float32, real weights, one tensor-parallel
-    rank, no speculative model, the C kernels on and built here, and a Llama model whose folder
-    was converted from a known alias's GGUF file. Otherwise `config` unchanged."""
+    rank, no speculative decoding (not measured with it), the C kernels on and built here, and a
+    Llama model whose folder was converted from a known alias's GGUF file. Otherwise `config`
+    unchanged."""
     if (
         config.quantization is not None
         or config.dtype not in ("auto", "float32")
@@ -50,7 +52,7 @@ def default_cpu_weights(config: EngineConfig) -> EngineConfig:
     return config.replace(quantization="gguf")
 
 
-def _packed_gguf_file(model: str):
+def _packed_gguf_file(model: str) -> Path | None:
     """The GGUF file a Llama model's folder was converted from, or None (another model, or a
     file that cannot be found here: the dense checkpoint then runs)."""
     from infer.models.config import ModelConfig
