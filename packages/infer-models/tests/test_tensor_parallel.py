@@ -57,14 +57,15 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {**folders, "smollm2-135m-instruct": fetch_model("smollm2-135m-instruct")}
 
 
-def run_ranks(folder: Path, size: int, out: Path) -> list[dict]:
-    """Each rank's results (tensor_parallel_rank.py), the ranks run as processes over gloo."""
+def run_ranks(folders: list[Path], size: int, out: Path) -> list[list[dict]]:
+    """For each folder, each rank's results (tensor_parallel_rank.py), the ranks run as processes
+    over gloo, one process group for all the folders."""
     init_method = f"tcp://127.0.0.1:{free_local_port()}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPOSITORY), *sys.path]), "OMP_NUM_THREADS": "1"}
-    arguments = [str(folder), str(size), init_method, str(out), json.dumps(PROMPTS), str(NUM_TOKENS)]
+    arguments = [str(size), init_method, str(out), json.dumps(PROMPTS), str(NUM_TOKENS), *map(str, folders)]
     ranks = [
         subprocess.Popen(
-            [sys.executable, str(RANK_SCRIPT), arguments[0], str(rank), *arguments[1:]],
+            [sys.executable, str(RANK_SCRIPT), str(rank), *arguments],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -75,15 +76,27 @@ def run_ranks(folder: Path, size: int, out: Path) -> list[dict]:
     for rank, process in enumerate(ranks):
         output, _ = process.communicate(timeout=600)
         assert process.returncode == 0, f"rank {rank} failed:\n{output[-3000:]}"
-    return [torch.load(f"{out}.rank{rank}") for rank in range(size)]
+    return [[torch.load(f"{out}.{i}.rank{rank}") for rank in range(size)] for i in range(len(folders))]
+
+
+@pytest.fixture(scope="module")
+def rank_results(checkpoints, tmp_path_factory) -> dict[str, list[dict]]:
+    """Every case's ranks' results, from one launch of the ranks per size (a rank takes 6 s to
+    start, longer than a tiny checkpoint's whole run)."""
+    results = {}
+    for size in sorted({size for size, _ in CASES.values()}):
+        names = [name for name, (case_size, _) in CASES.items() if case_size == size]
+        out = tmp_path_factory.mktemp("tp-ranks") / "result"
+        results.update(zip(names, run_ranks([checkpoints[name] for name in names], size, out), strict=True))
+    return results
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_tensor_parallel_ranks_give_the_unsharded_models_logits_and_greedy_tokens(
-    checkpoints, name, tmp_path
+    checkpoints, rank_results, name
 ):
     size, kv_heads = CASES[name]
-    results = run_ranks(checkpoints[name], size, tmp_path / "result")
+    results = rank_results[name]
     model = load_causal_lm(checkpoints[name], dtype=torch.float32)
     reference_8bit_linears(model)  # as the rank script does
     with torch.inference_mode():
