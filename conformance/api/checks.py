@@ -1404,10 +1404,12 @@ def _stream_request(case: dict) -> dict:
 
 
 def _stream(case: dict, options) -> tuple[httpx.Response, list[str], list[str]]:
-    """(response, event payloads in order, framing problems) of one streamed request."""
+    """(response, event payloads in order, framing problems) of one streamed request. The clauses
+    that judge the same request (SSE-001..005 on a case, SSE-009..013 on another) judge one
+    exchange of it, as each would judge its own."""
     client, model = _connect(case, options)
     request = _materialize(_stream_request(case), model)
-    response = client.post(request["path"], json=request["json"])
+    response = _post_once(client, request["path"], json.dumps(request["json"], sort_keys=True))
     assert response.status_code == 200, f"status {response.status_code}: {response.text[:300]}"
     events, problems = [], []
     for block in response.text.replace("\r\n", "\n").split("\n\n"):
@@ -1419,6 +1421,11 @@ def _stream(case: dict, options) -> tuple[httpx.Response, list[str], list[str]]:
             problems.append(f"event is not one data line: {block[:120]!r}")
         events += data
     return response, events, problems
+
+
+@functools.cache
+def _post_once(client: httpx.Client, path: str, body_json: str) -> httpx.Response:
+    return client.post(path, json=json.loads(body_json))
 
 
 def _chunks(events: list[str]) -> list[dict]:
