@@ -24,12 +24,32 @@ else:
 
 
 def pytest_collection_modifyitems(config, items):
+    _slow_files_first(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _slow_files_first(items) -> None:
+    """Orders the files: those holding a `slow` test (gpu ones aside) first, then the others, each
+    group by its number of tests, most first; a file's tests stay together and in their order.
+    `nox -s tests` hands whole files to two pytest-xdist workers in this order
+    (--no-loadscope-reorder), so the long files start first. By count alone, pytest-xdist's
+    order, the one-test files came last, among them test_plain_install (100 s) and test_stress
+    (80 s); a worker queues files up to three tests ahead, and one was left running them alone for
+    the last two minutes (a 2-core VM, 2026-11-30)."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def rank(tests: list) -> tuple[bool, int]:
+        slow = any("slow" in test.keywords and "gpu" not in test.keywords for test in tests)
+        return not slow, -len(tests)
+
+    items[:] = [item for tests in sorted(files.values(), key=rank) for item in tests]
 
 
 # On CUDA the engine's KV pool defaults to 0.9 of the memory free after the weights
