@@ -240,12 +240,12 @@ def _engine_run(case_json: str) -> EngineRun:
 def run_engine(case: dict, scheduler_class: type[Scheduler] | None = None) -> EngineRun:
     """The case with and without speculation, recorded; `scheduler_class` (a Scheduler subclass,
     for the checks' own tests) replaces the speculating engine's scheduler's class."""
-    model, oracle = _tiny_model(case["preset"])
+    model, _ = _tiny_model(case["preset"])
     settings = {**ENGINE_BASE, **case["engine"]}
-    prompts = _prompts(case, model, oracle)
+    prompts = _prompts(case, model)
     params = SamplingParams(temperature=0, max_new_tokens=case["max_new_tokens"], ignore_eos=True)
-    plain = Engine(EngineConfig(**settings), loaded_model=model)
-    plain_tokens, _ = _generate(plain, prompts, params, case.get("follow_up", False))
+    baseline = {k: v for k, v in case.items() if k not in ("id", "speculative_config")}
+    plain_tokens = [list(tokens) for tokens in _plain_tokens(json.dumps(baseline, sort_keys=True))]
     engine = Engine(
         EngineConfig(**settings, speculative_config=case["speculative_config"]), loaded_model=model
     )
@@ -263,7 +263,9 @@ def run_engine(case: dict, scheduler_class: type[Scheduler] | None = None) -> En
         prompts=all_prompts,
         tokens=tokens,
         plain_tokens=plain_tokens,
-        oracle_tokens=[oracle.generate(prompt, params).token_ids for prompt in all_prompts],
+        oracle_tokens=[
+            _oracle_tokens(case["preset"], prompt, params.max_new_tokens) for prompt in all_prompts
+        ],
         steps=steps,
         num_accepted=counts.num_accepted_tokens,
         num_drafted=counts.num_draft_tokens,
@@ -274,6 +276,31 @@ def run_engine(case: dict, scheduler_class: type[Scheduler] | None = None) -> En
         tree_blocks=None if tree is None else len(allocator.owned_by(TREE_OWNER)),
         tree_locked=0 if tree is None else tree.num_locked_blocks,
     )
+
+
+# SPEC-001's and SPEC-005's runs of a case (and the checks' own tests' runs of it with broken
+# schedulers) differ only in the speculating engine: the run without speculation and the recompute
+# oracle's tokens of a prompt are computed once per session.
+@functools.cache
+def _plain_tokens(case_json: str) -> list[list[int]]:
+    """Every prompt's greedy tokens (both waves') from the case's engine without speculation."""
+    case = json.loads(case_json)
+    model, _ = _tiny_model(case["preset"])
+    params = SamplingParams(temperature=0, max_new_tokens=case["max_new_tokens"], ignore_eos=True)
+    plain = Engine(EngineConfig(**ENGINE_BASE, **case["engine"]), loaded_model=model)
+    tokens, _ = _generate(plain, _prompts(case, model), params, case.get("follow_up", False))
+    return tokens
+
+
+def _oracle_tokens(preset: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    return list(_oracle_tokens_once(preset, tuple(prompt), max_new_tokens))
+
+
+@functools.cache
+def _oracle_tokens_once(preset: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    _, oracle = _tiny_model(preset)
+    params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    return tuple(oracle.generate(list(prompt), params).token_ids)
 
 
 def _generate(engine: Engine, prompts, params, follow_up: bool):
@@ -336,14 +363,13 @@ def _accepted_per_row(log: StepLog) -> dict[str, int]:
     }
 
 
-def _prompts(case: dict, model, oracle: RecomputeOracle) -> list[list[int]]:
+def _prompts(case: dict, model) -> list[list[int]]:
     vocab_size = model.config.vocab_size
     rng = random.Random(f"{case['preset']}-prompts")
-    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
     looping = []
     for index in range(case["looping"]):
         start = [rng.randrange(1, vocab_size) for _ in range(5 + 7 * index)]
-        looping.append(start + oracle.generate(start, params).token_ids)
+        looping.append(start + _oracle_tokens(case["preset"], start, 20))
     repeating = []
     for index in range(case["repeating"]):
         start = [rng.randrange(1, vocab_size) for _ in range(30 + 15 * index)]
