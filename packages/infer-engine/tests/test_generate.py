@@ -25,6 +25,20 @@ def test_kv_cache_greedy_equals_recompute_greedy(tiny_models, preset):
     assert cached.token_ids == model.oracle.generate(prompt_ids, TINY_GREEDY).token_ids
 
 
+@pytest.mark.parametrize("seed", [None, 3], ids=["greedy", "seeded"])
+def test_the_oracles_answer_is_its_own_whatever_the_proposal(tiny_models, seed):
+    oracle = tiny_models["llama-tiny"].oracle
+    prompt_ids = [5, 91, 200, 17]
+    params = SamplingParams(
+        temperature=0 if seed is None else 1.0, max_new_tokens=16, seed=seed, ignore_eos=True
+    )
+    alone = oracle.generate(prompt_ids, params)
+    right = alone.token_ids
+    wrong = [token ^ 1 for token in right]
+    for proposal in (right, right[:5], right[:5] + wrong[5:], wrong, right + [1, 2, 3]):
+        assert oracle.generate(prompt_ids, params, proposal=proposal) == alone, proposal
+
+
 def test_cache_is_reused_across_requests_of_different_lengths(tiny_models):
     model = tiny_models["llama-tiny"]
     long_prompt, short_prompt = list(range(10, 60)), [3, 4, 5]
@@ -73,7 +87,9 @@ def test_a_request_that_exactly_fills_max_seq_len_runs_to_its_length(tiny_models
 def test_kv_cache_greedy_equals_recompute_on_smollm2(smollm2):
     prompt_ids = smollm2.chat_ids("Write a short story about a robot who learns to paint.")
     cached = smollm2.generate(prompt_ids, GREEDY)
-    assert cached.token_ids == smollm2.oracle.generate(prompt_ids, GREEDY).token_ids
+    # The oracle checks the cached answer in one forward (RecomputeOracle.generate's proposal).
+    expected = smollm2.oracle.generate(prompt_ids, GREEDY, proposal=cached.token_ids)
+    assert cached.token_ids == expected.token_ids
 
 
 SMOLLM2_QUESTIONS = [
