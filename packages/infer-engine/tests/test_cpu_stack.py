@@ -22,10 +22,11 @@ pytestmark = pytest.mark.skipif(not DecoderStackCpu.runs_here(), reason="the C k
 PROMPTS = [[5, 91, 200, 17, 300, 42, 7], [11, 12, 13], list(range(40, 80))]
 
 
-def engine_over(folder, quantization: str | None, *, stack: bool) -> Engine:
-    loaded = load_model(folder, dtype=torch.float32, quantization=quantization)
+def engine_over(loaded, quantization: str | None, *, stack: bool) -> Engine:
+    """An engine over `loaded` (a LoadedModel of that quantization); the two engines a test
+    compares share one: the same weights, loaded once."""
     config = EngineConfig(
-        model=str(folder), device="cpu", max_seq_len=256, max_batch_size=4, quantization=quantization
+        model=str(loaded.path), device="cpu", max_seq_len=256, max_batch_size=4, quantization=quantization
     )
     engine = Engine(config, loaded_model=loaded)
     assert engine.core.runner.cpu_decode is not None, "the model does not fit the stack"
@@ -68,10 +69,11 @@ def assert_same(ours: list[tuple[int, float]], theirs: list[tuple[int, float]], 
 @pytest.mark.parametrize("preset", TINY_PRESETS)
 def test_decode_steps_through_the_stack_match_the_pytorch_path(preset, quantization, tiny_checkpoints):
     params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, logprobs=0)
-    with_stack = engine_over(tiny_checkpoints[preset], quantization, stack=True)
+    loaded = load_model(tiny_checkpoints[preset], dtype=torch.float32, quantization=quantization)
+    with_stack = engine_over(loaded, quantization, stack=True)
     ours = requests_at_once(with_stack, params)
     assert stack_steps(with_stack) > 0, "the stack did not run"
-    theirs = requests_at_once(engine_over(tiny_checkpoints[preset], quantization, stack=False), params)
+    theirs = requests_at_once(engine_over(loaded, quantization, stack=False), params)
     assert [len(t) for t in ours] == [20, 20, 20]
     for request_ours, request_theirs in zip(ours, theirs, strict=True):
         assert_same(request_ours, request_theirs, quantization)
@@ -89,11 +91,17 @@ def test_the_real_models_decode_the_same_through_the_stack(fixture, quantization
     prompt = model.loaded.tokenizer.encode(
         "The capital of France is Paris. It is known for", add_special_tokens=True
     )
+    # The session's float32 model as it is; int8 is a load of its own.
     folder = model.loaded.path
-    with_stack = engine_over(folder, quantization, stack=True)
+    loaded = (
+        model.loaded
+        if quantization is None
+        else load_model(folder, dtype=torch.float32, quantization=quantization)
+    )
+    with_stack = engine_over(loaded, quantization, stack=True)
     [ours] = requests_at_once(with_stack, params, [prompt])
     assert stack_steps(with_stack) > 0
-    [theirs] = requests_at_once(engine_over(folder, quantization, stack=False), params, [prompt])
+    [theirs] = requests_at_once(engine_over(loaded, quantization, stack=False), params, [prompt])
     assert len(ours) == 24
     assert_same(ours, theirs, quantization)
 
