@@ -29,7 +29,7 @@ from infer.models.forward_batch import ForwardBatch
 from infer.models.kernel_policy import KernelPolicy, apply_kernel_policy
 from infer.models.linear import Linear
 from infer.models.linear_method import DequantizedGgufMethod, GgufMethod
-from infer.models.loader.gguf_weights import load_gguf_causal_lm
+from infer.models.loader.gguf_weights import gguf_file_tensors, load_gguf_causal_lm
 
 PROMPTS = [
     "The capital of France is",
@@ -78,6 +78,44 @@ def greedy(model, ids: list[int], count: int) -> list[int]:
             ids.append(int(model.compute_logits(hidden[-1:])[-1].argmax()))
             num_cached, step_ids = num_cached + len(step_ids), ids[-1:]
     return ids
+
+
+def test_the_loader_reads_a_files_tensors_as_gguf_reader_does(tmp_path):
+    """The loader steps over the metadata itself (gguf_file_tensors): every tensor as
+    gguf.GGUFReader reads it, from a file of every metadata kind, a custom alignment and dense and
+    block tensors. (On the shipped file, test_the_dense_model_matches_transformers_conversion
+    checks what the loader read against transformers' own reading of it.)"""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "kinds.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_custom_alignment(256)
+    writer.add_string("a.string", "héllo")
+    writer.add_array("a.strings", ["x", "yz", ""])
+    writer.add_array("a.numbers", [1, 2, 3])
+    writer.add_array("a.nested", [[1.5, 2.5], ["p", "q"]])
+    writer.add_bool("a.bool", True)
+    writer.add_float64("a.float64", 0.25)
+    writer.add_int64("a.int64", -7)
+    rng = np.random.default_rng(0)
+    writer.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
+    writer.add_tensor("f16", rng.standard_normal((7,)).astype(np.float16))
+    writer.add_tensor("i32", np.arange(6, dtype=np.int32).reshape(2, 3))
+    q8_0 = gguf.quants.quantize(
+        rng.standard_normal((2, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
+    )
+    writer.add_tensor("q8_0", q8_0, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours, theirs = gguf_file_tensors(path), gguf.GGUFReader(path).tensors
+    assert [(t.name, t.tensor_type) for t in ours] == [(t.name, t.tensor_type) for t in theirs]
+    for got, expected in zip(ours, theirs, strict=True):
+        assert (got.data.dtype, got.data.shape) == (expected.data.dtype, expected.data.shape), got.name
+        assert np.array_equal(got.data.view(np.uint8), expected.data.view(np.uint8)), got.name
 
 
 def test_the_packed_model_keeps_its_blocks(models):
