@@ -61,18 +61,29 @@ def streamed_us(calls: list[Callable[[], object]], repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def configurations(method: str, folds: tuple[int, ...], splits: tuple[int, ...], stages: tuple[int, ...]):
+def configurations(
+    method: str,
+    folds: tuple[int, ...],
+    splits: tuple[int, ...],
+    stages: tuple[int, ...],
+    grid_override: tuple | None = None,
+):
     """(config, split_k) pairs: tile rows, tile columns, unroll, warps, products folded per
     thread (FOLD; 8-bit only), K splits, software pipelining stages. fp8 tiles of up to 32 rows
     stay inside a 128-row scale block, so their columns may span 128-column blocks; int4 tiles
-    stay inside a group of 128 columns."""
+    hold whole groups of 128 columns or one. `grid_override`: (rows, (columns, unroll) pairs,
+    warps) in place of the method's grid."""
     if method == "int4":
-        grid = itertools.product([16, 32, 64, 128], [(128, 1), (128, 2), (128, 4), (128, 8)], [2, 4, 8])
-        for (block_n, (block_k, unroll), warps), stage, split in itertools.product(grid, stages, splits):
+        grid = grid_override or ([16, 32, 64, 128], [(128, 1), (256, 1), (512, 1), (1024, 1)], [2, 4, 8])
+        for (block_n, (block_k, unroll), warps), stage, split in itertools.product(
+            itertools.product(*grid), stages, splits
+        ):
             config = dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, num_stages=stage)
             yield config, split
         return
-    if method == "int8":
+    if grid_override:
+        grid = itertools.product(*grid_override)
+    elif method == "int8":
         grid = itertools.product([4, 8, 16, 32], [(256, 1), (512, 1), (1024, 1), (2048, 1)], [2, 4, 8])
     else:
         grid = itertools.product([8, 16, 32], [(128, 1), (128, 4), (256, 1), (512, 1), (1024, 1)], [4, 8])
@@ -120,6 +131,7 @@ def sweep_shape(
     splits: tuple[int, ...],
     stages: tuple[int, ...],
     copy_gbps: float,
+    grid_override: tuple | None = None,
 ) -> dict:
     weights = quantized_weights(method, n, k)
     weight_bytes = sum(t.numel() * t.element_size() for t in weights[0] if isinstance(t, torch.Tensor))
@@ -138,7 +150,7 @@ def sweep_shape(
     default_us = streamed_us(default)
     activation = "silu" if gated else None
     rows = []
-    for config, split in configurations(method, folds, splits, stages) if sweep else ():
+    for config, split in configurations(method, folds, splits, stages, grid_override) if sweep else ():
         if gated and split > 1:
             continue
         too_deep = config["BLOCK_K"] * config["UNROLL"] * split > k
@@ -183,12 +195,22 @@ def main() -> None:
     parser.add_argument("--folds", default="1", help="comma-separated FOLD values to sweep")
     parser.add_argument("--splits", default="1,2,4,8", help="comma-separated K splits to sweep")
     parser.add_argument("--stages", default="1", help="comma-separated num_stages to sweep")
+    parser.add_argument("--rows", help="comma-separated tile rows, in place of the method's grid")
+    parser.add_argument("--columns", help="comma-separated COLUMNSxUNROLL (512x1), with --rows")
+    parser.add_argument("--warps", default="4,8", help="comma-separated warps, with --rows")
     args = parser.parse_args()
     torch.manual_seed(0)
     results = {}
     folds, splits, stages = (
         tuple(int(v) for v in arg.split(",")) for arg in (args.folds, args.splits, args.stages)
     )
+    grid_override = None
+    if args.rows:
+        grid_override = (
+            [int(v) for v in args.rows.split(",")],
+            [tuple(int(p) for p in v.split("x")) for v in args.columns.split(",")],
+            [int(v) for v in args.warps.split(",")],
+        )
     copy_gbps = copy_bandwidth_gbps()
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (the ideal column: the weight's bytes at it)")
     for method in args.methods.split(","):
@@ -196,7 +218,7 @@ def main() -> None:
             if args.gated and name != "gate_up":
                 continue
             result = results[f"{method}/{name}"] = sweep_shape(
-                method, n, k, not args.no_sweep, args.gated, folds, splits, stages, copy_gbps
+                method, n, k, not args.no_sweep, args.gated, folds, splits, stages, copy_gbps, grid_override
             )
             print(
                 f"{method} {name} {n}x{k}: bf16 {result['bf16_us']:.1f} µs, "

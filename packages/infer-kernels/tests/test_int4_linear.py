@@ -349,10 +349,36 @@ def test_a_gemv_tile_of_part_of_a_word_is_refused():
 
 
 def test_a_tile_across_groups_is_refused():
+    """The tensor-core kernel's tile stays inside one group; the GEMV's holds whole groups of a
+    power of two columns, a power of two of them, or stays inside one."""
     qweight, scales, zeros = make_weight(32, 256, 64, False, "cpu")
-    config = dict(BLOCK_N=16, BLOCK_K=128, UNROLL=1, num_warps=4, num_stages=1)
+    config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, GROUP_N=8, num_warps=4, num_stages=1)
     with pytest.raises(ValueError, match="BLOCK_K 128 straddles groups of 64 columns"):
-        _launch(torch.randn(1, 256), qweight, scales, zeros, 64, None, kernel="gemv", config=config)
+        _launch(torch.randn(2, 256), qweight, scales, zeros, 64, None, kernel="dot", config=config)
+    qweight, scales, zeros = make_weight(32, 288, 48, False, "cpu")
+    config = dict(BLOCK_N=16, BLOCK_K=96, UNROLL=1, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="BLOCK_K 96 straddles groups of 48 columns"):
+        _launch(torch.randn(1, 288), qweight, scales, zeros, 48, None, kernel="gemv", config=config)
+    qweight, scales, zeros = make_weight(32, 384, 32, False, "cpu")
+    for block_k in (96, 256):  # not a power of two; not dividing K
+        config = dict(BLOCK_N=16, BLOCK_K=block_k, UNROLL=1, num_warps=4, num_stages=1)
+        with pytest.raises(ValueError, match=f"BLOCK_K {block_k}: a GEMV tile of whole groups"):
+            _launch(torch.randn(1, 384), qweight, scales, zeros, 32, None, kernel="gemv", config=config)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("group_size, block_k", [(16, 64), (32, 128), (64, 256)])
+def test_interpreted_gemv_tiles_of_whole_groups(
+    triton_on_cpu, group_size, block_k, split_k, symmetric, x_dtype
+):
+    """A GEMV tile several groups wide, each word scaled by its own group's scale: K = 768
+    (3 tiles of 256 columns), split in whole tiles."""
+    config = dict(BLOCK_N=16, BLOCK_K=block_k, UNROLL=1, num_warps=4, num_stages=1)
+    check(
+        1, 40, 768, group_size, symmetric, x_dtype, True, "cpu", kernel="gemv", config=config, split_k=split_k
+    )
 
 
 def test_cpu_path_is_the_reference():
@@ -424,8 +450,9 @@ def test_cuda_gated_matches_the_unfused_pair(cuda, N, K, activation):
 def test_cuda_unpacks_with_and_without_its_ptx(cuda, group_size, prmt):
     """Both kernels' PTX unpacking (PRMT, which the interpreter cannot run) and the plain Triton
     one, each against the reference, with tiles of several widths."""
-    for block_n, block_k in [(64, 128), (32, 32), (16, 8)]:
-        config = dict(BLOCK_N=block_n, BLOCK_K=min(block_k, group_size), UNROLL=2, num_warps=4, PRMT=prmt)
+    for block_n, block_k in [(64, 128), (32, 32), (16, 8), (16, 512)]:
+        block_k = block_k if block_k > 128 else min(block_k, group_size)  # 512: whole groups
+        config = dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=2, num_warps=4, PRMT=prmt)
         for symmetric in (True, False):
             check(
                 1, 1000, 2560, group_size, symmetric, torch.float16, True, cuda, kernel="gemv", config=config

@@ -35,8 +35,10 @@ import triton.language as tl
 from infer.kernels.activation import gated_activation
 from infer.kernels.pdl import await_inputs
 
-# 2^23 as a float: its bits OR-ed with q (0..15) are the float 2^23 + q.
-_TWO_TO_23 = tl.constexpr(8388608.0)
+# 128 as a float: its bits (0x43000000) OR-ed with q << 16 (q in 0..15) are the float 128 + q, whose
+# mantissa's last unit is 1: q sits in bits 16-19, one byte (byte 2) a PRMT can fill.
+_BASE = tl.constexpr(128.0)
+_BASE_BITS = tl.constexpr(0x43000000)
 
 
 @triton.jit
@@ -52,15 +54,15 @@ def _group_scale_and_offset(
     zero_col_stride,
     HAS_ZEROS: tl.constexpr,
 ):
-    """Group `group`'s scale of each row, and the float whose bits are 2^23 + the row's zero point
-    (subtracted from the float of bits 2^23 + q, it leaves q - zero exactly)."""
+    """Group `group`'s scale of each row, and 128 + the row's zero point as a float (subtracted
+    from `_word_bits`' float 128 + q, it leaves q - zero exactly)."""
     rows = rows.to(tl.int64)
     scale = tl.load(scale_ptr + rows * scale_row_stride + group * scale_col_stride, mask=row_mask, other=0.0)
     if HAS_ZEROS:
         zero = tl.load(zero_ptr + rows * zero_row_stride + group * zero_col_stride, mask=row_mask, other=0)
-        offset = zero.to(tl.float32) + _TWO_TO_23
+        offset = zero.to(tl.float32) + _BASE
     else:
-        offset = tl.full(rows.shape, _TWO_TO_23 + 8.0, tl.float32)  # SYMMETRIC_ZERO
+        offset = tl.full(rows.shape, _BASE + 8.0, tl.float32)  # SYMMETRIC_ZERO
     return scale.to(tl.float32), offset
 
 
@@ -68,35 +70,35 @@ def _group_scale_and_offset(
 def _dequantized_tile(w, scale, offset):
     """`[BLOCK_N, BLOCK_K // 2]` bytes -> `[BLOCK_N, BLOCK_K]` fp32 weights `(q - zero) * scale`,
     column 2j from byte j's low nibble and 2j + 1 from its high one."""
-    low = ((w & 0x0F).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - offset[:, None]
-    high = ((w >> 4).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - offset[:, None]
+    low = (((w & 0x0F).to(tl.int32) << 16) | _BASE_BITS).to(tl.float32, bitcast=True) - offset[:, None]
+    high = (((w >> 4).to(tl.int32) << 16) | _BASE_BITS).to(tl.float32, bitcast=True) - offset[:, None]
     return tl.interleave(low, high) * scale[:, None]
 
 
 @triton.jit
 def _nibble(words, p: tl.constexpr):
-    """The bits of 2^23 + q for nibble p of each 32-bit word (column 8j + p of word j)."""
-    return ((words >> (4 * p)) & 0x0F) | 0x4B000000
+    """The bits of 128 + q for nibble p of each 32-bit word (column 8j + p of word j)."""
+    return (((words >> (4 * p)) & 0x0F) << 16) | _BASE_BITS
 
 
 # Bytes of the packed word first spread to 0x0F0F0F0F (even columns) and 0xF0F0F0F0 >> 4 (odd),
-# then one PRMT a column puts its byte under 2^23's exponent byte (0x4B; selector 0x744k: byte
-# k of the spread word, then zero, zero, 0x4B from the constant): 11 integer instructions a word,
-# where Triton's shift-and-mask compiles to three a column (SHF, SGXT, LOP3 on sm_90).
+# then one PRMT a column puts its byte into byte 2 under 128's exponent byte (0x43; selector
+# 0x7k44: zero, zero, byte k of the spread word, 0x43 from the constant): 11 integer
+# instructions a word, where Triton's shift-and-mask compiles to three or four a column.
 _UNPACK_PTX = tl.constexpr(
     """{
 .reg .b32 even, odd;
 and.b32 even, $8, 0x0F0F0F0F;
 shr.b32 odd, $8, 4;
 and.b32 odd, odd, 0x0F0F0F0F;
-prmt.b32 $0, even, 0x4B000000, 0x7440;
-prmt.b32 $1, odd, 0x4B000000, 0x7440;
-prmt.b32 $2, even, 0x4B000000, 0x7441;
-prmt.b32 $3, odd, 0x4B000000, 0x7441;
-prmt.b32 $4, even, 0x4B000000, 0x7442;
-prmt.b32 $5, odd, 0x4B000000, 0x7442;
-prmt.b32 $6, even, 0x4B000000, 0x7443;
-prmt.b32 $7, odd, 0x4B000000, 0x7443;
+prmt.b32 $0, even, 0x43000000, 0x7044;
+prmt.b32 $1, odd, 0x43000000, 0x7044;
+prmt.b32 $2, even, 0x43000000, 0x7144;
+prmt.b32 $3, odd, 0x43000000, 0x7144;
+prmt.b32 $4, even, 0x43000000, 0x7244;
+prmt.b32 $5, odd, 0x43000000, 0x7244;
+prmt.b32 $6, even, 0x43000000, 0x7344;
+prmt.b32 $7, odd, 0x43000000, 0x7344;
 }"""
 )
 
@@ -122,21 +124,52 @@ def _word_bits(words, PRMT: tl.constexpr):
 
 
 @triton.jit
-def _word_products(words, offset, x):
-    """`[BLOCK_N, W]` words of the packed weight (`_word_bits` of them) -> the sum over each
-    word's 8 columns of `(q - zero) * x` (each product exact for half-precision x), a chain of
-    multiply-adds; `x` is x's 8 columns of the words (`_columns_of_8`)."""
-    t = tl.zeros(words[0].shape, tl.float32)
-    for p in tl.static_range(8):
-        q = words[p].to(tl.float32, bitcast=True) - offset[:, None]  # 2^23 + q - (2^23 + zero): exact
-        t += q * x[p][None, :]
+def _tile_scales_and_offsets(scale_ptr, zero_ptr, rows, row_mask, groups, strides, HAS_ZEROS: tl.constexpr):
+    """`_group_scale_and_offset` of each of a tile's groups: `[BLOCK_N, GROUPS]` each."""
+    rows = rows.to(tl.int64)[:, None]
+    scale_row_stride, scale_col_stride, zero_row_stride, zero_col_stride = strides
+    mask = row_mask[:, None]
+    scale = tl.load(
+        scale_ptr + rows * scale_row_stride + groups[None, :] * scale_col_stride, mask=mask, other=0.0
+    )
+    if HAS_ZEROS:
+        zero_ptrs = zero_ptr + rows * zero_row_stride + groups[None, :] * zero_col_stride
+        offset = tl.load(zero_ptrs, mask=mask, other=0).to(tl.float32) + _BASE
+    else:
+        offset = tl.full(scale.shape, _BASE + 8.0, tl.float32)  # SYMMETRIC_ZERO
+    return scale.to(tl.float32), offset
+
+
+@triton.jit
+def _word_products(words, offset, x, x_sum, EXACT: tl.constexpr):
+    """`[BLOCK_N, GROUPS, W]` words of the packed weight (`_word_bits` of them; W a group's words
+    in the tile) -> the sum over each word's 8 columns of `(q - zero) * x`, a chain of
+    multiply-adds; `x` is x's 8 columns of the words (`_x_words`), `x_sum` their sum a word,
+    `offset` `[BLOCK_N, GROUPS]` (`_tile_scales_and_offsets`).
+
+    Half-precision x: `(128 + q) * x` summed from `-(128 + zero) * x_sum`, one multiply-add a
+    weight and one multiply a word, where subtracting the zero point from each weight first
+    costs a subtract a weight. Each term is then about 25 times the size of `(q - zero) * x`, so
+    the sum keeps about 19 of fp32's 24 bits: far below half precision's 8 or 11, but not fp32
+    x's own; EXACT (fp32 x) subtracts first (`(128 + q) - (128 + zero)` is exact)."""
+    offset = offset[:, :, None]
+    if EXACT:
+        t = tl.zeros(words[0].shape, tl.float32)
+        for p in tl.static_range(8):
+            t += (words[p].to(tl.float32, bitcast=True) - offset) * x[p][None, :, :]
+    else:
+        t = -offset * x_sum[None, :, :]
+        for p in tl.static_range(8):
+            t += words[p].to(tl.float32, bitcast=True) * x[p][None, :, :]
     return t
 
 
 @triton.jit
-def _columns_of_8(x):
-    """`[W, 8]` -> its 8 columns, each `[W]` (loaded as one 16-byte vector a row, then split)."""
-    x = tl.reshape(x, [x.shape[0], 2, 2, 2])  # [j, a, b, c] is column 4a + 2b + c
+def _x_words(x_ptrs):
+    """x's `[GROUPS, W, 8]` columns of a tile's words in fp32: its 8 columns, each `[GROUPS, W]`
+    (loaded as one 16-byte vector a word, then split), and their sum a word."""
+    x = tl.load(x_ptrs).to(tl.float32)
+    x = tl.reshape(x, [x.shape[0], x.shape[1], 2, 2, 2])  # [g, j, a, b, c] is column 4a + 2b + c
     c0, c1 = tl.split(x)
     b0c0, b1c0 = tl.split(c0)
     b0c1, b1c1 = tl.split(c1)
@@ -144,7 +177,18 @@ def _columns_of_8(x):
     x2, x6 = tl.split(b1c0)
     x1, x5 = tl.split(b0c1)
     x3, x7 = tl.split(b1c1)
-    return x0, x1, x2, x3, x4, x5, x6, x7
+    x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+    return (x0, x1, x2, x3, x4, x5, x6, x7), x_sum
+
+
+@triton.jit
+def _tile_sums(
+    w_ptrs, x, x_sum, scale_ptr, zero_ptr, rows, row_mask, groups, strides, HAS_ZEROS, EXACT, PRMT
+):
+    """One weight tile's `[BLOCK_N, GROUPS, W]` sums, each word's times its group's scale."""
+    w = _word_bits(tl.load(w_ptrs, mask=row_mask[:, None, None], other=0), PRMT)
+    scale, offset = _tile_scales_and_offsets(scale_ptr, zero_ptr, rows, row_mask, groups, strides, HAS_ZEROS)
+    return _word_products(w, offset, x, x_sum, EXACT) * scale[:, :, None]
 
 
 @triton.jit
@@ -188,17 +232,21 @@ def _int4_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr,
     UNROLL: tl.constexpr,
     PRMT: tl.constexpr,
+    EXACT: tl.constexpr,
     GATED: tl.constexpr,
     GELU_TANH: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """The weight read as 32-bit words (`w_ptr` int32, `w_row_stride` in words), 8 columns each;
-    each word's 8 products summed, then scaled by their group's scale into the `[BLOCK_N,
-    BLOCK_K // 8]` accumulator: one multiply-add a word instead of a multiply a weight. GATED
-    (one row, unsplit): the weight is `[2N, K]`, gate rows then up rows, each program streams
-    the up rows of its gate rows too and writes `act(gate) * up`, as quantized_linear's GEMV."""
+    """The weight read as 32-bit words (`w_ptr` int32, `w_row_stride` in words), 8 columns each,
+    a tile `[BLOCK_N, GROUPS, W]`: GROUPS whole groups of W words (BLOCK_K > GROUP_SIZE), or
+    part of one (GROUPS = 1); each word's 8 products summed, then scaled by their group's scale
+    into the accumulator of the tile's shape: one multiply-add a word instead of a multiply a
+    weight. GATED (one row, unsplit): the weight is `[2N, K]`, gate rows then up rows, each
+    program streams the up rows of its gate rows too and writes `act(gate) * up`, as
+    quantized_linear's GEMV."""
     m = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -208,48 +256,41 @@ def _int4_gemv_kernel(
     word_start = split * words_per_split
     k_start = 8 * word_start
     k_stop = tl.minimum(k_start + 8 * words_per_split, K)
-    words = word_start + tl.arange(0, BLOCK_K // 8)
-    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride + words[None, :]
+    W: tl.constexpr = BLOCK_K // 8 // GROUPS
+    words = word_start + (tl.arange(0, GROUPS) * W)[:, None] + tl.arange(0, W)[None, :]
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None, None] * w_row_stride + words[None, :, :]
     up_ptrs = w_ptrs + N.to(tl.int64) * w_row_stride  # GATED: the up rows, N past the gate rows
-    x_ptrs = x_ptr + m * x_row_stride + (8 * words)[:, None] + tl.arange(0, 8)[None, :]  # [W, 8]
+    x_ptrs = x_ptr + m * x_row_stride + (8 * words)[:, :, None] + tl.arange(0, 8)[None, None, :]
     strides = (scale_row_stride, scale_col_stride, zero_row_stride, zero_col_stride)
-    # The first tile (words, scales, zeros) before waiting for the kernel before: no kernel
-    # writes a weight, and under PDL the weight stream starts while that kernel ends.
-    w = _word_bits(tl.load(w_ptrs, mask=row_mask[:, None], other=0), PRMT)
-    group = k_start // GROUP_SIZE
-    scale, offset = _group_scale_and_offset(scale_ptr, zero_ptr, rows, row_mask, group, *strides, HAS_ZEROS)
+    tile = (scale_ptr, zero_ptr, rows, row_mask)
+    up_tile = (scale_ptr, zero_ptr, rows + N, row_mask)
+    # The first tile's words before waiting for the kernel before: no kernel writes a weight,
+    # and under PDL the weight stream starts while that kernel ends.
+    groups = k_start // GROUP_SIZE + tl.arange(0, GROUPS)
+    w = _word_bits(tl.load(w_ptrs, mask=row_mask[:, None, None], other=0), PRMT)
+    scale, offset = _tile_scales_and_offsets(*tile, groups, strides, HAS_ZEROS)
     if GATED:
-        up = _word_bits(tl.load(up_ptrs, mask=row_mask[:, None], other=0), PRMT)
-        up_scale, up_offset = _group_scale_and_offset(
-            scale_ptr, zero_ptr, rows + N, row_mask, group, *strides, HAS_ZEROS
-        )
+        up = _word_bits(tl.load(up_ptrs, mask=row_mask[:, None, None], other=0), PRMT)
+        up_scale, up_offset = _tile_scales_and_offsets(*up_tile, groups, strides, HAS_ZEROS)
     await_inputs(PDL)
-    x = _columns_of_8(tl.load(x_ptrs).to(tl.float32))
-    acc = _word_products(w, offset, x) * scale[:, None]
+    x, x_sum = _x_words(x_ptrs)
+    acc = _word_products(w, offset, x, x_sum, EXACT) * scale[:, :, None]
     if GATED:
-        up_acc = _word_products(up, up_offset, x) * up_scale[:, None]
+        up_acc = _word_products(up, up_offset, x, x_sum, EXACT) * up_scale[:, :, None]
     for k0 in tl.range(k_start + BLOCK_K, k_stop, BLOCK_K, loop_unroll_factor=UNROLL):
         w_ptrs += BLOCK_K // 8
         x_ptrs += BLOCK_K
-        x = _columns_of_8(tl.load(x_ptrs).to(tl.float32))
-        w = _word_bits(tl.load(w_ptrs, mask=row_mask[:, None], other=0), PRMT)
-        group = k0 // GROUP_SIZE
-        scale, offset = _group_scale_and_offset(
-            scale_ptr, zero_ptr, rows, row_mask, group, *strides, HAS_ZEROS
-        )
-        acc += _word_products(w, offset, x) * scale[:, None]
+        x, x_sum = _x_words(x_ptrs)
+        groups = k0 // GROUP_SIZE + tl.arange(0, GROUPS)
+        acc += _tile_sums(w_ptrs, x, x_sum, *tile, groups, strides, HAS_ZEROS, EXACT, PRMT)
         if GATED:
             up_ptrs += BLOCK_K // 8
-            up = _word_bits(tl.load(up_ptrs, mask=row_mask[:, None], other=0), PRMT)
-            up_scale, up_offset = _group_scale_and_offset(
-                scale_ptr, zero_ptr, rows + N, row_mask, group, *strides, HAS_ZEROS
-            )
-            up_acc += _word_products(up, up_offset, x) * up_scale[:, None]
-    y = tl.sum(acc, axis=1)
+            up_acc += _tile_sums(up_ptrs, x, x_sum, *up_tile, groups, strides, HAS_ZEROS, EXACT, PRMT)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     if GATED:
-        up_y = tl.sum(up_acc, axis=1)
+        up_y = tl.sum(tl.sum(up_acc, axis=2), axis=1)
         if HAS_BIAS:
             up_y += tl.load(bias_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
         # Gate and up rounded to the output dtype first, as the unfused projection stores them.

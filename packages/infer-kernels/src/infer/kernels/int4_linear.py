@@ -216,12 +216,18 @@ def _launch(
         config = _gemv_config(N, K, k_cap) if kernel == "gemv" else _dot_config(M, k_cap)
     config = dict(config)
     block_k = config["BLOCK_K"]
-    if group_size % block_k:
+    # The GEMV's tile may hold whole groups (of a power of two columns: its words are a
+    # `[groups, words a group]` block); any other tile stays inside one group.
+    whole_groups = kernel == "gemv" and block_k > group_size and block_k % group_size == 0
+    if group_size % block_k and not (whole_groups and group_size == k_cap):
         raise ValueError(f"BLOCK_K {block_k} straddles groups of {group_size} columns")
+    if whole_groups and (K % block_k or block_k & (block_k - 1)):
+        raise ValueError(f"BLOCK_K {block_k}: a GEMV tile of whole groups is a power of two dividing K = {K}")
     if block_k % _WORD or (kernel == "dot" and block_k < _MIN_DOT):
         raise ValueError(f"BLOCK_K {block_k}: the kernels read whole words of 8 columns, tl.dot 16 of them")
     if kernel == "gemv":
         config.setdefault("UNROLL", 1)
+        config.setdefault("GROUPS", max(1, block_k // group_size))
         tiles = M * triton.cdiv(N, config["BLOCK_N"])
     else:
         tiles = triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"])
@@ -261,7 +267,14 @@ def _launch(
     common["PRMT"] = x.is_cuda and common.get("PRMT", True)
     if kernel == "gemv":
         _int4_gemv_kernel[(M, triton.cdiv(N, config["BLOCK_N"]), splits)](
-            *args, N, K, *strides, **common, GATED=activation is not None, GELU_TANH=activation == "gelu_tanh"
+            *args,
+            N,
+            K,
+            *strides,
+            **common,
+            EXACT=x.dtype == torch.float32,
+            GATED=activation is not None,
+            GELU_TANH=activation == "gelu_tanh",
         )
     else:
         native = x.is_cuda and x.dtype != torch.float32
@@ -317,11 +330,11 @@ def _dequantized(
 
 
 def _gemv_config(N: int, K: int, k_cap: int) -> dict:
-    """Starting points, not yet swept on a GPU. Tiles of 8192 weights (4 KiB packed: 64 rows x 128
-    columns for groups of 128) with 4 warps, so that each thread holds two rows of 16 bytes and
-    the x values it loads and converts serve both: in the SASS for sm_90 (Triton 3.9) a 64 x 128
-    tile's loop body is 285 instructions a thread for its 64 weights, a 32 x 128 tile's (one row
-    a thread) 156 for 32. The loop unrolled to 512 columns a step (16 KiB a program in flight)."""
+    """Tiles of 8192 weights inside one group (64 rows x 128 columns for groups of 128) with 4
+    warps, the loop unrolled to 512 columns a step, K split by `_gemv_splits`. A sweep on an
+    H200 (docs/benchmarks/quantization.md#the-one-row-gemvs-tiles) found tiles of whole groups
+    faster alone (16 x 1024 for q|k|v and o, 16 x 512 with 8 warps for gate|up with its
+    activation), but Qwen3-8B decoded slower with them (258.8 tok/s, where this took 287.3)."""
     block_k = min(k_cap, 256)
     block_n = max(16, min(256, 8192 // block_k))
     # A grid's second dimension holds at most 65535 programs (an LM head of 2^22 rows).
