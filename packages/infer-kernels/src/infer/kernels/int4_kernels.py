@@ -1,17 +1,20 @@
 """The Triton kernels of `int4_linear` (its layout, launcher and references: infer.kernels.int4_linear).
 
-A tile is `BLOCK_N` weight rows by `BLOCK_K` columns and never straddles two groups (BLOCK_K is a
-power of two dividing group_size), so one scale and one zero point a row serve the whole tile
-and no column is ever masked (K is a multiple of group_size). Each nibble q becomes a float
-through the bits of 2^23 + q, less 2^23 + zero: `q - zero` exactly, in integer ops and one float
-subtract (I2F runs at a quarter of the FMA rate on Hopper; quantized_linear's int8 does the same).
+A tensor-core or dequantizing tile is `BLOCK_N` weight rows by `BLOCK_K` columns inside one group
+(BLOCK_K a power of two dividing group_size), so one scale and one zero point a row serve it; the
+GEMV's tile may instead hold `GROUPS` whole groups of a power of two columns, `[BLOCK_N, GROUPS,
+W]` words, each word scaled by its own group's scale. No column is ever masked (K is a multiple
+of the tile). Each nibble q becomes a float through the bits of 128 + q (q in byte 2 under 128's
+exponent byte: integer ops only, where I2F runs at a quarter of the FMA rate on Hopper), less 128
++ zero where the kernel needs `q - zero` itself (exact).
 
 - `_int4_gemv_kernel` (M = 1) reads the weight as 32-bit words, 8 columns each (on CUDA unpacked
-  by a few lines of PTX, `_UNPACK_PTX`), sums each word's 8 products `(q - zero) * x` (exact for
-  half-precision x) in a chain of FMAs, and adds that times its group's scale into a 2D fp32
-  accumulator `[BLOCK_N, BLOCK_K // 8]`, reduced once after the K loop. Under PDL the first
-  tile's words, scales and zeros are read before `await_inputs` (no kernel writes a weight); K
-  may be split across programs (`_split_k_sum_kernel` adds the parts in a fixed order).
+  by a few lines of PTX, `_UNPACK_PTX`), sums each word's 8 products in a chain of FMAs
+  (`_word_products`: `(128 + q) * x` from `-(128 + zero)` times the word's sum of x, for
+  half-precision x), and adds that times its group's scale into an fp32 accumulator of the
+  tile's shape, reduced once after the K loop. Under PDL the first tile's words, scales and
+  zeros are read before `await_inputs` (no kernel writes a weight); K may be split across
+  programs (`_split_k_sum_kernel` adds the parts in a fixed order).
 - `_int4_dot_kernel` (M > 1) reads the same words: `_word_columns`, the tile's `q - zero` in
   column order, in x's dtype (exact), is the MMA's left operand and x the right one (`W @ x.T`,
   as quantized_linear's `_dot_kernel`); each tile's fp32 sums are multiplied by its group's
@@ -20,14 +23,13 @@ subtract (I2F runs at a quarter of the FMA rate on Hopper; quantized_linear's in
   weight to the bit; `tl.interleave` puts the high nibbles' columns between the low ones'), for
   the whole weight in x's dtype in one pass, for cuBLAS (prefill).
 
-The GEMV's cost, counted in the SASS for sm_90 (Triton 3.9, bf16 x, zero points): a 64 x 128
-tile's loop body is 285 instructions a thread for its 64 weights, 4.5 a weight (362 without the
-PTX unpacking; 156 for a 32 x 128 tile's 32 weights, one row a thread, 4.9 a weight; about 9 a
-weight with bytes unpacked by Triton's shifts and masks and each weight scaled, as
-`_dequantized_tile` does). At the H200's published figures (4.8 TB/s of HBM, 9.6e12 weights a
+The GEMV's cost, counted in the SASS for sm_90 (Triton 3.9, bf16 x, zero points) before its
+chains started from the word's sum of x: a 64 x 128 tile's loop body was 285 instructions a
+thread for its 64 weights, 4.5 a weight (362 without the PTX unpacking), a subtract a weight of
+them now gone (not recounted). At the H200's published figures (4.8 TB/s of HBM, 9.6e12 weights a
 second; 132 SMs issuing 4 x 32 lanes a clock at 1.98 GHz) a weight leaves about 3.5 instruction
-issues, so the GEMV may be bound by its instructions rather than by HBM: measure before tuning.
-Their speed is not yet measured (kernels-bench/bench_int4_linear.py)."""
+issues, so its instructions rather than HBM may bound it; no tile of a sweep brought it within
+2.3 times its ideal (docs/benchmarks/quantization.md#the-one-row-gemvs-tiles)."""
 
 import triton
 import triton.language as tl
