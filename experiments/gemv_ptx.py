@@ -1,6 +1,7 @@
-"""The PTX of `_gemv_kernel` for a few configurations, compiled for an H100 (sm_90) without a GPU,
-debug sections left out: to tell whether a change to the kernel's source changes the code a
-configuration compiles to. Run it once per source tree and compare the two files:
+"""The PTX of the GEMV kernels (`_gemv_kernel`, `_dense_gemv_kernel`) for a few configurations,
+compiled for an H100 (sm_90) without a GPU, debug sections left out: to tell whether a change to
+the kernels' source changes the code a configuration compiles to. Run it once per source tree
+and compare the two files:
 
     PYTHONPATH=<old tree's package srcs> python experiments/gemv_ptx.py /tmp/old.json
     PYTHONPATH=<new tree's package srcs> python experiments/gemv_ptx.py /tmp/new.json
@@ -35,12 +36,25 @@ def ptx_code(ptx: str) -> list[str]:
     code = []
     for line in ptx.splitlines():
         line = re.sub(r"\s+", " ", line.split("//")[0]).strip()
-        # Parameter declarations are left out: a kernel given new arguments (read only by a path
-        # a case does not compile) is the same code.
-        skipped = (".loc", ".file", ".b8", ".b32", ".b64", ".section", "$L__", ".param")
+        # Parameter declarations and loads, and the kernel's name, are left out: a kernel given
+        # new arguments (read only by a path a case does not compile), or fewer (the dense GEMV's
+        # entry), is the same code.
+        skipped = (".loc", ".file", ".b8", ".b32", ".b64", ".section", "$L__", ".param", "ld.param")
+        skipped += (".visible",)
         if line and not line.startswith(skipped):
             code.append(line)
     return code
+
+
+def gemv_kernel(scaled: bool):
+    """The tree's GEMV for a case: the 8-bit or the dense kernel where they are two, else the one."""
+    try:
+        from infer.kernels.gemv import streaming
+    except ImportError:  # a tree from before the kernels moved into infer.kernels.gemv
+        from infer.kernels.quantized_linear import _gemv_kernel
+
+        return _gemv_kernel
+    return streaming._gemv_kernel if scaled else streaming._dense_gemv_kernel
 
 
 def compile_cases() -> dict[str, list[str]]:
@@ -48,11 +62,10 @@ def compile_cases() -> dict[str, list[str]]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from infer.kernels.quantized_linear import _gemv_kernel as kernel
-
     out = {}
     for name, (weight_type, num_warps, flags) in CASES.items():
         flags = COMMON | flags
+        kernel = gemv_kernel(flags["SCALED"])
         signature, constexprs = {}, {}
         for param in kernel.params:
             if param.is_constexpr:

@@ -20,7 +20,7 @@ from sweep_quantized_gemv import streamed_us
 from infer.kernels import add_rms_norm, gated_gemv, rms_norm_add_rms_norm
 
 module = importlib.import_module(
-    "infer.kernels.normed_gemv"
+    "infer.kernels.gemv.normed"
 )  # infer.kernels exports a function under its name
 
 # (hidden, intermediate, sandwich, activation)
@@ -30,9 +30,9 @@ SHAPES = {
     "qwen3-1.7b": (2048, 6144, False, "silu"),
 }
 STREAMED_BYTES = 300e6
-# (_GATED_BLOCK_N, _GATED_BLOCK_K, _GATED_NUM_WARPS)
+# (_NORMED_GATED_BLOCK_N, _NORMED_GATED_BLOCK_K, _NORMED_GATED_NUM_WARPS)
 CONFIGS = [(8, 256, 2), (8, 256, 4), (4, 256, 2), (8, 128, 2), (16, 256, 4), (16, 128, 4)]
-NAMES = ("_GATED_BLOCK_N", "_GATED_BLOCK_K", "_GATED_NUM_WARPS")
+NAMES = ("_NORMED_GATED_BLOCK_N", "_NORMED_GATED_BLOCK_K", "_NORMED_GATED_NUM_WARPS")
 
 
 def shape_row(hidden: int, intermediate: int, sandwich: bool, activation: str, gen) -> list[float]:

@@ -77,7 +77,7 @@ def compile_sm90(
 
 
 def main() -> None:
-    module = importlib.import_module("infer.kernels.paged_attention")
+    module = importlib.import_module("infer.kernels.paged_attention.decode")
     kernel = module._decode_split_kernel
     types = {p.name: "i32" for p in kernel.params if "stride" in p.name}
     types.update(

@@ -7,12 +7,12 @@ statement run before the benchmark (to try a module constant without a second tr
 
     python kernels-bench/ab_generate.py --models llama-3.2-1b gemma-3-1b --rounds 2 \\
         --variant before=/tmp/old --variant after=. \\
-        --variant after-64='.:module("infer.kernels.paged_attention")._MIN_SPLIT_KEYS = 64' \\
+        --variant after-64='.:module("infer.kernels.paged_attention.decode")._MIN_SPLIT_KEYS = 64' \\
         -- --device cuda --dtype bfloat16 --use-cuda-graphs --async-scheduling --repeats 3
 
 A patch reaches a module through `module(NAME)` (importlib.import_module): `import
 infer.kernels.paged_attention as p` would bind the function that infer.kernels exports under the
-module's name, and an attribute set on it changes nothing (two calls of 2026-11-28 lost their
+package's name, and an attribute set on it changes nothing (two calls of 2026-11-28 lost their
 variants that way).
 
 Checkpoints are `--ckpt-dir/NAME` (made by `infer models random ... --out`). It prints decode

@@ -17,7 +17,8 @@ import torch
 from sweep_quantized_gemv import streamed_us
 
 from infer.kernels import argmax, gemv, silu_and_mul
-from infer.kernels.quantized_linear import _dense_gemv_config, _launch
+from infer.kernels.gemv.configs import _dense_gemv_config
+from infer.kernels.gemv.dense import _launch
 
 GATE_UP = {"gemma": (13824, 1152), "llama": (16384, 2048), "qwen": (12288, 2048)}
 VOCABULARIES = {"smollm2": 49152, "llama": 128256, "qwen": 151936, "gemma": 262144}
@@ -31,9 +32,9 @@ def gated_gemv_shape(label: str, n: int, k: int) -> None:
     whole_tiles = _dense_gemv_config(n, k)  # as many gate rows a tile as the plain GEMV's rows
     variants = {
         "gemv + silu_and_mul": lambda w, pdl: silu_and_mul(gemv(x, w, pdl=pdl), pdl=pdl),
-        "gated (default tiles)": lambda w, pdl: _launch(x, w, None, None, None, activation="silu", pdl=pdl),
+        "gated (default tiles)": lambda w, pdl: _launch(x, w, None, activation="silu", pdl=pdl),
         "gated (plain GEMV's tiles)": lambda w, pdl: _launch(
-            x, w, None, None, None, activation="silu", config=whole_tiles, pdl=pdl
+            x, w, None, activation="silu", config=whole_tiles, pdl=pdl
         ),
     }
     for pdl in (False, True):
@@ -53,8 +54,7 @@ def sweep_gated_shape(label: str, n: int, k: int) -> None:
     for block_n, block_k, warps in itertools.product([4, 8, 16], [256, 512], [2, 4]):
         config = dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=1, num_warps=warps, num_stages=1)
         calls = [
-            lambda w=w, c=config: _launch(x, w, None, None, None, activation="silu", config=c, pdl=True)
-            for w in weights
+            lambda w=w, c=config: _launch(x, w, None, activation="silu", config=c, pdl=True) for w in weights
         ]
         rows.append((streamed_us(calls), f"{block_n}x{block_k}, {warps} warps"))
     best = ", ".join(f"{us:.2f} µs ({name})" for us, name in sorted(rows)[:4])

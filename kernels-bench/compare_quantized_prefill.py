@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from infer.kernels.quantized_linear import _launch
+from infer.kernels.gemv.quantized import _launch
 from infer.models.quantization import quantize_weight
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}

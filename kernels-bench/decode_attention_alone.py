@@ -19,8 +19,8 @@ from infer.kernels import paged_attention
 # (query heads, KV heads, head_dim, sliding window) of the 1-2B models.
 SHAPES = {"llama-3.2-1b": (32, 8, 64, None), "qwen3-1.7b": (16, 8, 128, None), "gemma-3-1b": (4, 1, 256, 512)}
 BLOCK_SIZE, LAYERS = 16, 8
-# The function shadows its module in infer.kernels' namespace.
-module = importlib.import_module("infer.kernels.paged_attention")
+# The module (infer.kernels exports a function under its package's name).
+module = importlib.import_module("infer.kernels.paged_attention.decode")
 # At batch 1 every shape's grid is one wave: the split kernel's warps are _ONE_WAVE_DECODE_WARPS.
 DEFAULTS = {
     "_ONE_WAVE_DECODE_WARPS": module._ONE_WAVE_DECODE_WARPS,

@@ -2,7 +2,7 @@
 128), 64 rows: µs a call replayed from one CUDA graph over 8 layers' caches with a 64 MB write
 between calls (K/V come from HBM, as in a step), the write's own time subtracted; and store_kv of
 64 tokens into each. `--variants` also times the fp8 kernel with other settings: its dots
-in fp16 (paged_attention._FP8_F16_DOTS), keys a loop step and pipeline stages. Needs a CUDA GPU.
+in fp16 (paged_attention.launch._FP8_F16_DOTS), keys a loop step and pipeline stages. Needs a CUDA GPU.
 
     python kernels-bench/kv_fp8_decode.py [--variants]
 """
@@ -18,11 +18,17 @@ from infer.kernels import paged_attention, store_kv
 from infer.kernels.kv_fp8 import quantize_fp8_ref
 
 HEADS, KV_HEADS, HEAD_DIM, ROWS, BLOCK_SIZE, LAYERS = 32, 8, 128, 64, 16, 8
-module = importlib.import_module("infer.kernels.paged_attention")
+# The modules (infer.kernels exports a function under their package's name).
+launch_module = importlib.import_module("infer.kernels.paged_attention.launch")
+decode_module = importlib.import_module("infer.kernels.paged_attention.decode")
 # The fp8 kernel's knobs `--variants` sets: its dots, the keys a loop step (as bytes of fp8
 # keys: 4 KiB is 32 keys of 128 dims), and the decode kernel's pipeline stages (bf16's are timed
 # before the sweep and the defaults put back after it).
-VARIANT_KNOBS = ("_FP8_F16_DOTS", "_FP8_DECODE_TILE_BYTES", "_DECODE_STAGES")
+VARIANT_KNOBS = {
+    "_FP8_F16_DOTS": launch_module,
+    "_FP8_DECODE_TILE_BYTES": decode_module,
+    "_DECODE_STAGES": decode_module,
+}
 
 
 def caches(seq_len: int, fp8: bool):
@@ -82,7 +88,7 @@ def main() -> None:
     args = parser.parse_args()
     flush = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     print(f"store_kv, {ROWS} tokens: bf16 {store_us(False):.2f} µs, fp8 {store_us(True):.2f} µs")
-    defaults = {name: getattr(module, name) for name in VARIANT_KNOBS}
+    defaults = {name: getattr(module, name) for name, module in VARIANT_KNOBS.items()}
     print("| keys a row | bf16 µs | fp8 µs | fp8 / bf16 |")
     for seq_len in (512, 1024, 2048, 4096, 16384):
         bf16 = attention_us(seq_len, caches(seq_len, False), flush)
@@ -91,15 +97,15 @@ def main() -> None:
         print(f"| {seq_len} | {bf16:.1f} | {fp8:.1f} | {fp8 / bf16:.2f} |", flush=True)
         if args.variants and seq_len in (1024, 16384):
             for f16, block_n, stages in itertools.product((False, True), (32, 64, 128), (2, 3)):
-                module._FP8_F16_DOTS, module._DECODE_STAGES = f16, stages
-                module._FP8_DECODE_TILE_BYTES = block_n * HEAD_DIM
+                launch_module._FP8_F16_DOTS, decode_module._DECODE_STAGES = f16, stages
+                decode_module._FP8_DECODE_TILE_BYTES = block_n * HEAD_DIM
                 us = attention_us(seq_len, fp8_caches, flush)
                 print(
                     f"|   f16 {f16} keys {block_n} stages {stages} | | {us:.1f} | {us / bf16:.2f} |",
                     flush=True,
                 )
             for name, value in defaults.items():
-                setattr(module, name, value)
+                setattr(VARIANT_KNOBS[name], name, value)
         del fp8_caches
 
 

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 import triton
 from sweep_quantized_gemv import streamed_us
 
-from infer.kernels.quantized_linear import _dense_gemv_config, _launch
+from infer.kernels.gemv.configs import _dense_gemv_config
+from infer.kernels.gemv.dense import _launch
 
 PROJECTIONS = {
     "gemma qkv": (1536, 1152),
@@ -82,9 +83,7 @@ def streamed_gemv(n: int, k: int, streamed_bytes: float, activation: str | None 
 
     def calls(config=None, split=None, pdl=False):
         return [
-            lambda w=w: _launch(
-                x, w, None, None, None, config=config, split_k=split, activation=activation, pdl=pdl
-            )
+            lambda w=w: _launch(x, w, None, config=config, split_k=split, activation=activation, pdl=pdl)
             for w in weights
         ]
 

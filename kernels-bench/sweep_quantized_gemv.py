@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from harness import copy_bandwidth_gbps
 
 from infer.kernels import pack_int4, silu_and_mul
-from infer.kernels.int4_linear import _launch as int4_launch
-from infer.kernels.quantized_linear import _k_tile_cap, _launch
+from infer.kernels.gemv.configs import _k_tile_cap
+from infer.kernels.gemv.int4_linear import _launch as int4_launch
+from infer.kernels.gemv.quantized import _launch
 from infer.models.quantization import quantize_weight
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}

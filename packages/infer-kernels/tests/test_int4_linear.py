@@ -1,7 +1,7 @@
 """The 4-bit layout's references against a per-element reading of the bytes, their checks, and the
 Triton kernels against the references.
 
-The oracle reads each weight the way the layout is written down (infer.kernels.int4_linear):
+The oracle reads each weight the way the layout is written down (infer.kernels.gemv.int4_layout):
 byte k // 2 of row n, low nibble for even k, high for odd, minus the group's zero point (8 when
 there is none), times the group's scale; sums of products in float64.
 
@@ -44,7 +44,7 @@ from infer.kernels import (
     pack_int4,
     unpack_int4,
 )
-from infer.kernels.int4_linear import _dequantized, _launch
+from infer.kernels.gemv.int4_linear import _dequantized, _launch
 
 X_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 GROUPS = [32, 64, 128]

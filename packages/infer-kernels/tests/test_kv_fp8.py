@@ -13,7 +13,8 @@ from infer.kernels.kv_fp8 import FP8_DTYPE, dequantize_fp8_ref, quantize_fp8_ref
 
 from .test_paged_attention import brute_force, make_batch
 
-paged_attention_module = importlib.import_module("infer.kernels.paged_attention")
+# The module that launches the kernels (infer.kernels exports a function under the package's name).
+launch_module = importlib.import_module("infer.kernels.paged_attention.launch")
 
 
 def vectors(seed: int, shape=(64, 4, 128)) -> torch.Tensor:
@@ -147,7 +148,7 @@ def test_kernel_cuda_fp8_store_is_the_reference_bit_for_bit(cuda, heads, dtype):
 @pytest.mark.parametrize("block_size", [16, None])
 @pytest.mark.parametrize("f16_dots", [False, True], ids=["native-dots", "f16-dots"])
 def test_kernel_cuda_fp8_mixed_batch(cuda, heads, dtype, sliding_window, block_size, f16_dots, monkeypatch):
-    monkeypatch.setattr(paged_attention_module, "_FP8_F16_DOTS", f16_dots)
+    monkeypatch.setattr(launch_module, "_FP8_F16_DOTS", f16_dots)
     decode = [1500, 1, 700, 257, 1024, 33]
     extend = [(300, 1500), (1000, 1000), (1, 64)]
     check_fp8_kernel(decode, extend, heads, block_size, dtype, cuda, seed=7, sliding_window=sliding_window)

@@ -24,7 +24,7 @@ from infer.kernels import (
     normed_gemv,
     normed_gemv_ref,
 )
-from infer.kernels.normed_gemv import MAX_K
+from infer.kernels.gemv.configs import NORMED_MAX_K
 
 
 def make(N, K, dtype, device, *, sandwich, seed=0):
@@ -81,7 +81,7 @@ def assert_matches_reference(x, residual, norm_weight, weight, eps, offset, x_no
 @settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     N=st.integers(1, 40),
-    K=st.integers(1, MAX_K),
+    K=st.integers(1, NORMED_MAX_K),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
     sandwich=st.booleans(),
     offset=st.sampled_from([0.0, 1.0]),
@@ -104,8 +104,8 @@ def test_interpreted_model_widths(triton_on_cpu, sandwich):
 
 
 def test_refuses_rows_wider_than_a_tile_and_mismatched_shapes():
-    x, residual, norm_weight, weight, _ = make(4, MAX_K + 1, torch.float32, "cpu", sandwich=False)
-    with pytest.raises(ValueError, match=f"at most {MAX_K}"):
+    x, residual, norm_weight, weight, _ = make(4, NORMED_MAX_K + 1, torch.float32, "cpu", sandwich=False)
+    with pytest.raises(ValueError, match=f"at most {NORMED_MAX_K}"):
         normed_gemv(x, residual, norm_weight, weight, 1e-6)
     x, residual, norm_weight, weight, _ = make(4, 64, torch.float32, "cpu", sandwich=False)
     with pytest.raises(ValueError, match="residual must match x"):
@@ -179,13 +179,13 @@ def assert_gated_matches_reference(
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     N=st.integers(1, 40),
-    K=st.integers(1, MAX_K),
+    K=st.integers(1, NORMED_MAX_K),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     sandwich=st.booleans(),
     activation=st.sampled_from(["silu", "gelu_tanh"]),
 )
 def test_gated_interpreted_matches_reference(triton_on_cpu, N, K, dtype, sandwich, activation):
-    """Any N (one program or several, and partial row tiles) and any K up to MAX_K (one to eight
+    """Any N (one program or several, and partial row tiles) and any K up to NORMED_MAX_K (one to eight
     of the kernel's K tiles, the last partial)."""
     x, residual, norm_weight, weight, x_norm_weight = make(2 * N, K, dtype, "cpu", sandwich=sandwich)
     offset = 1.0 if sandwich else 0.0

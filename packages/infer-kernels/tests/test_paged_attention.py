@@ -18,8 +18,9 @@ from infer.kernels import (
     paged_attention_ref,
 )
 
-# The module, not the function that infer.kernels exports under the same name.
-paged_attention_module = importlib.import_module("infer.kernels.paged_attention")
+# The modules (infer.kernels exports a function under the package's name).
+decode_module = importlib.import_module("infer.kernels.paged_attention.decode")
+extend_module = importlib.import_module("infer.kernels.paged_attention.extend")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (q heads, kv heads, head_dim): GQA groups 1, 2 and 4, a head_dim that is not a power of two,
@@ -265,8 +266,8 @@ def check_kernel(decode, extend, heads, block_size, dtype, device, seed, sliding
 def short_splits(monkeypatch):
     """Decode splits of 64 keys and extend tiles of 16 queries x 16 keys, so that tiny
     interpreted rows still span several splits and tiles."""
-    monkeypatch.setattr(paged_attention_module, "_MIN_SPLIT_KEYS", 64)
-    monkeypatch.setattr(paged_attention_module, "_EXTEND_CONFIG", (16, 16, 4, 1))
+    monkeypatch.setattr(decode_module, "_MIN_SPLIT_KEYS", 64)
+    monkeypatch.setattr(extend_module, "_EXTEND_CONFIG", (16, 16, 4, 1))
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -333,7 +334,7 @@ def test_kernel_interpreted_extend_rows_from_a_tile_map(triton_on_cpu, short_spl
     q, k_cache, v_cache, kwargs = make_batch(
         [70, 1], [(40, 140), (17, 17), (1, 9)], (4, 2, 64), 16, torch.float32, "cpu", seed=15
     )
-    tile_size = paged_attention_module.extend_tile_size(64)
+    tile_size = extend_module.extend_tile_size(64)
     assert tile_size == 16  # short_splits' tiles
     tiles = shuffled_tile_map(kwargs, tile_size, num_slots=9, seed=16)  # 3 + 2 + 1 tiles, 3 empty
     out = paged_attention(q, k_cache, v_cache, sliding_window=sliding_window, extend_tiles=tiles, **kwargs)
@@ -394,10 +395,10 @@ def test_rejects_mismatched_inputs():
 
 def test_decode_splits_fill_the_gpu_from_host_ints():
     # Llama 3.2 1B at batch 64: 8 splits per (row, KV head); at batch 1 and 4096 keys: 16.
-    assert paged_attention_module.decode_num_splits(64, 8, 4096) == 8
-    assert paged_attention_module.decode_num_splits(1, 8, 4096) == 16
+    assert decode_module.decode_num_splits(64, 8, 4096) == 8
+    assert decode_module.decode_num_splits(1, 8, 4096) == 16
     # Short rows take one split (no merge pass).
-    assert paged_attention_module.decode_num_splits(64, 8, 200) == 1
+    assert decode_module.decode_num_splits(64, 8, 200) == 1
 
 
 @pytest.mark.parametrize("sliding_window", [None, 100])
@@ -411,7 +412,7 @@ def test_kernel_interpreted_rows_far_below_the_launch_bound(triton_on_cpu, slidi
     tables = kwargs["block_tables"]
     kwargs["block_tables"] = torch.cat([tables, tables[:, :1].expand(-1, 2048 // 16)], dim=1)
     kwargs["max_seq_len"] = 2048
-    assert paged_attention_module.decode_num_splits(4, 2, 2048) == 8
+    assert decode_module.decode_num_splits(4, 2, 2048) == 8
     out = paged_attention(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs)
     assert_close(out, paged_attention_ref(q, k_cache, v_cache, sliding_window=sliding_window, **kwargs))
 
@@ -471,7 +472,7 @@ def test_kernel_in_a_cuda_graph_follows_new_prompt_chunks_through_a_tile_map(cud
     """One capture, replayed for other chunk lengths, rows and block tables: the grid is the
     map's length, and the map, lengths and tables are read on the device."""
     heads, max_len = (32, 8, 64), 1024
-    tile_size = paged_attention_module.extend_tile_size(heads[2])
+    tile_size = extend_module.extend_tile_size(heads[2])
     decode, num_chunk_tokens, num_extend_rows = [700, 5, 300], 512, 4
     # Capture-time rows: the chunk tokens split evenly; replays split them otherwise.
     extend = [(num_chunk_tokens // num_extend_rows, max_len)] * num_extend_rows

@@ -16,7 +16,7 @@ from infer.kernels import TOLERANCES, paged_attention, paged_attention_ref
 
 from .test_paged_attention import make_batch, short_splits, shuffled_tile_map  # noqa: F401
 
-paged_attention_module = importlib.import_module("infer.kernels.paged_attention")
+extend_module = importlib.import_module("infer.kernels.paged_attention.extend")
 
 # (decode rows' key counts, extend rows as (query_len, seq_len, images)), an image being (first
 # position, length). Queries of a row sit at positions seq_len - query_len .. seq_len - 1.
@@ -151,7 +151,7 @@ def test_kernel_interpreted_follows_image_groups_any_heads_and_block_size(heads,
 @pytest.mark.usefixtures("triton_on_cpu", "short_splits")
 def test_kernel_interpreted_follows_image_groups_through_a_tile_map(sliding_window):
     q, k_cache, v_cache, kwargs, groups = image_batch(*MIXED, (4, 2, 64), 3, torch.float32, "cpu", seed=5)
-    tile_size = paged_attention_module.extend_tile_size(64)
+    tile_size = extend_module.extend_tile_size(64)
     assert tile_size == 16  # short_splits' tiles
     tiles = shuffled_tile_map(kwargs, tile_size, num_slots=10, seed=6)  # 2 + 2 + 3 + 1 tiles, 2 empty
     out = paged_attention(q, k_cache, v_cache, sliding_window=sliding_window, extend_tiles=tiles, **kwargs)
@@ -226,7 +226,7 @@ def test_kernel_cuda_follows_image_groups_at_real_shapes(cuda, heads, sliding_wi
         *GEMMA3_BATCH, heads, block_size, torch.bfloat16, cuda, 10
     )
     if tile_map:
-        tile_size = paged_attention_module.extend_tile_size(heads[2])
+        tile_size = extend_module.extend_tile_size(heads[2])
         kwargs["extend_tiles"] = shuffled_tile_map(
             kwargs, tile_size, num_slots=2000 // tile_size + 8, seed=11
         ).to(cuda)

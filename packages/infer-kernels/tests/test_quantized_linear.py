@@ -32,7 +32,7 @@ from infer.kernels import (
     quantized_linear,
     quantized_linear_ref,
 )
-from infer.kernels.quantized_linear import _launch
+from infer.kernels.gemv.quantized import _launch
 
 WEIGHT_DTYPES = [torch.int8, torch.float8_e4m3fn]
 # The scale layouts: one per output channel (int8 checkpoints), 128 x 128 blocks (fp8

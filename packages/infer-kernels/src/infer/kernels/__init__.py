@@ -46,21 +46,23 @@ from infer.kernels.cpu.int8_linear import (
     int8_linear_cpu_supports,
 )
 from infer.kernels.cpu.native import native_cpu_kernels_available
-from infer.kernels.int4_linear import (
+from infer.kernels.gemv.dense import gemv
+from infer.kernels.gemv.gated import gated_gemv, int4_gated_gemv, quantized_gated_gemv
+from infer.kernels.gemv.int4_layout import pack_int4, unpack_int4
+from infer.kernels.gemv.int4_linear import int4_linear
+from infer.kernels.gemv.normed import normed_gated_gemv, normed_gated_gemv_fills_one_wave, normed_gemv
+from infer.kernels.gemv.quantized import quantized_linear
+from infer.kernels.gemv.references import (
     dequantize_int4,
-    int4_gated_gemv,
+    dequantize_weight,
+    gated_gemv_ref,
+    gemv_ref,
     int4_gated_gemv_ref,
-    int4_linear,
     int4_linear_ref,
-    pack_int4,
-    unpack_int4,
-)
-from infer.kernels.normed_gemv import (
-    normed_gated_gemv,
-    normed_gated_gemv_fills_one_wave,
     normed_gated_gemv_ref,
-    normed_gemv,
     normed_gemv_ref,
+    quantized_gated_gemv_ref,
+    quantized_linear_ref,
 )
 from infer.kernels.paged_attention import (
     decode_warm_up_lengths,
@@ -70,17 +72,6 @@ from infer.kernels.paged_attention import (
     paged_attention_ref,
 )
 from infer.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
-from infer.kernels.quantized_linear import (
-    dequantize_weight,
-    gated_gemv,
-    gated_gemv_ref,
-    gemv,
-    gemv_ref,
-    quantized_gated_gemv,
-    quantized_gated_gemv_ref,
-    quantized_linear,
-    quantized_linear_ref,
-)
 from infer.kernels.rms_norm import (
     add_rms_norm,
     add_rms_norm_ref,

@@ -20,7 +20,7 @@ Every kernel of infer.kernels, launched with `pdl=True` (a keyword of every op),
   earlier kernel may still run then, anything else could be read stale. That memory is the
   weights, the step's inputs (token positions, cache slots, row lengths, block tables, copied
   before the chain's first kernel), the rope tables, and keys and values stored by earlier
-  steps. Reads of it before the wait: the GEMV's first weight tile (quantized_linear's
+  steps. Reads of it before the wait: the GEMV's first weight tile (gemv.streaming's
   `_gemv_kernel`), normed_gemv's tile with its norms' weights, and normed_gated_gemv's first
   gate and up tiles; decode attention's row length, block table and first tile of keys, all
   but this step's own key (paged_attention's `_decode_split_kernel`); the norms' weights

@@ -85,7 +85,7 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 # seq_len (the step's token count) varies every step; specializing on it (== 1, % 16) would compile
-# a new variant mid-serving, see paged_attention.py.
+# a new variant mid-serving, see paged_attention/tiles.py.
 @triton.jit(do_not_specialize=["seq_len"])
 def _rope_kernel(
     q_ptr,

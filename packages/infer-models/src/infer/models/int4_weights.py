@@ -1,4 +1,4 @@
-"""4-bit weights in infer.kernels.int4_linear's layout: repacked from GPTQ and AWQ checkpoint
+"""4-bit weights in the layout of infer.kernels.gemv.int4_layout: repacked from GPTQ and AWQ checkpoint
 tensors, quantized from dense weights at load, and packed back into the published layouts (for
 random checkpoints, infer.models.random_checkpoint).
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.kernels.int4_linear import SYMMETRIC_ZERO, pack_int4
+from infer.kernels.gemv.int4_layout import SYMMETRIC_ZERO, pack_int4
 from infer.models.quantization import row_chunks
 
 # The values in a packed int32 word and their shifts, lowest bits first.

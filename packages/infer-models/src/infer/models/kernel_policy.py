@@ -27,7 +27,7 @@ from infer.kernels import (
     int8_linear_cpu_supports,
     normed_gated_gemv_fills_one_wave,
 )
-from infer.kernels.normed_gemv import MAX_K as NORMED_GEMV_MAX_K
+from infer.kernels.gemv.configs import NORMED_MAX_K
 from infer.models.common import Attention, RMSNorm
 from infer.models.linear import Linear
 from infer.models.linear_method import (
@@ -101,7 +101,7 @@ class KernelPolicy:
             and self.on_cuda
             and proj.weight_scale is None
             and proj.bias is None
-            and proj.in_features <= NORMED_GEMV_MAX_K
+            and proj.in_features <= NORMED_MAX_K
         )
         if unfused.activation is not None:
             fuses = fuses and normed_gated_gemv_fills_one_wave(proj.out_features, self.device)

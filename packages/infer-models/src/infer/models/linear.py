@@ -3,7 +3,7 @@ method the kernel policy picked for them (infer.models.linear_method).
 
 A Linear's weight is dense (the model's dtype), 8-bit with block scales (see
 infer.models.quantization), 4-bit packed with group scales and zero points
-(infer.kernels.int4_linear's layout), or a GGUF file's blocks (`gguf_format`, `pack_gguf`);
+(the layout of infer.kernels.gemv.int4_layout), or a GGUF file's blocks (`gguf_format`, `pack_gguf`);
 `quantize` and `quantize_int4` turn a dense Linear, still on the meta device, into an 8-bit or
 4-bit one before the loader fills it. Until `apply_kernel_policy` picks otherwise, a dense Linear
 runs `DenseMethod` (ATen), an 8-bit one `QuantizedMethod` (`quantized_linear`, whose block size

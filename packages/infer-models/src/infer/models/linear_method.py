@@ -169,7 +169,7 @@ class QuantizedMethod(DenseMethod):
 
 @dataclass(frozen=True)
 class Int4Method(DenseMethod):
-    """Packed 4-bit weights (infer.kernels.int4_linear's layout) through `int4_linear`. A GPTQ
+    """Packed 4-bit weights (the layout of infer.kernels.gemv.int4_layout) through `int4_linear`. A GPTQ
     act-order weight's columns are stored sorted by group (`layer.input_perm`), so x's columns
     are gathered in that order first."""
 

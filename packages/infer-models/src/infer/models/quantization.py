@@ -21,7 +21,7 @@ stored in the model's dtype.
 Linear including the LM head (a separate 8-bit copy when it shares the embedding, whose lookup
 keeps the full table): per output channel for int8, 128x128 blocks for fp8, scales absmax / qmax.
 
-4-bit weights (w4a16, infer.kernels.int4_linear's layout; infer.models.int4_weights repacks and
+4-bit weights (w4a16, the layout of infer.kernels.gemv.int4_layout; infer.models.int4_weights repacks and
 quantizes them) come from two published formats, read as they are stored and repacked at load:
 - GPTQ (`quant_method: "gptq"`, bits 4; GPTQModel, AutoGPTQ): a `group_size` (-1: one group a
   row), `sym` (symmetric: every zero point 8), `desc_act` (act-order: a `g_idx` that permutes the

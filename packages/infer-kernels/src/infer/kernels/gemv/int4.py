@@ -1,4 +1,4 @@
-"""The Triton kernels of `int4_linear` (its layout, launcher and references: infer.kernels.int4_linear).
+"""The Triton kernels of `int4_linear` (its layout: gemv.int4_layout; its launcher: gemv.int4_linear).
 
 A tensor-core or dequantizing tile is `BLOCK_N` weight rows by `BLOCK_K` columns inside one group
 (BLOCK_K a power of two dividing group_size), so one scale and one zero point a row serve it; the

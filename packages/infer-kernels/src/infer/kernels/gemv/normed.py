@@ -9,7 +9,7 @@ H200 (docs/benchmarks/generation.md#pre-norm-inside-the-next-gemv), mostly waiti
 before and being waited for by the next. Here every program of the GEMV normalises the row itself
 after its wait: a few kilobytes from L2 and one or two reductions, instead of a kernel.
 
-Only for rows of at most MAX_K values, which one weight tile spans: the row is then loaded once,
+Only for rows of at most NORMED_MAX_K values, which one weight tile spans: the row is then loaded once,
 whole, and its norm is at hand for the tile's product (the dense GEMV takes one tile of all of K
 there as well, `_dense_gemv_config`). The arithmetic and its roundings are the unfused kernels'
 (`rms_norm`'s, then `gemv`'s): the sum is rounded to the residual's dtype before it is normalised,
@@ -28,27 +28,24 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.kernels._dispatch import check_dtype, check_same_device, num_sms, use_triton
+from infer.kernels._dispatch import num_sms, use_triton
 from infer.kernels.activation import gated_activation
+from infer.kernels.gemv.configs import (
+    _NORMED_BLOCK_N,
+    _NORMED_GATED_BLOCK_K,
+    _NORMED_GATED_BLOCK_N,
+    _NORMED_GATED_NUM_WARPS,
+    _NORMED_GATED_PROGRAMS_PER_SM,
+    _NORMED_NUM_WARPS,
+)
+from infer.kernels.gemv.references import (
+    _check_gate_up,
+    _check_normed,
+    normed_gated_gemv_ref,
+    normed_gemv_ref,
+)
 from infer.kernels.pdl import await_inputs, launch_options
-from infer.kernels.quantized_linear import _check_gate_up, gated_gemv_ref, gemv_ref
-from infer.kernels.rms_norm import _norm_scale, _scaled_rms_norm, add_rms_norm_ref, rms_norm_add_rms_norm_ref
-
-# One tile of the weight spans the row (4 rows x 2048 columns over 8 warps: 32 values a thread).
-MAX_K = 2048
-_BLOCK_N = 4
-_NUM_WARPS = 8
-# The gated kernel: the gated GEMV's tiles (`_gated_gemv_config`: 8 gate and 8 up rows of 256
-# columns, 2 warps, K in a loop), with the norm taken out of the product (`_normed_gated_gemv_kernel`).
-_GATED_BLOCK_N = 8
-_GATED_BLOCK_K = 256
-_GATED_NUM_WARPS = 2
-# Its programs resident on an SM at once: the JIT compiles it to 167 registers a thread on an H200
-# (Triton 3.6.0), so 6 programs of 64 threads fit an SM's 64K registers. It beats the norm's kernel
-# and `gated_gemv` only where its grid is one wave of those (Qwen3-1.7B's 768 programs, +2.7%); the
-# second, mostly idle wave of Gemma 3 1B's and Llama 3.2 1B's made their steps slower
-# (docs/benchmarks/generation.md#pre-norm-inside-the-next-gemv).
-_GATED_PROGRAMS_PER_SM = 6
+from infer.kernels.rms_norm import _norm_scale, _scaled_rms_norm
 
 
 @triton.jit
@@ -234,56 +231,6 @@ def _normed_gated_gemv_kernel(
     tl.store(out_ptr + rows, y.to(out_type), mask=row_mask)
 
 
-def _check(x, residual, norm_weight, weight, x_norm_weight) -> None:
-    check_dtype("x", x)
-    K = x.shape[-1] if x.dim() else 0
-    if x.dim() == 0 or x.numel() != K:
-        raise ValueError(f"x must be one row, got shape {list(x.shape)}")
-    if K > MAX_K:
-        raise ValueError(f"x's row must hold at most {MAX_K} values (one weight tile), got {K}")
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(
-            f"residual must match x ({x.dtype} {list(x.shape)}), got {residual.dtype} {list(residual.shape)}"
-        )
-    if weight.dtype != x.dtype or weight.dim() != 2 or weight.shape[1] != K or not weight.is_contiguous():
-        raise ValueError(
-            f"weight must be a contiguous [N, {K}] {x.dtype} tensor, got {weight.dtype} of shape "
-            f"{list(weight.shape)} with strides {list(weight.stride())}"
-        )
-    norms = {"norm_weight": norm_weight} | ({} if x_norm_weight is None else {"x_norm_weight": x_norm_weight})
-    for name, w in norms.items():
-        check_dtype(name, w)
-        if tuple(w.shape) != (K,):
-            raise ValueError(f"{name} must have shape [{K}], got {list(w.shape)}")
-    check_same_device(x=x, residual=residual, weight=weight, **norms)
-
-
-def _normed_row_ref(
-    x, residual, norm_weight, eps, offset, x_norm_weight
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the normed row, the new residual) from the norm kernels' references on a copy of the
-    residual: `add_rms_norm_ref`, or with `x_norm_weight` `rms_norm_add_rms_norm_ref`."""
-    if x_norm_weight is None:
-        return add_rms_norm_ref(x, residual.clone(), norm_weight, eps, offset=offset)
-    return rms_norm_add_rms_norm_ref(x, residual.clone(), x_norm_weight, norm_weight, eps, offset=offset)
-
-
-def normed_gemv_ref(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    offset: float = 0.0,
-    x_norm_weight: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: the norm kernels' references on a copy of the residual, then `gemv_ref`."""
-    _check(x, residual, norm_weight, weight, x_norm_weight)
-    normed, residual = _normed_row_ref(x, residual, norm_weight, eps, offset, x_norm_weight)
-    return gemv_ref(normed, weight), residual
-
-
 def normed_gemv(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -295,11 +242,11 @@ def normed_gemv(
     x_norm_weight: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`normed @ weight.T`, the new residual) for one row x of K <= MAX_K values, where the new
+    """(`normed @ weight.T`, the new residual) for one row x of K <= NORMED_MAX_K values, where the new
     residual is `residual + x` (with `x_norm_weight`: `residual + rms_norm(x, x_norm_weight)`) and
     `normed` its RMSNorm scaled by `offset + norm_weight`. `residual` is left as it is. `pdl`:
     launch with programmatic dependent launch (infer.kernels.pdl)."""
-    _check(x, residual, norm_weight, weight, x_norm_weight)
+    _check_normed(x, residual, norm_weight, weight, x_norm_weight)
     if not use_triton(x) or weight.numel() == 0:  # no program would write the residual
         return normed_gemv_ref(
             x, residual, norm_weight, weight, eps, offset=offset, x_norm_weight=x_norm_weight
@@ -307,7 +254,7 @@ def normed_gemv(
     N, K = weight.shape
     out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(residual)
-    _normed_gemv_kernel[(triton.cdiv(N, _BLOCK_N),)](
+    _normed_gemv_kernel[(triton.cdiv(N, _NORMED_BLOCK_N),)](
         x.contiguous(),
         residual.contiguous(),
         residual_out,
@@ -320,31 +267,12 @@ def normed_gemv(
         float(eps),
         float(offset),
         NORM_X_FIRST=x_norm_weight is not None,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=_NORMED_BLOCK_N,
         BLOCK_K=max(triton.next_power_of_2(K), 16),
-        num_warps=_NUM_WARPS,
+        num_warps=_NORMED_NUM_WARPS,
         **launch_options(x, pdl),
     )
     return out, residual_out
-
-
-def normed_gated_gemv_ref(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    activation: str,
-    offset: float = 0.0,
-    x_norm_weight: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unfused pair's references: the norm kernels' on a copy of the residual, then
-    `gated_gemv_ref` (which rounds the normed row to x's dtype, as the kernel does not)."""
-    _check(x, residual, norm_weight, weight, x_norm_weight)
-    _check_gate_up(weight, activation)
-    normed, residual = _normed_row_ref(x, residual, norm_weight, eps, offset, x_norm_weight)
-    return gated_gemv_ref(normed, weight, activation=activation), residual
 
 
 def normed_gated_gemv(
@@ -361,7 +289,7 @@ def normed_gated_gemv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`normed_gemv` for a gate/up weight `[2N, K]` with its activation: (`act(gate) * up` of the
     normed row, the new residual), in one kernel (`_normed_gated_gemv_kernel`)."""
-    _check(x, residual, norm_weight, weight, x_norm_weight)
+    _check_normed(x, residual, norm_weight, weight, x_norm_weight)
     _check_gate_up(weight, activation)
     if not use_triton(x) or weight.numel() == 0:
         return normed_gated_gemv_ref(
@@ -377,7 +305,7 @@ def normed_gated_gemv(
     N, K = weight.shape[0] // 2, weight.shape[1]
     out = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(residual)
-    _normed_gated_gemv_kernel[(triton.cdiv(N, _GATED_BLOCK_N),)](
+    _normed_gated_gemv_kernel[(triton.cdiv(N, _NORMED_GATED_BLOCK_N),)](
         x.contiguous(),
         residual.contiguous(),
         residual_out,
@@ -391,10 +319,10 @@ def normed_gated_gemv(
         float(offset),
         NORM_X_FIRST=x_norm_weight is not None,
         GELU_TANH=activation == "gelu_tanh",
-        BLOCK_N=_GATED_BLOCK_N,
-        BLOCK_K=min(_GATED_BLOCK_K, max(triton.next_power_of_2(K), 16)),
+        BLOCK_N=_NORMED_GATED_BLOCK_N,
+        BLOCK_K=min(_NORMED_GATED_BLOCK_K, max(triton.next_power_of_2(K), 16)),
         ROW=max(triton.next_power_of_2(K), 16),
-        num_warps=_GATED_NUM_WARPS,
+        num_warps=_NORMED_GATED_NUM_WARPS,
         **launch_options(x, pdl),
     )
     return out, residual_out
@@ -403,4 +331,5 @@ def normed_gated_gemv(
 def normed_gated_gemv_fills_one_wave(gate_up_rows: int, device: torch.device) -> bool:
     """Whether `normed_gated_gemv`'s grid for a gate/up weight of `gate_up_rows` rows is one wave
     of resident programs on `device`: where it is faster than the norm's kernel and `gated_gemv`."""
-    return triton.cdiv(gate_up_rows // 2, _GATED_BLOCK_N) <= _GATED_PROGRAMS_PER_SM * num_sms(device)
+    programs = triton.cdiv(gate_up_rows // 2, _NORMED_GATED_BLOCK_N)
+    return programs <= _NORMED_GATED_PROGRAMS_PER_SM * num_sms(device)
