@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 import uvicorn
@@ -42,7 +43,11 @@ def create_peer_app(
     reject_ignore_eos: bool = False,
     preamble_tokens: int = 0,
     prefix_cache: bool = False,
+    hold_until_in_flight: int = 0,
 ) -> FastAPI:
+    """`hold_until_in_flight`: each stream waits before its first token until that many requests
+    have been in flight at once (or 5 s have passed), so that whether a client sends them together
+    shows in `max_in_flight` whatever the machine's load."""
     app = FastAPI()
     state = {"received": [], "in_flight": 0, "max_in_flight": 0, "queue_time_sum": 0.0, "queue_time_count": 0}
     # The prefix cache: every chat prompt so far, as (messages, prompt tokens); admissions by kind.
@@ -99,6 +104,9 @@ def create_peer_app(
             try:
                 if chat:
                     yield chunk(None, role=True)
+                deadline = time.monotonic() + 5
+                while state["max_in_flight"] < hold_until_in_flight and time.monotonic() < deadline:
+                    await asyncio.sleep(0.001)
                 await asyncio.sleep(first_token_delay_s)
                 state["queue_time_sum"] += first_token_delay_s
                 state["queue_time_count"] += 1

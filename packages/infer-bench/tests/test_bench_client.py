@@ -144,12 +144,14 @@ def test_a_time_cap_stops_taking_requests_and_lets_those_in_flight_end(client_pr
 
 
 def test_one_request_per_client_sends_all_at_once():
+    """The peer holds every stream until five requests are in flight at once: a client that sent
+    them one after another would see them through at most one at a time."""
     workload = make_workload("tiny", shape=TINY_COMPLETIONS, concurrency=5, num_requests=5, vocab_size=100)
-    app, server = _peer()
+    app, server = _peer(hold_until_in_flight=5)
     with server:
         run = asyncio.run(run_workload(workload, base_url=server.base_url, model="peer-model", warmup=False))
+    assert all(record.ok for record in run.records)
     assert app.state.peer["max_in_flight"] == 5
-    assert max(r.send_time for r in run.records) - min(r.send_time for r in run.records) < FIRST_TOKEN_DELAY_S
 
 
 def test_ignore_eos_rejected_with_422_is_dropped_and_noted():
