@@ -691,7 +691,12 @@ def test_a_time_cap_cuts_agent_sessions_short_without_waiting_out_their_pauses()
     worker whose session stopped before the cap starts the next session's first turn (which has
     no pause). By what the peer received, the sessions with fewer turns than planned are those
     the result counts as cut short (the peer counts no more tokens than the plan, so none meets
-    its context cap), and those it never saw are the ones not started."""
+    its context cap), and those it never saw are the ones not started.
+
+    The peer's first-token delay of 0.08 s bounds how many sessions can start, however fast the
+    machine: a worker's first session sends its second turn at >= 0.23 s, which ends at >= 0.31 s,
+    and each later one-turn session takes >= 0.08 s, so it starts at most 3 sessions by 0.4 s and the
+    two workers at most 6 of the 8. No session can finish: its 3 pauses alone pass the cap."""
     think_s, duration_s = 0.15, 0.4
     workload = make_workload("W7", shape=TINY_AGENT, concurrency=2, num_requests=8)
     assert min(len(request.turns) for request in workload.requests) >= 4
@@ -700,7 +705,7 @@ def test_a_time_cap_cuts_agent_sessions_short_without_waiting_out_their_pauses()
         for request in workload.requests
     ]
     workload = dataclasses.replace(workload, requests=paused)
-    app = bench_peer.create_peer_app(first_token_delay_s=0.002, token_delay_s=0.0002)
+    app = bench_peer.create_peer_app(first_token_delay_s=0.08, token_delay_s=0.0002)
     with ThreadedServer(app) as server:
         run = asyncio.run(
             run_workload(
