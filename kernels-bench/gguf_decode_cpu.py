@@ -176,7 +176,7 @@ def infer_decode(engine, tokenizer, tokens: int) -> dict:
     return {"tok_s": (tokens - 1) / (stamps[-1] - stamps[0]), "tokens": out}
 
 
-def infer_engine(gguf_path: Path):
+def infer_engine(gguf_path: Path, use_huge_pages: bool = True):
     """An engine over the default model whose GGUF file is `gguf_path`."""
     import torch
 
@@ -188,19 +188,30 @@ def infer_engine(gguf_path: Path):
     loaded = load_model("smollm2-135m-instruct", dtype=torch.float32, quantization="gguf")
     model = load_gguf_causal_lm(loaded.path, loaded.config, type(loaded.model), gguf_path=gguf_path)
     loaded.model = apply_kernel_policy(model.eval(), KernelPolicy("cpu"))
-    config = EngineConfig(model="smollm2-135m-instruct", device="cpu", max_seq_len=512, max_batch_size=1)
+    config = EngineConfig(
+        model="smollm2-135m-instruct",
+        device="cpu",
+        max_seq_len=512,
+        max_batch_size=1,
+        use_huge_pages=use_huge_pages,
+    )
     engine = Engine(config, loaded_model=loaded)
     if engine.core.runner.cpu_decode is None:
         raise RuntimeError("the C decoder stack does not take the GGUF model here")
     return engine, loaded.tokenizer
 
 
-def dense_engine(dtype: str):
+def dense_engine(dtype: str, use_huge_pages: bool = True):
     """An engine over the default model's checkpoint folder in `dtype`, decode steps on the C stack."""
     from infer.engine import Engine, EngineConfig
 
     config = EngineConfig(
-        model="smollm2-135m-instruct", device="cpu", dtype=dtype, max_seq_len=512, max_batch_size=1
+        model="smollm2-135m-instruct",
+        device="cpu",
+        dtype=dtype,
+        max_seq_len=512,
+        max_batch_size=1,
+        use_huge_pages=use_huge_pages,
     )
     engine = Engine(config)
     if engine.core.runner.cpu_decode is None:
@@ -220,6 +231,11 @@ def main() -> None:
     parser.add_argument(
         "--formats", default="Q4_1,Q8_0,BF16,F32", help="comma-separated, of Q4_1 Q8_0 BF16 F32"
     )
+    parser.add_argument(
+        "--also-4k-pages",
+        action="store_true",
+        help="a third side a format: infer with use_huge_pages false (its weights in 4 KB pages)",
+    )
     args = parser.parse_args()
 
     import torch
@@ -230,9 +246,14 @@ def main() -> None:
     quantized = gguf_files(args.q8_0_file)
     every = {**quantized, **dense_files(quantized["Q4_1"], model_folder("smollm2-135m-instruct"))}
     files = {name: every[name] for name in args.formats.split(",")}
+    sides = ("llama.cpp", "infer", "infer 4 KB pages") if args.also_4k_pages else ("llama.cpp", "infer")
     engines = {
-        name: dense_engine(DENSE_DTYPES[name]) if name in DENSE_DTYPES else infer_engine(path)
+        (name, side): dense_engine(DENSE_DTYPES[name], huge)
+        if name in DENSE_DTYPES
+        else infer_engine(path, huge)
         for name, path in files.items()
+        for side, huge in (("infer", True), ("infer 4 KB pages", False))
+        if side in sides
     }
     print(
         f"torch {torch.__version__}, {args.threads} threads; infer: GGUF kinds with quantization gguf, "
@@ -241,17 +262,21 @@ def main() -> None:
     )
     for engine, tokenizer in engines.values():
         infer_decode(engine, tokenizer, 8)  # warm-up: the C library built, the pages touched
-    results = {(name, side): [] for name in files for side in ("llama.cpp", "infer")}
+    results = {(name, side): [] for name in files for side in sides}
     first_tokens = {}
     for _ in range(args.repeats):
         for name, path in files.items():
-            llama = llama_cpp_decode(args.llama_python, path, args.tokens, args.threads)
-            ours = infer_decode(*engines[name], args.tokens)
-            results[name, "llama.cpp"].append(llama["tok_s"])
-            results[name, "infer"].append(ours["tok_s"])
+            runs = {"llama.cpp": llama_cpp_decode(args.llama_python, path, args.tokens, args.threads)}
+            for side in sides[1:]:
+                runs[side] = infer_decode(*engines[name, side], args.tokens)
+            for side, run in runs.items():
+                results[name, side].append(run["tok_s"])
             # Each run as it ends: on a busy machine a run may be cut short, its figures kept.
-            print(f"run {name}: llama.cpp {llama['tok_s']:.1f} tok/s, infer {ours['tok_s']:.1f}", flush=True)
-            first_tokens[name] = (llama["tokens"], ours["tokens"])
+            print(
+                f"run {name}: " + ", ".join(f"{side} {run['tok_s']:.1f}" for side, run in runs.items()),
+                flush=True,
+            )
+            first_tokens[name] = (runs["llama.cpp"]["tokens"], runs["infer"]["tokens"])
     print(
         f"greedy decode of {args.tokens} tokens, {args.threads} threads, {args.repeats} alternated runs: "
         "median (best)"
@@ -271,6 +296,13 @@ def main() -> None:
             f"runs llama.cpp {[round(v, 1) for v in results[name, 'llama.cpp']]}, "
             f"infer {[round(v, 1) for v in results[name, 'infer']]}; the same first {same} tokens"
         )
+        if "infer 4 KB pages" in sides:
+            small = results[name, "infer 4 KB pages"]
+            print(
+                f"{name}: infer with its weights in 4 KB pages {statistics.median(small):.1f} "
+                f"({max(small):.1f}) tok/s, runs {[round(v, 1) for v in small]}; huge pages / 4 KB pages, "
+                f"run by run: {[round(a / b, 2) for a, b in zip(results[name, 'infer'], small, strict=True)]}"
+            )
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def run_bench_generate(args: argparse.Namespace) -> int:
             # As the engine runs them: the flags' auto settings decided for the device.
             **{
                 name: getattr(engine.config, name)
-                for name in (*AUTO_FLAGS, "use_native_cpu_kernels", "max_batch_size")
+                for name in (*AUTO_FLAGS, "use_native_cpu_kernels", "use_huge_pages", "max_batch_size")
             },
             "settings": engine.settings_line,
             "runs": [r.as_dict() for r in runs],

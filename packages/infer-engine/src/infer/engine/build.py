@@ -32,6 +32,7 @@ from infer.engine.startup_progress import startup_phase
 from infer.engine.step_memory import measure_step_memory
 from infer.engine.structured_output import StructuredOutput
 from infer.models.bf16_cpu import takes_fp32_activations, widen_activations
+from infer.models.huge_pages import move_to_huge_pages
 from infer.models.kernel_policy import KernelPolicy
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,9 @@ def build_engine_parts(config: EngineConfig, loaded_model=None, *, tensor_parall
             # and KV cache, so that decode steps take the C stack (infer.models.bf16_cpu).
             widen_activations(each)
             logger.info("bf16 weights under float32 activations and KV cache on the CPU")
+        if each is not None and device.type == "cpu" and config.use_huge_pages:
+            # Before the runner builds the C decoder stack, which holds the weights' addresses.
+            move_to_huge_pages(each)
     shape = _kv_cache_shape(config, model, max_seq_len)
     draft_shape = _kv_cache_shape(config, draft.model, max_seq_len) if draft is not None else None
     kv_pool = _build_kv_pool(

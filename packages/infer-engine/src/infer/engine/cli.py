@@ -106,6 +106,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "(true, the default) or ATen's (false; a GGUF weight then dequantized once, to fp32)",
     )
     parser.add_argument(
+        "--use-huge-pages",
+        type=parse_bool,
+        nargs="?",
+        const=True,
+        default=True,
+        help="on a CPU, the weights in transparent huge pages (true, the default) or where the "
+        "loader put them (false)",
+    )
+    parser.add_argument(
         "--speculative-config",
         type=parse_json_mapping,
         default=None,
@@ -149,6 +158,7 @@ def engine_config_from_args(args: argparse.Namespace, *, max_batch_size: int = 1
         use_pdl=args.use_pdl,
         use_triton_gemv=args.use_triton_gemv,
         use_native_cpu_kernels=args.use_native_cpu_kernels,
+        use_huge_pages=args.use_huge_pages,
         speculative_config=args.speculative_config,
     )
 

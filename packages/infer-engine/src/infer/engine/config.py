@@ -174,6 +174,11 @@ class EngineConfig:
         "ATen would run them; ATen's where they cannot be built (a GGUF weight then dequantized "
         "once, to fp32): true or false",
     )
+    use_huge_pages: bool = _flag(
+        True,
+        "on a CPU, the weights moved at start-up into transparent huge pages (Linux, where they "
+        "are not off), which a decode step reads faster than 4 KB pages: true or false",
+    )
     use_prefix_caching: bool | None = _flag(
         None,
         "reuse the KV of token runs earlier requests left (prefix, supersequence, common prefix), "
@@ -298,6 +303,7 @@ class EngineConfig:
             "use_pdl",
             "use_triton_gemv",
             "use_native_cpu_kernels",
+            "use_huge_pages",
             "use_prefix_caching",
         ):
             value = getattr(self, name)
