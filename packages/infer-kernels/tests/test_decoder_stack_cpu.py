@@ -18,6 +18,7 @@ import torch
 
 from infer.kernels import (
     CpuBlock,
+    CpuHead,
     CpuLinear,
     CpuStackShape,
     DecoderStackCpu,
@@ -41,7 +42,28 @@ pytestmark = pytest.mark.skipif(
 
 HIDDEN, INTERMEDIATE, Q_HEADS, KV_HEADS, HEAD_DIM = 64, 96, 4, 2, 16
 BLOCK_SIZE, NUM_CACHE_BLOCKS, MAX_POSITIONS = 4, 64, 256
+VOCAB = 203
 KINDS = ("llama", "qwen3", "gemma3")
+
+
+def make_linear(n: int, k: int, quantized: bool | str, generator: torch.Generator, bias: bool = False):
+    """A random [n, k] Linear, `quantized` as make_stack's."""
+    weight = torch.randn(n, k, generator=generator) * k**-0.5
+    b = torch.randn(n, generator=generator) * 0.1 if bias else None
+    if not quantized:
+        return CpuLinear(weight, None, b)
+    if quantized == "bf16":
+        return CpuLinear(weight.to(torch.bfloat16), None, b)
+    if isinstance(quantized, str):
+        file_format = gguf_file_format(quantized)
+        blocks = torch.from_numpy(
+            quantize(weight.numpy(), getattr(GGMLQuantizationType, file_format.upper()))
+        )
+        if quantized != file_format:  # a layout repacked at load ("q8_0x4")
+            blocks = repack_gguf(blocks, file_format)
+        return CpuLinear(blocks, None, b, gguf_format=quantized)
+    scale = weight.abs().amax(dim=1) / 127
+    return CpuLinear(torch.round(weight / scale[:, None]).to(torch.int8), scale, b)
 
 
 def make_stack(kind: str, quantized: bool | str, seed: int = 0, num_blocks: int = 3):
@@ -52,22 +74,7 @@ def make_stack(kind: str, quantized: bool | str, seed: int = 0, num_blocks: int 
         return torch.randn(*shape, generator=generator) * scale
 
     def linear(n, k, bias=False):
-        weight = randn(n, k, scale=k**-0.5)
-        b = randn(n, scale=0.1) if bias else None
-        if not quantized:
-            return CpuLinear(weight, None, b)
-        if quantized == "bf16":
-            return CpuLinear(weight.to(torch.bfloat16), None, b)
-        if isinstance(quantized, str):
-            file_format = gguf_file_format(quantized)
-            blocks = torch.from_numpy(
-                quantize(weight.numpy(), getattr(GGMLQuantizationType, file_format.upper()))
-            )
-            if quantized != file_format:  # a layout repacked at load ("q8_0x4")
-                blocks = repack_gguf(blocks, file_format)
-            return CpuLinear(blocks, None, b, gguf_format=quantized)
-        scale = weight.abs().amax(dim=1) / 127
-        return CpuLinear(torch.round(weight / scale[:, None]).to(torch.int8), scale, b)
+        return make_linear(n, k, quantized, generator, bias)
 
     def norm(size):
         return randn(size, scale=0.1) + (0.0 if kind == "gemma3" else 1.0)
@@ -165,6 +172,29 @@ def test_matches_the_reference(kind, quantized, seq_lens):
         torch.testing.assert_close(v_ours, v_ref, **tolerance)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "quantized", [False, "bf16", True, "q8_0x4"], ids=["float32", "bf16", "int8", "q8_0x4"]
+)
+@pytest.mark.parametrize("seq_lens", [[7], [3, 9, 14]])
+def test_a_stack_given_a_head_writes_the_logits(kind, quantized, seq_lens):
+    """The final norm and an LM head of VOCAB rows (not a multiple of four rows a pass) after the
+    blocks: the logits against the reference's, the stream as without a head."""
+    shape, blocks = make_stack(kind, quantized)
+    generator = torch.Generator().manual_seed(9)
+    norm = torch.randn(HIDDEN, generator=generator) * 0.1 + (0.0 if kind == "gemma3" else 1.0)
+    head = CpuHead(norm, make_linear(VOCAB, HIDDEN, quantized, generator))
+    stack = DecoderStackCpu(shape, blocks, head)
+    ours, theirs = clone_step(make_step(seq_lens)), clone_step(make_step(seq_lens))
+    logits = torch.empty(len(seq_lens), VOCAB)
+    stack(*ours, logits=logits)
+    expected = decoder_stack_cpu_ref(shape, blocks, *theirs, head=head)
+    exact = quantized in (False, "bf16")
+    tolerance = dict(rtol=1e-4, atol=1e-4) if exact else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(ours[0], theirs[0], **tolerance)
+    torch.testing.assert_close(logits, expected, **tolerance)
+
+
 def test_caches_at_the_same_address_in_blocks_of_another_size():
     """A new engine's cache may lie where an earlier one's was freed, in blocks of another size:
     the stack must read the new block size, not the one it saw first at that address."""
@@ -205,3 +235,16 @@ def test_refuses_what_it_does_not_take():
         stack(residual, positions + MAX_POSITIONS, slots, tables, lens, kv_layers)
     with pytest.raises(ValueError, match="slot"):
         stack(residual, positions, slots + NUM_CACHE_BLOCKS * BLOCK_SIZE, tables, lens, kv_layers)
+    with pytest.raises(ValueError, match="given a head"):
+        stack(residual, positions, slots, tables, lens, kv_layers, logits=torch.empty(1, VOCAB))
+    generator = torch.Generator().manual_seed(0)
+    lm_head = make_linear(VOCAB, HIDDEN, False, generator)
+    with pytest.raises(ValueError, match="the head's norm"):
+        DecoderStackCpu(shape, blocks, CpuHead(torch.ones(HIDDEN, dtype=torch.float64), lm_head))
+    with pytest.raises(ValueError, match="the LM head"):
+        DecoderStackCpu(
+            shape, blocks, CpuHead(torch.ones(HIDDEN), make_linear(VOCAB, HIDDEN + 8, False, generator))
+        )
+    headed = DecoderStackCpu(shape, blocks, CpuHead(torch.ones(HIDDEN), lm_head))
+    with pytest.raises(ValueError, match=f"logits must be contiguous float32 \\[1, {VOCAB}\\]"):
+        headed(residual, positions, slots, tables, lens, kv_layers, logits=torch.empty(1, VOCAB + 1))

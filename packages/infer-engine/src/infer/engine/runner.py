@@ -573,8 +573,10 @@ class ModelRunner:
             # Mid-prompt chunks only: the forward still fills the cache.
             self._forward(self.forward_batch(step, logits_indices=np.zeros(1, dtype=np.int64), images=images))
             return torch.empty(0)
-        hidden = self._forward(self.forward_batch(step, logits_indices=step.logits_indices, images=images))
-        return self.model.compute_logits(hidden)
+        batch = self.forward_batch(step, logits_indices=step.logits_indices, images=images)
+        if self.cpu_decode is not None and self.cpu_decode.takes(batch):
+            return self.cpu_decode.logits(batch)
+        return self.model.compute_logits(self.model(batch))
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's forward of `batch`, through the CPU decode stack where it takes the step."""

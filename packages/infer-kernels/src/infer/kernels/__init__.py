@@ -16,13 +16,8 @@ from infer.kernels.cpu.bf16_linear import (
     bf16_linear_cpu_ref,
     bf16_linear_cpu_supports,
 )
-from infer.kernels.cpu.decoder_stack import (
-    CpuBlock,
-    CpuLinear,
-    CpuStackShape,
-    DecoderStackCpu,
-    decoder_stack_cpu_ref,
-)
+from infer.kernels.cpu.decoder_stack import CpuBlock, CpuHead, CpuLinear, CpuStackShape, DecoderStackCpu
+from infer.kernels.cpu.decoder_stack_reference import decoder_stack_cpu_ref
 from infer.kernels.cpu.gguf_linear import (
     GGUF_FORMATS,
     GGUF_REPACKED,
@@ -88,6 +83,7 @@ from infer.kernels.tolerance import TOLERANCES, Tolerance, assert_close, assert_
 
 __all__ = [
     "CpuBlock",
+    "CpuHead",
     "CpuLinear",
     "CpuStackShape",
     "DecoderStackCpu",

@@ -406,6 +406,10 @@ class CausalLM(nn.Module):
         if self.tp is not None:  # each rank's vocab slice, the last one padded
             logits = self.tp.all_gather_last(logits)[..., : self.config.vocab_size]
         logits = logits.float() if out is None else out.copy_(logits)
+        return self.soft_cap(logits)
+
+    def soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` soft-capped in place where the config says so (Gemma 3); returns them."""
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits.div_(cap).tanh_().mul_(cap)

@@ -9,7 +9,9 @@ blocks), or says why the model does not fit (other 8-bit weights, norms that do 
 and offset, activations other than float32, a block of another shape, a library that does not
 build here); the engine's runner builds it where its kernel policy allows the C kernels, and
 selects it per step (`takes(batch)`) as it selects a CUDA graph. The C stack is the KV cache's
-writer on the steps it runs. The PyTorch path stays the oracle: infer-engine's
+writer on the steps it runs. Where the model's final norm and LM head fit the C stack too
+(`CpuHead`), `logits(batch)` ends the step's C call with the logits, so that no torch op follows the
+stack's stream of weights through cold caches. The PyTorch path stays the oracle: infer-engine's
 tests/test_cpu_stack.py holds the two to the same tokens and logprobs.
 """
 
@@ -19,6 +21,7 @@ import torch
 
 from infer.kernels import (
     CpuBlock,
+    CpuHead,
     CpuLinear,
     CpuStackShape,
     DecoderStackCpu,
@@ -33,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 
 class CpuDecodeStack:
-    """`model`'s forward for a CPU step of decode rows: the embedding, the C stack, the final norm."""
+    """`model`'s forward for a CPU step of decode rows: the embedding, the C stack, the final norm;
+    and its logits, the final norm and the LM head in the stack's call where they fit it."""
 
     def __init__(self, model, stack: DecoderStackCpu):
         self.model = model
@@ -47,10 +51,15 @@ class CpuDecodeStack:
         try:
             if not DecoderStackCpu.runs_here():
                 raise ValueError("decoder_stack_cpu.c does not build here")
-            stack = DecoderStackCpu(_shape(model), [_block(layer) for layer in model.layers])
+            shape, blocks = _shape(model), [_block(layer) for layer in model.layers]
+            stack = DecoderStackCpu(shape, blocks)
         except ValueError as why:
             logger.info("infer.models: decode steps take the PyTorch path on this CPU: %s", why)
             return None
+        try:
+            stack = DecoderStackCpu(shape, blocks, CpuHead(model.norm.weight.data, _linear(model.lm_head)))
+        except ValueError as why:
+            logger.info("infer.models: the LM head runs after the C stack, not in its call: %s", why)
         return cls(model, stack)
 
     def takes(self, batch: ForwardBatch) -> bool:
@@ -81,6 +90,29 @@ class CpuDecodeStack:
         if batch.logits_indices is not None:
             stream = stream[batch.logits_indices]
         return self.model.norm(stream)
+
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """What `model.compute_logits(model(batch))` returns: from one C call where the stack holds
+        the final norm and the LM head."""
+        head = self.stack.head
+        if head is None:
+            return self.model.compute_logits(self(batch))
+        metadata = batch.attention
+        self.num_steps += 1
+        stream = self.model.embed(batch.input_ids)
+        logits = torch.empty(stream.shape[0], head.lm_head.shape[0], dtype=torch.float32)
+        self.stack(
+            stream,
+            batch.positions,
+            metadata.slot_mapping,
+            metadata.block_tables,
+            metadata.seq_lens,
+            batch.kv_layers,
+            logits=logits,
+        )
+        if batch.logits_indices is not None:
+            logits = logits[batch.logits_indices]
+        return self.model.soft_cap(logits)
 
 
 def _shape(model) -> CpuStackShape:

@@ -5,7 +5,8 @@ and as many Python calls a block, 30 blocks a token, which on the CI-class VM to
 token's 20 (docs/benchmarks/generation.md#cpu-smollm2-135m-instruct). `DecoderStackCpu` runs every
 block of a step of up to MAX_ROWS decode rows in `decoder_stack_cpu.c` (infer.kernels.cpu.native),
 which includes the int8 product of int8_gemv_cpu.c and the attention of decode_attention_cpu.c; the
-embedding, the final norm and the LM head stay with the caller.
+embedding stays with the caller, and so do the final norm and the LM head unless the stack is given
+them (`CpuHead`), when a call may end with the logits.
 
 The blocks are pre-norm (Llama, Qwen 3) or sandwich-norm (Gemma 3: `pre_feedforward_norm` and
 `post_feedforward_norm` set), with optional per-head QK norms, every norm scaling by
@@ -13,11 +14,12 @@ The blocks are pre-norm (Llama, Qwen 3) or sandwich-norm (Gemma 3: `pre_feedforw
 optional sliding window. Linears are float32, bf16 (bf16_linear_cpu's kernel, which widens the
 weight to fp32 in registers), int8 with one float32 scale per output channel (int8_linear_cpu's
 kernel, which rounds each row of x to int16), or a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks
-(gguf_linear_cpu's kernel, which rounds x to int8 blocks of 32). `decoder_stack_cpu_ref` is the
-same stack in plain PyTorch from the ops' references: the oracle.
+(gguf_linear_cpu's kernel, which rounds x to int8 blocks of 32). `decoder_stack_cpu_ref`
+(decoder_stack_reference.py) is the same stack in plain PyTorch from the ops' references: the
+oracle.
 
-`DecoderStackCpu(shape, blocks)` raises ValueError, naming the tensor, for what the C path does
-not take; it keeps the tensors it was given alive, and reads them at every call (weights loaded
+`DecoderStackCpu(shape, blocks, head)` raises ValueError, naming the tensor, for what the C path
+does not take; it keeps the tensors it was given alive, and reads them at every call (weights loaded
 in place are seen, tensors replaced are not).
 """
 
@@ -27,15 +29,11 @@ from typing import NamedTuple
 
 import torch
 
-from infer.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from infer.kernels.cpu.gguf_linear import BLOCK as GGUF_BLOCK
-from infer.kernels.cpu.gguf_linear import GGUF_FORMATS, gguf_linear_cpu_q8_ref, gguf_linear_cpu_supports
+from infer.kernels.cpu.gguf_linear import GGUF_FORMATS, gguf_linear_cpu_supports
 from infer.kernels.cpu.int8_linear import ALIGNMENT, K_MULTIPLE
 from infer.kernels.cpu.native import POINTER, SIZE, load_native, native_function
-from infer.kernels.paged_attention import NATIVE_MAX_HEAD_DIM, paged_attention_ref
-from infer.kernels.rms_norm import rms_norm_ref
-from infer.kernels.rope import rope_ref
-from infer.kernels.store_kv import store_kv_ref
+from infer.kernels.paged_attention import NATIVE_MAX_HEAD_DIM
 
 SOURCE = "decoder_stack_cpu.c"
 # Decode rows a call takes: each row re-reads a block of weight rows from L1, which pays up to a few
@@ -97,6 +95,15 @@ class CpuBlock:
         return self.pre_feedforward_norm is not None
 
 
+@dataclass(frozen=True)
+class CpuHead:
+    """What follows the blocks: the final norm (float32 [hidden], scaling by the stack's
+    norm_offset + weight) and the LM head ([vocab, hidden]), logits = lm_head(norm(stream))."""
+
+    norm: torch.Tensor
+    lm_head: CpuLinear
+
+
 class _Linear(ctypes.Structure):
     _fields_ = [
         ("weight", ctypes.c_void_p),
@@ -133,10 +140,14 @@ class _Stack(ctypes.Structure):
     ]  # fmt: skip
 
 
-# decoder_stack_cpu.c's entry point: (stack, blocks, residual, rows, positions, slot mapping,
-# block tables, their row stride, lengths, threads) -> status.
+# decoder_stack_cpu.c's entry points: (stack, blocks, residual, rows, positions, slot mapping,
+# block tables, their row stride, lengths, threads) -> status; and with the head and the logits:
+# (stack, blocks, head, final norm, residual, ..., lengths, logits, threads) -> status.
 _DECODER_STACK_ARGS = (ctypes.POINTER(_Stack), ctypes.POINTER(_Block), POINTER, SIZE, POINTER, POINTER,
                        POINTER, SIZE, POINTER, ctypes.c_int)  # fmt: skip
+_DECODER_STACK_LOGITS_ARGS = (ctypes.POINTER(_Stack), ctypes.POINTER(_Block), ctypes.POINTER(_Linear),
+                              POINTER, POINTER, SIZE, POINTER, POINTER, POINTER, SIZE, POINTER, POINTER,
+                              ctypes.c_int)  # fmt: skip
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:
@@ -146,7 +157,7 @@ def _pointer(t: torch.Tensor | None) -> int | None:
 class DecoderStackCpu:
     """The C stack for one model's blocks; `runs_here()` says whether it can be called now."""
 
-    def __init__(self, shape: CpuStackShape, blocks: list[CpuBlock]):
+    def __init__(self, shape: CpuStackShape, blocks: list[CpuBlock], head: CpuHead | None = None):
         if not blocks:
             raise ValueError("a decoder stack needs at least one block")
         self.shape, self.blocks = shape, blocks
@@ -156,6 +167,12 @@ class DecoderStackCpu:
         _check_shape(shape, self.hidden_size)
         for index, block in enumerate(blocks):
             _check_block(index, block, shape, self.hidden_size, self.intermediate_size)
+        self.head = head
+        if head is not None:
+            _check_vector(head.norm, self.hidden_size, lambda why: _refuse("the head's norm", why))
+            vocab = head.lm_head.shape[0]
+            _check_linear(head.lm_head, vocab, self.hidden_size, lambda why: _refuse("the LM head", why))
+            self._head = _c_linear(head.lm_head)
         self._blocks = (_Block * len(blocks))(*(self._block(b) for b in blocks))
         self._stack = _Stack(
             num_blocks=len(blocks),
@@ -184,11 +201,13 @@ class DecoderStackCpu:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         kv_layers,
+        logits: torch.Tensor | None = None,
     ) -> None:
         """Every block over `residual` [rows, hidden] float32, in place: in, the embedded tokens;
         out, the stream after the last block. Row r is a decode token at `positions[r]` (int64)
         stored at `slot_mapping[r]` (int64) that attends to its `seq_lens[r]` keys (int32) through
-        `block_tables[r]` (int32); `kv_layers` is each block's (k_cache, v_cache)."""
+        `block_tables[r]` (int32); `kv_layers` is each block's (k_cache, v_cache). With `logits`
+        (float32 [rows, vocab], a stack given a head), each row's logits are written there too."""
         rows = residual.shape[0]
         if not 1 <= rows <= MAX_ROWS:
             raise ValueError(f"DecoderStackCpu takes 1 to {MAX_ROWS} decode rows, got {rows}")
@@ -215,12 +234,26 @@ class DecoderStackCpu:
         num_slots = self._caches(kv_layers)
         if int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < 0:
             raise ValueError(f"slot_mapping holds a slot outside the cache's {num_slots}")
-        run = native_function(SOURCE, "decoder_stack", _DECODER_STACK_ARGS)
+        step = (residual.data_ptr(), rows, positions.data_ptr(), slot_mapping.data_ptr(),
+                block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr())  # fmt: skip
+        if logits is None:
+            run = native_function(SOURCE, "decoder_stack", _DECODER_STACK_ARGS)
+        else:
+            if self.head is None:
+                raise ValueError("logits need a stack given a head (CpuHead)")
+            vocab = self.head.lm_head.shape[0]
+            if logits.dtype != torch.float32 or logits.shape != (rows, vocab) or not logits.is_contiguous():
+                got = f"{logits.dtype} {list(logits.shape)}"
+                raise ValueError(f"logits must be contiguous float32 [{rows}, {vocab}], got {got}")
+            run = native_function(SOURCE, "decoder_stack_logits", _DECODER_STACK_LOGITS_ARGS)
         if run is None:
             raise RuntimeError("decoder_stack_cpu.c does not build here (DecoderStackCpu.runs_here())")
-        status = run(ctypes.byref(self._stack), self._blocks, residual.data_ptr(), rows, positions.data_ptr(),
-                     slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                     seq_lens.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if logits is None:
+            status = run(ctypes.byref(self._stack), self._blocks, *step, torch.get_num_threads())
+        else:
+            head = (ctypes.byref(self._head), self.head.norm.data_ptr())
+            status = run(ctypes.byref(self._stack), self._blocks, *head, *step, logits.data_ptr(),
+                         torch.get_num_threads())  # fmt: skip
         if status != 0:
             raise MemoryError("decoder_stack_cpu could not allocate its buffers")
 
@@ -254,14 +287,7 @@ class DecoderStackCpu:
         return self._num_slots
 
     def _block(self, b: CpuBlock) -> _Block:
-        def linear(layer: CpuLinear) -> _Linear:
-            n, k = layer.shape
-            gguf_type = 0 if layer.gguf_format is None else GGUF_FORMATS[layer.gguf_format].type_id
-            bf16 = int(layer.weight.dtype == torch.bfloat16)
-            return _Linear(
-                layer.weight.data_ptr(), _pointer(layer.scale), _pointer(layer.bias), n, k, gguf_type, bf16
-            )
-
+        linear = _c_linear
         return _Block(
             input_norm=b.input_norm.data_ptr(),
             post_attention_norm=b.post_attention_norm.data_ptr(),
@@ -277,6 +303,47 @@ class DecoderStackCpu:
             sin=b.sin.data_ptr(),
             sliding_window=b.sliding_window or 0,
         )
+
+
+def _c_linear(layer: CpuLinear) -> _Linear:
+    n, k = layer.shape
+    gguf_type = 0 if layer.gguf_format is None else GGUF_FORMATS[layer.gguf_format].type_id
+    bf16 = int(layer.weight.dtype == torch.bfloat16)
+    return _Linear(
+        layer.weight.data_ptr(), _pointer(layer.scale), _pointer(layer.bias), n, k, gguf_type, bf16
+    )
+
+
+def _refuse(name: str, why: str):
+    raise ValueError(f"{name}: {why}")
+
+
+def _check_vector(t: torch.Tensor, size: int, fail) -> None:
+    """A norm's weight, a scale or a bias: contiguous float32 [size]; else `fail(why)`."""
+    if t.dtype != torch.float32 or tuple(t.shape) != (size,) or not t.is_contiguous():
+        fail(f"must be contiguous float32 [{size}], got {t.dtype} {list(t.shape)}")
+
+
+def _check_linear(linear: CpuLinear, n: int, k: int, fail) -> None:
+    """A Linear of [n, k] in a format the C stack takes; else `fail(why)`."""
+    w = linear.weight
+    if linear.gguf_format is not None:
+        if (
+            linear.scale is not None
+            or not gguf_linear_cpu_supports(w, linear.gguf_format, k)
+            or w.shape[0] != n
+        ):
+            fail(f"a {linear.gguf_format} weight must be contiguous uint8 blocks of [{n}, {k}]")
+    elif tuple(w.shape) != (n, k) or not w.is_contiguous():
+        fail(f"weight must be contiguous [{n}, {k}], got {list(w.shape)}")
+    elif linear.scale is None:
+        if w.dtype not in (torch.float32, torch.bfloat16) or k % 8:
+            fail(f"a float32 or bf16 weight (no scale) needs K % 8 == 0, got {w.dtype}, K = {k}")
+    elif w.dtype != torch.int8 or k % K_MULTIPLE or w.data_ptr() % ALIGNMENT:
+        fail(f"an int8 weight needs K % {K_MULTIPLE} == 0 and {ALIGNMENT}-byte alignment")
+    for part, vector in (("scale", linear.scale), ("bias", linear.bias)):
+        if vector is not None:
+            _check_vector(vector, n, lambda why, part=part: fail(f"its {part} {why}"))
 
 
 def _check_shape(shape: CpuStackShape, hidden_size: int) -> None:
@@ -300,8 +367,7 @@ def _check_block(index: int, b: CpuBlock, shape: CpuStackShape, hidden: int, int
             if not optional:
                 fail(name, "missing")
             return
-        if t.dtype != torch.float32 or tuple(t.shape) != (size,) or not t.is_contiguous():
-            fail(name, f"must be contiguous float32 [{size}], got {t.dtype} {list(t.shape)}")
+        _check_vector(t, size, lambda why: fail(name, why))
 
     q_width, kv_width = shape.num_q_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     linears = {
@@ -311,23 +377,7 @@ def _check_block(index: int, b: CpuBlock, shape: CpuStackShape, hidden: int, int
         "down": (b.down, hidden, intermediate),
     }
     for name, (linear, n, k) in linears.items():
-        w = linear.weight
-        if linear.gguf_format is not None:
-            if (
-                linear.scale is not None
-                or not gguf_linear_cpu_supports(w, linear.gguf_format, k)
-                or w.shape[0] != n
-            ):
-                fail(name, f"a {linear.gguf_format} weight must be contiguous uint8 blocks of [{n}, {k}]")
-        elif tuple(w.shape) != (n, k) or not w.is_contiguous():
-            fail(name, f"weight must be contiguous [{n}, {k}], got {list(w.shape)}")
-        elif linear.scale is None:
-            if w.dtype not in (torch.float32, torch.bfloat16) or k % 8:
-                fail(name, f"a float32 or bf16 weight (no scale) needs K % 8 == 0, got {w.dtype}, K = {k}")
-        elif w.dtype != torch.int8 or k % K_MULTIPLE or w.data_ptr() % ALIGNMENT:
-            fail(name, f"an int8 weight needs K % {K_MULTIPLE} == 0 and {ALIGNMENT}-byte alignment")
-        vector(f"{name} scale", linear.scale, n, optional=True)
-        vector(f"{name} bias", linear.bias, n, optional=True)
+        _check_linear(linear, n, k, lambda why, name=name: fail(name, why))
     for name in ("input_norm", "post_attention_norm"):
         vector(name, getattr(b, name), hidden)
     if (b.pre_feedforward_norm is None) != (b.post_feedforward_norm is None):
@@ -346,52 +396,3 @@ def _check_block(index: int, b: CpuBlock, shape: CpuStackShape, hidden: int, int
             )
         if not table.is_contiguous():
             fail(name, "must be contiguous")
-
-
-def decoder_stack_cpu_ref(
-    shape: CpuStackShape,
-    blocks: list[CpuBlock],
-    residual: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    kv_layers,
-) -> None:
-    """DecoderStackCpu's contract from the ops' references, in place on `residual` (and the caches)."""
-    rows, d = residual.shape[0], shape.head_dim
-    q_width, kv_width = shape.num_q_heads * d, shape.num_kv_heads * d
-    activation = silu_and_mul_ref if shape.activation == "silu" else gelu_tanh_and_mul_ref
-    offset, eps = shape.norm_offset, shape.eps
-
-    def norm(x, weight):
-        return rms_norm_ref(x, weight, eps, offset=offset)
-
-    def linear(x, layer: CpuLinear):
-        if layer.gguf_format is not None:  # x rounded to int8 blocks as the kernel does
-            return gguf_linear_cpu_q8_ref(x, layer.weight, layer.gguf_format, layer.bias)
-        weight = layer.weight.float()
-        if layer.scale is not None:
-            weight = weight * layer.scale[:, None]
-        return torch.nn.functional.linear(x, weight, layer.bias)
-
-    query_start_loc = torch.arange(rows + 1, dtype=torch.int32)
-    for b, (k_cache, v_cache) in zip(blocks, kv_layers, strict=True):
-        qkv = linear(norm(residual, b.input_norm), b.qkv)
-        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
-        q, k = q.reshape(rows, -1, d), k.reshape(rows, -1, d)
-        if b.q_norm is not None:
-            q, k = norm(q, b.q_norm), norm(k, b.k_norm)
-        q, k = q.contiguous(), k.contiguous()
-        rope_ref(q, k, b.cos, b.sin, positions)
-        store_kv_ref(k, v.reshape(rows, -1, d), k_cache, v_cache, slot_mapping)
-        attended = paged_attention_ref(
-            q, k_cache, v_cache, query_start_loc=query_start_loc, seq_lens=seq_lens,
-            block_tables=block_tables, num_decode_rows=rows, max_query_len=1,
-            max_seq_len=int(seq_lens.max()), scale=shape.attention_scale, sliding_window=b.sliding_window,
-        )  # fmt: skip
-        o = linear(attended.reshape(rows, q_width), b.o)
-        residual += norm(o, b.post_attention_norm) if b.sandwich else o
-        x = norm(residual, b.pre_feedforward_norm if b.sandwich else b.post_attention_norm)
-        down = linear(activation(linear(x, b.gate_up)), b.down)
-        residual += norm(down, b.post_feedforward_norm) if b.sandwich else down
