@@ -76,7 +76,8 @@ from infer.kernels.rms_norm import (
     rms_norm_cpu,
     rms_norm_ref,
 )
-from infer.kernels.rope import rope, rope_cpu, rope_ref, rope_tables
+from infer.kernels.rope import rope, rope_cpu, rope_ref
+from infer.kernels.rotary_tables import rope_tables
 from infer.kernels.store_kv import KVStore, store_kv, store_kv_ref
 from infer.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 from infer.kernels.tolerance import TOLERANCES, Tolerance, assert_close, assert_gated_close

@@ -2,7 +2,7 @@
 
 Tables: `cos` and `sin` hold one row per position and `head_dim // 2` columns (the distinct
 frequencies); Llama 3 frequency scaling and Gemma 3's local/global bases are decided when the
-tables are built (`rope_tables`), never inside the kernel.
+tables are built (`rope_tables`, rotary_tables.py), never inside the kernel.
 
 Shapes: q is `[..., num_q_heads, head_dim]`, k is `[..., num_kv_heads, head_dim]` with the same
 leading (token) dims. Either the tables are 2D `[max_pos, head_dim // 2]` and `positions` (shape
@@ -26,8 +26,6 @@ of bounds the kernel writes NaN into that token's q and k (loud, never a silent 
 the PyTorch path raises IndexError.
 """
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -39,49 +37,6 @@ from infer.kernels.store_kv import KVStore, _cache_row, _store_v, check_store, s
 # Most elements of one head-block tile (heads x head_dim // 2) a program holds at once; more heads
 # are walked in a loop, so any head count fits without register spills.
 _MAX_TILE = 4096
-
-
-def rope_tables(
-    head_dim: int,
-    max_positions: int,
-    base: float,
-    *,
-    scaling: dict | None = None,
-    device: torch.device | str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos and sin tables `[max_positions, head_dim // 2]`.
-
-    `scaling` is a Hugging Face `rope_scaling` dict; `rope_type` "llama3" (Llama 3.1+ frequency
-    smoothing), "linear" (positions divided by `factor`) and "default"/None are supported.
-    """
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "llama3":
-        inv_freq = _llama3_scaled(inv_freq, scaling)
-    elif rope_type == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif rope_type not in ("default", None):
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3)")
-    positions = torch.arange(max_positions, dtype=torch.float64, device=device)
-    angles = torch.outer(positions, inv_freq)
-    return angles.cos().float(), angles.sin().float()
-
-
-def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    # Llama 3.1 long-context recipe: keep high frequencies, divide low ones by `factor`,
-    # interpolate smoothly between the two wavelength thresholds.
-    factor = float(scaling["factor"])
-    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-    old_context = float(scaling.get("original_max_position_embeddings", 8192))
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 # seq_len (the step's token count) varies every step; specializing on it (== 1, % 16) would compile
