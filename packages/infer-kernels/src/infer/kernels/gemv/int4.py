@@ -1,40 +1,24 @@
-"""The Triton kernels of `int4_linear` (its layout: gemv.int4_layout; its launcher: gemv.int4_linear).
+"""The Triton kernels of `int4_linear` for more than one row, and what every int4 kernel shares (the
+layout: gemv.int4_layout; the launcher: gemv.int4_linear; the one-row GEMV: gemv.int4_gemv).
 
 A tensor-core or dequantizing tile is `BLOCK_N` weight rows by `BLOCK_K` columns inside one group
-(BLOCK_K a power of two dividing group_size), so one scale and one zero point a row serve it; the
-GEMV's tile may instead hold `GROUPS` whole groups of a power of two columns, `[BLOCK_N, GROUPS,
-W]` words, each word scaled by its own group's scale. No column is ever masked (K is a multiple
-of the tile). Each nibble q becomes a float through the bits of 128 + q (q in byte 2 under 128's
-exponent byte: integer ops only, where I2F runs at a quarter of the FMA rate on Hopper), less 128
-+ zero where the kernel needs `q - zero` itself (exact).
+(BLOCK_K a power of two dividing group_size), so one scale and one zero point a row serve it. No
+column is ever masked (K is a multiple of the tile). Each nibble q becomes a float through the bits
+of 128 + q (q in byte 2 under 128's exponent byte: integer ops only, where I2F runs at a quarter of
+the FMA rate on Hopper; `_word_bits`, on CUDA a few lines of PTX, `_UNPACK_PTX`), less 128 + zero
+where the kernel needs `q - zero` itself (exact).
 
-- `_int4_gemv_kernel` (M = 1) reads the weight as 32-bit words, 8 columns each (on CUDA unpacked
-  by a few lines of PTX, `_UNPACK_PTX`), sums each word's 8 products in a chain of FMAs
-  (`_word_products`: `(128 + q) * x` from `-(128 + zero)` times the word's sum of x, for
-  half-precision x), and adds that times its group's scale into an fp32 accumulator of the
-  tile's shape, reduced once after the K loop. Under PDL the first tile's words, scales and
-  zeros are read before `await_inputs` (no kernel writes a weight); K may be split across
-  programs (`_split_k_sum_kernel` adds the parts in a fixed order).
-- `_int4_dot_kernel` (M > 1) reads the same words: `_word_columns`, the tile's `q - zero` in
-  column order, in x's dtype (exact), is the MMA's left operand and x the right one (`W @ x.T`,
-  as quantized_linear's `_dot_kernel`); each tile's fp32 sums are multiplied by its group's
-  scale into the accumulator.
+- `_int4_dot_kernel` (M > 1) reads the weight as 32-bit words, 8 columns each: `_word_columns`, the
+  tile's `q - zero` in column order, in x's dtype (exact), is the MMA's left operand and x the
+  right one (`W @ x.T`, as quantized_linear's `_dot_kernel`); each tile's fp32 sums are
+  multiplied by its group's scale into the accumulator.
 - `_int4_dequantize_kernel`: `_dequantized_tile`, `(q - zero) * scale` in fp32 (the reference's
   weight to the bit; `tl.interleave` puts the high nibbles' columns between the low ones'), for
-  the whole weight in x's dtype in one pass, for cuBLAS (prefill).
-
-The GEMV's cost, counted in the SASS for sm_90 (Triton 3.9, bf16 x, zero points) before its
-chains started from the word's sum of x: a 64 x 128 tile's loop body was 285 instructions a
-thread for its 64 weights, 4.5 a weight (362 without the PTX unpacking), a subtract a weight of
-them now gone (not recounted). At the H200's published figures (4.8 TB/s of HBM, 9.6e12 weights a
-second; 132 SMs issuing 4 x 32 lanes a clock at 1.98 GHz) a weight leaves about 3.5 instruction
-issues, so its instructions rather than HBM may bound it; no tile of a sweep brought it within
-2.3 times its ideal (docs/benchmarks/quantization.md#the-one-row-gemvs-tiles)."""
+  the whole weight in x's dtype in one pass, for cuBLAS (prefill)."""
 
 import triton
 import triton.language as tl
 
-from infer.kernels.activation import gated_activation
 from infer.kernels.pdl import await_inputs
 
 # 128 as a float: its bits (0x43000000) OR-ed with q << 16 (q in 0..15) are the float 128 + q, whose
@@ -126,74 +110,6 @@ def _word_bits(words, PRMT: tl.constexpr):
 
 
 @triton.jit
-def _tile_scales_and_offsets(scale_ptr, zero_ptr, rows, row_mask, groups, strides, HAS_ZEROS: tl.constexpr):
-    """`_group_scale_and_offset` of each of a tile's groups: `[BLOCK_N, GROUPS]` each."""
-    rows = rows.to(tl.int64)[:, None]
-    scale_row_stride, scale_col_stride, zero_row_stride, zero_col_stride = strides
-    mask = row_mask[:, None]
-    scale = tl.load(
-        scale_ptr + rows * scale_row_stride + groups[None, :] * scale_col_stride, mask=mask, other=0.0
-    )
-    if HAS_ZEROS:
-        zero_ptrs = zero_ptr + rows * zero_row_stride + groups[None, :] * zero_col_stride
-        offset = tl.load(zero_ptrs, mask=mask, other=0).to(tl.float32) + _BASE
-    else:
-        offset = tl.full(scale.shape, _BASE + 8.0, tl.float32)  # SYMMETRIC_ZERO
-    return scale.to(tl.float32), offset
-
-
-@triton.jit
-def _word_products(words, offset, x, x_sum, EXACT: tl.constexpr):
-    """`[BLOCK_N, GROUPS, W]` words of the packed weight (`_word_bits` of them; W a group's words
-    in the tile) -> the sum over each word's 8 columns of `(q - zero) * x`, a chain of
-    multiply-adds; `x` is x's 8 columns of the words (`_x_words`), `x_sum` their sum a word,
-    `offset` `[BLOCK_N, GROUPS]` (`_tile_scales_and_offsets`).
-
-    Half-precision x: `(128 + q) * x` summed from `-(128 + zero) * x_sum`, one multiply-add a
-    weight and one multiply a word, where subtracting the zero point from each weight first
-    costs a subtract a weight. Each term is then about 25 times the size of `(q - zero) * x`, so
-    the sum keeps about 19 of fp32's 24 bits: far below half precision's 8 or 11, but not fp32
-    x's own; EXACT (fp32 x) subtracts first (`(128 + q) - (128 + zero)` is exact)."""
-    offset = offset[:, :, None]
-    if EXACT:
-        t = tl.zeros(words[0].shape, tl.float32)
-        for p in tl.static_range(8):
-            t += (words[p].to(tl.float32, bitcast=True) - offset) * x[p][None, :, :]
-    else:
-        t = -offset * x_sum[None, :, :]
-        for p in tl.static_range(8):
-            t += words[p].to(tl.float32, bitcast=True) * x[p][None, :, :]
-    return t
-
-
-@triton.jit
-def _x_words(x_ptrs):
-    """x's `[GROUPS, W, 8]` columns of a tile's words in fp32: its 8 columns, each `[GROUPS, W]`
-    (loaded as one 16-byte vector a word, then split), and their sum a word."""
-    x = tl.load(x_ptrs).to(tl.float32)
-    x = tl.reshape(x, [x.shape[0], x.shape[1], 2, 2, 2])  # [g, j, a, b, c] is column 4a + 2b + c
-    c0, c1 = tl.split(x)
-    b0c0, b1c0 = tl.split(c0)
-    b0c1, b1c1 = tl.split(c1)
-    x0, x4 = tl.split(b0c0)
-    x2, x6 = tl.split(b1c0)
-    x1, x5 = tl.split(b0c1)
-    x3, x7 = tl.split(b1c1)
-    x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-    return (x0, x1, x2, x3, x4, x5, x6, x7), x_sum
-
-
-@triton.jit
-def _tile_sums(
-    w_ptrs, x, x_sum, scale_ptr, zero_ptr, rows, row_mask, groups, strides, HAS_ZEROS, EXACT, PRMT
-):
-    """One weight tile's `[BLOCK_N, GROUPS, W]` sums, each word's times its group's scale."""
-    w = _word_bits(tl.load(w_ptrs, mask=row_mask[:, None, None], other=0), PRMT)
-    scale, offset = _tile_scales_and_offsets(scale_ptr, zero_ptr, rows, row_mask, groups, strides, HAS_ZEROS)
-    return _word_products(w, offset, x, x_sum, EXACT) * scale[:, :, None]
-
-
-@triton.jit
 def _word_columns(bits, offset):
     """`_word_bits` of `[BLOCK_N, W]` words -> `[BLOCK_N, 8 * W]` floats q - zero (exact) in
     column order: joins nest as the reshape reads them, column 4a + 2b + c at [a, b, c]."""
@@ -208,98 +124,6 @@ def _word_columns(bits, offset):
     even = tl.join(tl.join(q0, q4), tl.join(q2, q6))
     odd = tl.join(tl.join(q1, q5), tl.join(q3, q7))
     return tl.reshape(tl.join(even, odd), [q0.shape[0], 8 * q0.shape[1]])
-
-
-@triton.jit
-def _int4_gemv_kernel(
-    x_ptr,
-    w_ptr,
-    scale_ptr,
-    zero_ptr,
-    bias_ptr,
-    out_ptr,
-    N,
-    K,
-    x_row_stride,
-    w_row_stride,
-    scale_row_stride,
-    scale_col_stride,
-    zero_row_stride,
-    zero_col_stride,
-    out_split_stride,
-    out_row_stride,
-    words_per_split,
-    GROUP_SIZE: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUPS: tl.constexpr,
-    UNROLL: tl.constexpr,
-    PRMT: tl.constexpr,
-    EXACT: tl.constexpr,
-    GATED: tl.constexpr,
-    GELU_TANH: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """The weight read as 32-bit words (`w_ptr` int32, `w_row_stride` in words), 8 columns each,
-    a tile `[BLOCK_N, GROUPS, W]`: GROUPS whole groups of W words (BLOCK_K > GROUP_SIZE), or
-    part of one (GROUPS = 1); each word's 8 products summed, then scaled by their group's scale
-    into the accumulator of the tile's shape: one multiply-add a word instead of a multiply a
-    weight. GATED (one row, unsplit): the weight is `[2N, K]`, gate rows then up rows, each
-    program streams the up rows of its gate rows too and writes `act(gate) * up`, as
-    quantized_linear's GEMV."""
-    m = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)
-    row_mask = rows < N
-    # The split's first word and column. In words, so that Triton sees 16-byte alignment where
-    # the launch argument has it (k_start // 8 would lose what it can prove): 16-byte loads.
-    word_start = split * words_per_split
-    k_start = 8 * word_start
-    k_stop = tl.minimum(k_start + 8 * words_per_split, K)
-    W: tl.constexpr = BLOCK_K // 8 // GROUPS
-    words = word_start + (tl.arange(0, GROUPS) * W)[:, None] + tl.arange(0, W)[None, :]
-    w_ptrs = w_ptr + rows.to(tl.int64)[:, None, None] * w_row_stride + words[None, :, :]
-    up_ptrs = w_ptrs + N.to(tl.int64) * w_row_stride  # GATED: the up rows, N past the gate rows
-    x_ptrs = x_ptr + m * x_row_stride + (8 * words)[:, :, None] + tl.arange(0, 8)[None, None, :]
-    strides = (scale_row_stride, scale_col_stride, zero_row_stride, zero_col_stride)
-    tile = (scale_ptr, zero_ptr, rows, row_mask)
-    up_tile = (scale_ptr, zero_ptr, rows + N, row_mask)
-    # The first tile's words before waiting for the kernel before: no kernel writes a weight,
-    # and under PDL the weight stream starts while that kernel ends.
-    groups = k_start // GROUP_SIZE + tl.arange(0, GROUPS)
-    w = _word_bits(tl.load(w_ptrs, mask=row_mask[:, None, None], other=0), PRMT)
-    scale, offset = _tile_scales_and_offsets(*tile, groups, strides, HAS_ZEROS)
-    if GATED:
-        up = _word_bits(tl.load(up_ptrs, mask=row_mask[:, None, None], other=0), PRMT)
-        up_scale, up_offset = _tile_scales_and_offsets(*up_tile, groups, strides, HAS_ZEROS)
-    await_inputs(PDL)
-    x, x_sum = _x_words(x_ptrs)
-    acc = _word_products(w, offset, x, x_sum, EXACT) * scale[:, :, None]
-    if GATED:
-        up_acc = _word_products(up, up_offset, x, x_sum, EXACT) * up_scale[:, :, None]
-    for k0 in tl.range(k_start + BLOCK_K, k_stop, BLOCK_K, loop_unroll_factor=UNROLL):
-        w_ptrs += BLOCK_K // 8
-        x_ptrs += BLOCK_K
-        x, x_sum = _x_words(x_ptrs)
-        groups = k0 // GROUP_SIZE + tl.arange(0, GROUPS)
-        acc += _tile_sums(w_ptrs, x, x_sum, *tile, groups, strides, HAS_ZEROS, EXACT, PRMT)
-        if GATED:
-            up_ptrs += BLOCK_K // 8
-            up_acc += _tile_sums(up_ptrs, x, x_sum, *up_tile, groups, strides, HAS_ZEROS, EXACT, PRMT)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    if GATED:
-        up_y = tl.sum(tl.sum(up_acc, axis=2), axis=1)
-        if HAS_BIAS:
-            up_y += tl.load(bias_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
-        # Gate and up rounded to the output dtype first, as the unfused projection stores them.
-        out_type = out_ptr.dtype.element_ty
-        y = gated_activation(y.to(out_type).to(tl.float32), up_y.to(out_type).to(tl.float32), GELU_TANH)
-    out_ptrs = out_ptr + split * out_split_stride + m * out_row_stride + rows
-    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit

@@ -5,7 +5,7 @@ and `zeros` (or None: symmetric) per group of `group_size` columns of a row.
 
 Decode reads every weight once per token, so its time is the weight's bytes over HBM bandwidth:
 half a byte per weight (plus a scale and a zero point per group) against bf16's two. The Triton
-kernels (gemv.int4) take the paths of quantized_linear's 8-bit ones, by the rows
+kernels (gemv.int4, gemv.int4_gemv) take the paths of quantized_linear's 8-bit ones, by the rows
 M of x:
 
 - M = 1: a GEMV streaming the packed rows as 32-bit words (16-byte loads), unpacked in
@@ -43,7 +43,8 @@ from infer.kernels.gemv.configs import (
     _int4_gemv_config,
     _int4_k_per_split,
 )
-from infer.kernels.gemv.int4 import _int4_dequantize_kernel, _int4_dot_kernel, _int4_gemv_kernel
+from infer.kernels.gemv.int4 import _int4_dequantize_kernel, _int4_dot_kernel
+from infer.kernels.gemv.int4_gemv import _int4_gemv_kernel
 from infer.kernels.gemv.references import _check_int4, int4_linear_ref
 from infer.kernels.gemv.streaming import _empty_product, _rows_and_output, _sum_splits
 from infer.kernels.pdl import launch_options
