@@ -12,6 +12,7 @@ Constexprs a tree's kernel does not have are left out, so trees that add one can
 """
 
 import argparse
+import collections
 import importlib
 import json
 import re
@@ -97,8 +98,19 @@ def main() -> None:
         return
     old, new = (json.loads(path.read_text()) for path in args.files)
     for name in old:
-        verdict = "same PTX" if old[name] == new.get(name) else "DIFFERENT PTX"
+        if old[name] == new.get(name):
+            verdict = "same PTX"
+        elif instructions(old[name]) == instructions(new.get(name, [])):
+            verdict = "the same instructions, in another order or registers"
+        else:
+            verdict = "DIFFERENT PTX"
         print(f"{name}: {verdict} ({len(old[name])} and {len(new.get(name, []))} lines)")
+
+
+def instructions(code: list[str]) -> collections.Counter:
+    """The code's lines with every register named alike, counted: equal for two kernels whose
+    instructions differ only in their order and their registers' numbers."""
+    return collections.Counter(re.sub(r"%[a-z]+[0-9]+", "%r", line) for line in code)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The PTX of the int4 kernels (`_int4_gemv_kernel`, `_int4_dot_kernel`, `_int4_dequantize_kernel`)
-for a few configurations, compiled for sm_90 without a GPU, as gemv_ptx.py does for the 8-bit and
-dense GEMVs: to tell whether a change to the kernels' source changes the code they compile to.
+and of the 8-bit tensor-core kernel (`_dot_kernel`, whose tile order the int4 one shares) for a few
+configurations, compiled for sm_90 without a GPU, as gemv_ptx.py does for the 8-bit and dense
+GEMVs: to tell whether a change to the kernels' source changes the code they compile to.
 
     PYTHONPATH=<old tree's package srcs> python experiments/int4_ptx.py /tmp/old.json
     PYTHONPATH=<new tree's package srcs> python experiments/int4_ptx.py /tmp/new.json
@@ -88,13 +89,31 @@ CASES = {
         4,
         dict(GROUP_SIZE=128, HAS_ZEROS=True, BLOCK_N=32, BLOCK_K=128, PDL=False),
     ),
+    "8-bit dot, int8, 16 x 64 x 128": (
+        "_dot_kernel",
+        4,
+        dict(
+            SCALE_PER_TILE=False,
+            HAS_BIAS=False,
+            WEIGHT_FP8=False,
+            FAST_INT8=True,
+            NATIVE_DOT=True,
+            BLOCK_M=16,
+            BLOCK_N=64,
+            BLOCK_K=128,
+            GROUP_N=8,
+            PDL=True,
+        ),
+    ),  # fmt: skip
 }
+# Where each kernel may live, newest first.
+MODULES = ("infer.kernels.gemv.int4_gemv", "infer.kernels.gemv.int4", "infer.kernels.gemv.quantized")
 
 
 def kernel(name: str):
     """The tree's kernel: the one-row GEMV in gemv.int4_gemv, or in gemv.int4 in trees before it
     moved there."""
-    for module in ("infer.kernels.gemv.int4_gemv", "infer.kernels.gemv.int4"):
+    for module in MODULES:
         try:
             return getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
@@ -112,7 +131,9 @@ def compile_cases() -> dict[str, list[str]]:
                 signature[param.name] = "constexpr"
                 constexprs[(fn.arg_names.index(param.name),)] = flags[param.name]
             elif param.name == "w_ptr":
-                signature[param.name] = "*i32"
+                signature[param.name] = "*i8" if name == "_dot_kernel" else "*i32"
+            elif param.name == "scale_ptr" and name == "_dot_kernel":
+                signature[param.name] = "*fp32"
             elif param.name.endswith("_ptr"):
                 signature[param.name] = "*fp32" if flags.get("EXACT") and param.name == "x_ptr" else "*bf16"
             else:

@@ -19,6 +19,7 @@ where the kernel needs `q - zero` itself (exact).
 import triton
 import triton.language as tl
 
+from infer.kernels.gemv.quantized import grouped_tile
 from infer.kernels.pdl import await_inputs
 
 # 128 as a float: its bits (0x43000000) OR-ed with q << 16 (q in 0..15) are the float 128 + q, whose
@@ -158,17 +159,8 @@ def _int4_dot_kernel(
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
-    # Tiles in groups of GROUP_N weight-row tiles, x-row tiles fastest within a group: programs
-    # that run together share weight tiles (and x tiles) in L2 (as quantized_linear's _dot_kernel).
-    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_N)
     split = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_N * num_m
-    first_n = (pid // per_group) * GROUP_N
-    tiles_in_group = tl.minimum(num_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % per_group) % tiles_in_group
-    pid_m = (pid % per_group) // tiles_in_group
 
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: output columns
     tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # x rows

@@ -70,6 +70,20 @@ from infer.kernels.pdl import await_inputs, launch_options
 
 
 @triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr):
+    """This program's (x-row tile, weight-row tile) of a tensor-core product: tiles in groups of
+    GROUP_N weight-row tiles, x-row tiles fastest within a group, so that programs that run
+    together share weight tiles (and x tiles) in L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_N * num_m
+    first_n = (pid // per_group) * GROUP_N
+    tiles_in_group = tl.minimum(num_n - first_n, GROUP_N)
+    return (pid % per_group) // tiles_in_group, first_n + (pid % per_group) % tiles_in_group
+
+
+@triton.jit
 def _dot_kernel(
     x_ptr,
     w_ptr,
@@ -99,17 +113,8 @@ def _dot_kernel(
     PDL: tl.constexpr,
 ):
     await_inputs(PDL)
-    # Tiles in groups of GROUP_N weight-row tiles, x-row tiles fastest within a group: programs
-    # that run together share weight tiles (and x tiles) in L2.
-    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_N)
     split = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_N * num_m
-    first_n = (pid // per_group) * GROUP_N
-    group_size = tl.minimum(num_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % per_group) % group_size
-    pid_m = (pid % per_group) // group_size
 
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: output columns
     tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # x rows
