@@ -76,17 +76,7 @@ class CpuDecodeStack:
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         """What `model(batch)` returns: the final norm of the stream after the last block (of
         the rows of `batch.logits_indices` when it is set)."""
-        metadata = batch.attention
-        self.num_steps += 1
-        stream = self.model.embed(batch.input_ids)
-        self.stack(
-            stream,
-            batch.positions,
-            metadata.slot_mapping,
-            metadata.block_tables,
-            metadata.seq_lens,
-            batch.kv_layers,
-        )
+        stream = self._run(batch)
         if batch.logits_indices is not None:
             stream = stream[batch.logits_indices]
         return self.model.norm(stream)
@@ -97,10 +87,17 @@ class CpuDecodeStack:
         head = self.stack.head
         if head is None:
             return self.model.compute_logits(self(batch))
+        logits = torch.empty(batch.input_ids.shape[0], head.lm_head.shape[0], dtype=torch.float32)
+        self._run(batch, logits)
+        if batch.logits_indices is not None:
+            logits = logits[batch.logits_indices]
+        return self.model.soft_cap(logits)
+
+    def _run(self, batch: ForwardBatch, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """The embedded tokens through the C stack (into `logits` too, where given): the stream."""
         metadata = batch.attention
         self.num_steps += 1
         stream = self.model.embed(batch.input_ids)
-        logits = torch.empty(stream.shape[0], head.lm_head.shape[0], dtype=torch.float32)
         self.stack(
             stream,
             batch.positions,
@@ -110,9 +107,7 @@ class CpuDecodeStack:
             batch.kv_layers,
             logits=logits,
         )
-        if batch.logits_indices is not None:
-            logits = logits[batch.logits_indices]
-        return self.model.soft_cap(logits)
+        return stream
 
 
 def _shape(model) -> CpuStackShape:
