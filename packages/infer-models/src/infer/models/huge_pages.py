@@ -11,9 +11,10 @@ token's bf16 products ran 1-4% faster from huge pages, pass by pass
 `move_to_huge_pages(model)` copies the model's parameters and buffers (the contiguous ones on the
 CPU) into one private anonymous mapping so advised, one after another, and points the modules at
 the copies; each old storage goes once nothing else holds it, so the peak while moving is about
-the model plus its largest tensor. A tensor that two modules share (a tied embedding and LM head)
-moves once and stays shared; one already moved (a model that a second engine is built over) stays
-where it is.
+the model plus its largest tensor. Each copy is a storage of its own bytes over the mapping (which
+lives while any of them does), so memory accounting by storage counts what it did. A tensor that
+two modules share (a tied embedding and LM head) moves once and stays shared; one already moved (a
+model that a second engine is built over) stays where it is.
 """
 
 import logging
@@ -29,8 +30,8 @@ logger = logging.getLogger(__name__)
 HUGE_PAGE = 2 * 1024 * 1024
 ALIGNMENT = 64  # a cache line: each tensor starts on one
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-# Where each mapping made here starts: a tensor whose storage starts there is already moved.
-_MAPPINGS: set[int] = set()
+# Set on each tensor moved here, which keeps it through `.data` assignments.
+MOVED = "_in_huge_pages"
 
 
 def huge_pages_unavailable() -> str | None:
@@ -66,9 +67,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
     # One huge page more than needed, so that the tensors can start on a huge page's boundary.
     mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mapping.madvise(mmap.MADV_HUGEPAGE)
-    arena = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive while used
-    start = -arena.data_ptr() % HUGE_PAGE
-    _MAPPINGS.add(arena.data_ptr())
+    start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
     copies: dict[tuple, torch.Tensor] = {}
     for module in model.modules():
         for tensor in (*module._parameters.values(), *module._buffers.values()):
@@ -76,11 +75,13 @@ def move_to_huge_pages(model: nn.Module) -> int:
             if key not in offsets:
                 continue
             if key not in copies:
-                begin = start + offsets[key]
-                copy = arena[begin : begin + tensor.numel() * tensor.element_size()]
+                nbytes = tensor.numel() * tensor.element_size()
+                # A storage of its own over the mapping, which it keeps alive.
+                copy = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start + offsets[key])
                 copies[key] = copy.view(tensor.dtype).view(tensor.shape).copy_(tensor.data)
             # In place, so that whoever holds this tensor (a tied module, a method) sees the copy.
             tensor.data = copies[key]
+            setattr(tensor, MOVED, True)
     logger.info("%.1f MB of weights in transparent huge pages", size / 1e6)
     return size
 
@@ -94,5 +95,6 @@ def _movable(tensor: torch.Tensor | None) -> bool:
         tensor is not None
         and tensor.device.type == "cpu"
         and tensor.is_contiguous()
-        and tensor.untyped_storage().data_ptr() not in _MAPPINGS
+        and tensor.numel() > 0
+        and not getattr(tensor, MOVED, False)
     )
