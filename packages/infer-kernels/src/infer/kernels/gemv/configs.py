@@ -174,16 +174,20 @@ def _dot_config(M: int, N: int, K: int, k_cap: int) -> dict:
 
 
 def _int4_gemv_config(N: int, K: int, k_cap: int) -> dict:
-    """Tiles of 8192 weights inside one group (64 rows x 128 columns for groups of 128) with 4
-    warps, the loop unrolled to 512 columns a step, K split by `_int4_gemv_splits`. A sweep on an
-    H200 (docs/benchmarks/quantization.md#the-one-row-gemvs-tiles) found tiles of whole groups
-    faster alone (16 x 1024 for q|k|v and o, 16 x 512 with 8 warps for gate|up with its
-    activation), but Qwen3-8B decoded slower with them (258.8 tok/s, where this took 287.3)."""
+    """Groups of 128: tiles of 128 rows x 128 columns, 8 warps, the loop not unrolled (Qwen3-8B
+    decoded 319.7 and 320.0 tok/s with them where 64 x 128 tiles, 4 warps, unrolled 4 times took
+    306.6 and 306.3, alternated in one run: docs/benchmarks/quantization.md#gpu-batch-1-decode-h200).
+    Other groups (not measured): tiles of 8192 weights inside one group with 4 warps, the loop
+    unrolled to 512 columns a step. K split by `_int4_gemv_splits`. Tiles of whole groups were
+    faster alone but slower in the model (#the-one-row-gemvs-tiles)."""
     block_k = min(k_cap, 256)
-    block_n = max(16, min(256, 8192 // block_k))
+    if block_k == 128:
+        block_n, unroll, warps = 128, 1, 8
+    else:
+        block_n, unroll, warps = max(16, min(256, 8192 // block_k)), max(1, 512 // block_k), 4
     # A grid's second dimension holds at most 65535 programs (an LM head of 2^22 rows).
     block_n = max(block_n, triton.next_power_of_2(triton.cdiv(N, 65535)))
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=max(1, 512 // block_k), num_warps=4, num_stages=1)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, num_stages=1)
 
 
 def _int4_gemv_splits(tiles: int, K: int, split_unit: int, num_sms: int) -> int:
