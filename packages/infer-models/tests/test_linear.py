@@ -286,7 +286,7 @@ def test_a_gated_mlp_after_its_norm_runs_the_normed_gated_gemv_where_its_grid_is
                 x_norm_weight=x_weight,
             )
             expected = mlp.down_proj(fused_hidden)
-            assert kernels == ["_normed_gated_gemv_kernel", "_gemv_kernel"]
+            assert kernels == ["_normed_gated_gemv_kernel", "_dense_gemv_kernel"]
             assert torch.equal(residual, kept)
             assert torch.equal(out, expected) and torch.equal(new_residual, fused_residual)
             # The norm kernel's residual; with the sandwich, x's own norm may round otherwise
@@ -300,7 +300,7 @@ def test_a_gated_mlp_after_its_norm_runs_the_normed_gated_gemv_where_its_grid_is
             if rows == 1:
                 spare = residual.clone()
                 kernels = cuda_kernels(lambda x=x, spare=spare: after_norm(x, spare))
-                assert kernels == ["_rms_norm_kernel", "_gemv_kernel", "_gemv_kernel"]
+                assert kernels == ["_rms_norm_kernel", "_dense_gemv_kernel", "_dense_gemv_kernel"]
             out, new_residual = after_norm(x, residual)
             assert torch.equal(out, unfused) and new_residual is residual
             assert torch.equal(residual, expected_residual)
