@@ -195,6 +195,25 @@ def test_a_stack_given_a_head_writes_the_logits(kind, quantized, seq_lens):
     torch.testing.assert_close(logits, expected, **tolerance)
 
 
+def test_a_head_attached_to_a_built_stack_is_checked_then_runs():
+    """`attach_head`: a head the C code does not take is refused by name and leaves the stack
+    without one; a good one then ends the call with the reference's logits."""
+    shape, blocks = make_stack("llama", quantized=False)
+    generator = torch.Generator().manual_seed(9)
+    norm = torch.randn(HIDDEN, generator=generator) * 0.1 + 1.0
+    head = CpuHead(norm, make_linear(VOCAB, HIDDEN, False, generator))
+    stack = DecoderStackCpu(shape, blocks)
+    with pytest.raises(ValueError, match="the LM head"):
+        stack.attach_head(CpuHead(norm, CpuLinear(head.lm_head.weight.double())))
+    assert stack.head is None
+    stack.attach_head(head)
+    ours, theirs = clone_step(make_step([3, 9])), clone_step(make_step([3, 9]))
+    logits = torch.empty(2, VOCAB)
+    stack(*ours, logits=logits)
+    expected = decoder_stack_cpu_ref(shape, blocks, *theirs, head=head)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_caches_at_the_same_address_in_blocks_of_another_size():
     """A new engine's cache may lie where an earlier one's was freed, in blocks of another size:
     the stack must read the new block size, not the one it saw first at that address."""

@@ -57,7 +57,7 @@ class CpuDecodeStack:
             logger.info("infer.models: decode steps take the PyTorch path on this CPU: %s", why)
             return None
         try:
-            stack = DecoderStackCpu(shape, blocks, CpuHead(model.norm.weight.data, _linear(model.lm_head)))
+            stack.attach_head(CpuHead(model.norm.weight.data, _linear(model.lm_head)))
         except ValueError as why:
             logger.info("infer.models: the LM head runs after the C stack, not in its call: %s", why)
         return cls(model, stack)

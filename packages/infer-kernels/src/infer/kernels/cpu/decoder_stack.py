@@ -167,12 +167,9 @@ class DecoderStackCpu:
         _check_shape(shape, self.hidden_size)
         for index, block in enumerate(blocks):
             _check_block(index, block, shape, self.hidden_size, self.intermediate_size)
-        self.head = head
+        self.head = None
         if head is not None:
-            _check_vector(head.norm, self.hidden_size, lambda why: _refuse("the head's norm", why))
-            vocab = head.lm_head.shape[0]
-            _check_linear(head.lm_head, vocab, self.hidden_size, lambda why: _refuse("the LM head", why))
-            self._head = _c_linear(head.lm_head)
+            self.attach_head(head)
         self._blocks = (_Block * len(blocks))(*(self._block(b) for b in blocks))
         self._stack = _Stack(
             num_blocks=len(blocks),
@@ -187,6 +184,14 @@ class DecoderStackCpu:
             activation=ACTIVATIONS.index(shape.activation),
         )
         self._cache_pointers: tuple = ()
+
+    def attach_head(self, head: CpuHead) -> None:
+        """End each call with `head`'s logits; a ValueError, and the stack as it was, where the
+        head is not one the C code takes."""
+        vocab = head.lm_head.shape[0]
+        _check_vector(head.norm, self.hidden_size, lambda why: _refuse("the head's norm", why))
+        _check_linear(head.lm_head, vocab, self.hidden_size, lambda why: _refuse("the LM head", why))
+        self.head, self._head = head, _c_linear(head.lm_head)
 
     @staticmethod
     def runs_here() -> bool:
