@@ -9,6 +9,8 @@ kernels' time by kind, and each projection's GEMV time and bandwidth as a % of t
 bandwidth. Steps are split at their first host-to-device copy (the graph's inputs).
 
     python kernels-bench/decode_timeline.py /tmp/ckpt/llama-3.2-1b /tmp/ckpt/gemma-3-1b ...
+    python kernels-bench/decode_timeline.py /tmp/ckpt/q8b --use-pdl --use-triton-gemv --by-kernel \
+        --quantization int8 --device-memory-limit-gib 16
 """
 
 import argparse
@@ -102,11 +104,14 @@ def report(
     by_kernel: bool = False,
     use_triton_gemv: bool = False,
     max_seq_len: int = 4096,
+    quantization: str | None = None,
+    device_memory_limit_gib: float | None = None,
 ) -> None:
     config = EngineConfig(
         model=folder, device="cuda", dtype="bfloat16", max_batch_size=1, max_seq_len=max_seq_len,
         use_chunked_prefill=True, use_cuda_graphs=True, async_scheduling=True, use_pdl=use_pdl,
-        use_triton_gemv=use_triton_gemv,
+        use_triton_gemv=use_triton_gemv, quantization=quantization,
+        device_memory_limit_gib=device_memory_limit_gib,
     )  # fmt: skip
     engine = Engine(config)
     decode(engine, profiled=False)  # warm-up
@@ -178,18 +183,21 @@ def report(
             times[name].append(sum(gemvs[i : 4 * num_layers : 4]) / num_layers)
         times["lm_head"].append(gemvs[-1])
     layer = model.layers[0]
-    weights = {
-        "qkv_proj": layer.self_attn.qkv_proj.weight,
-        "o_proj": layer.self_attn.o_proj.weight,
-        "gate_up_proj": layer.mlp.gate_up_proj.weight,
-        "down_proj": layer.mlp.down_proj.weight,
-        "lm_head": model.lm_head.weight,
+    linears = {
+        "qkv_proj": layer.self_attn.qkv_proj,
+        "o_proj": layer.self_attn.o_proj,
+        "gate_up_proj": layer.mlp.gate_up_proj,
+        "down_proj": layer.mlp.down_proj,
+        "lm_head": model.lm_head,
     }
-    print("\n| GEMV | weight | us | % of copy bandwidth |\n|---|---|---:|---:|")
-    for name, weight in weights.items():
+    print("\n| GEMV | [out, in] | MB read | us | % of copy bandwidth |\n|---|---|---:|---:|---:|")
+    for name, linear in linears.items():
         us = statistics.median(times[name])
-        nbytes = weight.numel() * weight.element_size()
-        print(f"| {name} | {list(weight.shape)} | {us:.1f} | {100 * nbytes / (us * 1e-6) / bandwidth:.0f} |")
+        # Every tensor the Linear holds: a quantized one's packed weight with its scales.
+        nbytes = sum(t.numel() * t.element_size() for t in linear.state_dict().values())
+        shape = [linear.out_features, linear.in_features]
+        percent = 100 * nbytes / (us * 1e-6) / bandwidth
+        print(f"| {name} | {shape} | {nbytes / 1e6:.1f} | {us:.1f} | {percent:.0f} |")
     engine.shutdown()
 
 
@@ -202,9 +210,14 @@ def main() -> None:
     parser.add_argument(
         "--max-seq-len", type=int, default=4096, help="EngineConfig.max_seq_len (the bench's default)"
     )
+    parser.add_argument("--quantization", help="EngineConfig.quantization (int4, int8, fp8 at load)")
+    parser.add_argument("--device-memory-limit-gib", type=float, help="EngineConfig.device_memory_limit_gib")
     args = parser.parse_args()
     for folder in args.checkpoints:
-        report(folder, args.use_pdl, args.by_kernel, args.use_triton_gemv, args.max_seq_len)
+        report(
+            folder, args.use_pdl, args.by_kernel, args.use_triton_gemv, args.max_seq_len,
+            args.quantization, args.device_memory_limit_gib,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":
