@@ -7,7 +7,8 @@ word's 8 products in a chain of FMAs (`_word_products`: `(128 + q) * x` from `-(
 the word's sum of x, for half-precision x), and adds that times its group's scale into an fp32
 accumulator of the tile's shape, reduced once after the K loop. Under PDL the first tile's words,
 scales and zeros are read before `await_inputs` (no kernel writes a weight); K may be split across
-programs (`_split_k_sum_kernel` adds the parts in a fixed order).
+programs, the last of a tile's programs adding the parts in a fixed order
+(`_sum_splits_in_the_last`; with `_split_k_sum_kernel` after it where the counts are off).
 
 The GEMV's cost, counted in the SASS for sm_90 (Triton 3.9, bf16 x, zero points) before its
 chains started from the word's sum of x: a 64 x 128 tile's loop body was 285 instructions a
@@ -22,6 +23,7 @@ import triton.language as tl
 
 from infer.kernels.activation import gated_activation
 from infer.kernels.gemv.int4 import _BASE, _word_bits
+from infer.kernels.gemv.streaming import _sum_splits_in_the_last
 from infer.kernels.pdl import await_inputs
 
 
@@ -101,6 +103,8 @@ def _int4_gemv_kernel(
     zero_ptr,
     bias_ptr,
     out_ptr,
+    sum_ptr,
+    count_ptr,
     N,
     K,
     x_row_stride,
@@ -123,6 +127,7 @@ def _int4_gemv_kernel(
     EXACT: tl.constexpr,
     GATED: tl.constexpr,
     GELU_TANH: tl.constexpr,
+    SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """The weight read as 32-bit words (`w_ptr` int32, `w_row_stride` in words), 8 columns each,
@@ -131,7 +136,9 @@ def _int4_gemv_kernel(
     into the accumulator of the tile's shape: one multiply-add a word instead of a multiply a
     weight. GATED (one row, unsplit): the weight is `[2N, K]`, gate rows then up rows, each
     program streams the up rows of its gate rows too and writes `act(gate) * up`, as
-    quantized_linear's GEMV."""
+    quantized_linear's GEMV. SPLITS (> 1): `out_ptr` takes this split's fp32 partial sums, and the
+    last program of a tile adds the tile's parts and the bias into `sum_ptr`
+    (`_sum_splits_in_the_last`, counting in `count_ptr`)."""
     m = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -172,7 +179,7 @@ def _int4_gemv_kernel(
             up_ptrs += BLOCK_K // 8
             up_acc += _tile_sums(up_ptrs, x, x_sum, *up_tile, groups, strides, HAS_ZEROS, EXACT, PRMT)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if HAS_BIAS:
+    if HAS_BIAS and SPLITS < 2:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     if GATED:
         up_y = tl.sum(tl.sum(up_acc, axis=2), axis=1)
@@ -183,3 +190,7 @@ def _int4_gemv_kernel(
         y = gated_activation(y.to(out_type).to(tl.float32), up_y.to(out_type).to(tl.float32), GELU_TANH)
     out_ptrs = out_ptr + split * out_split_stride + m * out_row_stride + rows
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+    if SPLITS > 1:
+        _sum_splits_in_the_last(
+            out_ptr, bias_ptr, sum_ptr, count_ptr, m, rows, row_mask, N, out_split_stride, SPLITS, HAS_BIAS
+        )

@@ -46,9 +46,13 @@ from infer.kernels.gemv.configs import (
 from infer.kernels.gemv.int4 import _int4_dequantize_kernel, _int4_dot_kernel
 from infer.kernels.gemv.int4_gemv import _int4_gemv_kernel
 from infer.kernels.gemv.references import _check_int4, int4_linear_ref
-from infer.kernels.gemv.streaming import _empty_product, _rows_and_output, _sum_splits
+from infer.kernels.gemv.streaming import _empty_product, _rows_and_output, _sum_splits, split_counts
 from infer.kernels.pdl import launch_options
 
+# The one-row GEMV's split-K parts summed by the last program of each tile, not by a kernel after
+# it (`_sum_splits_in_the_last`; False: `_split_k_sum_kernel`): Qwen3-8B's four projections 3.8%
+# faster with PDL on an H200 (docs/benchmarks/quantization.md#the-split-k-sum-inside-the-int4-gemv).
+SUM_IN_THE_GEMV = True
 # Columns in one 32-bit word of the packed weight, the GEMV's unit. Groups with no factor of 8
 # (none that checkpoints use) take the dequantize-then-matmul path.
 _WORD = 8
@@ -127,6 +131,8 @@ def _launch(
     k_per_split = _int4_k_per_split(kernel, config, tiles, M, K, split_k, x.device)
     splits = triton.cdiv(K, k_per_split)
     target = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
+    # The GEMV's last program of a tile sums its splits (no kernel after it), where it may.
+    counts = split_counts(x.device, tiles) if kernel == "gemv" and splits > 1 and SUM_IN_THE_GEMV else None
     options = launch_options(x, pdl)
     if not qweight.is_contiguous() or qweight.data_ptr() % 4:
         qweight = qweight.clone(memory_format=torch.contiguous_format)  # whole, aligned words
@@ -139,6 +145,7 @@ def _launch(
         scales if bias is None else bias,
         target,
     )
+    sums = (out, target if counts is None else counts)  # the GEMV's sum_ptr and count_ptr
     strides = (
         rows.stride(0),
         qweight.stride(0),
@@ -154,13 +161,14 @@ def _launch(
         **options,
         GROUP_SIZE=group_size,
         HAS_ZEROS=zeros is not None,
-        HAS_BIAS=bias is not None and splits == 1,
+        HAS_BIAS=bias is not None and (splits == 1 or counts is not None),
         **config,
     )
     common["PRMT"] = x.is_cuda and common.get("PRMT", True)
     if kernel == "gemv":
         _int4_gemv_kernel[(M, triton.cdiv(N, config["BLOCK_N"]), splits)](
             *args,
+            *sums,
             N,
             K,
             *strides,
@@ -168,11 +176,12 @@ def _launch(
             EXACT=x.dtype == torch.float32,
             GATED=activation is not None,
             GELU_TANH=activation == "gelu_tanh",
+            SPLITS=0 if counts is None else splits,
         )
     else:
         native = x.is_cuda and x.dtype != torch.float32
         _int4_dot_kernel[(tiles, splits)](*args, M, N, K, *strides, **common, NATIVE_DOT=native)
-    if splits > 1:
+    if splits > 1 and counts is None:
         _sum_splits(target, bias, out, options)
     return out.view(*x.shape[:-1], N)
 

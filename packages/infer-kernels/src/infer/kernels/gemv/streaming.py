@@ -301,6 +301,50 @@ def _split_k_sum_kernel(
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _sum_splits_in_the_last(
+    partial_ptr, bias_ptr, out_ptr, count_ptr, m, rows, row_mask, N, split_stride, SPLITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """Once a program has stored its split of an output tile (`partial_ptr`, fp32 `[SPLITS, M,
+    N]`): the program that stores the tile's last split adds its SPLITS parts in split order, then
+    the bias, into `out_ptr` `[M, N]`, as `_split_k_sum_kernel` does, without a kernel of its own.
+    Programs count their tile's stored splits in `count_ptr` (int32 a tile, zero before the
+    launch); the last one sets the count back to zero for the next. The barrier, then one
+    thread's acquire-release atomic at GPU scope, publish every thread's partial sums before the
+    count (as a cooperative grid's barrier does); the last program reads the parts from L2."""
+    tl.debug_barrier()
+    count = count_ptr + m * tl.num_programs(1) + tl.program_id(1)
+    if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+        total = tl.zeros(rows.shape, tl.float32)
+        for split in tl.static_range(SPLITS):
+            part_ptrs = partial_ptr + split * split_stride + m * N + rows
+            total += tl.load(part_ptrs, mask=row_mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * N + rows, total.to(out_ptr.dtype.element_ty), mask=row_mask)
+        tl.store(count, 0)
+
+
+# Tiles a stream's split GEMVs may count at once (`split_counts`): 64K int32, 256 KB a stream.
+_SPLIT_COUNTS = 65536
+_split_counts_by_stream: dict[tuple, torch.Tensor] = {}
+
+
+def split_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The zeroed int32 counts of `_sum_splits_in_the_last` for the current stream of `device`, or
+    None where `tiles` are more than they hold. One buffer a stream, kept for the process: kernels
+    on one stream run in order (under PDL too: a kernel counts after its wait), and a CUDA graph
+    that captured the buffer's address replays into it."""
+    if tiles > _SPLIT_COUNTS:
+        return None
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    if key not in _split_counts_by_stream:
+        _split_counts_by_stream[key] = torch.zeros(_SPLIT_COUNTS, dtype=torch.int32, device=device)
+    return _split_counts_by_stream[key]
+
+
 def _rows_and_output(x: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x contiguous along K (a copy, where it is not, changes nothing the caller sees: x is only
     read), its rows `[M, K]`, and an uninitialised `[M, N]` output in x's dtype."""
