@@ -10,9 +10,9 @@ M of x:
 
 - M = 1: a GEMV streaming the packed rows as 32-bit words (16-byte loads), unpacked in
   registers, fp32 FMAs, each group's scale applied to its partial sums, a 2D accumulator reduced
-  once after the K loop; K split across programs (a fixed-order sum after) while the programs
-  would number fewer than two a SM; under PDL the first tile is read before waiting for the
-  kernel before.
+  once after the K loop; K split across programs while the programs would number fewer than
+  two a SM, the last program of each tile adding the parts in a fixed order; under PDL the first
+  tile is read before waiting for the kernel before.
 - M > 1: tensor cores, the weight tile's `q - zero` in x's dtype (exact) as the MMA's left
   operand, the group's scale applied to the tile's fp32 sums.
 - M >= 512 (prefill chunks; CUDA, half-precision x): the weight dequantized to x's dtype in one
