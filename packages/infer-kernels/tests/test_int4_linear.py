@@ -28,6 +28,7 @@ of the outputs themselves), which `test_the_bounds_catch_a_swapped_nibble_or_a_d
 """
 
 import functools
+import importlib
 import math
 
 import pytest
@@ -434,6 +435,35 @@ def test_cuda_dequantized_weight_is_the_reference_bit_for_bit(cuda, symmetric):
 def test_cuda_each_kernel_and_split(cuda, kernel, split_k):
     for M in (1, 5):
         check(M, 1000, 2560, 128, False, torch.bfloat16, True, cuda, kernel=kernel, split_k=split_k, pdl=True)
+
+
+def check_split_sums_in_the_gemv(device, calls, monkeypatch):
+    """The one-row GEMV's split-K parts summed by its last program equal `_split_k_sum_kernel`'s
+    sum bit for bit (the same additions in the same order, and the bias after them), call after
+    call (each call's counts back to zero for the next), with PDL on every other call."""
+    module = importlib.import_module("infer.kernels.gemv.int4_linear")
+    weights = [make_weight(72, 1024, 128, False, device, torch.bfloat16, seed=seed) for seed in (0, 1)]
+    x, bias = make_x(1, 1024, torch.bfloat16, device), make_bias(72, torch.bfloat16, device)
+    config = dict(BLOCK_N=16, BLOCK_K=128, UNROLL=1, num_warps=4)
+    products = {}
+    for in_the_gemv in (False, True):
+        monkeypatch.setattr(module, "SUM_IN_THE_GEMV", in_the_gemv)
+        products[in_the_gemv] = [
+            _launch(x, *weights[i % 2], 128, bias, kernel="gemv", config=config, split_k=4, pdl=i % 2 == 1)
+            for i in range(calls)
+        ]
+    for ours, theirs in zip(products[True], products[False], strict=True):
+        assert torch.equal(ours, theirs)
+    assert not torch.equal(products[True][0], products[True][1])  # two weights, two products
+
+
+def test_interpreted_split_sums_in_the_gemv_are_the_sum_kernels(triton_on_cpu, monkeypatch):
+    check_split_sums_in_the_gemv("cpu", 4, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_cuda_split_sums_in_the_gemv_are_the_sum_kernels(cuda, monkeypatch):
+    check_split_sums_in_the_gemv(cuda, 50, monkeypatch)
 
 
 @pytest.mark.gpu
