@@ -21,9 +21,8 @@ issues, so its instructions rather than HBM may bound it; no tile of a sweep bro
 import triton
 import triton.language as tl
 
-from infer.kernels.activation import gated_activation
 from infer.kernels.gemv.int4 import _BASE, _word_bits
-from infer.kernels.gemv.streaming import _sum_splits_in_the_last
+from infer.kernels.gemv.streaming import _sum_splits_in_the_last, gated_rows
 from infer.kernels.pdl import await_inputs
 
 
@@ -183,11 +182,7 @@ def _int4_gemv_kernel(
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     if GATED:
         up_y = tl.sum(tl.sum(up_acc, axis=2), axis=1)
-        if HAS_BIAS:
-            up_y += tl.load(bias_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
-        # Gate and up rounded to the output dtype first, as the unfused projection stores them.
-        out_type = out_ptr.dtype.element_ty
-        y = gated_activation(y.to(out_type).to(tl.float32), up_y.to(out_type).to(tl.float32), GELU_TANH)
+        y = gated_rows(y, up_y, bias_ptr, N, rows, row_mask, out_ptr.dtype.element_ty, HAS_BIAS, GELU_TANH)
     out_ptrs = out_ptr + split * out_split_stride + m * out_row_stride + rows
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask)
     if SPLITS > 1:

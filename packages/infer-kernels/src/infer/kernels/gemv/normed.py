@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from infer.kernels._dispatch import num_sms, use_triton
-from infer.kernels.activation import gated_activation
 from infer.kernels.gemv.configs import (
     _NORMED_BLOCK_N,
     _NORMED_GATED_BLOCK_K,
@@ -44,6 +43,7 @@ from infer.kernels.gemv.references import (
     normed_gated_gemv_ref,
     normed_gemv_ref,
 )
+from infer.kernels.gemv.streaming import gated_rows
 from infer.kernels.pdl import await_inputs, launch_options
 from infer.kernels.rms_norm import _norm_scale, _scaled_rms_norm
 
@@ -225,9 +225,8 @@ def _normed_gated_gemv_kernel(
     inv_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     gate_y = tl.sum(gate_acc, axis=1) * inv_rms
     up_y = tl.sum(up_acc, axis=1) * inv_rms
-    # Gate and up rounded to the output dtype first, as the unfused projection stores them.
     out_type = out_ptr.dtype.element_ty
-    y = gated_activation(gate_y.to(out_type).to(tl.float32), up_y.to(out_type).to(tl.float32), GELU_TANH)
+    y = gated_rows(gate_y, up_y, out_ptr, 0, rows, row_mask, out_type, False, GELU_TANH)  # no bias
     tl.store(out_ptr + rows, y.to(out_type), mask=row_mask)
 
 

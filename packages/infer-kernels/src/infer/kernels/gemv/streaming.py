@@ -163,13 +163,21 @@ def _gemv_kernel(
         up_y = tl.sum(up_acc, axis=1)
         if SCALED and not SCALE_PER_TILE:
             up_y *= tl.load(up_scale_rows, mask=row_mask, other=0.0)
-        if HAS_BIAS:
-            up_y += tl.load(bias_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
-        # Gate and up rounded to the output dtype first, as the unfused projection stores them.
-        out_type = out_ptr.dtype.element_ty
-        y = gated_activation(y.to(out_type).to(tl.float32), up_y.to(out_type).to(tl.float32), GELU_TANH)
+        y = gated_rows(y, up_y, bias_ptr, N, rows, row_mask, out_ptr.dtype.element_ty, HAS_BIAS, GELU_TANH)
     out_ptrs = out_ptr + split * out_split_stride + m * out_row_stride + rows
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def gated_rows(
+    gate, up, bias_ptr, N, rows, row_mask, out_type, HAS_BIAS: tl.constexpr, GELU_TANH: tl.constexpr
+):
+    """A gated GEMV's output rows from its fp32 gate and up sums (the gate's bias already added):
+    up's bias (`bias_ptr` + N), both rounded to the output dtype first, as the unfused projection
+    stores them, then `act(gate) * up`."""
+    if HAS_BIAS:
+        up += tl.load(bias_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
+    return gated_activation(gate.to(out_type).to(tl.float32), up.to(out_type).to(tl.float32), GELU_TANH)
 
 
 @triton.jit
@@ -279,6 +287,16 @@ def _dense_gemv_kernel(
 
 
 @triton.jit
+def _parts_in_split_order(part_ptrs, split_stride, mask, SPLITS: tl.constexpr, CACHE: tl.constexpr):
+    """The sum of SPLITS fp32 parts, `split_stride` apart from `part_ptrs`, added in split order:
+    the one order every split-K sum takes, so that where it is summed does not change the bits."""
+    total = tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=CACHE)
+    for split in tl.static_range(1, SPLITS):
+        total += tl.load(part_ptrs + split * split_stride, mask=mask, other=0.0, cache_modifier=CACHE)
+    return total
+
+
+@triton.jit
 def _split_k_sum_kernel(
     partial_ptr,
     bias_ptr,
@@ -293,9 +311,7 @@ def _split_k_sum_kernel(
     await_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    acc = tl.load(partial_ptr + offs, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLIT_K):
-        acc += tl.load(partial_ptr + split * numel + offs, mask=mask, other=0.0)
+    acc = _parts_in_split_order(partial_ptr + offs, numel, mask, SPLIT_K, "")
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -316,10 +332,7 @@ def _sum_splits_in_the_last(
     tl.debug_barrier()
     count = count_ptr + m * tl.num_programs(1) + tl.program_id(1)
     if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-        total = tl.zeros(rows.shape, tl.float32)
-        for split in tl.static_range(SPLITS):
-            part_ptrs = partial_ptr + split * split_stride + m * N + rows
-            total += tl.load(part_ptrs, mask=row_mask, other=0.0, cache_modifier=".cg")
+        total = _parts_in_split_order(partial_ptr + m * N + rows, split_stride, row_mask, SPLITS, ".cg")
         if HAS_BIAS:
             total += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * N + rows, total.to(out_ptr.dtype.element_ty), mask=row_mask)
