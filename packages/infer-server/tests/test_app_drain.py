@@ -135,9 +135,12 @@ def test_infer_serve_drains_on_sigterm_and_exits_zero():
         models = httpx.get(base_url + "/v1/models").json()["data"]
         assert [(m["id"], m["max_model_len"]) for m in models] == [("smollm2-135m-instruct", 256)]
         body = {"model": "smollm2-135m-instruct", "prompt": "Count:", "max_tokens": 12, "ignore_eos": True}
+        # The request in flight long enough (~200 steps of a few ms each) that the drain still runs
+        # when the refused request is sent: at 12 tokens it had once finished, and the server exited.
+        in_flight = {**body, "max_tokens": 200, "stream": True}
         with (
             httpx.Client(base_url=base_url, timeout=60.0) as client,
-            client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response,
+            client.stream("POST", "/v1/completions", json=in_flight) as response,
         ):
             events = data_events(response)
             next(events)
