@@ -17,7 +17,7 @@ from gemv_ptx import ptx_code
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-_GEMV = dict(HAS_BIAS=False, GATED=False, GELU_TANH=False, PDL=True)
+_GEMV = dict(HAS_BIAS=False, GATED=False, GELU_TANH=False, PDL=True, PREFETCH=0)
 # Each case: the kernel, its warps, its constexprs.
 CASES = {
     "gemv 64 x 128, bf16 x, zero points": (

@@ -168,12 +168,18 @@ def sum_magnitude(x, qweight, scales, zeros, group_size, bias=None):
     return magnitude if bias is None else magnitude + bias.float().abs()
 
 
-def check_gated(N, K, group_size, symmetric, x_dtype, with_bias, activation, device):
-    """int4_gated_gemv of a [2N, K] gate/up weight against the unfused reference."""
+def check_gated(N, K, group_size, symmetric, x_dtype, with_bias, activation, device, config=None):
+    """int4_gated_gemv of a [2N, K] gate/up weight against the unfused reference (`config`: the
+    GEMV's tiles, through `_launch`)."""
     qweight, scales, zeros = make_weight(2 * N, K, group_size, symmetric, device)
     x = make_x(1, K, x_dtype, device)
     bias = make_bias(2 * N, x_dtype, device) if with_bias else None
-    out = int4_gated_gemv(x, qweight, scales, zeros, group_size, bias, activation=activation, pdl=True)
+    if config is None:
+        out = int4_gated_gemv(x, qweight, scales, zeros, group_size, bias, activation=activation, pdl=True)
+    else:
+        out = _launch(
+            x, qweight, scales, zeros, group_size, bias, config=config, activation=activation, pdl=True
+        )
     expected = int4_gated_gemv_ref(x, qweight, scales, zeros, group_size, bias, activation=activation)
     gate_up = int4_linear_ref(x, qweight, scales, zeros, group_size, bias)
     error = None
@@ -278,6 +284,20 @@ def test_interpreted_matches_the_byte_by_byte_oracle(triton_on_cpu, kernel):
     expected = x.double() @ _weight_by_element(qweight, scales, zeros, 32).T
     y = _launch(x, qweight, scales, zeros, 32, None, kernel=kernel)
     torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("block_k", [32, 128])
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_interpreted_gemv_with_each_tile_ahead(triton_on_cpu, prefetch, block_k, split_k):
+    """The GEMV with no tile loaded ahead, the next tile's words and scales (1), and x's too (2):
+    tiles inside a group of 64 and of two whole groups, K = 768 in 6 to 24 steps, split in three
+    or not; and the gated GEMV, whose up rows take the same steps."""
+    config = dict(BLOCK_N=16, BLOCK_K=block_k, UNROLL=1, num_warps=4, num_stages=1, PREFETCH=prefetch)
+    for x_dtype, symmetric in [(torch.bfloat16, False), (torch.float32, True)]:
+        check(1, 40, 768, 64, symmetric, x_dtype, True, "cpu", kernel="gemv", config=config, split_k=split_k)
+    if split_k == 1:
+        check_gated(37, 768, 64, False, torch.bfloat16, True, "silu", "cpu", config=config)
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -472,6 +492,18 @@ def test_cuda_split_sums_in_the_gemv_are_the_sum_kernels(cuda, monkeypatch):
 def test_cuda_gated_matches_the_unfused_pair(cuda, N, K, activation):
     """Qwen3-8B's gate/up projection, and a narrow one with a partial tile."""
     check_gated(N, K, 128, False, torch.bfloat16, N == 200, activation, cuda)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("rows, columns, warps", [(128, 128, 8), (64, 256, 4), (256, 128, 8)])
+def test_cuda_gemv_tiles_with_each_tile_ahead(cuda, rows, columns, warps, prefetch):
+    """Qwen3-8B's q|k|v and (with its activation) gate|up shapes and a narrow partial tile, each
+    tile the default rule picks for some shape, with each choice of what is loaded ahead."""
+    config = dict(BLOCK_N=rows, BLOCK_K=columns, UNROLL=1, num_warps=warps, num_stages=1, PREFETCH=prefetch)
+    check(1, 6144, 4096, 128, False, torch.bfloat16, True, cuda, kernel="gemv", config=config)
+    check(1, 200, 1024, 128, True, torch.float16, False, cuda, kernel="gemv", config=config, split_k=2)
+    check_gated(12288, 4096, 128, False, torch.bfloat16, False, "silu", cuda, config=config)
 
 
 @pytest.mark.gpu

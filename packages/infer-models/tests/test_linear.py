@@ -167,6 +167,42 @@ def test_an_int8_gated_mlp_runs_the_quantized_gated_gemv(method, block_size):
         assert cuda_kernels(lambda: mlp(one)) == ["_gemv_kernel", "_gemv_kernel"]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_order", [False, True])
+def test_an_int4_gated_mlp_runs_the_int4_gated_gemv(act_order):
+    """A GatedMLP with 4-bit weights sends one CUDA row through int4_gated_gemv (x's columns
+    gathered first where the weight is in act-order): two GEMV kernels and no activation kernel,
+    with int4_gated_gemv's output; two rows run the projection, then the activation's kernel."""
+    from infer.kernels import int4_gated_gemv
+    from infer.models.int4_weights import quantize_int4
+
+    config = SimpleNamespace(hidden_activation="silu", hidden_size=2048, intermediate_size=4096)
+    mlp = GatedMLP(config).to(device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator("cuda").manual_seed(0)
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        dense = torch.randn(linear.weight.shape, generator=gen, device="cuda") / 45
+        packed = quantize_int4(dense, 128, torch.bfloat16)
+        linear.quantize_int4(128, symmetric=False, scale_dtype=torch.bfloat16, act_order=act_order)
+        linear.weight.data, linear.weight_scale.data = packed.qweight, packed.scales
+        linear.weight_zero.data = packed.zeros
+        if act_order:
+            linear.input_perm.data = torch.randperm(linear.in_features, generator=gen, device="cuda")
+    apply_kernel_policy(mlp, PLAIN_CUDA)
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    one, two = (torch.randn(n, 2048, generator=gen, device="cuda", dtype=torch.bfloat16) for n in (1, 2))
+    assert torch.equal(mlp(two), down(silu_and_mul(gate_up(two))))
+    assert "_gated_activation_kernel" in cuda_kernels(lambda: mlp(two))
+    x = one if gate_up.input_perm is None else one.index_select(-1, gate_up.input_perm)
+    hidden = int4_gated_gemv(
+        x, gate_up.weight, gate_up.weight_scale, gate_up.weight_zero, 128, activation="silu"
+    )
+    assert torch.equal(mlp(one), down(hidden))
+    kernels = [
+        name for name in cuda_kernels(lambda: mlp(one)) if "gather" not in name and "index" not in name
+    ]
+    assert kernels == ["_int4_gemv_kernel", "_int4_gemv_kernel"]
+
+
 def unfused_norms(x, residual, norm, x_norm) -> tuple[torch.Tensor, torch.Tensor]:
     """(the normed row, the new residual) from the norm's own kernel on a copy of `residual`:
     `add_rms_norm`, or with `x_norm` (a sandwich norm), `rms_norm_add_rms_norm`."""

@@ -173,21 +173,33 @@ def _dot_config(M: int, N: int, K: int, k_cap: int) -> dict:
 # for int8 and fp8 on an H100) until the 4-bit ones are measured, and the tiles below.
 
 
-def _int4_gemv_config(N: int, K: int, k_cap: int) -> dict:
-    """Groups of 128: tiles of 128 rows x 128 columns, 8 warps, the loop not unrolled (Qwen3-8B
-    decoded 319.7 and 320.0 tok/s with them where 64 x 128 tiles, 4 warps, unrolled 4 times took
-    306.6 and 306.3, alternated in one run: docs/benchmarks/quantization.md#gpu-batch-1-decode-h200).
-    Other groups (not measured): tiles of 8192 weights inside one group with 4 warps, the loop
-    unrolled to 512 columns a step. K split by `_int4_gemv_splits`. Tiles of whole groups were
-    faster alone but slower in the model (#the-one-row-gemvs-tiles)."""
+def _int4_gemv_config(N: int, K: int, k_cap: int, gated: bool = False) -> dict:
+    """Groups of 128, K a multiple of 256: wide layers (N >= 6144: Qwen3-8B's q|k|v and gate|up)
+    in tiles of 64 rows x 256 columns (two whole groups) with 4 warps, narrower ones (its o and
+    down) 256 x 128 with 8 warps, each tile loading the next one before it sums its own (PREFETCH
+    1); the gated GEMV (`gated`: N its gate rows, K unsplit) 32 x 256 with 4 warps, nothing
+    ahead. On an H200, Qwen3-8B's four projections took 57.8 µs against 69.1 with 128 x 128
+    tiles, 8 warps, nothing ahead (the best of 13-25 tiles and choices a shape), and W1 decoded
+    371.3 and 371.0 tok/s against 322.9 and 322.8; the gated GEMV then took it to 387.6 and 387.6
+    against 372.6 and 372.1 (docs/benchmarks/quantization.md#a-tile-loaded-ahead). Other K: 128 x
+    128 with 8 warps, nothing ahead. Other groups (not measured): tiles of 8192 weights inside one
+    group with 4 warps, the loop unrolled to 512 columns a step. K split by `_int4_gemv_splits`."""
     block_k = min(k_cap, 256)
-    if block_k == 128:
-        block_n, unroll, warps = 128, 1, 8
+    if block_k == 128 and K % 256 == 0 and gated:
+        block_k, block_n, unroll, warps, prefetch = 256, 32, 1, 4, 0
+    elif block_k == 128 and K % 256 == 0 and N >= 6144:
+        block_k, block_n, unroll, warps, prefetch = 256, 64, 1, 4, 1
+    elif block_k == 128 and K % 256 == 0:
+        block_n, unroll, warps, prefetch = 256, 1, 8, 1
+    elif block_k == 128:
+        block_n, unroll, warps, prefetch = 128, 1, 8, 0
     else:
-        block_n, unroll, warps = max(16, min(256, 8192 // block_k)), max(1, 512 // block_k), 4
+        block_n, unroll, warps, prefetch = max(16, min(256, 8192 // block_k)), max(1, 512 // block_k), 4, 0
     # A grid's second dimension holds at most 65535 programs (an LM head of 2^22 rows).
     block_n = max(block_n, triton.next_power_of_2(triton.cdiv(N, 65535)))
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, num_stages=1)
+    return dict(
+        BLOCK_N=block_n, BLOCK_K=block_k, UNROLL=unroll, num_warps=warps, num_stages=1, PREFETCH=prefetch
+    )
 
 
 def _int4_gemv_splits(tiles: int, K: int, split_unit: int, num_sms: int) -> int:

@@ -10,6 +10,13 @@ scales and zeros are read before `await_inputs` (no kernel writes a weight); K m
 programs, the last of a tile's programs adding the parts in a fixed order
 (`_sum_splits_in_the_last`; with `_split_k_sum_kernel` after it where the counts are off).
 
+What a step loads ahead (PREFETCH, `_streamed_sums`): 0, nothing; 1, the next tile's words and
+scales, so that they are in flight while this tile's unpacking and multiply-adds run (Nsight
+found the GEMV's warps waiting on its loads, with too few warps resident to hide them:
+docs/benchmarks/quantization.md#the-one-row-gemv-under-nsight-compute); 2, x's next columns too.
+Which pays depends on the tile (configs._int4_gemv_config;
+docs/benchmarks/quantization.md#a-tile-loaded-ahead).
+
 The GEMV's cost, counted in the SASS for sm_90 (Triton 3.9, bf16 x, zero points) before its
 chains started from the word's sum of x: a 64 x 128 tile's loop body was 285 instructions a
 thread for its 64 weights, 4.5 a weight (362 without the PTX unpacking), a subtract a weight of
@@ -85,13 +92,82 @@ def _x_words(x_ptrs):
 
 
 @triton.jit
-def _tile_sums(
-    w_ptrs, x, x_sum, scale_ptr, zero_ptr, rows, row_mask, groups, strides, HAS_ZEROS, EXACT, PRMT
-):
-    """One weight tile's `[BLOCK_N, GROUPS, W]` sums, each word's times its group's scale."""
-    w = _word_bits(tl.load(w_ptrs, mask=row_mask[:, None, None], other=0), PRMT)
-    scale, offset = _tile_scales_and_offsets(scale_ptr, zero_ptr, rows, row_mask, groups, strides, HAS_ZEROS)
-    return _word_products(w, offset, x, x_sum, EXACT) * scale[:, :, None]
+def _unpacked_sums(w, columns, x_sum, scale, offset, EXACT, PRMT):
+    """One loaded weight tile's `[BLOCK_N, GROUPS, W]` sums, each word's times its group's scale:
+    its words `w`, x's columns of them and their sums (`_x_words`), its scales and offsets."""
+    return _word_products(_word_bits(w, PRMT), offset, columns, x_sum, EXACT) * scale[:, :, None]
+
+
+@triton.jit
+def _next_tile(w_ptrs, row_mask, tile, groups, strides, HAS_ZEROS):
+    """The words, scales and offsets of the weight tile at `w_ptrs`, of groups `groups`."""
+    w = tl.load(w_ptrs, mask=row_mask[:, None, None], other=0)
+    scale, offset = _tile_scales_and_offsets(*tile, groups, strides, HAS_ZEROS)
+    return w, scale, offset
+
+
+@triton.jit
+def _streamed_sums(
+    first, up_first, w_ptrs, up_ptrs, x_ptrs, row_mask, tile, up_tile, k_start, k_stop, strides,
+    GROUP_SIZE: tl.constexpr, GROUPS: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, EXACT: tl.constexpr, PRMT: tl.constexpr, GATED: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):  # fmt: skip
+    """The accumulators (the gate rows', or all rows', and the up rows') of a program's K split,
+    from its first tile (`first`, `up_first`: `_next_tile` of it, loaded already). PREFETCH 0:
+    each step loads a tile and sums it. 1: each step loads the next tile's words and scales, then
+    sums the tile loaded a step before, so that the weight's loads stay in flight while the
+    unpacking and multiply-adds run; x is loaded in the step that uses it. 2: x as well, carried
+    to the next step as the fp32 columns the sums read (its raw tile, carried, would go into
+    their layout through shared memory)."""
+    w, scale, offset = first
+    up, up_scale, up_offset = up_first
+    columns, x_sum = _x_words(x_ptrs)
+    if PREFETCH == 0:
+        acc = _unpacked_sums(w, columns, x_sum, scale, offset, EXACT, PRMT)
+        up_acc = acc
+        if GATED:
+            up_acc = _unpacked_sums(up, columns, x_sum, up_scale, up_offset, EXACT, PRMT)
+    else:  # the first tile is summed in the first step
+        acc = tl.zeros(w.shape, tl.float32)
+        up_acc = tl.zeros(w.shape, tl.float32)
+    for k0 in tl.range(k_start + BLOCK_K, k_stop, BLOCK_K, loop_unroll_factor=UNROLL):
+        groups = k0 // GROUP_SIZE + tl.arange(0, GROUPS)
+        next_w, next_scale, next_offset = _next_tile(
+            w_ptrs + BLOCK_K // 8, row_mask, tile, groups, strides, HAS_ZEROS
+        )
+        if GATED:
+            next_up, next_up_scale, next_up_offset = _next_tile(
+                up_ptrs + BLOCK_K // 8, row_mask, up_tile, groups, strides, HAS_ZEROS
+            )
+        if PREFETCH == 2:
+            next_columns, next_x_sum = _x_words(x_ptrs + BLOCK_K)
+        elif PREFETCH == 1:
+            columns, x_sum = _x_words(x_ptrs)
+        else:  # no tile ahead: this step's is the next one
+            w, scale, offset = next_w, next_scale, next_offset
+            columns, x_sum = _x_words(x_ptrs + BLOCK_K)
+            if GATED:
+                up, up_scale, up_offset = next_up, next_up_scale, next_up_offset
+        acc += _unpacked_sums(w, columns, x_sum, scale, offset, EXACT, PRMT)
+        if GATED:
+            up_acc += _unpacked_sums(up, columns, x_sum, up_scale, up_offset, EXACT, PRMT)
+        if PREFETCH > 0:
+            w, scale, offset = next_w, next_scale, next_offset
+            if GATED:
+                up, up_scale, up_offset = next_up, next_up_scale, next_up_offset
+        if PREFETCH == 2:
+            columns, x_sum = next_columns, next_x_sum
+        w_ptrs += BLOCK_K // 8
+        up_ptrs += BLOCK_K // 8
+        x_ptrs += BLOCK_K
+    if PREFETCH > 0:  # the last tile, loaded in the last step
+        if PREFETCH == 1:
+            columns, x_sum = _x_words(x_ptrs)
+        acc += _unpacked_sums(w, columns, x_sum, scale, offset, EXACT, PRMT)
+        if GATED:
+            up_acc += _unpacked_sums(up, columns, x_sum, up_scale, up_offset, EXACT, PRMT)
+    return acc, up_acc
 
 
 @triton.jit
@@ -122,6 +198,7 @@ def _int4_gemv_kernel(
     BLOCK_K: tl.constexpr,
     GROUPS: tl.constexpr,
     UNROLL: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PRMT: tl.constexpr,
     EXACT: tl.constexpr,
     GATED: tl.constexpr,
@@ -158,25 +235,15 @@ def _int4_gemv_kernel(
     # The first tile's words before waiting for the kernel before: no kernel writes a weight,
     # and under PDL the weight stream starts while that kernel ends.
     groups = k_start // GROUP_SIZE + tl.arange(0, GROUPS)
-    w = _word_bits(tl.load(w_ptrs, mask=row_mask[:, None, None], other=0), PRMT)
-    scale, offset = _tile_scales_and_offsets(*tile, groups, strides, HAS_ZEROS)
+    first = _next_tile(w_ptrs, row_mask, tile, groups, strides, HAS_ZEROS)
+    up_first = first  # the up rows' own where GATED (otherwise an unread name for the gate rows')
     if GATED:
-        up = _word_bits(tl.load(up_ptrs, mask=row_mask[:, None, None], other=0), PRMT)
-        up_scale, up_offset = _tile_scales_and_offsets(*up_tile, groups, strides, HAS_ZEROS)
+        up_first = _next_tile(up_ptrs, row_mask, up_tile, groups, strides, HAS_ZEROS)
     await_inputs(PDL)
-    x, x_sum = _x_words(x_ptrs)
-    acc = _word_products(w, offset, x, x_sum, EXACT) * scale[:, :, None]
-    if GATED:
-        up_acc = _word_products(up, up_offset, x, x_sum, EXACT) * up_scale[:, :, None]
-    for k0 in tl.range(k_start + BLOCK_K, k_stop, BLOCK_K, loop_unroll_factor=UNROLL):
-        w_ptrs += BLOCK_K // 8
-        x_ptrs += BLOCK_K
-        x, x_sum = _x_words(x_ptrs)
-        groups = k0 // GROUP_SIZE + tl.arange(0, GROUPS)
-        acc += _tile_sums(w_ptrs, x, x_sum, *tile, groups, strides, HAS_ZEROS, EXACT, PRMT)
-        if GATED:
-            up_ptrs += BLOCK_K // 8
-            up_acc += _tile_sums(up_ptrs, x, x_sum, *up_tile, groups, strides, HAS_ZEROS, EXACT, PRMT)
+    acc, up_acc = _streamed_sums(
+        first, up_first, w_ptrs, up_ptrs, x_ptrs, row_mask, tile, up_tile, k_start, k_stop, strides,
+        GROUP_SIZE, GROUPS, BLOCK_K, UNROLL, HAS_ZEROS, EXACT, PRMT, GATED, PREFETCH,
+    )  # fmt: skip
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS and SPLITS < 2:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)

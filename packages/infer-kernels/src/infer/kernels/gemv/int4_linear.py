@@ -110,7 +110,10 @@ def _launch(
         weight = _dequantized(qweight, scales, zeros, group_size, x.dtype, pdl)
         return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
     if config is None:
-        config = _int4_gemv_config(N, K, k_cap) if kernel == "gemv" else _int4_dot_config(M, k_cap)
+        if kernel == "gemv":
+            config = _int4_gemv_config(N, K, k_cap, gated=activation is not None)
+        else:
+            config = _int4_dot_config(M, k_cap)
     config = dict(config)
     block_k = config["BLOCK_K"]
     # The GEMV's tile may hold whole groups (of a power of two columns: its words are a
@@ -124,6 +127,7 @@ def _launch(
         raise ValueError(f"BLOCK_K {block_k}: the kernels read whole words of 8 columns, tl.dot 16 of them")
     if kernel == "gemv":
         config.setdefault("UNROLL", 1)
+        config.setdefault("PREFETCH", 0)
         config.setdefault("GROUPS", max(1, block_k // group_size))
         tiles = M * triton.cdiv(N, config["BLOCK_N"])
     else:
