@@ -122,7 +122,8 @@ def _streamed_sums(
     their layout through shared memory)."""
     w, scale, offset = first
     up, up_scale, up_offset = up_first
-    columns, x_sum = _x_words(x_ptrs)
+    if PREFETCH != 1:  # 1 loads each tile's x in the step that sums it
+        columns, x_sum = _x_words(x_ptrs)
     if PREFETCH == 0:
         acc = _unpacked_sums(w, columns, x_sum, scale, offset, EXACT, PRMT)
         up_acc = acc
