@@ -168,6 +168,12 @@ class QuantizedMethod(DenseMethod):
         return super().apply_gated(layer, x, activation)
 
 
+def _in_weight_order(layer, x: torch.Tensor) -> torch.Tensor:
+    """x with its columns gathered in the 4-bit weight's column order (`layer.input_perm`, a GPTQ
+    act-order weight's), or x itself."""
+    return x if layer.input_perm is None else x.index_select(-1, layer.input_perm)
+
+
 @dataclass(frozen=True)
 class Int4Method(DenseMethod):
     """Packed 4-bit weights (the layout of infer.kernels.gemv.int4_layout) through `int4_linear`. A GPTQ
@@ -179,9 +185,8 @@ class Int4Method(DenseMethod):
 
     def apply_gated(self, layer, x: torch.Tensor, activation: str) -> torch.Tensor:
         if x.is_cuda and _one_row(layer, x):
-            x = x if layer.input_perm is None else x.index_select(-1, layer.input_perm)
             return int4_gated_gemv(
-                x,
+                _in_weight_order(layer, x),
                 layer.weight,
                 layer.weight_scale,
                 layer.weight_zero,
@@ -193,10 +198,8 @@ class Int4Method(DenseMethod):
         return super().apply_gated(layer, x, activation)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if layer.input_perm is not None:
-            x = x.index_select(-1, layer.input_perm)
         return int4_linear(
-            x,
+            _in_weight_order(layer, x),
             layer.weight,
             layer.weight_scale,
             layer.weight_zero,
