@@ -19,6 +19,7 @@ GROUPS, groups a step. The split-K parts are left in `out_ptr[split]` (summed by
 
     python experiments/int4_mma_gluon.py             # on a GPU: check against int4_linear_ref, time
     python experiments/int4_mma_gluon.py --offline   # compile for sm_90 here: registers, the loop's SASS
+    python experiments/int4_mma_gluon.py --in-the-kernels   # gemv.int4_mma (kernel="mma") on a GPU
 """
 
 import argparse
@@ -168,29 +169,8 @@ def _mma_gemv_kernel(
 
 
 def layouts(block_n: int, warps: int, groups: int) -> tuple:
-    """The words' layout (thread (lane l, warp w): rows 16 warps t + 16 w + 8 h + l // 4, h and t
-    registers, words 4 (l % 4) .. + 3 of each group: the left operand's fragments, rows r and
-    r + 8) and x's (lane c: columns 32 c .. + 31 of a group, in every lane of c)."""
-    warp_bits = warps.bit_length() - 1
-    repeat_bits = (block_n // (16 * warps)).bit_length() - 1
-    assert 16 * warps << repeat_bits == block_n, (block_n, warps)
-    words = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]]
-        + [[16 * warps << t, 0] for t in range(repeat_bits)]
-        + [[0, 16 << g] for g in range(groups.bit_length() - 1)],
-        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16 << i, 0] for i in range(warp_bits)],
-        block_bases=[],
-        shape=[block_n, 16 * groups],
-    )
-    x_layout = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16]],
-        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[0, 0, 0]] * warp_bits,
-        block_bases=[],
-        shape=[8, 4, 32],
-    )
-    return words, x_layout
+    """The words' and x's layouts: gemv.int4_mma's (the same kernel's fragments, in the same order)."""
+    return importlib.import_module("infer.kernels.gemv.int4_mma")._layouts(block_n, warps, groups)
 
 
 def tiled(qweight):
@@ -274,6 +254,29 @@ def gpu(configs: list[tuple]) -> None:
         print(f"the four, {key}: {us:.2f} us", flush=True)
 
 
+def in_the_kernels() -> None:
+    """`int4_linear._launch` with its default for one row against `kernel="mma"` (gemv.int4_mma,
+    its K splits summed by a kernel after it): µs a call streamed as `gpu` times them."""
+    torch = _torch()
+    sys.path.insert(0, str(Path(__file__).parents[1] / "kernels-bench"))
+    from sweep_quantized_gemv import quantized_weights, streamed_us
+
+    int4_linear = importlib.import_module("infer.kernels.gemv.int4_linear")
+    totals = collections.Counter()
+    for name, (n, k) in SHAPES.items():
+        weights = quantized_weights("int4", n, k)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        runs = {"default": [], "mma": []}
+        for _ in range(3):
+            for kind, times in runs.items():
+                options = {} if kind == "default" else {"kernel": "mma"}
+                calls = [functools.partial(int4_linear._launch, x, *w[:4], None, **options) for w in weights]
+                times.append(streamed_us(calls))
+        print(name, {kind: round(min(times), 2) for kind, times in runs.items()}, flush=True)
+        totals.update({kind: min(times) for kind, times in runs.items()})
+    print(f"the four: {dict(totals)}, {totals['default'] / totals['mma']:.3f}x")
+
+
 def offline(config: tuple) -> None:
     """Compile one configuration for sm_90 without a GPU: registers, and the K loop's instructions
     (a thread's), as a count and by opcode, with the weights a thread sums a step."""
@@ -338,8 +341,11 @@ CONFIGS = [
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--offline", action="store_true", help="compile for sm_90 here; no GPU")
+    parser.add_argument("--in-the-kernels", action="store_true", help="int4_linear against its kernel='mma'")
     args = parser.parse_args()
-    if args.offline:
+    if args.in_the_kernels:
+        in_the_kernels()
+    elif args.offline:
         for config in [
             (128, 8, 8, 1, 2, 1, 1),
             (128, 4, 8, 0, 1, 1, 1),

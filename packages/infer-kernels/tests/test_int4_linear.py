@@ -507,6 +507,36 @@ def test_cuda_gemv_tiles_with_each_tile_ahead(cuda, rows, columns, warps, prefet
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_cuda_mma_gemv_matches_reference(cuda, symmetric, x_dtype):
+    """The one-row GEMV on tensor cores (gemv.int4_mma): Qwen3-8B's four shapes with the K splits
+    it picks; a partial tile of rows with an odd count of groups (K = 384: a group a step) and a
+    bias; 20 groups in 5 splits (not a power of two) of 2 steps of 2 groups."""
+    for N, K in MODEL_SHAPES:
+        check(1, N, K, 128, symmetric, x_dtype, False, cuda, kernel="mma")
+    check(1, 200, 384, 128, symmetric, x_dtype, True, cuda, kernel="mma")
+    check(1, 1000, 2560, 128, symmetric, x_dtype, True, cuda, kernel="mma", split_k=5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_mma_gemv_refuses_what_it_does_not_take(device):
+    """`kernel="mma"` asked of what it cannot run (CPU x, fp32 x, groups of 64, two rows) is
+    refused by name, not run some other way."""
+    qweight, scales, zeros = make_weight(64, 256, 128, False, device)
+    cases = [(make_x(1, 256, torch.float32, device), 128), (make_x(2, 256, torch.bfloat16, device), 128)]
+    if device == "cuda":
+        x = make_x(1, 256, torch.bfloat16, device)
+        with pytest.raises(ValueError, match="kernel 'mma'"):
+            _launch(x, *make_weight(64, 256, 64, False, device), 64, None, kernel="mma")
+    else:
+        cases.append((make_x(1, 256, torch.bfloat16, device), 128))
+    for x, group_size in cases:
+        with pytest.raises(ValueError, match="kernel 'mma'"):
+            _launch(x, qweight, scales, zeros, group_size, None, kernel="mma")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("prmt", [True, False])
 @pytest.mark.parametrize("group_size", GROUPS)
 def test_cuda_unpacks_with_and_without_its_ptx(cuda, group_size, prmt):

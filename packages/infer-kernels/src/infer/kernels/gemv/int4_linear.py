@@ -90,9 +90,10 @@ def _launch(
     activation: str | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """Run one kernel. `kernel` ("gemv", "dot" or "dequantize": the weight dequantized to x's dtype
-    in one pass, then cuBLAS), `config` and `split_k` override the choice by shape (for tests and
-    tuning). `activation` ("silu" or "gelu_tanh"; one row): `int4_gated_gemv` (gemv.gated)."""
+    """Run one kernel. `kernel` ("gemv", "dot", "dequantize": the weight dequantized to x's dtype
+    in one pass, then cuBLAS, or "mma": gemv.int4_mma's one-row GEMV on tensor cores, not yet
+    chosen by shape), `config` and `split_k` override the choice by shape (for tests and tuning).
+    `activation` ("silu" or "gelu_tanh"; one row): `int4_gated_gemv` (gemv.gated)."""
     N, K = qweight.shape[0], qweight.shape[1] * 2
     qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     if activation is not None:
@@ -101,6 +102,15 @@ def _launch(
     M = rows.shape[0]
     if M == 0 or N == 0 or K == 0:
         return _empty_product(out, bias, x)
+    if kernel == "mma":
+        # Imported here: Gluon (triton.experimental) is newer than the Triton the package asks for.
+        from infer.kernels.gemv.int4_mma import int4_mma_gemv, mma_gemv_applies
+
+        if M != 1 or not mma_gemv_applies(x, group_size, K):
+            raise ValueError("kernel 'mma' takes one bf16 or fp16 CUDA row of x, in groups of 128")
+        if not qweight.is_contiguous() or qweight.data_ptr() % 16:
+            qweight = qweight.clone(memory_format=torch.contiguous_format)  # 16-byte loads of whole rows
+        return int4_mma_gemv(rows, qweight, scales, zeros, bias, out, split_k=split_k).view(*x.shape[:-1], N)
     k_cap = group_size & -group_size  # the widest tile inside one group
     if kernel is None:
         kernel = "gemv" if M <= _GEMV_MAX_M or k_cap < _MIN_DOT else "dot"

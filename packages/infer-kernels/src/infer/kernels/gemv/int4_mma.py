@@ -1,0 +1,260 @@
+"""The one-row int4 GEMV on tensor cores (`mma.sync` m16n8k16), written in Gluon, Triton's
+dialect in which a kernel states its layouts: `int4_linear`'s `kernel="mma"`, for one row of
+bf16 or fp16 x and groups of 128 (not yet its default: docs/benchmarks/quantization.md#the-one-
+row-gemv-on-tensor-cores-in-gluon-an-experiment).
+
+The weight tile is the MMA's left operand (16 weight rows a warp's tile; a thread's fragment holds
+rows r and r + 8) and x its right one (its 8 columns alike; column 0 is stored). Each thread loads,
+as 16-byte words of `int4_layout`'s rows, exactly the rows and K pairs its fragments hold, so no
+operand changes layout (every `convert_layout` is asserted free when the kernel compiles):
+`((w >> 4p) & 0x000F000F) | MAGIC` is one fragment register, the pair BASE + q of columns 8m + p and
+8m + p + 4 of word m as two bf16 (BASE 128) or fp16 (BASE 1024), exactly. The MMA's K order is
+chosen so that a thread's pairs come from its own 4 words of a group, and x is stored once a
+program in shared memory in that order, with each group's sum of x. A group's fp32 sums, less
+(BASE + zero) times its sum of x, times its scale, go into the accumulator: no FMA a weight on
+the CUDA cores, about 7 integer instructions a word of 8 weights and an MMA a 256. Each K split's
+sums go to its own row of fp32 partial sums, which `_sum_splits` adds in split order with the
+bias. Triton's interpreter runs no Gluon: CUDA only.
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from infer.kernels._dispatch import num_sms
+from infer.kernels.gemv.streaming import _sum_splits
+from infer.kernels.pdl import launch_options
+
+# A fragment register from a word: the word's nibbles p and p + 4 under the exponent of BASE (the
+# low half nibble p), as `_pair` calls it on the word twice, two elements a call in one register.
+# BASE's bits in each half: 0x4300 is bf16 128, 0x6400 fp16 1024, whose mantissas' last unit is 1.
+_PAIR_PTX = "{ .reg .b32 t; shr.u32 t, $1, SHIFT; lop3.b32 $0, t, 0x000F000F, MAGIC, 0xEA; }"
+_BF16_PAIR0, _BF16_PAIR1, _BF16_PAIR2, _BF16_PAIR3 = (
+    gl.constexpr(_PAIR_PTX.replace("SHIFT", str(4 * p)).replace("MAGIC", "0x43004300")) for p in range(4)
+)
+_F16_PAIR0, _F16_PAIR1, _F16_PAIR2, _F16_PAIR3 = (
+    gl.constexpr(_PAIR_PTX.replace("SHIFT", str(4 * p)).replace("MAGIC", "0x64006400")) for p in range(4)
+)
+_GROUP = 128  # columns a group: the only group size the kernel takes (16 words a row)
+# 64 weight rows and 4 warps a program, the next step's words loaded a step ahead, 2 groups a
+# step where K allows, K split while the programs number fewer than 4 an SM (at most 8 ways):
+# with int4_layout's rows and x in shared memory, the best of its 240 configurations on each of
+# Qwen3-8B's four projections on an H200 (docs/benchmarks/quantization.md, "The one-row GEMV on
+# tensor cores, in Gluon").
+_BLOCK_N = 64
+_WARPS = 4
+_PROGRAMS_PER_SM = 4
+_MAX_SPLITS = 8
+
+
+@gluon.jit
+def _pair(ww, asm: gl.constexpr, F16: gl.constexpr):
+    """`ww` `[..., 2]`, each word twice -> `[..., 2]`: nibbles p and p + 4 as BASE + q."""
+    if F16:
+        pair = gl.inline_asm_elementwise(asm, "=r,r,r", [ww], dtype=gl.float16, is_pure=True, pack=2)
+    else:
+        pair = gl.inline_asm_elementwise(asm, "=r,r,r", [ww], dtype=gl.bfloat16, is_pure=True, pack=2)
+    return pair
+
+
+@gluon.jit
+def _group_sum(w, local, scale_ptrs, zero_ptrs, x_smem, sum_smem, mma: gl.constexpr, x_layout: gl.constexpr,
+               BLOCK_N: gl.constexpr, HAS_ZEROS: gl.constexpr, F16: gl.constexpr):  # fmt: skip
+    """One group's `[BLOCK_N, 16]` words (the split's group `local`; `scale_ptrs` and `zero_ptrs`
+    at the group's column) -> `[BLOCK_N, 8]` sums times the group's scale (the 8 columns alike)."""
+    base: gl.constexpr = 1024.0 if F16 else 128.0
+    scale = gl.load(scale_ptrs).to(gl.float32)
+    if HAS_ZEROS:
+        offset = gl.load(zero_ptrs).to(gl.float32) + base
+    else:
+        offset = gl.full(scale.shape, base + 8.0, gl.float32, layout=scale.type.layout)
+    # x as the fragments hold it: lane c's columns 32 c .. + 31 of the group as e = 8 i + 4 h + 2 s + b
+    xs = x_smem.index(local).reshape([4, 32]).load(gl.SliceLayout(0, x_layout))  # [c, e]
+    xs = gl.expand_dims(xs, 0).broadcast_to(8, 4, 32)
+    xs = gl.permute(gl.reshape(xs, [8, 4, 4, 2, 2, 2]), [2, 3, 4, 1, 5, 0])  # [i, h, s, c, b, n]
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    xb = gl.convert_layout(gl.reshape(xs, [128, 8]), b_layout, assert_trivial=True)
+    x_sum = sum_smem.index(local).load(gl.SliceLayout(0, mma))[None, :]  # [1, 8], alike
+    # The weights: the MMA's K index k = 32 i + 16 h + 8 s + 2 c + b is column 32 c + 8 i + p + 4 b
+    # (p = 2 h + s), nibble p (b = 0) or p + 4 (b = 1) of lane c's word 4 c + i.
+    w4 = gl.reshape(w, [BLOCK_N, 4, 4])  # [n, c, i]
+    ww = gl.join(w4, w4)
+    if F16:
+        low = gl.join(_pair(ww, _F16_PAIR0, F16), _pair(ww, _F16_PAIR1, F16))  # [n, c, i, b, s], h = 0
+        high = gl.join(_pair(ww, _F16_PAIR2, F16), _pair(ww, _F16_PAIR3, F16))  # h = 1
+    else:
+        low = gl.join(_pair(ww, _BF16_PAIR0, F16), _pair(ww, _BF16_PAIR1, F16))
+        high = gl.join(_pair(ww, _BF16_PAIR2, F16), _pair(ww, _BF16_PAIR3, F16))
+    e = gl.permute(gl.join(low, high), [0, 2, 5, 4, 1, 3])  # [n, i, h, s, c, b]
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    a = gl.convert_layout(gl.reshape(e, [BLOCK_N, 128]), a_layout, assert_trivial=True)
+    part = mma_v2(a, xb, gl.zeros([BLOCK_N, 8], gl.float32, layout=mma))
+    return (part - offset[:, None] * x_sum) * scale[:, None]
+
+
+@gluon.jit
+def _stage_x(x_ptr, word_start, words_per_split, WARPS: gl.constexpr, SPLIT_GROUPS: gl.constexpr):
+    """The split's x in shared memory as `_group_sum` reads it (`[SPLIT_GROUPS, 128]`: lane c's 32
+    columns of a group in its fragments' order), and each group's sum of x (`[SPLIT_GROUPS, 8]`)."""
+    staging: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [WARPS, 1, 1], [2, 1, 0])
+    group = gl.arange(0, SPLIT_GROUPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, staging)))
+    lane = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, staging)))
+    e = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, staging)))
+    column = 8 * (e >> 3) + 2 * ((e >> 2) & 1) + ((e >> 1) & 1) + 4 * (e & 1)  # 8 i + 2 h + s + 4 b
+    index = 128 * group[:, None, None] + 32 * lane[None, :, None] + column[None, None, :]
+    x = gl.load(x_ptr + 8 * word_start + index, mask=index < 8 * words_per_split, other=0.0)
+    buffers: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of rank 1, one a group
+    whole: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # the same bytes, row-major
+    x_smem = gl.allocate_shared_memory(x.dtype, [SPLIT_GROUPS, 128], buffers)
+    x_smem._reinterpret(x.dtype, [SPLIT_GROUPS, 128], whole).store(gl.reshape(x, [SPLIT_GROUPS, 128]))
+    sums = gl.sum(gl.sum(x.to(gl.float32), axis=2), axis=1)
+    sums = gl.expand_dims(sums, 1).broadcast_to(SPLIT_GROUPS, 8)
+    sums = gl.convert_layout(sums, gl.BlockedLayout([1, 1], [4, 8], [WARPS, 1], [1, 0]))
+    sum_smem = gl.allocate_shared_memory(gl.float32, [SPLIT_GROUPS, 8], buffers)
+    sum_smem._reinterpret(gl.float32, [SPLIT_GROUPS, 8], whole).store(sums)
+    gl.thread_barrier()
+    return x_smem, sum_smem
+
+
+@gluon.jit
+def _int4_mma_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, zero_ptr, partial_ptr, N, w_row_stride, scale_row_stride, scale_col_stride,
+    zero_row_stride, zero_col_stride, words_per_split, BLOCK_N: gl.constexpr, WARPS: gl.constexpr,
+    GROUPS: gl.constexpr, SPLIT_GROUPS: gl.constexpr, HAS_ZEROS: gl.constexpr, F16: gl.constexpr,
+    words: gl.constexpr, x_layout: gl.constexpr,
+):  # fmt: skip
+    """Program (tile, split): `partial_ptr[split, rows]` (fp32) from the split's `words_per_split`
+    words of each row (`w_ptr` int32 words, `w_row_stride` of them a row), GROUPS groups a step,
+    the next step's words loaded before this step's are summed. `words`, `x_layout`: `_layouts`."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
+    )
+    STEP: gl.constexpr = 16 * GROUPS  # a row's words a step
+    split = gl.program_id(1)
+    word_start = split * words_per_split
+    end = word_start + words_per_split
+    x_smem, sum_smem = _stage_x(x_ptr, word_start, words_per_split, WARPS, SPLIT_GROUPS)
+    # Rows past N read row N - 1 (any row would do: their sums are not stored).
+    rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, words))
+    rows = gl.minimum(rows, N - 1)
+    column = gl.arange(0, STEP, layout=gl.SliceLayout(0, words))
+    w_ptrs = w_ptr + rows.to(gl.int64)[:, None] * w_row_stride + word_start + column[None, :]
+    out_rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    read_rows = gl.minimum(out_rows, N - 1).to(gl.int64)
+    scale_ptrs = scale_ptr + read_rows * scale_row_stride
+    zero_ptrs = zero_ptr + read_rows * zero_row_stride
+    acc = gl.zeros([BLOCK_N, 8], gl.float32, layout=mma)
+    w = gl.load(w_ptrs)
+    for word in range(word_start, end, STEP):
+        w_next = gl.load(w_ptrs + STEP, mask=word + STEP < end, other=0)
+        group = word // 16
+        local = (word - word_start) // 16
+        scales_now = scale_ptrs + group * scale_col_stride
+        zeros_now = zero_ptrs + group * zero_col_stride
+        if GROUPS == 1:
+            acc += _group_sum(w, local, scales_now, zeros_now, x_smem, sum_smem, mma, x_layout, BLOCK_N,
+                              HAS_ZEROS, F16)  # fmt: skip
+        else:
+            w0, w1 = gl.split(gl.permute(gl.reshape(w, [BLOCK_N, 2, 16]), [0, 2, 1]))
+            acc += _group_sum(w0, local, scales_now, zeros_now, x_smem, sum_smem, mma, x_layout, BLOCK_N,
+                              HAS_ZEROS, F16)  # fmt: skip
+            acc += _group_sum(w1, local + 1, scales_now + scale_col_stride, zeros_now + zero_col_stride,
+                              x_smem, sum_smem, mma, x_layout, BLOCK_N, HAS_ZEROS, F16)  # fmt: skip
+        w = w_next
+        w_ptrs += STEP
+    columns = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+    y = gl.sum(gl.where((columns == 0)[None, :], acc, 0.0), axis=1)
+    gl.store(partial_ptr + split * N + out_rows, y, mask=out_rows < N)
+
+
+def _layouts(block_n: int, warps: int, groups: int) -> tuple:
+    """The words' layout (thread (lane l, warp w): rows 16 warps t + 16 w + 8 h + l // 4, h and t
+    its registers, words 4 (l % 4) .. + 3 of each group: the left operand's fragments) and x's
+    (`[8, 4, 32]`: lane c's 32 columns of a group, in every lane of c and every warp)."""
+    warp_bits = warps.bit_length() - 1
+    repeat_bits = (block_n // (16 * warps)).bit_length() - 1
+    words = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]]
+        + [[16 * warps << t, 0] for t in range(repeat_bits)]
+        + [[0, 16 << g] for g in range(groups.bit_length() - 1)],
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << i, 0] for i in range(warp_bits)],
+        block_bases=[],
+        shape=[block_n, 16 * groups],
+    )
+    x_layout = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[0, 0, 0]] * warp_bits,
+        block_bases=[],
+        shape=[8, 4, 32],
+    )
+    return words, x_layout
+
+
+def mma_gemv_applies(x: torch.Tensor, group_size: int, K: int) -> bool:
+    """Whether `int4_mma_gemv` takes this product: CUDA, bf16 or fp16 x, groups of 128."""
+    half = x.dtype in (torch.bfloat16, torch.float16)
+    return x.is_cuda and half and group_size == _GROUP and K % _GROUP == 0
+
+
+def _splits(tiles: int, groups_a_row: int, groups_a_step: int, device) -> int:
+    """K splits: doubled while the programs number fewer than _PROGRAMS_PER_SM an SM, each split
+    whole steps."""
+    splits = 1
+    while (
+        splits < _MAX_SPLITS
+        and tiles * splits < _PROGRAMS_PER_SM * num_sms(device)
+        and groups_a_row % (2 * splits * groups_a_step) == 0
+    ):
+        splits *= 2
+    return splits
+
+
+def int4_mma_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """`out` `[1, N]` = `x` `[1, K]` @ W.T + bias for `int4_layout`'s W in groups of 128
+    (`mma_gemv_applies`); `split_k` overrides the K splits (a divisor of the steps)."""
+    N, K = qweight.shape[0], qweight.shape[1] * 2
+    groups_a_row = K // _GROUP
+    groups_a_step = 2 if groups_a_row % 2 == 0 else 1
+    tiles = triton.cdiv(N, _BLOCK_N)
+    splits = split_k or _splits(tiles, groups_a_row, groups_a_step, x.device)
+    if groups_a_row % (splits * groups_a_step):
+        raise ValueError(f"K = {K} is not {splits} splits of whole steps of {groups_a_step} groups")
+    words = qweight.view(torch.int32)
+    partial = torch.empty((splits, 1, N), dtype=torch.float32, device=x.device)
+    layouts = _layouts(_BLOCK_N, _WARPS, groups_a_step)
+    _int4_mma_gemv_kernel[(tiles, splits)](
+        x,
+        words,
+        scales,
+        scales if zeros is None else zeros,
+        partial,
+        N,
+        words.stride(0),
+        *scales.stride(),
+        *((0, 0) if zeros is None else zeros.stride()),
+        K // 8 // splits,
+        BLOCK_N=_BLOCK_N,
+        WARPS=_WARPS,
+        GROUPS=groups_a_step,
+        SPLIT_GROUPS=triton.next_power_of_2(groups_a_row // splits),
+        HAS_ZEROS=zeros is not None,
+        F16=x.dtype == torch.float16,
+        words=layouts[0],
+        x_layout=layouts[1],
+        num_warps=_WARPS,
+    )
+    _sum_splits(partial, bias, out, launch_options(x, False))  # the GEMV itself waits for no kernel: no PDL
+    return out
