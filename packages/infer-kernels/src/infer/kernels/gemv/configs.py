@@ -1,8 +1,9 @@
 """Every tile and K-split choice of the GEMV family, by the shape of the product, with what
 measured it: the 8-bit kernels' (`_gemv_config`, `_dot_config`), the dense and gated GEMV's
 (`_dense_gemv_config`, `_gated_gemv_config`), the 4-bit kernels' (`_int4_gemv_config`,
-`_int4_dot_config`), the normed GEMVs' tiles, the K splits (`_split_k` and `_k_split` for dense
-and 8-bit weights, `_int4_gemv_splits` and `_int4_k_per_split` for 4-bit ones), and the rows of
+`_int4_dot_config`, gemv.int4_mma's `_INT4_MMA_*`), the normed GEMVs' tiles, the K splits
+(`_split_k` and `_k_split` for dense and 8-bit weights, `_int4_gemv_splits`, `_int4_k_per_split`
+and `_int4_mma_splits` for 4-bit ones), and the rows of
 x at which the launchers change kernels. The launchers (dense, quantized, int4_linear, normed)
 read them; their `config` and `split_k` arguments override them for tests and sweeps.
 """
@@ -209,6 +210,28 @@ def _int4_gemv_splits(tiles: int, K: int, split_unit: int, num_sms: int) -> int:
     the SMs."""
     splits = 1
     while splits < _MAX_SPLIT_K and tiles * splits < 2 * num_sms and K // (2 * splits) >= split_unit:
+        splits *= 2
+    return splits
+
+
+# gemv.int4_mma (int4_linear's kernel="mma"): 64 weight rows and 4 warps a program, the K split
+# while the programs number fewer than 4 an SM: with int4_layout's rows and x in shared memory,
+# the best of 240 configurations on each of Qwen3-8B's four projections on an H200
+# (docs/benchmarks/quantization.md, "The one-row GEMV on tensor cores, in Gluon").
+_INT4_MMA_BLOCK_N = 64
+_INT4_MMA_WARPS = 4
+_INT4_MMA_PROGRAMS_PER_SM = 4
+
+
+def _int4_mma_splits(tiles: int, groups_a_row: int, groups_a_step: int, num_sms: int) -> int:
+    """K splits for gemv.int4_mma: doubled while the programs number fewer than
+    _INT4_MMA_PROGRAMS_PER_SM an SM, each split whole steps of `groups_a_step` groups."""
+    splits = 1
+    while (
+        splits < _MAX_SPLIT_K
+        and tiles * splits < _INT4_MMA_PROGRAMS_PER_SM * num_sms
+        and groups_a_row % (2 * splits * groups_a_step) == 0
+    ):
         splits *= 2
     return splits
 

@@ -24,6 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from infer.kernels._dispatch import num_sms
+from infer.kernels.gemv.configs import _INT4_MMA_BLOCK_N, _INT4_MMA_WARPS, _int4_mma_splits
 from infer.kernels.gemv.streaming import _sum_splits
 from infer.kernels.pdl import launch_options
 
@@ -38,15 +39,6 @@ _F16_PAIR0, _F16_PAIR1, _F16_PAIR2, _F16_PAIR3 = (
     gl.constexpr(_PAIR_PTX.replace("SHIFT", str(4 * p)).replace("MAGIC", "0x64006400")) for p in range(4)
 )
 _GROUP = 128  # columns a group: the only group size the kernel takes (16 words a row)
-# 64 weight rows and 4 warps a program, the next step's words loaded a step ahead, 2 groups a
-# step where K allows, K split while the programs number fewer than 4 an SM (at most 8 ways):
-# with int4_layout's rows and x in shared memory, the best of its 240 configurations on each of
-# Qwen3-8B's four projections on an H200 (docs/benchmarks/quantization.md, "The one-row GEMV on
-# tensor cores, in Gluon").
-_BLOCK_N = 64
-_WARPS = 4
-_PROGRAMS_PER_SM = 4
-_MAX_SPLITS = 8
 
 
 @gluon.jit
@@ -200,19 +192,6 @@ def mma_gemv_applies(x: torch.Tensor, group_size: int, K: int) -> bool:
     return x.is_cuda and half and group_size == _GROUP and K % _GROUP == 0
 
 
-def _splits(tiles: int, groups_a_row: int, groups_a_step: int, device) -> int:
-    """K splits: doubled while the programs number fewer than _PROGRAMS_PER_SM an SM, each split
-    whole steps."""
-    splits = 1
-    while (
-        splits < _MAX_SPLITS
-        and tiles * splits < _PROGRAMS_PER_SM * num_sms(device)
-        and groups_a_row % (2 * splits * groups_a_step) == 0
-    ):
-        splits *= 2
-    return splits
-
-
 def int4_mma_gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -228,13 +207,13 @@ def int4_mma_gemv(
     N, K = qweight.shape[0], qweight.shape[1] * 2
     groups_a_row = K // _GROUP
     groups_a_step = 2 if groups_a_row % 2 == 0 else 1
-    tiles = triton.cdiv(N, _BLOCK_N)
-    splits = split_k or _splits(tiles, groups_a_row, groups_a_step, x.device)
+    tiles = triton.cdiv(N, _INT4_MMA_BLOCK_N)
+    splits = split_k or _int4_mma_splits(tiles, groups_a_row, groups_a_step, num_sms(x.device))
     if groups_a_row % (splits * groups_a_step):
         raise ValueError(f"K = {K} is not {splits} splits of whole steps of {groups_a_step} groups")
     words = qweight.view(torch.int32)
     partial = torch.empty((splits, 1, N), dtype=torch.float32, device=x.device)
-    layouts = _layouts(_BLOCK_N, _WARPS, groups_a_step)
+    layouts = _layouts(_INT4_MMA_BLOCK_N, _INT4_MMA_WARPS, groups_a_step)
     _int4_mma_gemv_kernel[(tiles, splits)](
         x,
         words,
@@ -246,15 +225,15 @@ def int4_mma_gemv(
         *scales.stride(),
         *((0, 0) if zeros is None else zeros.stride()),
         K // 8 // splits,
-        BLOCK_N=_BLOCK_N,
-        WARPS=_WARPS,
+        BLOCK_N=_INT4_MMA_BLOCK_N,
+        WARPS=_INT4_MMA_WARPS,
         GROUPS=groups_a_step,
         SPLIT_GROUPS=triton.next_power_of_2(groups_a_row // splits),
         HAS_ZEROS=zeros is not None,
         F16=x.dtype == torch.float16,
         words=layouts[0],
         x_layout=layouts[1],
-        num_warps=_WARPS,
+        num_warps=_INT4_MMA_WARPS,
     )
     _sum_splits(partial, bias, out, launch_options(x, False))  # the GEMV itself waits for no kernel: no PDL
     return out
