@@ -36,6 +36,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from infer.kernels.gemv.int4_mma import _layouts, _stage_x
+
 # Nibbles p and p + 4 of a word as the bf16 pair 128 + q (low half: nibble p), one 32-bit register.
 # Elementwise over [..., 2] (the word twice), two elements a call packed into the output register.
 _PAIR0 = gl.constexpr("{ .reg .b32 t; mov.b32 t, $1; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }")
@@ -114,25 +116,7 @@ def _mma_gemv_kernel(
     x_smem = 0
     sum_smem = 0
     if X_SMEM:  # the split's x in the fragments' order, and each group's sum of it (SPLIT_GROUPS: 2^n)
-        staging: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [WARPS, 1, 1], [2, 1, 0])
-        sg = gl.arange(0, SPLIT_GROUPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, staging)))
-        sc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, staging)))
-        se = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, staging)))
-        column = 8 * (se >> 3) + 2 * ((se >> 2) & 1) + ((se >> 1) & 1) + 4 * (se & 1)  # e -> j
-        x_index = 128 * sg[:, None, None] + 32 * sc[None, :, None] + column[None, None, :]
-        x_all = gl.load(x_ptr + 8 * word_start + x_index, mask=x_index < 8 * words_per_split, other=0.0)
-        buffers: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # of rank 1, indexed by group
-        whole: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # the same bytes, row-major
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [SPLIT_GROUPS, 128], buffers)
-        x_smem._reinterpret(gl.bfloat16, [SPLIT_GROUPS, 128], whole).store(
-            gl.reshape(x_all, [SPLIT_GROUPS, 128])
-        )
-        sums = gl.sum(gl.sum(x_all.to(gl.float32), axis=2), axis=1)
-        sums = gl.expand_dims(sums, 1).broadcast_to(SPLIT_GROUPS, 8)
-        sums = gl.convert_layout(sums, gl.BlockedLayout([1, 1], [4, 8], [WARPS, 1], [1, 0]))
-        sum_smem = gl.allocate_shared_memory(gl.float32, [SPLIT_GROUPS, 8], buffers)
-        sum_smem._reinterpret(gl.float32, [SPLIT_GROUPS, 8], whole).store(sums)
-        gl.thread_barrier()
+        x_smem, sum_smem = _stage_x(x_ptr, word_start, words_per_split, WARPS, SPLIT_GROUPS)
     xn = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_layout)))
     xc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_layout)))
     xj = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_layout)))
@@ -168,11 +152,6 @@ def _mma_gemv_kernel(
     gl.store(out_ptr + split * N + mma_rows, y)
 
 
-def layouts(block_n: int, warps: int, groups: int) -> tuple:
-    """The words' and x's layouts: gemv.int4_mma's (the same kernel's fragments, in the same order)."""
-    return importlib.import_module("infer.kernels.gemv.int4_mma")._layouts(block_n, warps, groups)
-
-
 def tiled(qweight):
     """int4_layout's `[N, K // 2]` uint8 -> `[N / 8, K / 128, 8, 16]` int32 words."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
@@ -188,7 +167,7 @@ def _torch():
 def launch(
     x, x_sum, weight, scales, zeros, out, *, n, k, block_n, warps, splits, ahead, groups, tile, x_smem
 ):
-    words, x_layout = layouts(block_n, warps, groups)
+    words, x_layout = _layouts(block_n, warps, groups)
     _mma_gemv_kernel[(triton.cdiv(n, block_n), splits)](
         x, x_sum, weight, scales, zeros, out, n, k // 8, scales.stride(0), zeros.stride(0), k // 8 // splits,
         GROUP_SIZE=128, BLOCK_N=block_n, WARPS=warps, AHEAD=ahead, GROUPS=groups, TILED=tile, X_SMEM=x_smem,
@@ -280,11 +259,12 @@ def in_the_kernels() -> None:
 def offline(config: tuple) -> None:
     """Compile one configuration for sm_90 without a GPU: registers, and the K loop's instructions
     (a thread's), as a count and by opcode, with the weights a thread sums a step."""
+    from sm90_offline import sm90_signature
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     block_n, warps, splits, ahead, groups, tile, x_smem = config
-    words, x_layout = layouts(block_n, warps, groups)
+    words, x_layout = _layouts(block_n, warps, groups)
     constexprs = dict(
         GROUP_SIZE=128, BLOCK_N=block_n, WARPS=warps, AHEAD=ahead, GROUPS=groups, TILED=tile, X_SMEM=x_smem,
         SPLIT_GROUPS=16, words=words, x_layout=x_layout,
@@ -293,15 +273,7 @@ def offline(config: tuple) -> None:
         x_ptr="*bf16", x_sum_ptr="*fp32", w_ptr="*i32", scale_ptr="*bf16", zero_ptr="*u8", out_ptr="*fp32"
     )
     kernel = _mma_gemv_kernel
-    signature, constants, attrs = {}, {}, {}
-    for param in kernel.params:
-        index = kernel.arg_names.index(param.name)
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constants[(index,)] = constexprs[param.name]
-        else:  # marked as the JIT marks pointers aligned to 16 bytes and integers divisible by 16
-            signature[param.name] = types.get(param.name, "i32")
-            attrs[(index,)] = [["tt.divisibility", 16]]
+    signature, constants, attrs = sm90_signature(kernel, constexprs, types=types, default="i32")
     source = GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     cubin = Path("/tmp") / f"int4_mma_gluon_{compiled.hash}.cubin"

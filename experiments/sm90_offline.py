@@ -27,6 +27,31 @@ _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
+def sm90_signature(
+    kernel,
+    constexprs: dict,
+    *,
+    types: dict[str, str] | None = None,
+    unmarked: tuple[str, ...] = (),
+    default="*bf16",
+) -> tuple[dict, dict, dict]:
+    """(signature, constants, attrs) of `kernel` for an `ASTSource` (Triton's or Gluon's): its
+    constexprs from `constexprs`, every other argument of `types`' type (else `default`), marked
+    divisible by 16 as the JIT marks them unless named in `unmarked` or a float."""
+    types = types or {}
+    signature, constants, attrs = {}, {}, {}
+    for param in kernel.params:
+        index = kernel.arg_names.index(param.name)
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constants[(index,)] = constexprs[param.name]
+            continue
+        signature[param.name] = types.get(param.name, default)
+        if param.name not in unmarked and not signature[param.name].startswith("fp"):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constants, attrs
+
+
 def compile_sm90(
     kernel,
     constexprs: dict,
@@ -40,17 +65,7 @@ def compile_sm90(
     """Registers, spill (bytes of stack a thread), shared memory, the SASS instruction count and
     the ten commonest opcodes of `kernel` built for sm_90. Arguments not in `constexprs` are
     `*bf16` unless `types` says otherwise (Triton's names: "i32", "fp32", "*fp32", "*i32")."""
-    types = types or {}
-    signature, constants, attrs = {}, {}, {}
-    for param in kernel.params:
-        index = kernel.arg_names.index(param.name)
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constants[(index,)] = constexprs[param.name]
-            continue
-        signature[param.name] = types.get(param.name, "*bf16")
-        if param.name not in unmarked and not signature[param.name].startswith("fp"):
-            attrs[(index,)] = [["tt.divisibility", 16]]
+    signature, constants, attrs = sm90_signature(kernel, constexprs, types=types, unmarked=unmarked)
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
