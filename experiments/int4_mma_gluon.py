@@ -233,9 +233,18 @@ def gpu(configs: list[tuple]) -> None:
         print(f"the four, {key}: {us:.2f} us", flush=True)
 
 
+# `int4_linear._launch`'s options a kind of `in_the_kernels` run takes.
+KINDS = {
+    "default": {},
+    "mma": {"kernel": "mma"},
+    "default pdl": {"pdl": True},
+    "mma pdl": {"kernel": "mma", "pdl": True},
+}
+
+
 def in_the_kernels() -> None:
-    """`int4_linear._launch` with its default for one row against `kernel="mma"` (gemv.int4_mma,
-    its K splits summed by a kernel after it): µs a call streamed as `gpu` times them."""
+    """`int4_linear._launch` with its default for one row against `kernel="mma"` (gemv.int4_mma),
+    each without PDL and with it: µs a call streamed as `gpu` times them."""
     torch = _torch()
     sys.path.insert(0, str(Path(__file__).parents[1] / "kernels-bench"))
     from sweep_quantized_gemv import quantized_weights, streamed_us
@@ -245,15 +254,16 @@ def in_the_kernels() -> None:
     for name, (n, k) in SHAPES.items():
         weights = quantized_weights("int4", n, k)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        runs = {"default": [], "mma": []}
+        runs = {kind: [] for kind in KINDS}
         for _ in range(3):
             for kind, times in runs.items():
-                options = {} if kind == "default" else {"kernel": "mma"}
-                calls = [functools.partial(int4_linear._launch, x, *w[:4], None, **options) for w in weights]
-                times.append(streamed_us(calls))
+                launch = functools.partial(int4_linear._launch, x, **KINDS[kind])
+                times.append(streamed_us([functools.partial(launch, *w[:4], None) for w in weights]))
         print(name, {kind: round(min(times), 2) for kind, times in runs.items()}, flush=True)
         totals.update({kind: min(times) for kind, times in runs.items()})
-    print(f"the four: {dict(totals)}, {totals['default'] / totals['mma']:.3f}x")
+    print("the four:", {kind: round(us, 2) for kind, us in totals.items()})
+    for pdl in ("", " pdl"):
+        print(f"the four{pdl}: {totals['default' + pdl] / totals['mma' + pdl]:.3f}x")
 
 
 def offline(config: tuple) -> None:

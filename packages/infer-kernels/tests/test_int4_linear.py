@@ -511,12 +511,13 @@ def test_cuda_gemv_tiles_with_each_tile_ahead(cuda, rows, columns, warps, prefet
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_cuda_mma_gemv_matches_reference(cuda, symmetric, x_dtype):
     """The one-row GEMV on tensor cores (gemv.int4_mma): Qwen3-8B's four shapes with the K splits
-    it picks; a partial tile of rows with an odd count of groups (K = 384: a group a step) and a
-    bias; 20 groups in 5 splits (not a power of two) of 2 steps of 2 groups."""
+    it picks (their parts summed by each tile's last program); a partial tile of rows with an odd
+    count of groups (K = 384: a group a step) and a bias, unsplit; 20 groups in 5 splits (not a
+    power of two) of 2 steps of 2 groups, with PDL (its first words read before the wait)."""
     for N, K in MODEL_SHAPES:
         check(1, N, K, 128, symmetric, x_dtype, False, cuda, kernel="mma")
-    check(1, 200, 384, 128, symmetric, x_dtype, True, cuda, kernel="mma")
-    check(1, 1000, 2560, 128, symmetric, x_dtype, True, cuda, kernel="mma", split_k=5)
+    check(1, 200, 384, 128, symmetric, x_dtype, True, cuda, kernel="mma", split_k=1)
+    check(1, 1000, 2560, 128, symmetric, x_dtype, True, cuda, kernel="mma", split_k=5, pdl=True)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

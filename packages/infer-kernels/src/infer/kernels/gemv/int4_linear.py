@@ -110,7 +110,8 @@ def _launch(
             raise ValueError("kernel 'mma' takes one bf16 or fp16 CUDA row of x, in groups of 128")
         if not qweight.is_contiguous() or qweight.data_ptr() % 16:
             qweight = qweight.clone(memory_format=torch.contiguous_format)  # 16-byte loads of whole rows
-        return int4_mma_gemv(rows, qweight, scales, zeros, bias, out, split_k=split_k).view(*x.shape[:-1], N)
+        out = int4_mma_gemv(rows, qweight, scales, zeros, bias, out, split_k=split_k, pdl=pdl)
+        return out.view(*x.shape[:-1], N)
     k_cap = group_size & -group_size  # the widest tile inside one group
     if kernel is None:
         kernel = "gemv" if M <= _GEMV_MAX_M or k_cap < _MIN_DOT else "dot"

@@ -13,8 +13,9 @@ chosen so that a thread's pairs come from its own 4 words of a group, and x is s
 program in shared memory in that order, with each group's sum of x. A group's fp32 sums, less
 (BASE + zero) times its sum of x, times its scale, go into the accumulator: no FMA a weight on
 the CUDA cores, about 7 integer instructions a word of 8 weights and an MMA a 256. Each K split's
-sums go to its own row of fp32 partial sums, which `_sum_splits` adds in split order with the
-bias. Triton's interpreter runs no Gluon: CUDA only.
+sums go to its own row of fp32 partial sums, which the tile's last program adds in split order
+with the bias, as `int4_linear`'s GEMV does. Under PDL the first words are read before the wait.
+Triton's interpreter runs no Gluon: CUDA only.
 """
 
 import torch
@@ -25,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from infer.kernels._dispatch import num_sms
 from infer.kernels.gemv.configs import _INT4_MMA_BLOCK_N, _INT4_MMA_WARPS, _int4_mma_splits
-from infer.kernels.gemv.streaming import _sum_splits
+from infer.kernels.gemv.streaming import split_counts
 from infer.kernels.pdl import launch_options
 
 # A fragment register from a word: the word's nibbles p and p + 4 under the exponent of BASE (the
@@ -38,6 +39,9 @@ _BF16_PAIR0, _BF16_PAIR1, _BF16_PAIR2, _BF16_PAIR3 = (
 _F16_PAIR0, _F16_PAIR1, _F16_PAIR2, _F16_PAIR3 = (
     gl.constexpr(_PAIR_PTX.replace("SHIFT", str(4 * p)).replace("MAGIC", "0x64006400")) for p in range(4)
 )
+# pdl.await_inputs' two instructions (tl.extra.cuda's gdc_launch_dependents and gdc_wait).
+_LAUNCH_DEPENDENTS = gl.constexpr("griddepcontrol.launch_dependents; // $0")
+_WAIT = gl.constexpr("griddepcontrol.wait; // $0")
 _GROUP = 128  # columns a group: the only group size the kernel takes (16 words a row)
 
 
@@ -111,15 +115,59 @@ def _stage_x(x_ptr, word_start, words_per_split, WARPS: gl.constexpr, SPLIT_GROU
 
 
 @gluon.jit
+def _await_inputs(PDL: gl.constexpr):
+    """pdl.await_inputs in Gluon: with PDL, release the next kernel, then wait for the one before."""
+    if PDL:
+        gl.inline_asm_elementwise(_LAUNCH_DEPENDENTS, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(_WAIT, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _sum_splits_in_the_last(y, partial_ptr, bias_ptr, out_ptr, count_ptr, N, SPLITS: gl.constexpr,
+                            HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """streaming._sum_splits_in_the_last in Gluon: this program's `[BLOCK_N]` sums `y` (a split's
+    part) stored, the program that stores its tile's last part adds the SPLITS parts in split
+    order, then the bias, into `out_ptr` (x's dtype), as `_split_k_sum_kernel` would; one split:
+    `y` plus the bias. `count_ptr`: int32 a tile, zero before the launch and left so."""
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=flat)
+    inside = rows < N
+    y = gl.convert_layout(y, flat)
+    if SPLITS == 1:
+        _store_sums(y, bias_ptr, out_ptr, rows, inside, HAS_BIAS)
+    else:
+        gl.store(partial_ptr + gl.program_id(1) * N + rows, y, mask=inside)
+        gl.thread_barrier()  # every thread's part stored before the count: an acquire-release atomic
+        count = count_ptr + gl.program_id(0)
+        if gl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            total = gl.load(partial_ptr + rows, mask=inside, other=0.0, cache_modifier=".cg")
+            for split in gl.static_range(1, SPLITS):  # from L2: other SMs stored them
+                total += gl.load(partial_ptr + split * N + rows, mask=inside, other=0.0, cache_modifier=".cg")
+            _store_sums(total, bias_ptr, out_ptr, rows, inside, HAS_BIAS)
+            gl.store(count, 0)
+
+
+@gluon.jit
+def _store_sums(total, bias_ptr, out_ptr, rows, inside, HAS_BIAS: gl.constexpr):
+    """The finished sums of a tile's rows, plus the bias, into `out_ptr` in its dtype."""
+    if HAS_BIAS:
+        total += gl.load(bias_ptr + rows, mask=inside, other=0.0).to(gl.float32)
+    gl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@gluon.jit
 def _int4_mma_gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, zero_ptr, partial_ptr, N, w_row_stride, scale_row_stride, scale_col_stride,
-    zero_row_stride, zero_col_stride, words_per_split, BLOCK_N: gl.constexpr, WARPS: gl.constexpr,
-    GROUPS: gl.constexpr, SPLIT_GROUPS: gl.constexpr, HAS_ZEROS: gl.constexpr, F16: gl.constexpr,
-    words: gl.constexpr, x_layout: gl.constexpr,
+    x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, partial_ptr, count_ptr, N, w_row_stride,
+    scale_row_stride, scale_col_stride, zero_row_stride, zero_col_stride, words_per_split,
+    BLOCK_N: gl.constexpr, WARPS: gl.constexpr, GROUPS: gl.constexpr, SPLITS: gl.constexpr,
+    SPLIT_GROUPS: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr,
+    PDL: gl.constexpr, words: gl.constexpr, x_layout: gl.constexpr,
 ):  # fmt: skip
-    """Program (tile, split): `partial_ptr[split, rows]` (fp32) from the split's `words_per_split`
-    words of each row (`w_ptr` int32 words, `w_row_stride` of them a row), GROUPS groups a step,
-    the next step's words loaded before this step's are summed. `words`, `x_layout`: `_layouts`."""
+    """Program (tile, split): the split's `words_per_split` words of each row (`w_ptr` int32
+    words, `w_row_stride` of them a row), GROUPS groups a step, the next step's words loaded
+    before this step's are summed; the tile's SPLITS parts summed by its last program
+    (`_sum_splits_in_the_last`). Under PDL the first words are read before the wait (no kernel
+    writes a weight). `words`, `x_layout`: `_layouts`."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
     )
@@ -127,18 +175,19 @@ def _int4_mma_gemv_kernel(
     split = gl.program_id(1)
     word_start = split * words_per_split
     end = word_start + words_per_split
-    x_smem, sum_smem = _stage_x(x_ptr, word_start, words_per_split, WARPS, SPLIT_GROUPS)
     # Rows past N read row N - 1 (any row would do: their sums are not stored).
     rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, words))
     rows = gl.minimum(rows, N - 1)
     column = gl.arange(0, STEP, layout=gl.SliceLayout(0, words))
     w_ptrs = w_ptr + rows.to(gl.int64)[:, None] * w_row_stride + word_start + column[None, :]
+    w = gl.load(w_ptrs)
+    _await_inputs(PDL)
+    x_smem, sum_smem = _stage_x(x_ptr, word_start, words_per_split, WARPS, SPLIT_GROUPS)
     out_rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     read_rows = gl.minimum(out_rows, N - 1).to(gl.int64)
     scale_ptrs = scale_ptr + read_rows * scale_row_stride
     zero_ptrs = zero_ptr + read_rows * zero_row_stride
     acc = gl.zeros([BLOCK_N, 8], gl.float32, layout=mma)
-    w = gl.load(w_ptrs)
     for word in range(word_start, end, STEP):
         w_next = gl.load(w_ptrs + STEP, mask=word + STEP < end, other=0)
         group = word // 16
@@ -158,7 +207,7 @@ def _int4_mma_gemv_kernel(
         w_ptrs += STEP
     columns = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
     y = gl.sum(gl.where((columns == 0)[None, :], acc, 0.0), axis=1)
-    gl.store(partial_ptr + split * N + out_rows, y, mask=out_rows < N)
+    _sum_splits_in_the_last(y, partial_ptr, bias_ptr, out_ptr, count_ptr, N, SPLITS, HAS_BIAS, BLOCK_N, WARPS)
 
 
 def _layouts(block_n: int, warps: int, groups: int) -> tuple:
@@ -201,9 +250,11 @@ def int4_mma_gemv(
     out: torch.Tensor,
     *,
     split_k: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """`out` `[1, N]` = `x` `[1, K]` @ W.T + bias for `int4_layout`'s W in groups of 128
-    (`mma_gemv_applies`); `split_k` overrides the K splits (a divisor of the steps)."""
+    (`mma_gemv_applies`); `split_k` overrides the K splits (a divisor of the steps); `pdl`
+    launches it with programmatic dependent launch where the device has it."""
     N, K = qweight.shape[0], qweight.shape[1] * 2
     groups_a_row = K // _GROUP
     groups_a_step = 2 if groups_a_row % 2 == 0 else 1
@@ -212,14 +263,18 @@ def int4_mma_gemv(
     if groups_a_row % (splits * groups_a_step):
         raise ValueError(f"K = {K} is not {splits} splits of whole steps of {groups_a_step} groups")
     words = qweight.view(torch.int32)
-    partial = torch.empty((splits, 1, N), dtype=torch.float32, device=x.device)
+    partial = torch.empty((splits, N), dtype=torch.float32, device=x.device) if splits > 1 else out
+    counts = split_counts(x.device, tiles) if splits > 1 else out
     layouts = _layouts(_INT4_MMA_BLOCK_N, _INT4_MMA_WARPS, groups_a_step)
     _int4_mma_gemv_kernel[(tiles, splits)](
         x,
         words,
         scales,
         scales if zeros is None else zeros,
+        out if bias is None else bias,  # any pointer where there is no bias: not read
+        out,
         partial,
+        counts,
         N,
         words.stride(0),
         *scales.stride(),
@@ -228,12 +283,14 @@ def int4_mma_gemv(
         BLOCK_N=_INT4_MMA_BLOCK_N,
         WARPS=_INT4_MMA_WARPS,
         GROUPS=groups_a_step,
+        SPLITS=splits,
         SPLIT_GROUPS=triton.next_power_of_2(groups_a_row // splits),
         HAS_ZEROS=zeros is not None,
+        HAS_BIAS=bias is not None,
         F16=x.dtype == torch.float16,
         words=layouts[0],
         x_layout=layouts[1],
         num_warps=_INT4_MMA_WARPS,
+        **launch_options(x, pdl),
     )
-    _sum_splits(partial, bias, out, launch_options(x, False))  # the GEMV itself waits for no kernel: no PDL
     return out
