@@ -19,7 +19,7 @@ GROUPS, groups a step. The split-K parts are left in `out_ptr[split]` (summed by
 
     python experiments/int4_mma_gluon.py             # on a GPU: check against int4_linear_ref, time
     python experiments/int4_mma_gluon.py --offline   # compile for sm_90 here: registers, the loop's SASS
-    python experiments/int4_mma_gluon.py --in-the-kernels   # gemv.int4_mma (kernel="mma") on a GPU
+    python experiments/int4_mma_gluon.py --in-the-kernels   # gemv.int4_mma against the Triton GEMV
 """
 
 import argparse
@@ -235,35 +235,38 @@ def gpu(configs: list[tuple]) -> None:
 
 # `int4_linear._launch`'s options a kind of `in_the_kernels` run takes.
 KINDS = {
-    "default": {},
+    "gemv": {"kernel": "gemv"},
     "mma": {"kernel": "mma"},
-    "default pdl": {"pdl": True},
+    "gemv pdl": {"kernel": "gemv", "pdl": True},
     "mma pdl": {"kernel": "mma", "pdl": True},
 }
 
 
 def in_the_kernels() -> None:
-    """`int4_linear._launch` with its default for one row against `kernel="mma"` (gemv.int4_mma),
-    each without PDL and with it: µs a call streamed as `gpu` times them."""
+    """`int4_linear._launch`'s Triton GEMV against `kernel="mma"` (gemv.int4_mma), each without
+    PDL and with it, and gate|up with its activation: µs a call streamed as `gpu` times them."""
     torch = _torch()
     sys.path.insert(0, str(Path(__file__).parents[1] / "kernels-bench"))
     from sweep_quantized_gemv import quantized_weights, streamed_us
 
     int4_linear = importlib.import_module("infer.kernels.gemv.int4_linear")
     totals = collections.Counter()
-    for name, (n, k) in SHAPES.items():
+    for name, activation in [*((name, None) for name in SHAPES), ("gate_up", "silu")]:
+        n, k = SHAPES[name]
         weights = quantized_weights("int4", n, k)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         runs = {kind: [] for kind in KINDS}
         for _ in range(3):
             for kind, times in runs.items():
-                launch = functools.partial(int4_linear._launch, x, **KINDS[kind])
+                launch = functools.partial(int4_linear._launch, x, activation=activation, **KINDS[kind])
                 times.append(streamed_us([functools.partial(launch, *w[:4], None) for w in weights]))
-        print(name, {kind: round(min(times), 2) for kind, times in runs.items()}, flush=True)
-        totals.update({kind: min(times) for kind, times in runs.items()})
+        label = name if activation is None else f"{name} with {activation}"
+        print(label, {kind: round(min(times), 2) for kind, times in runs.items()}, flush=True)
+        if activation is None:
+            totals.update({kind: min(times) for kind, times in runs.items()})
     print("the four:", {kind: round(us, 2) for kind, us in totals.items()})
     for pdl in ("", " pdl"):
-        print(f"the four{pdl}: {totals['default' + pdl] / totals['mma' + pdl]:.3f}x")
+        print(f"the four{pdl}: {totals['gemv' + pdl] / totals['mma' + pdl]:.3f}x")
 
 
 def offline(config: tuple) -> None:

@@ -168,18 +168,17 @@ def sum_magnitude(x, qweight, scales, zeros, group_size, bias=None):
     return magnitude if bias is None else magnitude + bias.float().abs()
 
 
-def check_gated(N, K, group_size, symmetric, x_dtype, with_bias, activation, device, config=None):
-    """int4_gated_gemv of a [2N, K] gate/up weight against the unfused reference (`config`: the
-    GEMV's tiles, through `_launch`)."""
+def check_gated(N, K, group_size, symmetric, x_dtype, with_bias, activation, device, **launch):
+    """int4_gated_gemv of a [2N, K] gate/up weight against the unfused reference (through
+    `_launch` with `launch`'s overrides: the kernel, the GEMV's tiles, the K splits)."""
     qweight, scales, zeros = make_weight(2 * N, K, group_size, symmetric, device)
     x = make_x(1, K, x_dtype, device)
     bias = make_bias(2 * N, x_dtype, device) if with_bias else None
-    if config is None:
-        out = int4_gated_gemv(x, qweight, scales, zeros, group_size, bias, activation=activation, pdl=True)
+    if launch:
+        launch.setdefault("pdl", True)
+        out = _launch(x, qweight, scales, zeros, group_size, bias, activation=activation, **launch)
     else:
-        out = _launch(
-            x, qweight, scales, zeros, group_size, bias, config=config, activation=activation, pdl=True
-        )
+        out = int4_gated_gemv(x, qweight, scales, zeros, group_size, bias, activation=activation, pdl=True)
     expected = int4_gated_gemv_ref(x, qweight, scales, zeros, group_size, bias, activation=activation)
     gate_up = int4_linear_ref(x, qweight, scales, zeros, group_size, bias)
     error = None
@@ -487,11 +486,13 @@ def test_cuda_split_sums_in_the_gemv_are_the_sum_kernels(cuda, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [None, "gemv"])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("N, K", [(12288, 4096), (200, 1024)])
-def test_cuda_gated_matches_the_unfused_pair(cuda, N, K, activation):
-    """Qwen3-8B's gate/up projection, and a narrow one with a partial tile."""
-    check_gated(N, K, 128, False, torch.bfloat16, N == 200, activation, cuda)
+def test_cuda_gated_matches_the_unfused_pair(cuda, N, K, activation, kernel):
+    """Qwen3-8B's gate/up projection, and a narrow one with a partial tile: the default kernel
+    (gemv.int4_mma) and the Triton GEMV."""
+    check_gated(N, K, 128, False, torch.bfloat16, N == 200, activation, cuda, kernel=kernel)
 
 
 @pytest.mark.gpu
@@ -518,6 +519,19 @@ def test_cuda_mma_gemv_matches_reference(cuda, symmetric, x_dtype):
         check(1, N, K, 128, symmetric, x_dtype, False, cuda, kernel="mma")
     check(1, 200, 384, 128, symmetric, x_dtype, True, cuda, kernel="mma", split_k=1)
     check(1, 1000, 2560, 128, symmetric, x_dtype, True, cuda, kernel="mma", split_k=5, pdl=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_cuda_mma_gated_matches_the_unfused_pair(cuda, symmetric, x_dtype):
+    """gemv.int4_mma with the activation: Qwen3-8B's gate|up with the K splits it picks; 100
+    outputs (a partial tile of 32 gate rows and their up rows) with a bias, unsplit and in 3
+    splits of 2 groups, and GELU with PDL, in 5."""
+    check_gated(12288, 4096, 128, symmetric, x_dtype, False, "silu", cuda, kernel="mma")
+    check_gated(100, 768, 128, symmetric, x_dtype, True, "silu", cuda, kernel="mma", split_k=1)
+    check_gated(100, 768, 128, symmetric, x_dtype, True, "silu", cuda, kernel="mma", split_k=3)
+    check_gated(1000, 2560, 128, symmetric, x_dtype, True, "gelu_tanh", cuda, kernel="mma", split_k=5)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

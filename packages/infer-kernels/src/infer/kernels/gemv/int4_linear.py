@@ -8,11 +8,13 @@ half a byte per weight (plus a scale and a zero point per group) against bf16's 
 kernels (gemv.int4, gemv.int4_gemv) take the paths of quantized_linear's 8-bit ones, by the rows
 M of x:
 
-- M = 1: a GEMV streaming the packed rows as 32-bit words (16-byte loads), unpacked in
-  registers, fp32 FMAs, each group's scale applied to its partial sums, a 2D accumulator reduced
-  once after the K loop; K split across programs while the programs would number fewer than
-  two a SM, the last program of each tile adding the parts in a fixed order; under PDL the first
-  tile is read before waiting for the kernel before.
+- M = 1, bf16 or fp16 x in groups of 128 on a GPU with bf16 `mma.sync`
+  (`ONE_ROW_ON_TENSOR_CORES`): gemv.int4_mma, the words made the tensor cores' operands by a
+  shift and a logic op a pair of weights (Gluon). Otherwise a GEMV streaming the packed rows as
+  32-bit words (16-byte loads), unpacked in registers, fp32 FMAs, each group's scale applied to
+  its partial sums, a 2D accumulator reduced once after the K loop; K split across programs
+  while the programs would number fewer than two a SM, the last program of each tile adding the
+  parts in a fixed order; under PDL the first tile is read before waiting for the kernel before.
 - M > 1: tensor cores, the weight tile's `q - zero` in x's dtype (exact) as the MMA's left
   operand, the group's scale applied to the tile's fp32 sums.
 - M >= 512 (prefill chunks; CUDA, half-precision x): the weight dequantized to x's dtype in one
@@ -29,6 +31,9 @@ half-precision ulp. The prefill path rounds the weight `(q - zero) * scale` to x
 `F.linear(x, dequantize_int4(..., x.dtype))` does. Interpreted runs (Triton's interpreter has
 no bf16 dot) and fp32 x take fp32 dots.
 """
+
+import functools
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +58,13 @@ from infer.kernels.pdl import launch_options
 # it (`_sum_splits_in_the_last`; False: `_split_k_sum_kernel`): Qwen3-8B's four projections 3.8%
 # faster with PDL on an H200 (docs/benchmarks/quantization.md#the-split-k-sum-inside-the-int4-gemv).
 SUM_IN_THE_GEMV = True
+# One row of bf16 or fp16 x in groups of 128 on tensor cores (gemv.int4_mma, Gluon), the gated
+# gate|up too; False: the Triton GEMV (gemv.int4_gemv). Qwen3-8B int4 decodes W1 at 417.6 tok/s
+# against 387.1 on an H200 (docs/benchmarks/quantization.md#the-one-row-gemv-on-tensor-cores-in-gluon).
+ONE_ROW_ON_TENSOR_CORES = True
+# Whether gemv.int4_mma takes PDL where its caller asks for it: W1 417.6 tok/s with, 413.5 without,
+# one run each (same section; PDL slows its o and down alone, unexplained).
+MMA_UNDER_PDL = True
 # Columns in one 32-bit word of the packed weight, the GEMV's unit. Groups with no factor of 8
 # (none that checkpoints use) take the dequantize-then-matmul path.
 _WORD = 8
@@ -76,6 +88,24 @@ def int4_linear(
     return int4_linear_ref(x, qweight, scales, zeros, group_size, bias)
 
 
+@functools.cache
+def _gluon_mma():
+    """gemv.int4_mma, or None where this Triton has no Gluon (newer than the Triton the package
+    asks for; imported only here)."""
+    try:
+        return importlib.import_module("infer.kernels.gemv.int4_mma")
+    except ImportError:
+        return None
+
+
+def _mma_module(x: torch.Tensor, group_size: int, K: int):
+    """gemv.int4_mma where its kernel takes this one-row product (`mma_gemv_applies`), else None."""
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    mma = _gluon_mma()
+    return mma if mma is not None and mma.mma_gemv_applies(x, group_size, K) else None
+
+
 def _launch(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -91,27 +121,30 @@ def _launch(
     pdl: bool = False,
 ) -> torch.Tensor:
     """Run one kernel. `kernel` ("gemv", "dot", "dequantize": the weight dequantized to x's dtype
-    in one pass, then cuBLAS, or "mma": gemv.int4_mma's one-row GEMV on tensor cores, not yet
-    chosen by shape), `config` and `split_k` override the choice by shape (for tests and tuning).
-    `activation` ("silu" or "gelu_tanh"; one row): `int4_gated_gemv` (gemv.gated)."""
+    in one pass, then cuBLAS, or "mma": gemv.int4_mma's one-row GEMV on tensor cores),
+    `config` and `split_k` override the choice by shape (for tests and tuning). `activation`
+    ("silu" or "gelu_tanh"; one row): `int4_gated_gemv` (gemv.gated)."""
     N, K = qweight.shape[0], qweight.shape[1] * 2
     qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
-    if activation is not None:
-        kernel, split_k, N = "gemv", 1, N // 2  # the activation needs whole sums of gate and up
-    x, rows, out = _rows_and_output(x, N)
+    x, rows, out = _rows_and_output(x, N if activation is None else N // 2)
     M = rows.shape[0]
     if M == 0 or N == 0 or K == 0:
         return _empty_product(out, bias, x)
+    if kernel is config is None and M == 1 and ONE_ROW_ON_TENSOR_CORES and _mma_module(rows, group_size, K):
+        kernel = "mma"
     if kernel == "mma":
-        # Imported here: Gluon (triton.experimental) is newer than the Triton the package asks for.
-        from infer.kernels.gemv.int4_mma import int4_mma_gemv, mma_gemv_applies
-
-        if M != 1 or not mma_gemv_applies(x, group_size, K):
+        mma = _mma_module(rows, group_size, K)
+        if M != 1 or mma is None:
             raise ValueError("kernel 'mma' takes one bf16 or fp16 CUDA row of x, in groups of 128")
         if not qweight.is_contiguous() or qweight.data_ptr() % 16:
             qweight = qweight.clone(memory_format=torch.contiguous_format)  # 16-byte loads of whole rows
-        out = int4_mma_gemv(rows, qweight, scales, zeros, bias, out, split_k=split_k, pdl=pdl)
-        return out.view(*x.shape[:-1], N)
+        pdl = pdl and MMA_UNDER_PDL
+        out = mma.int4_mma_gemv(
+            rows, qweight, scales, zeros, bias, out, split_k=split_k, activation=activation, pdl=pdl
+        )
+        return out.view(*x.shape[:-1], out.shape[-1])
+    if activation is not None:
+        kernel, split_k, N = "gemv", 1, N // 2  # the activation needs whole sums of gate and up
     k_cap = group_size & -group_size  # the widest tile inside one group
     if kernel is None:
         kernel = "gemv" if M <= _GEMV_MAX_M or k_cap < _MIN_DOT else "dot"

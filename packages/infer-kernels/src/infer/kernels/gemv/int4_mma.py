@@ -1,7 +1,7 @@
 """The one-row int4 GEMV on tensor cores (`mma.sync` m16n8k16), written in Gluon, Triton's
-dialect in which a kernel states its layouts: `int4_linear`'s `kernel="mma"`, for one row of
-bf16 or fp16 x and groups of 128 (not yet its default: docs/benchmarks/quantization.md#the-one-
-row-gemv-on-tensor-cores-in-gluon-an-experiment).
+dialect in which a kernel states its layouts: `int4_linear`'s kernel for one row of bf16 or fp16
+x in groups of 128 (`kernel="mma"`, its default there), the gated gate|up with its activation
+too (docs/benchmarks/quantization.md#the-one-row-gemv-on-tensor-cores-in-gluon).
 
 The weight tile is the MMA's left operand (16 weight rows a warp's tile; a thread's fragment holds
 rows r and r + 8) and x its right one (its 8 columns alike; column 0 is stored). Each thread loads,
@@ -14,8 +14,9 @@ program in shared memory in that order, with each group's sum of x. A group's fp
 (BASE + zero) times its sum of x, times its scale, go into the accumulator: no FMA a weight on
 the CUDA cores, about 7 integer instructions a word of 8 weights and an MMA a 256. Each K split's
 sums go to its own row of fp32 partial sums, which the tile's last program adds in split order
-with the bias, as `int4_linear`'s GEMV does. Under PDL the first words are read before the wait.
-Triton's interpreter runs no Gluon: CUDA only.
+with the bias, as `int4_linear`'s GEMV does. Gated, a tile reads half its rows from the gate and
+their twins from the up half, and its last program writes `act(gate) * up`. Under PDL the first
+words are read before the wait. Triton's interpreter runs no Gluon: CUDA only.
 """
 
 import torch
@@ -137,14 +138,72 @@ def _sum_splits_in_the_last(y, partial_ptr, bias_ptr, out_ptr, count_ptr, N, SPL
         _store_sums(y, bias_ptr, out_ptr, rows, inside, HAS_BIAS)
     else:
         gl.store(partial_ptr + gl.program_id(1) * N + rows, y, mask=inside)
-        gl.thread_barrier()  # every thread's part stored before the count: an acquire-release atomic
-        count = count_ptr + gl.program_id(0)
-        if gl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-            total = gl.load(partial_ptr + rows, mask=inside, other=0.0, cache_modifier=".cg")
-            for split in gl.static_range(1, SPLITS):  # from L2: other SMs stored them
-                total += gl.load(partial_ptr + split * N + rows, mask=inside, other=0.0, cache_modifier=".cg")
+        if _counted_last(count_ptr, SPLITS):
+            total = _parts(partial_ptr, rows, inside, N, SPLITS)
             _store_sums(total, bias_ptr, out_ptr, rows, inside, HAS_BIAS)
-            gl.store(count, 0)
+
+
+@gluon.jit
+def _gated_in_the_last(y, weight_rows, stored, partial_ptr, bias_ptr, out_ptr, count_ptr, N,
+                       SPLITS: gl.constexpr, HAS_BIAS: gl.constexpr, GELU_TANH: gl.constexpr,
+                       BLOCK_N: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """`_sum_splits_in_the_last` for a `[gate; up]` weight of 2N rows (`_weight_rows`' GATED
+    tile): this program's sums `y` of `weight_rows` (where `stored`) go to its split's row of
+    `partial_ptr` (`[SPLITS, 2N]` fp32); the tile's last program sums each row's parts in split
+    order, adds the bias, rounds gate and up to out's dtype (as the unfused pair stores them) and
+    stores `act(gate) * up` (streaming.gated_rows)."""
+    gl.store(partial_ptr + gl.program_id(1) * 2 * N + weight_rows, y, mask=stored)
+    if _counted_last(count_ptr, SPLITS):
+        HALF: gl.constexpr = BLOCK_N // 2
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        rows = gl.program_id(0) * HALF + gl.arange(0, HALF, layout=flat)
+        inside = rows < N
+        gate = _parts(partial_ptr, rows, inside, 2 * N, SPLITS)
+        up = _parts(partial_ptr + N, rows, inside, 2 * N, SPLITS)
+        if HAS_BIAS:
+            gate += gl.load(bias_ptr + rows, mask=inside, other=0.0).to(gl.float32)
+            up += gl.load(bias_ptr + N + rows, mask=inside, other=0.0).to(gl.float32)
+        out_type: gl.constexpr = out_ptr.dtype.element_ty
+        gate = gate.to(out_type).to(gl.float32)
+        up = up.to(out_type).to(gl.float32)
+        gl.store(out_ptr + rows, _gated_activation(gate, up, GELU_TANH).to(out_type), mask=inside)
+
+
+@gluon.jit
+def _gated_activation(gate, up, GELU_TANH: gl.constexpr):
+    """activation.gated_activation in Gluon (which calls no triton.jit function): `act(gate) *
+    up` in fp32, SiLU or GELU's tanh form as `x * sigmoid(2 z)`, sigmoid as `1 / (1 + exp(-x))`
+    (tl.sigmoid's)."""
+    if GELU_TANH:
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi)
+        activated = gate * (1.0 / (1.0 + gl.exp(-2.0 * z)))
+    else:
+        activated = gate * (1.0 / (1.0 + gl.exp(-gate)))
+    return activated * up
+
+
+@gluon.jit
+def _counted_last(count_ptr, SPLITS: gl.constexpr):
+    """After every thread's part is stored, count this program's split of its tile (an
+    acquire-release atomic): whether it is the tile's last, whose count then goes back to zero
+    for the next launch."""
+    gl.thread_barrier()
+    count = count_ptr + gl.program_id(0)
+    last = gl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLITS - 1
+    if last:
+        gl.store(count, 0)
+    return last
+
+
+@gluon.jit
+def _parts(partial_ptr, rows, inside, split_stride, SPLITS: gl.constexpr):
+    """The SPLITS parts of `rows` (`split_stride` apart) added in split order, from L2 (other SMs
+    stored them)."""
+    total = gl.load(partial_ptr + rows, mask=inside, other=0.0, cache_modifier=".cg")
+    for split in gl.static_range(1, SPLITS):
+        part_ptrs = partial_ptr + split * split_stride + rows
+        total += gl.load(part_ptrs, mask=inside, other=0.0, cache_modifier=".cg")
+    return total
 
 
 @gluon.jit
@@ -156,35 +215,49 @@ def _store_sums(total, bias_ptr, out_ptr, rows, inside, HAS_BIAS: gl.constexpr):
 
 
 @gluon.jit
+def _weight_rows(r, N, GATED: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The weight rows of this program's tile, for `r` = 0 .. BLOCK_N - 1 in some layout, and
+    whether each one's sum is stored: BLOCK_N rows from tile * BLOCK_N; GATED (the weight `[gate;
+    up]`, N rows each): BLOCK_N // 2 gate rows from tile * BLOCK_N // 2, then their up rows. Past
+    the end, the last gate (or up) row is read (any row would do: those sums are not stored)."""
+    if GATED:
+        HALF: gl.constexpr = BLOCK_N // 2
+        row = gl.program_id(0) * HALF + r % HALF
+        rows = gl.minimum(row, N - 1) + N * (r // HALF)
+    else:
+        row = gl.program_id(0) * BLOCK_N + r
+        rows = gl.minimum(row, N - 1)
+    return rows.to(gl.int64), row < N
+
+
+@gluon.jit
 def _int4_mma_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, partial_ptr, count_ptr, N, w_row_stride,
     scale_row_stride, scale_col_stride, zero_row_stride, zero_col_stride, words_per_split,
     BLOCK_N: gl.constexpr, WARPS: gl.constexpr, GROUPS: gl.constexpr, SPLITS: gl.constexpr,
     SPLIT_GROUPS: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, F16: gl.constexpr,
-    PDL: gl.constexpr, words: gl.constexpr, x_layout: gl.constexpr,
+    GATED: gl.constexpr, GELU_TANH: gl.constexpr, PDL: gl.constexpr, words: gl.constexpr,
+    x_layout: gl.constexpr,
 ):  # fmt: skip
-    """Program (tile, split): the split's `words_per_split` words of each row (`w_ptr` int32
-    words, `w_row_stride` of them a row), GROUPS groups a step, the next step's words loaded
-    before this step's are summed; the tile's SPLITS parts summed by its last program
-    (`_sum_splits_in_the_last`). Under PDL the first words are read before the wait (no kernel
-    writes a weight). `words`, `x_layout`: `_layouts`."""
+    """Program (tile, split): the split's `words_per_split` words of each of the tile's rows
+    (`_weight_rows`; `w_ptr` int32 words, `w_row_stride` of them a row), GROUPS groups a step,
+    the next step's words loaded before this step's are summed; the tile's SPLITS parts summed by
+    its last program (`_sum_splits_in_the_last`, or GATED `_gated_in_the_last`: N output rows of a
+    2N-row weight). Under PDL the first words are read before the wait (no kernel writes a
+    weight). `words`, `x_layout`: `_layouts`."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
     )
     STEP: gl.constexpr = 16 * GROUPS  # a row's words a step
-    split = gl.program_id(1)
-    word_start = split * words_per_split
+    word_start = gl.program_id(1) * words_per_split
     end = word_start + words_per_split
-    # Rows past N read row N - 1 (any row would do: their sums are not stored).
-    rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, words))
-    rows = gl.minimum(rows, N - 1)
+    rows, _ = _weight_rows(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, words)), N, GATED, BLOCK_N)
     column = gl.arange(0, STEP, layout=gl.SliceLayout(0, words))
-    w_ptrs = w_ptr + rows.to(gl.int64)[:, None] * w_row_stride + word_start + column[None, :]
+    w_ptrs = w_ptr + rows[:, None] * w_row_stride + word_start + column[None, :]
     w = gl.load(w_ptrs)
     _await_inputs(PDL)
     x_smem, sum_smem = _stage_x(x_ptr, word_start, words_per_split, WARPS, SPLIT_GROUPS)
-    out_rows = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    read_rows = gl.minimum(out_rows, N - 1).to(gl.int64)
+    read_rows, stored = _weight_rows(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma)), N, GATED, BLOCK_N)
     scale_ptrs = scale_ptr + read_rows * scale_row_stride
     zero_ptrs = zero_ptr + read_rows * zero_row_stride
     acc = gl.zeros([BLOCK_N, 8], gl.float32, layout=mma)
@@ -207,7 +280,12 @@ def _int4_mma_gemv_kernel(
         w_ptrs += STEP
     columns = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
     y = gl.sum(gl.where((columns == 0)[None, :], acc, 0.0), axis=1)
-    _sum_splits_in_the_last(y, partial_ptr, bias_ptr, out_ptr, count_ptr, N, SPLITS, HAS_BIAS, BLOCK_N, WARPS)
+    if GATED:
+        _gated_in_the_last(y, read_rows, stored, partial_ptr, bias_ptr, out_ptr, count_ptr, N, SPLITS,
+                           HAS_BIAS, GELU_TANH, BLOCK_N, WARPS)  # fmt: skip
+    else:
+        _sum_splits_in_the_last(y, partial_ptr, bias_ptr, out_ptr, count_ptr, N, SPLITS, HAS_BIAS, BLOCK_N,
+                                WARPS)  # fmt: skip
 
 
 def _layouts(block_n: int, warps: int, groups: int) -> tuple:
@@ -236,9 +314,11 @@ def _layouts(block_n: int, warps: int, groups: int) -> tuple:
 
 
 def mma_gemv_applies(x: torch.Tensor, group_size: int, K: int) -> bool:
-    """Whether `int4_mma_gemv` takes this product: CUDA, bf16 or fp16 x, groups of 128."""
+    """Whether `int4_mma_gemv` takes this product: bf16 or fp16 x on a CUDA device with bf16
+    `mma.sync` (sm_80 on), groups of 128."""
     half = x.dtype in (torch.bfloat16, torch.float16)
-    return x.is_cuda and half and group_size == _GROUP and K % _GROUP == 0
+    shape = group_size == _GROUP and K % _GROUP == 0
+    return x.is_cuda and half and shape and torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
 def int4_mma_gemv(
@@ -250,21 +330,30 @@ def int4_mma_gemv(
     out: torch.Tensor,
     *,
     split_k: int | None = None,
+    activation: str | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """`out` `[1, N]` = `x` `[1, K]` @ W.T + bias for `int4_layout`'s W in groups of 128
-    (`mma_gemv_applies`); `split_k` overrides the K splits (a divisor of the steps); `pdl`
-    launches it with programmatic dependent launch where the device has it."""
+    (`mma_gemv_applies`); with `activation` ("silu" or "gelu_tanh"), W is `[gate; up]` and `out`
+    `[1, N // 2]` is `act(gate) * up` (gemv.gated's `int4_gated_gemv`). `split_k` overrides the K
+    splits (a divisor of the steps); `pdl` launches it with programmatic dependent launch where
+    the device has it."""
     N, K = qweight.shape[0], qweight.shape[1] * 2
+    gated = activation is not None
     groups_a_row = K // _GROUP
     groups_a_step = 2 if groups_a_row % 2 == 0 else 1
-    tiles = triton.cdiv(N, _INT4_MMA_BLOCK_N)
+    tiles = triton.cdiv(N // 2 if gated else N, _INT4_MMA_BLOCK_N // 2 if gated else _INT4_MMA_BLOCK_N)
     splits = split_k or _int4_mma_splits(tiles, groups_a_row, groups_a_step, num_sms(x.device))
     if groups_a_row % (splits * groups_a_step):
         raise ValueError(f"K = {K} is not {splits} splits of whole steps of {groups_a_step} groups")
     words = qweight.view(torch.int32)
-    partial = torch.empty((splits, N), dtype=torch.float32, device=x.device) if splits > 1 else out
-    counts = split_counts(x.device, tiles) if splits > 1 else out
+    # Gated, the parts go through memory even unsplit: the last program pairs each gate row's
+    # sums with its up row's, which other threads hold.
+    counted = splits > 1 or gated
+    partial = torch.empty((splits, N), dtype=torch.float32, device=x.device) if counted else out
+    counts = split_counts(x.device, tiles) if counted else out
+    if counts is None:
+        raise ValueError(f"{tiles} tiles: more than split_counts holds")
     layouts = _layouts(_INT4_MMA_BLOCK_N, _INT4_MMA_WARPS, groups_a_step)
     _int4_mma_gemv_kernel[(tiles, splits)](
         x,
@@ -275,7 +364,7 @@ def int4_mma_gemv(
         out,
         partial,
         counts,
-        N,
+        N // 2 if gated else N,
         words.stride(0),
         *scales.stride(),
         *((0, 0) if zeros is None else zeros.stride()),
@@ -288,6 +377,8 @@ def int4_mma_gemv(
         HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None,
         F16=x.dtype == torch.float16,
+        GATED=gated,
+        GELU_TANH=activation == "gelu_tanh",
         words=layouts[0],
         x_layout=layouts[1],
         num_warps=_INT4_MMA_WARPS,
