@@ -214,13 +214,23 @@ def _int4_gemv_splits(tiles: int, K: int, split_unit: int, num_sms: int) -> int:
     return splits
 
 
-# gemv.int4_mma (int4_linear's kernel="mma"): 64 weight rows and 4 warps a program, the K split
-# while the programs number fewer than 4 an SM: with int4_layout's rows and x in shared memory,
-# the best of 240 configurations on each of Qwen3-8B's four projections on an H200
-# (docs/benchmarks/quantization.md, "The one-row GEMV on tensor cores, in Gluon").
+# gemv.int4_mma (int4_linear's kernel="mma"): 4 warps a program, the K split while the programs
+# number fewer than 4 an SM; 64 weight rows a program, 128 where the outputs number at most
+# _INT4_MMA_WIDE_MAX_N (Qwen3-8B's o and down: 32 tiles in 16 splits, under PDL 1.2-1.4x faster
+# than 64 rows in 8 on an H200; qkv and gate_up are fastest at 64 rows). kernels-bench/
+# sweep_int4_mma.py; docs/benchmarks/quantization.md#the-one-row-gemv-on-tensor-cores-in-gluon.
 _INT4_MMA_BLOCK_N = 64
+_INT4_MMA_WIDE_BLOCK_N = 128
+_INT4_MMA_WIDE_MAX_N = 4096
 _INT4_MMA_WARPS = 4
 _INT4_MMA_PROGRAMS_PER_SM = 4
+
+
+def _int4_mma_config(outputs: int) -> dict:
+    """gemv.int4_mma's rows (BLOCK_N: a gated tile's halves are gate and up) and warps a
+    program, for a product of `outputs` rows (the gated one's N // 2)."""
+    wide = outputs <= _INT4_MMA_WIDE_MAX_N
+    return {"BLOCK_N": _INT4_MMA_WIDE_BLOCK_N if wide else _INT4_MMA_BLOCK_N, "WARPS": _INT4_MMA_WARPS}
 
 
 def _int4_mma_splits(tiles: int, groups_a_row: int, groups_a_step: int, num_sms: int) -> int:

@@ -140,7 +140,16 @@ def _launch(
             qweight = qweight.clone(memory_format=torch.contiguous_format)  # 16-byte loads of whole rows
         pdl = pdl and MMA_UNDER_PDL
         out = mma.int4_mma_gemv(
-            rows, qweight, scales, zeros, bias, out, split_k=split_k, activation=activation, pdl=pdl
+            rows,
+            qweight,
+            scales,
+            zeros,
+            bias,
+            out,
+            config=config,
+            split_k=split_k,
+            activation=activation,
+            pdl=pdl,
         )
         return out.view(*x.shape[:-1], out.shape[-1])
     if activation is not None:

@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from infer.kernels._dispatch import num_sms
-from infer.kernels.gemv.configs import _INT4_MMA_BLOCK_N, _INT4_MMA_WARPS, _int4_mma_splits
+from infer.kernels.gemv.configs import _int4_mma_config, _int4_mma_splits
 from infer.kernels.gemv.streaming import split_counts
 from infer.kernels.pdl import launch_options
 
@@ -329,20 +329,25 @@ def int4_mma_gemv(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     *,
+    config: dict | None = None,
     split_k: int | None = None,
     activation: str | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """`out` `[1, N]` = `x` `[1, K]` @ W.T + bias for `int4_layout`'s W in groups of 128
     (`mma_gemv_applies`); with `activation` ("silu" or "gelu_tanh"), W is `[gate; up]` and `out`
-    `[1, N // 2]` is `act(gate) * up` (gemv.gated's `int4_gated_gemv`). `split_k` overrides the K
-    splits (a divisor of the steps); `pdl` launches it with programmatic dependent launch where
-    the device has it."""
+    `[1, N // 2]` is `act(gate) * up` (gemv.gated's `int4_gated_gemv`). `config` (BLOCK_N rows
+    and WARPS warps a program) and `split_k` (a divisor of the steps) override the tiles and the K
+    splits; `pdl` launches it with programmatic dependent launch where the device has it."""
     N, K = qweight.shape[0], qweight.shape[1] * 2
     gated = activation is not None
     groups_a_row = K // _GROUP
     groups_a_step = 2 if groups_a_row % 2 == 0 else 1
-    tiles = triton.cdiv(N // 2 if gated else N, _INT4_MMA_BLOCK_N // 2 if gated else _INT4_MMA_BLOCK_N)
+    config = config or _int4_mma_config(N // 2 if gated else N)
+    block_n, warps = config["BLOCK_N"], config["WARPS"]
+    if block_n % (16 * warps):
+        raise ValueError(f"{block_n} rows are not whole tiles of 16 rows for each of {warps} warps")
+    tiles = triton.cdiv(N // 2 if gated else N, block_n // 2 if gated else block_n)
     splits = split_k or _int4_mma_splits(tiles, groups_a_row, groups_a_step, num_sms(x.device))
     if groups_a_row % (splits * groups_a_step):
         raise ValueError(f"K = {K} is not {splits} splits of whole steps of {groups_a_step} groups")
@@ -354,7 +359,7 @@ def int4_mma_gemv(
     counts = split_counts(x.device, tiles) if counted else out
     if counts is None:
         raise ValueError(f"{tiles} tiles: more than split_counts holds")
-    layouts = _layouts(_INT4_MMA_BLOCK_N, _INT4_MMA_WARPS, groups_a_step)
+    layouts = _layouts(block_n, warps, groups_a_step)
     _int4_mma_gemv_kernel[(tiles, splits)](
         x,
         words,
@@ -369,8 +374,8 @@ def int4_mma_gemv(
         *scales.stride(),
         *((0, 0) if zeros is None else zeros.stride()),
         K // 8 // splits,
-        BLOCK_N=_INT4_MMA_BLOCK_N,
-        WARPS=_INT4_MMA_WARPS,
+        BLOCK_N=block_n,
+        WARPS=warps,
         GROUPS=groups_a_step,
         SPLITS=splits,
         SPLIT_GROUPS=triton.next_power_of_2(groups_a_row // splits),
@@ -381,7 +386,7 @@ def int4_mma_gemv(
         GELU_TANH=activation == "gelu_tanh",
         words=layouts[0],
         x_layout=layouts[1],
-        num_warps=_INT4_MMA_WARPS,
+        num_warps=warps,
         **launch_options(x, pdl),
     )
     return out
