@@ -214,16 +214,17 @@ def _int4_gemv_splits(tiles: int, K: int, split_unit: int, num_sms: int) -> int:
     return splits
 
 
-# gemv.int4_mma (int4_linear's kernel="mma"): 4 warps a program, the K split while the programs
-# number fewer than 4 an SM; 64 weight rows a program, 128 where the outputs number at most
-# _INT4_MMA_WIDE_MAX_N (Qwen3-8B's o and down: 32 tiles in 16 splits, under PDL 1.2-1.4x faster
-# than 64 rows in 8 on an H200; qkv and gate_up are fastest at 64 rows). kernels-bench/
+# gemv.int4_mma (int4_linear's kernel="mma"): 4 warps a program, the K split (up to 16 ways) while
+# the programs number fewer than 4 an SM; 64 weight rows a program, 128 where the outputs number
+# at most _INT4_MMA_WIDE_MAX_N (Qwen3-8B's o and down: 32 tiles in 16 splits, under PDL 1.2-1.4x
+# faster than 64 rows in 8 on an H200; qkv and gate_up are fastest at 64 rows). kernels-bench/
 # sweep_int4_mma.py; docs/benchmarks/quantization.md#the-one-row-gemv-on-tensor-cores-in-gluon.
 _INT4_MMA_BLOCK_N = 64
 _INT4_MMA_WIDE_BLOCK_N = 128
 _INT4_MMA_WIDE_MAX_N = 4096
 _INT4_MMA_WARPS = 4
 _INT4_MMA_PROGRAMS_PER_SM = 4
+_INT4_MMA_MAX_SPLITS = 16
 
 
 def _int4_mma_config(outputs: int) -> dict:
@@ -238,7 +239,7 @@ def _int4_mma_splits(tiles: int, groups_a_row: int, groups_a_step: int, num_sms:
     _INT4_MMA_PROGRAMS_PER_SM an SM, each split whole steps of `groups_a_step` groups."""
     splits = 1
     while (
-        splits < _MAX_SPLIT_K
+        splits < _INT4_MMA_MAX_SPLITS
         and tiles * splits < _INT4_MMA_PROGRAMS_PER_SM * num_sms
         and groups_a_row % (2 * splits * groups_a_step) == 0
     ):
