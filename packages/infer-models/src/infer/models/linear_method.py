@@ -179,9 +179,10 @@ class Int4Method(DenseMethod):
     """Packed 4-bit weights (the layout of infer.kernels.gemv.int4_layout) through `int4_linear`. A GPTQ
     act-order weight's columns are stored sorted by group (`layer.input_perm`), so x's columns
     are gathered in that order first. A gate/up projection's one CUDA row and its activation run
-    as `int4_gated_gemv`: Qwen3-8B's W1 on an H200 decoded 387.6 and 387.6 tok/s with it against
-    372.6 and 372.1 with the projection's GEMV and the activation's kernel after it
-    (docs/benchmarks/quantization.md#a-tile-loaded-ahead)."""
+    as `int4_gated_gemv` (on tensor cores where gemv.int4_mma runs): with the Triton GEMV at
+    9544cf1, Qwen3-8B's W1 on an H200 decoded 387.6 and 387.6 tok/s with it against 372.6 and
+    372.1 with the projection's GEMV and the activation's kernel after it
+    (docs/benchmarks/quantization.md#gpu-batch-1-decode-h200)."""
 
     def apply_gated(self, layer, x: torch.Tensor, activation: str) -> torch.Tensor:
         if x.is_cuda and _one_row(layer, x):
